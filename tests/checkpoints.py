@@ -1,0 +1,83 @@
+"""Small Qwen3 checkpoints and a tokenizer built in the test session (nothing is downloaded).
+
+Hugging Face's default initialisation (std 0.02) gives near-flat logits, so greedy decoding
+would hinge on ties decided by rounding. These checkpoints scale the initialisation so the
+logits have clear margins and greedy generation is well defined.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EOS_TEXT = "<|endoftext|>"
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int = 400) -> Path:
+    """A byte-level BPE trained on CPython's bundled documentation; saves tokenizer.json."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = list(topics.values())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def build_qwen3(
+    out_dir: Path,
+    *,
+    tie_word_embeddings: bool = True,
+    num_hidden_layers: int = 4,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 1024,
+    rope_theta: float = 10000.0,
+    eos_token_id: int | list[int] = 0,
+    initializer_range: float = 0.2,
+    dtype: str = "float32",
+    seed: int = 0,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Build a random Qwen3ForCausalLM with clear logit margins and save it in HF format."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        torch_dtype=dtype,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if with_tokenizer:
+        train_tokenizer(out_dir, vocab_size=min(400, vocab_size))
+    return out_dir
