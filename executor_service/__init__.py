@@ -1,0 +1,1 @@
+"""The executor service: model weights, paged KV cache, attention backends and sampling."""

@@ -1,0 +1,33 @@
+"""The interface every attention backend implements."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_service.context import Context
+
+
+class AttentionBackend:
+    name: str = ""
+
+    @staticmethod
+    def supports(device: torch.device) -> bool:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context: Context,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store this step's K/V at `context.slot_mapping`, then attend over each sequence's paged KV.
+
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        Returns [num_tokens, num_heads, head_dim].
+        """
+        raise NotImplementedError

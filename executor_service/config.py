@@ -1,0 +1,94 @@
+"""ExecutorConfig: the executor's settings, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from executor_service.attention import BACKENDS
+from executor_service.loader import ModelConfig, load_model_config
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class ExecutorConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+    # Resolved at construction.
+    model_config: ModelConfig = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        path = Path(self.model)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model {self.model!r} must be a checkpoint directory with a config.json")
+        self.model_config = load_model_config(path)
+        self._check_device()
+        dtype = self.dtype or self.model_config.dtype or "float32"
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        self.torch_dtype = DTYPES[dtype]
+        self.dtype = str(self.torch_dtype).removeprefix("torch.")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(
+                f"num_kv_blocks ({self.num_kv_blocks}) must be positive, or None to use kv_cache_gb"
+            )
+        if self.num_kv_blocks is None and self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb ({self.kv_cache_gb}) must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs at least one token per step"
+            )
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not 0 < self.max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) must be in [1, {limit}], "
+                "the model's max_position_embeddings"
+            )
+        self._check_backend()
+
+    def _check_device(self) -> None:
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device {self.device!r} must be 'cpu' or 'cuda'")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for but torch sees no CUDA device")
+
+    def _check_backend(self) -> None:
+        if self.attention_backend == "auto":
+            self.attention_backend = next(
+                name for name, backend in BACKENDS.items() if backend.supports(torch.device(self.device))
+            )
+        elif self.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} is not one of auto, {', '.join(BACKENDS)}"
+            )
+        elif not BACKENDS[self.attention_backend].supports(torch.device(self.device)):
+            raise ValueError(f"attention_backend {self.attention_backend!r} does not run on {self.device}")

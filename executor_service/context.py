@@ -1,0 +1,39 @@
+"""The forward context: attention metadata for the current step, read by every attention layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Context:
+    # Device tensors, one entry per token or per sequence of the mixed batch.
+    slot_mapping: torch.Tensor | None = None  # [num_tokens], -1 = do not store
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks], padded with -1
+    context_lens: torch.Tensor | None = None  # [num_seqs], KV length after this step
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1]
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1]
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    # The same lengths on the host, known when the batch is built (no device sync to read them).
+    query_lens_host: list[int] = field(default_factory=list)
+    context_lens_host: list[int] = field(default_factory=list)
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(context: Context) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = Context()

@@ -1,0 +1,50 @@
+"""The paged KV cache: one tensor for all layers, sliced per attention layer.
+
+Layout: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim); index 0 = K, 1 = V.
+Slot s of a layer lives at [:, layer, s // block_size, s % block_size]."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from executor_service.layers.attention import Attention
+
+
+def block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one block across all layers, K and V."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def num_blocks_for_bytes(budget_bytes: float, bytes_per_block: int) -> int:
+    return int(budget_bytes // bytes_per_block)
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.block_bytes = block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        self.tensor = torch.zeros(
+            2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+
+    def bind(self, model: nn.Module) -> None:
+        """Give each attention layer, in order, its K and V slices."""
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if len(layers) != self.tensor.shape[1]:
+            raise ValueError(f"model has {len(layers)} attention layers, KV cache {self.tensor.shape[1]}")
+        for i, layer in enumerate(layers):
+            layer.k_cache = self.tensor[0, i]
+            layer.v_cache = self.tensor[1, i]

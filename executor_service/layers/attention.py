@@ -1,0 +1,25 @@
+"""The attention layer: holds its slices of the paged KV cache and delegates to the backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from executor_service.attention import AttentionBackend, get_backend
+from executor_service.context import get_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Bound by the model runner: KVCache.bind() and set_attention_backend().
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend: AttentionBackend = get_backend("torch")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)

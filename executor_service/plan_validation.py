@@ -1,0 +1,148 @@
+"""Checks a StepPlan against the executor's state and limits before anything is applied."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from executor_service.sequence import SequenceState
+from protos.plan import NewSequence, StepPlan, StepSamplingParams
+
+
+class PlanError(ValueError):
+    """A plan the executor cannot execute; no state was changed."""
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    block_size: int
+    num_kv_blocks: int
+    vocab_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+def _duplicates(ids: list[int]) -> list[int]:
+    return sorted(i for i, count in Counter(ids).items() if count > 1)
+
+
+def validate_plan(plan: StepPlan, seqs: dict[int, SequenceState], limits: PlanLimits) -> None:
+    """Raise PlanError naming the first problem found. Ids in finished_seq_ids / preempted_seq_ids
+    that the executor does not hold are ignored (a request aborted before it ever ran)."""
+
+    def fail(message: str) -> None:
+        raise PlanError(f"step {plan.step_id}: {message}")
+
+    n = len(plan.seq_ids)
+    for name in ("num_scheduled_tokens", "num_computed_tokens", "num_new_blocks"):
+        if len(getattr(plan, name)) != n:
+            fail(
+                f"columns of mismatched lengths: {len(plan.seq_ids)} seq_ids but {len(getattr(plan, name))} {name}"
+            )
+    for name in ("num_computed_tokens", "num_new_blocks"):
+        if any(v < 0 for v in getattr(plan, name)):
+            fail(f"negative count in {name}: {getattr(plan, name)}")
+    if any(v <= 0 for v in plan.num_scheduled_tokens):
+        fail(f"num_scheduled_tokens must be positive: {plan.num_scheduled_tokens}")
+    if sum(plan.num_new_blocks) != len(plan.new_block_ids):
+        fail(
+            f"columns of mismatched lengths: num_new_blocks sum to {sum(plan.num_new_blocks)} but "
+            f"new_block_ids has {len(plan.new_block_ids)}"
+        )
+    for what, ids in (
+        ("seq_ids", plan.seq_ids),
+        ("new_seqs", [s.seq_id for s in plan.new_seqs]),
+        ("finished_seq_ids + preempted_seq_ids", plan.finished_seq_ids + plan.preempted_seq_ids),
+    ):
+        if dup := _duplicates(ids):
+            fail(f"duplicate seq id {dup[0]} in {what}")
+    if n > limits.max_num_seqs:
+        fail(f"{n} scheduled sequences exceed max_num_seqs ({limits.max_num_seqs})")
+    if (total := sum(plan.num_scheduled_tokens)) > limits.max_num_batched_tokens:
+        fail(f"{total} scheduled tokens exceed max_num_batched_tokens ({limits.max_num_batched_tokens})")
+    _check_blocks("new_block_ids", plan.new_block_ids, limits, fail)
+
+    dropped = set(plan.finished_seq_ids) | set(plan.preempted_seq_ids)
+    new_seqs: dict[int, NewSequence] = {}
+    for new in plan.new_seqs:
+        if new.seq_id in seqs and new.seq_id not in dropped:
+            fail(f"new seq {new.seq_id} is already held by the executor")
+        _check_new_seq(new, limits, fail)
+        new_seqs[new.seq_id] = new
+
+    offset = 0
+    for i, seq_id in enumerate(plan.seq_ids):
+        num_new = plan.num_new_blocks[i]
+        offset += num_new
+        if seq_id in new_seqs:
+            new = new_seqs[seq_id]
+            if num_new:
+                fail(f"new seq {seq_id} has num_new_blocks {num_new}; its block_table must be complete")
+            num_tokens, num_blocks, computed = (
+                len(new.token_ids),
+                len(new.block_table),
+                new.num_computed_tokens,
+            )
+        elif seq_id in seqs and seq_id not in dropped:
+            seq = seqs[seq_id]
+            num_tokens, num_blocks, computed = (
+                seq.num_tokens,
+                len(seq.block_table) + num_new,
+                seq.num_computed_tokens,
+            )
+        else:
+            fail(f"unknown seq id {seq_id} (not held and not in new_seqs)")
+        c, k = plan.num_computed_tokens[i], plan.num_scheduled_tokens[i]
+        if c != computed:
+            fail(f"seq {seq_id}: num_computed_tokens mismatch: plan says {c}, executor has {computed}")
+        if c + k > num_tokens:
+            fail(f"seq {seq_id}: schedules tokens [{c}, {c + k}) but only {num_tokens} tokens are known")
+        if c + k > limits.max_model_len:
+            fail(f"seq {seq_id}: {c + k} tokens exceed max_model_len ({limits.max_model_len})")
+        if num_blocks * limits.block_size < c + k:
+            fail(
+                f"seq {seq_id}: too few blocks: {num_blocks} blocks of {limits.block_size} cannot hold "
+                f"{c + k} tokens"
+            )
+
+
+def _check_blocks(what: str, block_ids: list[int], limits: PlanLimits, fail) -> None:
+    bad = [b for b in block_ids if not 0 <= b < limits.num_kv_blocks]
+    if bad:
+        fail(f"block id {bad[0]} in {what} is outside [0, {limits.num_kv_blocks})")
+
+
+def _check_new_seq(new: NewSequence, limits: PlanLimits, fail) -> None:
+    if not new.token_ids:
+        fail(f"new seq {new.seq_id} has no token ids")
+    bad = [t for t in new.token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        fail(f"new seq {new.seq_id}: token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
+    if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+        fail(
+            f"new seq {new.seq_id}: num_computed_tokens {new.num_computed_tokens} is outside "
+            f"[0, {len(new.token_ids)}]"
+        )
+    _check_blocks(f"the block_table of new seq {new.seq_id}", new.block_table, limits, fail)
+    if problem := sampling_problem(new.sampling_params, limits.vocab_size):
+        fail(f"new seq {new.seq_id}: {problem}")
+
+
+def sampling_problem(p: StepSamplingParams, vocab_size: int) -> str | None:
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        return f"temperature {p.temperature} must be >= 0"
+    if p.top_k < 0:
+        return f"top_k {p.top_k} must be >= 0 (0 = off)"
+    if not 0 < p.top_p <= 1:
+        return f"top_p {p.top_p} must be in (0, 1]"
+    if not 0 <= p.min_p <= 1:
+        return f"min_p {p.min_p} must be in [0, 1]"
+    if not p.repetition_penalty > 0:
+        return f"repetition_penalty {p.repetition_penalty} must be > 0"
+    if not 0 <= p.logprobs <= vocab_size:
+        return f"logprobs {p.logprobs} must be in [0, {vocab_size}]"
+    if p.num_prompt_tokens < 0:
+        return f"num_prompt_tokens {p.num_prompt_tokens} must be >= 0"
+    return None

@@ -1,0 +1,99 @@
+"""Token sampling: penalties, greedy / temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+
+Semantics follow vLLM: repetition penalty over prompt + generated tokens (divide positive logits,
+multiply negative ones), presence and frequency penalties over generated tokens, then temperature,
+min-p, top-k and top-p. Logprobs are computed from the model's raw logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [n] int64
+    # Present when some row asked for logprobs.
+    sampled_logprobs: torch.Tensor | None = None  # [n]
+    top_token_ids: torch.Tensor | None = None  # [n, max_num_logprobs]
+    top_logprobs: torch.Tensor | None = None  # [n, max_num_logprobs]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        # One generator for every row without a request seed.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # logits: [n, vocab_size]
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs > 0 else None
+        if meta.repetition_penalties is not None:
+            logits = apply_penalties(logits, meta)
+        greedy = logits.argmax(-1)
+        if meta.all_greedy:
+            sampled = greedy
+        else:
+            sampled = torch.where(meta.temperatures == 0, greedy, self._sample(logits, meta))
+        out = SamplerOutput(sampled)
+        if raw_logprobs is not None:
+            out.sampled_logprobs = raw_logprobs.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+            out.top_logprobs, out.top_token_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
+        return out
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        temperatures = torch.where(meta.temperatures == 0, 1.0, meta.temperatures)
+        logits = logits / temperatures.unsqueeze(-1)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(-1)
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p without a device sync.
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in meta.seeded_rows:
+            g = torch.Generator(device=self.device).manual_seed(seed)
+            q[row].exponential_(generator=g)
+        return (probs / q.clamp_min_(1e-20)).argmax(-1)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    n, vocab_size = logits.shape
+    # Padding ids equal vocab_size land in an extra column that is dropped.
+    output_counts = torch.zeros(n, vocab_size + 1, device=logits.device)
+    output_counts.scatter_add_(
+        1, meta.output_token_ids, torch.ones_like(meta.output_token_ids, dtype=torch.float)
+    )
+    output_counts = output_counts[:, :vocab_size]
+    prompt_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    prompt_mask.scatter_(1, meta.prompt_token_ids, True)
+    seen = prompt_mask[:, :vocab_size] | (output_counts > 0)
+    rep = torch.where(seen, meta.repetition_penalties.unsqueeze(-1), 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - meta.frequency_penalties.unsqueeze(-1) * output_counts
+    return logits - meta.presence_penalties.unsqueeze(-1) * (output_counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(-1)
+    threshold = min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep each row's top_k tokens, then the smallest set of those whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(-1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(-1), float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,95 @@
+"""Per-row sampling parameters of one step as device tensors, built on the host in one pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.sequence import SequenceState
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    pin = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return _to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
+
+
+@dataclass
+class SamplingMetadata:
+    temperatures: torch.Tensor  # [n] float32, 0 = greedy
+    top_k: torch.Tensor | None  # [n] int64, vocab_size = off; None when no row uses it
+    top_p: torch.Tensor | None  # [n] float32
+    min_p: torch.Tensor | None  # [n] float32
+    all_greedy: bool
+    # (row, generator seed) for rows with a request seed.
+    seeded_rows: list[tuple[int, int]]
+    # Penalties, None when no row uses any.
+    repetition_penalties: torch.Tensor | None = None  # [n]
+    presence_penalties: torch.Tensor | None = None  # [n]
+    frequency_penalties: torch.Tensor | None = None  # [n]
+    prompt_token_ids: torch.Tensor | None = None  # [n, max_prompt], padded with vocab_size
+    output_token_ids: torch.Tensor | None = None  # [n, max_output], padded with vocab_size
+    max_num_logprobs: int = 0
+    num_logprobs: tuple[int, ...] = ()
+
+    @classmethod
+    def build(cls, seqs: list[SequenceState], vocab_size: int, device: torch.device) -> SamplingMetadata:
+        params = [s.sampling_params for s in seqs]
+        temperatures = [p.temperature for p in params]
+        all_greedy = all(t == 0 for t in temperatures)
+        random = [p for p in params if p.temperature > 0]
+        top_k = top_p = min_p = None
+        if any(0 < p.top_k < vocab_size for p in random):
+            top_k = _to_device(
+                [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.long, device
+            )
+        if any(p.top_p < 1 for p in random):
+            top_p = _to_device([p.top_p for p in params], torch.float32, device)
+        if any(p.min_p > 0 for p in random):
+            min_p = _to_device([p.min_p for p in params], torch.float32, device)
+        seeded = [
+            (i, mix_seed(p.seed, s.num_tokens))
+            for i, (s, p) in enumerate(zip(seqs, params, strict=True))
+            if p.seed is not None and p.temperature > 0
+        ]
+        num_logprobs = tuple(p.logprobs for p in params)
+        meta = cls(
+            temperatures=_to_device(temperatures, torch.float32, device),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            all_greedy=all_greedy,
+            seeded_rows=seeded,
+            max_num_logprobs=max(num_logprobs, default=0),
+            num_logprobs=num_logprobs,
+        )
+        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+            meta.repetition_penalties = _to_device(
+                [p.repetition_penalty for p in params], torch.float32, device
+            )
+            meta.presence_penalties = _to_device([p.presence_penalty for p in params], torch.float32, device)
+            meta.frequency_penalties = _to_device(
+                [p.frequency_penalty for p in params], torch.float32, device
+            )
+            meta.prompt_token_ids = _padded(
+                [s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab_size, device
+            )
+            meta.output_token_ids = _padded(
+                [s.token_ids[s.num_prompt_tokens :] for s in seqs], vocab_size, device
+            )
+        return meta
+
+
+def mix_seed(seed: int, num_tokens: int) -> int:
+    """A 64-bit generator seed from (request seed, tokens so far): splitmix64 of their combination,
+    so a seeded row's draw depends on nothing else in the batch and survives preemption."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + num_tokens + 0x632BE59BD9B4E019) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
