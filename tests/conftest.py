@@ -20,3 +20,27 @@ def qwen3_untied(tmp_path_factory):
         eos_token_id=[0, 1],
         seed=2,
     )
+
+
+def pytest_configure(config):
+    # Two xdist workers on two cores: one intra-op thread each avoids oversubscription.
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
