@@ -1,0 +1,130 @@
+"""Our Qwen3 through LocalExecutor against Hugging Face transformers on the same checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from executor_fixtures import MiniScheduler, hf_logits, make_executor, prompt_ids
+from transformers import Qwen3ForCausalLM
+
+ATOL = 1e-4
+
+
+@pytest.fixture(params=["qwen3_tied", "qwen3_untied"])
+def checkpoint(request):
+    return request.getfixturevalue(request.param)
+
+
+def _hf(path, dtype=torch.float32):
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_prefill_and_mixed_decode_match_transformers(checkpoint, block_size):
+    """Two sequences: A prefills then decodes; B joins mid-way, so its prefill shares a step
+    with A's decode. Every scheduled token's logits match HF, and greedy tokens equal HF's argmax."""
+    hf = _hf(checkpoint)
+    sched = MiniScheduler(make_executor(checkpoint, block_size=block_size, num_kv_blocks=4096 // block_size))
+    sched.add(1, prompt_ids(37, seed=1))
+    sched.add(2, prompt_ids(21, seed=2))
+
+    _, logits = sched.step({1: 37})
+    torch.testing.assert_close(logits, hf_logits(hf, sched.seqs[1].token_ids[:37]), atol=ATOL, rtol=0)
+    for step in range(12):
+        schedule = sched.decode_all()
+        if step == 3:
+            schedule[2] = 21
+        known = {i: list(sched.seqs[i].token_ids) for i in schedule}
+        _, logits = sched.step(schedule)
+        rows = logits.split(list(schedule.values()))
+        for (seq_id, n), row in zip(schedule.items(), rows, strict=True):
+            ref = hf_logits(hf, known[seq_id])[-n:]
+            torch.testing.assert_close(row, ref, atol=ATOL, rtol=0)
+            assert sched.seqs[seq_id].token_ids[-1] == ref[-1].argmax().item()
+    assert len(sched.seqs[1].token_ids) == 37 + 13
+    assert len(sched.seqs[2].token_ids) == 21 + 9
+
+
+@pytest.mark.parametrize("chunks", [[16, 20, 14], [1, 48, 1], [50]])
+def test_chunked_prefill_equals_one_shot(qwen3_untied, chunks):
+    prompt = prompt_ids(50, seed=3)
+    one = MiniScheduler(make_executor(qwen3_untied))
+    one.add(1, prompt)
+    _, one_shot = one.step({1: 50})
+
+    sched = MiniScheduler(make_executor(qwen3_untied))
+    sched.add(1, prompt)
+    pieces = []
+    for i, n in enumerate(chunks):
+        result, logits = sched.step({1: n})
+        pieces.append(logits)
+        # A chunk that does not finish the prompt samples nothing.
+        assert result.seq_ids == ([1] if i == len(chunks) - 1 else [])
+    torch.testing.assert_close(torch.cat(pieces), one_shot, atol=ATOL, rtol=0)
+    assert sched.seqs[1].token_ids == one.seqs[1].token_ids
+
+
+def test_prefix_cache_hit_reuses_blocks(qwen3_tied):
+    """B shares A's first two full blocks (num_computed_tokens 32) and computes only its suffix."""
+    hf = _hf(qwen3_tied)
+    sched = MiniScheduler(make_executor(qwen3_tied, block_size=16))
+    prefix = prompt_ids(32, seed=4)
+    sched.add(1, [*prefix, 7, 8, 9])
+    sched.step({1: 35})
+    b_prompt = [*prefix, 100, 101, 102, 103, 104]
+    sched.add(2, b_prompt, shared_blocks=sched.seqs[1].block_table[:2], num_computed_tokens=32)
+    _, logits = sched.step({2: 5})
+    torch.testing.assert_close(logits, hf_logits(hf, b_prompt)[32:], atol=ATOL, rtol=0)
+
+
+def test_production_step_computes_logits_only_for_sampling_tokens(qwen3_tied, monkeypatch):
+    executor = make_executor(qwen3_tied)
+    model = executor.runner.model
+    shapes = []
+
+    def spy(hidden):
+        shapes.append(tuple(hidden.shape))
+        return type(model).compute_logits(model, hidden)
+
+    monkeypatch.setattr(model, "compute_logits", spy)
+    sched = MiniScheduler(executor)
+    sched.add(1, prompt_ids(20, seed=5))
+    sched.add(2, prompt_ids(30, seed=6))
+    plan = sched.plan({1: 20, 2: 10})
+    sched.update(plan, executor.step(plan))
+    # Seq 1 decodes; seq 2's next chunk does not finish its prompt: 11 tokens, one row of logits.
+    plan = sched.plan({1: 1, 2: 10})
+    result = executor.step(plan)
+    assert result.seq_ids == [1]
+    assert shapes == [(1, 64), (1, 64)]
+
+
+def test_sharded_checkpoint_loads_like_single_file(qwen3_untied, tmp_path):
+    hf = _hf(qwen3_untied)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / name).write_text((qwen3_untied / name).read_text())
+    assert len(list(tmp_path.glob("*.safetensors"))) > 3
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    sched = MiniScheduler(make_executor(tmp_path))
+    prompt = prompt_ids(25, seed=7)
+    sched.add(1, prompt)
+    _, logits = sched.step({1: 25})
+    torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+def test_bfloat16_load_via_dtype_flag(qwen3_tied):
+    executor = make_executor(qwen3_tied, dtype="bfloat16")
+    info = executor.describe()
+    assert info.dtype == "bfloat16"
+    assert info.block_bytes == 2 * 4 * 16 * 2 * 16 * 2
+    assert all(p.dtype == torch.bfloat16 for p in executor.runner.model.parameters())
+    hf = _hf(qwen3_tied, dtype=torch.bfloat16)
+    sched = MiniScheduler(executor)
+    prompt = prompt_ids(30, seed=8)
+    sched.add(1, prompt)
+    _, logits = sched.step({1: 30})
+    ref = hf_logits(hf, prompt)
+    # bf16 keeps ~3 significant digits; the logits span about +-20.
+    torch.testing.assert_close(logits.float(), ref, atol=0.25, rtol=0.02)
+    assert (logits.float().argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
