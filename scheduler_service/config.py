@@ -1,0 +1,89 @@
+"""Scheduler configuration and the effective limits it resolves against the executor."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from protos.plan import ExecutorInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    # None = the executor's max_model_len.
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(
+                f"max_model_len must be >= 2 (or None for the executor's), got {self.max_model_len}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """The minimum of the config and what the executor reported in `describe()`."""
+
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    enable_prefix_caching: bool
+
+
+def resolve_limits(config: SchedulerConfig, info: ExecutorInfo) -> SchedulerLimits:
+    if info.block_size < 1 or info.num_kv_blocks < 1:
+        raise ValueError(
+            f"executor reported block_size={info.block_size}, num_kv_blocks={info.num_kv_blocks}; "
+            "both must be >= 1"
+        )
+    max_model_len = info.max_model_len
+    if config.max_model_len is not None:
+        if config.max_model_len > info.max_model_len:
+            logger.warning(
+                "max_model_len %d is above the executor's %d; using %d",
+                config.max_model_len,
+                info.max_model_len,
+                info.max_model_len,
+            )
+        max_model_len = min(config.max_model_len, info.max_model_len)
+    capacity = info.num_kv_blocks * info.block_size
+    if capacity < max_model_len:
+        # One sequence must always fit in the whole cache, or preemption could loop forever.
+        logger.warning(
+            "the KV cache holds %d tokens (%d blocks of %d), less than max_model_len %d; "
+            "max_model_len is lowered to %d",
+            capacity,
+            info.num_kv_blocks,
+            info.block_size,
+            max_model_len,
+            capacity,
+        )
+        max_model_len = capacity
+    return SchedulerLimits(
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        max_model_len=max_model_len,
+        max_num_seqs=_min_positive(config.max_num_seqs, info.max_num_seqs),
+        max_num_batched_tokens=_min_positive(config.max_num_batched_tokens, info.max_num_batched_tokens),
+        vocab_size=info.vocab_size,
+        eos_token_ids=tuple(info.eos_token_ids),
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+
+
+def _min_positive(ours: int, theirs: int) -> int:
+    # An executor reporting 0 sets no limit of its own.
+    return min(ours, theirs) if theirs > 0 else ours

@@ -1,0 +1,108 @@
+"""The synchronous engine: requests in, one schedule -> execute -> update per step, outputs out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from protos.plan import ExecutorInfo, StepPlan, StepResult
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.sampling_params import SamplingParams, verify_request
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.sequence import Sequence
+
+
+class Executor(Protocol):
+    """LocalExecutor (in-process model runner) or RemoteExecutor (the gRPC stream)."""
+
+    def describe(self) -> ExecutorInfo: ...
+
+    def step(self, plan: StepPlan) -> StepResult: ...
+
+    def reset(self) -> int: ...
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+    # token_ids is a slice taken on demand: copying every sequence's output every step
+    # would make a step O(total tokens).
+    _all_token_ids: list[int] = field(default_factory=list, repr=False)
+    _end: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All generated tokens up to and including this step."""
+        return self._all_token_ids[self.num_prompt_tokens : self._end]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._end - self.num_prompt_tokens
+
+
+class LLMEngine:
+    def __init__(self, executor: Executor, config: SchedulerConfig | None = None) -> None:
+        self.executor = executor
+        self.config = config if config is not None else SchedulerConfig()
+        self.info = executor.describe()
+        self.scheduler = Scheduler(self.config, self.info)
+        self.limits = self.scheduler.limits
+        self._next_request_id = 0
+
+    def add_request(
+        self,
+        prompt_token_ids: Seq[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: int | None = None,
+    ) -> int:
+        """Queue a request; raises InvalidRequestError if it can never run."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params.verify()
+        verify_request(prompt_token_ids, params, self.limits.vocab_size, self.limits.max_model_len)
+        if request_id is None:
+            while self._next_request_id in self.scheduler.seqs:
+                self._next_request_id += 1
+            request_id = self._next_request_id
+            self._next_request_id += 1
+        elif request_id in self.scheduler.seqs:
+            raise ValueError(f"request id {request_id} is already in use")
+        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params))
+        return request_id
+
+    def abort_request(self, request_id: int) -> bool:
+        """Abort between steps; returns whether the request was still unfinished."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.seq_ids or plan.finished_seq_ids or plan.preempted_seq_ids:
+            result = self.executor.step(plan)
+        else:
+            result = StepResult(step_id=plan.step_id)
+        return [_to_output(seq) for seq in self.scheduler.update(plan, result)]
+
+
+def _to_output(seq: Sequence) -> RequestOutput:
+    tokens = seq.token_ids
+    k = seq.num_new_tokens
+    return RequestOutput(
+        request_id=seq.seq_id,
+        new_token_ids=tokens[-k:] if k else [],
+        finished=seq.is_finished,
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=max(seq.num_cached_tokens, 0),
+        error=seq.error,
+        _all_token_ids=tokens,
+        _end=len(tokens),
+    )

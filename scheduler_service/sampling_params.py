@@ -1,0 +1,92 @@
+"""Client-facing sampling parameters and request validation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from protos.plan import StepSamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never succeed (the gRPC layer maps it to INVALID_ARGUMENT)."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise InvalidRequestError naming the violated limit."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _fail(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            _fail(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            _fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            _fail(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            _fail(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            _fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs < 0:
+            _fail(f"logprobs must be >= 0, got {self.logprobs}")
+        for i, t in enumerate(self.stop_token_ids):
+            if t < 0:
+                _fail(f"stop_token_ids[{i}] must be >= 0, got {t}")
+
+    def to_step_params(self, num_prompt_tokens: int) -> StepSamplingParams:
+        return StepSamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=self.logprobs,
+            num_prompt_tokens=num_prompt_tokens,
+        )
+
+
+def verify_request(
+    prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    """Checks that need the executor's limits; raise InvalidRequestError."""
+    if len(prompt_token_ids) == 0:
+        _fail("prompt is empty: at least one token is required")
+    for i, t in enumerate(prompt_token_ids):
+        if not 0 <= t < vocab_size:
+            _fail(f"token id {t} at position {i} is outside the vocabulary (size {vocab_size})")
+    n = len(prompt_token_ids)
+    if params.max_tokens is None:
+        if n >= max_model_len:
+            _fail(f"prompt ({n} tokens) leaves no room to generate within max_model_len ({max_model_len})")
+    elif n + params.max_tokens > max_model_len:
+        _fail(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})"
+        )
+    for i, t in enumerate(params.stop_token_ids):
+        if t >= vocab_size:
+            _fail(f"stop_token_ids[{i}] = {t} is outside the vocabulary (size {vocab_size})")
+
+
+def _fail(message: str) -> None:
+    raise InvalidRequestError(message)

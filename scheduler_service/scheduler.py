@@ -1,0 +1,275 @@
+"""Continuous batching: which sequences run each step, and how many tokens each computes.
+
+vLLM v1's policy: prefill and decode are not separate phases. Every running sequence has
+num_computed_tokens catching up with len(token_ids); a step gives each scheduled sequence
+a number of tokens under a token budget (decode = 1, chunked prefill = a slice), running
+sequences first, then waiting ones in arrival order. When the cache runs out, the newest
+running sequence is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+
+from protos.plan import ExecutorInfo, NewSequence, StepPlan, StepResult
+from scheduler_service.block_manager import BlockManager
+from scheduler_service.config import SchedulerConfig, resolve_limits
+from scheduler_service.sequence import Sequence, SequenceStatus
+from scheduler_service.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = SequenceStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, info: ExecutorInfo) -> None:
+        self.config = config
+        self.limits = limits = resolve_limits(config, info)
+        self.block_manager = BlockManager(
+            limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching
+        )
+        self.waiting: deque[Sequence] = deque()
+        # In admission order: the newest running sequence is last (the preemption victim).
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._next_step_id = 1
+        # Sequences the executor holds that finished since the last plan.
+        self._finished_ids: list[int] = []
+        # Sequences failed inside schedule(), returned by the next update().
+        self._failed: list[Sequence] = []
+        self.stats = SchedulerStats(num_total_blocks=limits.num_kv_blocks)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence id {seq.seq_id} is already in use")
+        params = seq.sampling_params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.limits.eos_token_ids)
+        seq.stop_ids = frozenset(stop_ids)
+        max_len = self.limits.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
+        seq.max_num_tokens = max_len
+        seq.arrival = next(self._arrivals)
+        seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> bool:
+        """Finish a sequence with "abort". Call between steps, never while one is in flight."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return False
+        if seq.status is _RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _refresh_gauges(self) -> None:
+        stats = self.stats
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.num_used_blocks = self.block_manager.num_used_blocks
+
+    # -- schedule -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        bm = self.block_manager
+        bs = self.limits.block_size
+        budget = self.limits.max_num_batched_tokens
+        plan = StepPlan(step_id=self._next_step_id, finished_seq_ids=self._finished_ids)
+        self._next_step_id += 1
+        self._finished_ids = []
+        seq_ids = plan.seq_ids
+        num_scheduled = plan.num_scheduled_tokens
+        num_computed = plan.num_computed_tokens
+        new_block_ids = plan.new_block_ids
+        num_new_blocks = plan.num_new_blocks
+        free_ids = bm.free_block_ids
+        running = self.running
+        preempted = False
+
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            c = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - c, budget)
+            if n <= 0:
+                i += 1
+                continue
+            needed = -(-(c + n) // bs) - len(seq.block_table)
+            if needed > 0:
+                while needed > len(free_ids) and running[-1] is not seq:
+                    self._preempt(running.pop(), plan)
+                    preempted = True
+                if needed > len(free_ids):
+                    self._preempt(running.pop(), plan)
+                    preempted = True
+                    if not running:
+                        self._fail_unfittable(seq)
+                    break
+                new = bm.append_slots(seq, n)
+                new_block_ids.extend(new)
+                num_new_blocks.append(len(new))
+            else:
+                num_new_blocks.append(0)
+            seq_ids.append(seq.seq_id)
+            num_scheduled.append(n)
+            num_computed.append(c)
+            seq.num_computed_tokens = c + n
+            budget -= n
+            i += 1
+
+        # After a preemption, admitting new work would only thrash the cache.
+        if not preempted:
+            self._schedule_waiting(plan, budget)
+        self.stats.num_steps += 1
+        self._refresh_gauges()
+        return plan
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        bm = self.block_manager
+        bs = self.limits.block_size
+        waiting = self.waiting
+        running = self.running
+        while waiting and budget > 0 and len(running) < self.limits.max_num_seqs:
+            seq = waiting[0]
+            cached = bm.find_cached_blocks(seq)
+            num_cached = len(cached) * bs
+            n = min(len(seq.token_ids) - num_cached, budget)
+            if not bm.can_allocate(seq, n, cached):
+                if running:
+                    break
+                waiting.popleft()
+                self._fail_unfittable(seq)
+                continue
+            bm.allocate(seq, n, cached)
+            self.stats.num_prefix_queried_tokens = bm.num_prefix_queried_tokens
+            self.stats.num_prefix_hit_tokens = bm.num_prefix_hit_tokens
+            waiting.popleft()
+            running.append(seq)
+            seq.status = _RUNNING
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_cached
+            plan.new_seqs.append(
+                NewSequence(
+                    seq_id=seq.seq_id,
+                    token_ids=list(seq.token_ids),
+                    block_table=list(seq.block_table),
+                    num_computed_tokens=num_cached,
+                    sampling_params=seq.step_params,
+                )
+            )
+            seq.sent = True
+            plan.seq_ids.append(seq.seq_id)
+            plan.num_scheduled_tokens.append(n)
+            plan.num_computed_tokens.append(num_cached)
+            plan.num_new_blocks.append(0)
+            seq.num_computed_tokens = num_cached + n
+            budget -= n
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        if seq.sent:
+            plan.preempted_seq_ids.append(seq.seq_id)
+            seq.sent = False
+        self.stats.num_preemptions += 1
+        logger.debug("preempted sequence %d (%d tokens)", seq.seq_id, len(seq.token_ids))
+
+    def _fail_unfittable(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.error = (
+            f"sequence {seq.seq_id} ({len(seq.token_ids)} tokens) does not fit in the KV cache "
+            f"({self.limits.num_kv_blocks} blocks of {self.limits.block_size} tokens)"
+        )
+        logger.error(seq.error)
+        self._finish(seq, "abort")
+        self._failed.append(seq)
+
+    # -- update ---------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Apply the executor's sampled tokens: append, stop checks, free finished blocks.
+        Returns the sequences that got a token or finished, each with num_new_tokens set."""
+        if result.step_id != plan.step_id:
+            raise RuntimeError(f"result for step {result.step_id} does not match plan {plan.step_id}")
+        out = self._failed
+        self._failed = []
+        seqs = self.seqs
+        token_ids = result.token_ids
+        stats = self.stats
+        any_finished = False
+        offset = 0
+        for seq_id, k in zip(result.seq_ids, result.num_tokens, strict=True):
+            start = offset
+            offset += k
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is not _RUNNING:
+                continue  # aborted while the step ran
+            tokens = seq.token_ids
+            if seq.num_computed_tokens != len(tokens):
+                raise RuntimeError(f"executor sampled a token for sequence {seq_id} in mid-prefill")
+            if seq.num_computed_tokens == seq.num_prompt_tokens:
+                stats.num_prompt_tokens += seq.num_prompt_tokens
+            seq.num_new_tokens = 0
+            for tok in token_ids[start:offset] if k != 1 else (token_ids[start],):
+                tokens.append(tok)
+                seq.num_new_tokens += 1
+                if tok in seq.stop_ids:
+                    self._finish(seq, "stop")
+                    any_finished = True
+                    break
+                if len(tokens) >= seq.max_num_tokens:
+                    self._finish(seq, "length")
+                    any_finished = True
+                    break
+            stats.num_generation_tokens += seq.num_new_tokens
+            out.append(seq)
+        if any_finished:
+            self.running = [s for s in self.running if s.status is _RUNNING]
+
+        bm = self.block_manager
+        caching = bm.enable_prefix_caching
+        bs = self.limits.block_size
+        for seq_id in plan.seq_ids:
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is not _RUNNING:
+                continue
+            if seq.num_computed_tokens == len(seq.token_ids):
+                raise RuntimeError(f"executor returned no token for sequence {seq_id}")
+            if caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                bm.cache_full_blocks(seq)
+        self._refresh_gauges()
+        return out
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and free the blocks. The caller removes seq from running/waiting."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        by_reason = self.stats.finished_by_reason
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+        # Keep the prompt + output blocks in the prefix cache for later requests.
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.free(seq)
+        del self.seqs[seq.seq_id]
+        if seq.sent:
+            self._finished_ids.append(seq.seq_id)
+            seq.sent = False

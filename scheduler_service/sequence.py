@@ -1,0 +1,100 @@
+"""One request's tokens and its place in the KV cache, as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+
+from protos.plan import StepSamplingParams
+from scheduler_service.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = (
+        "arrival",
+        "block_hashes",
+        "block_table",
+        "error",
+        "finish_reason",
+        "max_num_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_new_tokens",
+        "num_prompt_tokens",
+        "num_registered_blocks",
+        "sampling_params",
+        "sent",
+        "seq_id",
+        "status",
+        "step_params",
+        "stop_ids",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival: int = 0,
+    ) -> None:
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params
+        self.step_params: StepSamplingParams = sampling_params.to_step_params(self.num_prompt_tokens)
+        self.arrival = arrival
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.error: str | None = None
+        # Tokens whose KV is in the cache (or will be once the step in flight completes).
+        self.num_computed_tokens = 0
+        # Prefix-cache hit at first schedule; -1 until then.
+        self.num_cached_tokens = -1
+        self.block_table: list[int] = []
+        # Chained hashes of the full blocks of token_ids, filled lazily by the block manager.
+        self.block_hashes: list[bytes] = []
+        # How many leading blocks of block_table are registered in the prefix cache.
+        self.num_registered_blocks = 0
+        # Whether the executor currently holds this sequence's state.
+        self.sent = False
+        # Tokens appended by the last update().
+        self.num_new_tokens = 0
+        # Set by the scheduler from the model's limits: sampled tokens that stop the sequence,
+        # and the total length at which it stops with "length".
+        self.stop_ids: frozenset[int] = frozenset()
+        self.max_num_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.value}, tokens={len(self.token_ids)}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

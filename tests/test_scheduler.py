@@ -1,0 +1,419 @@
+"""The scheduler and engine against a fake executor that checks every plan (no model, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protos.plan import ExecutorInfo, StepPlan, StepResult
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.engine import LLMEngine
+from scheduler_service.sampling_params import InvalidRequestError, SamplingParams
+
+VOCAB = 512
+EOS = 1
+
+
+@dataclass
+class _SeqState:
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed: int
+    # The "KV" the fake writes at each position: a hash chained over the prefix.
+    values: list[int] = field(default_factory=list)
+
+
+def _mix(prev: int, token: int) -> int:
+    return (prev * 1_000_003 + token * 7919 + 1) % (2**61 - 1)
+
+
+class FakeExecutor:
+    """Mirrors the StepPlan docstring. Its KV cache stores, per slot, a hash of the whole
+    prefix up to that token; a sampled token is a function of that hash, so a wrong block
+    table or a bad prefix-cache hit changes the output (and fails an explicit check first)."""
+
+    def __init__(
+        self,
+        num_kv_blocks=64,
+        block_size=4,
+        max_model_len=128,
+        max_num_seqs=64,
+        max_tokens=512,
+        eos_token_ids=(EOS,),
+    ):
+        self.info = ExecutorInfo(
+            model="fake",
+            architecture="Fake",
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=max_model_len,
+            vocab_size=VOCAB,
+            eos_token_ids=list(eos_token_ids),
+            tensor_parallel_size=1,
+            dtype="float32",
+            device="cpu",
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_tokens,
+            attention_backend="fake",
+            num_layers=1,
+            block_bytes=1,
+        )
+        self.kv: list[int | None] = [None] * (num_kv_blocks * block_size)
+        self.seqs: dict[int, _SeqState] = {}
+        self.plans: list[StepPlan] = []
+        self.last_step_id = 0
+
+    def describe(self) -> ExecutorInfo:
+        return self.info
+
+    def reset(self) -> int:
+        n = len(self.seqs)
+        self.seqs.clear()
+        return n
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self._validate(plan)
+        self.plans.append(plan)
+        self.last_step_id = plan.step_id
+        for sid in plan.finished_seq_ids + plan.preempted_seq_ids:
+            del self.seqs[sid]
+        for s in plan.new_seqs:
+            self.seqs[s.seq_id] = _SeqState(list(s.token_ids), list(s.block_table), s.num_computed_tokens)
+        bs = self.info.block_size
+        result = StepResult(step_id=plan.step_id)
+        off = 0
+        for sid, n, k in zip(plan.seq_ids, plan.num_scheduled_tokens, plan.num_new_blocks, strict=True):
+            st_ = self.seqs[sid]
+            st_.block_table += plan.new_block_ids[off : off + k]
+            off += k
+            for p in range(st_.num_computed, st_.num_computed + n):
+                prev = 0
+                if p > 0:
+                    prev_slot = st_.block_table[(p - 1) // bs] * bs + (p - 1) % bs
+                    prev = self.kv[prev_slot]
+                    assert prev == _chain(st_, p - 1), f"seq {sid}: KV at position {p - 1} is wrong"
+                self.kv[st_.block_table[p // bs] * bs + p % bs] = _mix(prev, st_.token_ids[p])
+            st_.num_computed += n
+            if st_.num_computed == len(st_.token_ids):
+                tok = _chain(st_, st_.num_computed - 1) % VOCAB
+                st_.token_ids.append(tok)
+                result.seq_ids.append(sid)
+                result.token_ids.append(tok)
+                result.num_tokens.append(1)
+        return result
+
+    def _validate(self, plan: StepPlan) -> None:
+        info = self.info
+        bs = info.block_size
+        assert plan.step_id > self.last_step_id, "step ids must increase"
+        dropped = plan.finished_seq_ids + plan.preempted_seq_ids
+        assert len(set(dropped)) == len(dropped), f"sequence dropped twice: {dropped}"
+        for sid in dropped:
+            assert sid in self.seqs, f"dropping unknown sequence {sid}"
+        held = {sid: s for sid, s in self.seqs.items() if sid not in dropped}
+        new_ids = {s.seq_id for s in plan.new_seqs}
+        assert len(new_ids) == len(plan.new_seqs), "a new sequence is sent twice"
+        for s in plan.new_seqs:
+            assert s.seq_id not in held, f"new sequence {s.seq_id} is already held"
+            assert s.token_ids and all(0 <= t < VOCAB for t in s.token_ids)
+            assert 0 <= s.num_computed_tokens < len(s.token_ids), "the last token must be computed"
+            held[s.seq_id] = _SeqState(s.token_ids, list(s.block_table), s.num_computed_tokens)
+        cols = (plan.num_scheduled_tokens, plan.num_computed_tokens, plan.num_new_blocks)
+        assert all(len(c) == len(plan.seq_ids) for c in cols), "ragged plan columns"
+        assert len(set(plan.seq_ids)) == len(plan.seq_ids), "a sequence is scheduled twice"
+        assert new_ids <= set(plan.seq_ids), "a new sequence is not scheduled"
+        assert sum(plan.num_new_blocks) == len(plan.new_block_ids)
+        assert sum(plan.num_scheduled_tokens) <= info.max_num_batched_tokens
+        assert len(plan.seq_ids) <= info.max_num_seqs
+        tables = {}
+        off = 0
+        for sid, n, c, k in zip(plan.seq_ids, *cols, strict=True):
+            assert sid in held, f"scheduled unknown sequence {sid}"
+            s = held[sid]
+            assert k == 0 or sid not in new_ids, "a new sequence's block table must be complete"
+            assert c == s.num_computed, f"seq {sid}: plan says {c} computed, executor has {s.num_computed}"
+            assert n >= 1 and c + n <= len(s.token_ids), f"seq {sid}: tokens {c}..{c + n} not all known"
+            table = s.block_table + plan.new_block_ids[off : off + k]
+            off += k
+            assert all(0 <= b < info.num_kv_blocks for b in table), f"block id out of range: {table}"
+            assert len(table) * bs >= c + n, f"seq {sid}: {len(table)} blocks for {c + n} tokens"
+            tables[sid] = table
+        # A block written this step must belong to no other live sequence.
+        owners: dict[int, set[int]] = {}
+        for sid, s in held.items():
+            for b in tables.get(sid, s.block_table):
+                owners.setdefault(b, set()).add(sid)
+        for sid, n, c in zip(plan.seq_ids, plan.num_scheduled_tokens, plan.num_computed_tokens, strict=True):
+            for b in {tables[sid][p // bs] for p in range(c, c + n)}:
+                assert owners[b] == {sid}, f"seq {sid} writes block {b} shared with {owners[b] - {sid}}"
+
+
+def _chain(s: _SeqState, p: int) -> int:
+    while len(s.values) <= p:
+        i = len(s.values)
+        s.values.append(_mix(s.values[i - 1] if i else 0, s.token_ids[i]))
+    return s.values[p]
+
+
+def make_engine(config: SchedulerConfig | None = None, **executor_kwargs) -> tuple[LLMEngine, FakeExecutor]:
+    executor = FakeExecutor(**executor_kwargs)
+    return LLMEngine(executor, config or SchedulerConfig()), executor
+
+
+def run(engine: LLMEngine, max_steps: int = 10_000) -> dict[int, object]:
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert not engine.has_unfinished_requests(), "did not finish"
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    return finished
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [2 + (seed * 97 + i * 31) % (VOCAB - 2) for i in range(n)]
+
+
+def greedy(max_tokens: int | None = 8, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_chunked_prefill_respects_token_budget():
+    engine, ex = make_engine(SchedulerConfig(max_num_batched_tokens=16))
+    rid = engine.add_request(prompt(50), greedy(4))
+    # No token comes out until the last chunk of the prompt is computed.
+    assert [engine.step() for _ in range(3)] == [[], [], []]
+    out = engine.step()
+    assert [o.new_token_ids for o in out] == [out[0].token_ids] and len(out[0].token_ids) == 1
+    finished = run(engine)
+    assert [p.num_scheduled_tokens for p in ex.plans[:5]] == [[16], [16], [16], [2], [1]]
+    assert [p.num_computed_tokens for p in ex.plans[:5]] == [[0], [16], [32], [48], [50]]
+    assert len(ex.plans[0].new_seqs) == 1 and not any(p.new_seqs for p in ex.plans[1:])
+    assert finished[rid].finish_reason == "length" and len(finished[rid].token_ids) == 4
+
+
+def test_mixed_prefill_and_decode_in_one_step():
+    engine, ex = make_engine(SchedulerConfig(max_num_batched_tokens=16))
+    a = engine.add_request(prompt(6), greedy(20))
+    engine.step()
+    b = engine.add_request(prompt(40, seed=1), greedy(4))
+    for _ in range(4):
+        engine.step()
+    mixed = ex.plans[1:4]
+    assert all(p.seq_ids == [a, b] for p in mixed)
+    assert [p.num_scheduled_tokens for p in mixed] == [[1, 15], [1, 15], [1, 10]]
+    assert ex.plans[4].num_scheduled_tokens == [1, 1]
+    run(engine)
+
+
+def test_max_num_seqs_bounds_the_batch():
+    engine, ex = make_engine(SchedulerConfig(max_num_seqs=3))
+    ids = [engine.add_request(prompt(5, seed=i), greedy(6)) for i in range(8)]
+    finished = run(engine)
+    assert max(len(p.seq_ids) for p in ex.plans) == 3
+    assert sorted(finished) == ids
+    assert all(len(finished[i].token_ids) == 6 for i in ids)
+    # The executor's own limit applies when it is lower.
+    engine, ex = make_engine(max_num_seqs=2)
+    for i in range(5):
+        engine.add_request(prompt(5, seed=i), greedy(3))
+    run(engine)
+    assert max(len(p.seq_ids) for p in ex.plans) == 2
+
+
+def test_prefix_cache_hit_on_shared_prompt():
+    engine, ex = make_engine()  # block_size 4
+    shared = prompt(13)
+    a = engine.add_request([*shared, 5, 6, 7], greedy(4))
+    first = run(engine)[a]
+    n = len(ex.plans)
+    b = engine.add_request([*shared, 8, 9], greedy(4))
+    second = run(engine)[b]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 12
+    assert ex.plans[n].new_seqs[0].num_computed_tokens == 12
+    assert ex.plans[n].num_scheduled_tokens == [3]
+    stats = engine.scheduler.stats
+    assert (stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens) == (16 + 15, 12)
+    # An identical prompt still computes its last token.
+    c = engine.add_request([*shared[:12]], greedy(4))
+    assert run(engine)[c].num_cached_tokens == 8
+    # Same tokens as without the cache.
+    ref_engine, _ = make_engine(SchedulerConfig(enable_prefix_caching=False))
+    r = ref_engine.add_request([*shared, 8, 9], greedy(4))
+    ref = run(ref_engine)[r]
+    assert ref.token_ids == second.token_ids and ref.num_cached_tokens == 0
+    assert ref_engine.scheduler.stats.num_prefix_queried_tokens == 0
+
+
+def test_prefix_cache_covers_generated_tokens():
+    engine, _ = make_engine()
+    p = prompt(6)
+    a = engine.add_request(p, greedy(10))
+    out = run(engine)[a]
+    # 15 tokens were computed (the last sampled one never is): 3 full blocks, 6 generated.
+    b = engine.add_request([*p, *out.token_ids[:8], 3, 4], greedy(2))
+    assert run(engine)[b].num_cached_tokens == 12
+
+
+def test_preemption_recomputes_newest_and_matches_unconstrained_run():
+    requests = [(prompt(10, seed=i), greedy(20)) for i in range(4)]
+    ref_engine, _ = make_engine()
+    ref_ids = [ref_engine.add_request(p, sp) for p, sp in requests]
+    ref = run(ref_engine)
+    assert ref_engine.scheduler.stats.num_preemptions == 0
+
+    engine, ex = make_engine(num_kv_blocks=12)  # 48 slots for 4 x 30 tokens
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    preempted: set[int] = set()
+    finished = {}
+    while engine.has_unfinished_requests():
+        running_before = [s.seq_id for s in engine.scheduler.running]
+        n_plans = len(ex.plans)
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+        if len(ex.plans) == n_plans:
+            continue
+        plan = ex.plans[-1]
+        victims = plan.preempted_seq_ids
+        assert victims == running_before[::-1][: len(victims)], "the newest running sequence goes first"
+        preempted.update(victims)
+        for s in plan.new_seqs:
+            if s.seq_id in preempted:  # re-sent with prompt + generated tokens
+                assert len(s.token_ids) > 10
+    assert engine.scheduler.stats.num_preemptions > 0 and preempted
+    assert not engine.scheduler.block_manager.num_used_blocks
+    for i, r in zip(ids, ref_ids, strict=True):
+        assert finished[i].token_ids == ref[r].token_ids
+        assert finished[i].finish_reason == "length"
+
+
+def test_stop_rules_and_finish_reasons():
+    p = prompt(7)
+    ref_engine, _ = make_engine()
+    r = ref_engine.add_request(p, greedy(12))
+    ref = run(ref_engine)[r].token_ids
+    i = next(i for i in range(1, 12) if ref[i] not in ref[:i])
+    eos = ref[i]
+
+    def generate(params: SamplingParams, **kw):
+        engine, _ = make_engine(**kw)
+        rid = engine.add_request(p, params)
+        out = run(engine)[rid]
+        return out.finish_reason, out.token_ids
+
+    # eos stops and is kept in the output, like HF generate.
+    assert generate(SamplingParams(max_tokens=12), eos_token_ids=[eos]) == ("stop", ref[: i + 1])
+    assert generate(greedy(12), eos_token_ids=[eos]) == ("length", ref)
+    stop_ids = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[eos])
+    assert generate(stop_ids) == ("stop", ref[: i + 1])
+    assert generate(greedy(5)) == ("length", ref[:5])
+    # max_tokens=None runs until max_model_len.
+    reason, tokens = generate(greedy(None), max_model_len=19)
+    assert reason == "length" and tokens == ref[:12]
+
+
+def test_abort_frees_blocks_and_tells_the_executor():
+    engine, ex = make_engine()
+    bm = engine.scheduler.block_manager
+    a = engine.add_request(prompt(10), greedy(50))
+    b = engine.add_request(prompt(10, seed=1), greedy(5))
+    engine.step()
+    engine.step()
+    assert bm.num_used_blocks == 6
+    assert engine.abort_request(a)
+    assert bm.num_used_blocks == 3
+    c = engine.add_request(prompt(5, seed=2), greedy(5))
+    assert engine.abort_request(c)  # still waiting: the executor never saw it
+    assert not engine.abort_request(a) and not engine.abort_request(12345)
+    engine.step()
+    assert ex.plans[-1].finished_seq_ids == [a] and a not in ex.seqs
+    assert sorted(run(engine)) == [b]
+    assert engine.scheduler.stats.finished_by_reason == {"abort": 2, "length": 1}
+
+
+def test_max_model_len_is_capped_by_kv_capacity():
+    engine, _ = make_engine(num_kv_blocks=5, block_size=4, max_model_len=128)
+    assert engine.limits.max_model_len == 20
+    with pytest.raises(InvalidRequestError, match=r"exceeds max_model_len \(20\)"):
+        engine.add_request(prompt(15), greedy(10))
+
+
+def _decode_plan() -> tuple[FakeExecutor, StepPlan]:
+    engine, ex = make_engine()
+    engine.add_request(prompt(10), greedy(5))
+    engine.step()
+    return ex, engine.scheduler.schedule()
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda p: p.num_computed_tokens.__setitem__(0, 9),
+        lambda p: p.num_scheduled_tokens.__setitem__(0, 3),
+        lambda p: p.seq_ids.__setitem__(0, 999),
+        lambda p: p.finished_seq_ids.append(999),
+        lambda p: (p.new_block_ids.append(64), p.num_new_blocks.__setitem__(0, 1)),
+    ],
+)
+def test_fake_executor_rejects_wrong_plans(corrupt):
+    ex, plan = _decode_plan()
+    corrupt(plan)
+    with pytest.raises(AssertionError):
+        ex.step(plan)
+
+
+def test_fake_executor_detects_wrong_kv():
+    ex, plan = _decode_plan()
+    ex.kv = [0] * len(ex.kv)
+    with pytest.raises(AssertionError, match="KV at position"):
+        ex.step(plan)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 30), st.integers(0, 2), st.integers(1, 12), st.integers(0, 6)),
+        min_size=1,
+        max_size=7,
+    ),
+    num_kv_blocks=st.integers(11, 40),
+    budget=st.integers(1, 40),
+    max_num_seqs=st.integers(1, 6),
+    caching=st.booleans(),
+)
+def test_random_workloads_match_unconstrained_run(requests, num_kv_blocks, budget, max_num_seqs, caching):
+    """Any cache size, budget and batch limit gives the tokens of an unconstrained run."""
+
+    def generate(engine: LLMEngine) -> dict[int, list[int]]:
+        finished, step = {}, 0
+        ids = {}
+        while step < 2000 and (engine.has_unfinished_requests() or step <= 6):
+            for j, (n, seed, max_tokens, arrival) in enumerate(requests):
+                if arrival == step:
+                    ids[engine.add_request(prompt(n, seed), greedy(max_tokens))] = j
+            for o in engine.step():
+                if o.finished:
+                    finished[ids[o.request_id]] = o.token_ids
+            step += 1
+        assert not engine.has_unfinished_requests()
+        assert engine.scheduler.block_manager.num_used_blocks == 0
+        return finished
+
+    ref = generate(make_engine()[0])
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=caching
+    )
+    engine, ex = make_engine(config, num_kv_blocks=num_kv_blocks)
+    assert generate(engine) == ref
+    assert all(sum(p.num_scheduled_tokens) <= budget for p in ex.plans)
+    assert all(len(p.seq_ids) <= max_num_seqs for p in ex.plans)
+    assert all(len(ref[j]) == r[2] for j, r in enumerate(requests))
