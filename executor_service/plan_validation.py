@@ -120,6 +120,10 @@ def _check_new_seq(new: NewSequence, limits: PlanLimits, fail) -> None:
     bad = [t for t in new.token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         fail(f"new seq {new.seq_id}: token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
+    if len(new.token_ids) > limits.max_model_len:
+        fail(
+            f"new seq {new.seq_id} has {len(new.token_ids)} tokens, more than max_model_len ({limits.max_model_len})"
+        )
     if not 0 <= new.num_computed_tokens <= len(new.token_ids):
         fail(
             f"new seq {new.seq_id}: num_computed_tokens {new.num_computed_tokens} is outside "

@@ -1,0 +1,210 @@
+"""LocalExecutor's plan handling: bad plans are refused whole, state survives, describe/reset."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+from executor_fixtures import MiniScheduler, make_executor, prompt_ids
+
+from executor_service.config import ExecutorConfig
+from executor_service.executor import LocalExecutor, PlanError
+from protos.plan import NewSequence, StepPlan, StepSamplingParams
+
+NUM_KV_BLOCKS = 32
+
+
+@pytest.fixture
+def executor(qwen3_tied) -> LocalExecutor:
+    return make_executor(
+        qwen3_tied, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64
+    )
+
+
+@pytest.fixture
+def sched(executor) -> MiniScheduler:
+    """Seq 1 has a 16-token prompt in block 0, prefilled: 17 tokens, 16 computed, decoding next."""
+    sched = MiniScheduler(executor)
+    sched.add(1, prompt_ids(16, seed=1))
+    sched.step({1: 16})
+    return sched
+
+
+def _new(seq_id: int, tokens: list[int], blocks: list[int], computed: int = 0, **params) -> NewSequence:
+    return NewSequence(seq_id, tokens, blocks, computed, StepSamplingParams(**params))
+
+
+def _decode(seq_id=1, computed=16, blocks=(5,), **changes) -> StepPlan:
+    plan = StepPlan(
+        step_id=99,
+        seq_ids=[seq_id],
+        num_scheduled_tokens=[1],
+        num_computed_tokens=[computed],
+        new_block_ids=list(blocks),
+        num_new_blocks=[len(blocks)],
+    )
+    for name, value in changes.items():
+        setattr(plan, name, value)
+    return plan
+
+
+def _new_plan(*news: NewSequence, n: int | None = None, **changes) -> StepPlan:
+    plan = StepPlan(
+        step_id=99,
+        new_seqs=list(news),
+        seq_ids=[s.seq_id for s in news],
+        num_scheduled_tokens=[n or len(s.token_ids) for s in news],
+        num_computed_tokens=[s.num_computed_tokens for s in news],
+        num_new_blocks=[0] * len(news),
+    )
+    for name, value in changes.items():
+        setattr(plan, name, value)
+    return plan
+
+
+BAD_PLANS = {
+    "unknown seq id 7": _decode(seq_id=7),
+    "duplicate seq id 1 in seq_ids": _decode(
+        seq_ids=[1, 1], num_scheduled_tokens=[1, 1], num_computed_tokens=[16, 16], num_new_blocks=[1, 0]
+    ),
+    "duplicate seq id 2 in new_seqs": _new_plan(
+        _new(2, [5, 6], [3]),
+        _new(2, [5, 6], [4]),
+        seq_ids=[2],
+        num_scheduled_tokens=[2],
+        num_computed_tokens=[0],
+        num_new_blocks=[0],
+    ),
+    "new seq 1 is already held": _new_plan(_new(1, [5, 6], [3])),
+    f"block id {NUM_KV_BLOCKS} in new_block_ids is outside [0, {NUM_KV_BLOCKS})": _decode(
+        blocks=[NUM_KV_BLOCKS]
+    ),
+    "block id -1 in the block_table of new seq 2": _new_plan(_new(2, [5, 6], [-1])),
+    "token id 512 is outside the vocabulary [0, 512)": _new_plan(_new(2, [5, 512], [3])),
+    "token id -3 is outside the vocabulary": _new_plan(_new(2, [-3, 5], [3])),
+    "num_computed_tokens mismatch: plan says 15, executor has 16": _decode(computed=15),
+    "schedules tokens [16, 18) but only 17 tokens are known": _decode(num_scheduled_tokens=[2]),
+    "too few blocks: 1 blocks of 16 cannot hold 17 tokens": _decode(blocks=[]),
+    "5 scheduled sequences exceed max_num_seqs (4)": _new_plan(*[_new(i, [5], [i]) for i in range(2, 7)]),
+    "65 scheduled tokens exceed max_num_batched_tokens (64)": _new_plan(_new(2, [5] * 65, [3, 4, 6, 7, 8])),
+    "num_scheduled_tokens must be positive": _decode(num_scheduled_tokens=[-1]),
+    "negative count in num_new_blocks": _decode(num_new_blocks=[-1]),
+    "negative count in num_computed_tokens": _decode(computed=-2),
+    "1 seq_ids but 0 num_scheduled_tokens": _decode(num_scheduled_tokens=[]),
+    "num_new_blocks sum to 1 but new_block_ids has 2": _decode(blocks=[5, 6], num_new_blocks=[1]),
+    "new seq 2 has num_new_blocks 1": _new_plan(_new(2, [5], [3]), new_block_ids=[4], num_new_blocks=[1]),
+    "new seq 2 has 300 tokens, more than max_model_len (256)": _new_plan(
+        _new(2, [5] * 300, list(range(19))), n=40
+    ),
+    "top_p 0.0 must be in (0, 1]": _new_plan(_new(2, [5], [3], top_p=0.0)),
+    "temperature -1.0 must be >= 0": _new_plan(_new(2, [5], [3], temperature=-1.0)),
+    # Seq 1 is finished by this plan, so scheduling it is scheduling an unknown sequence.
+    "unknown seq id 1": _decode(finished_seq_ids=[1]),
+}
+
+
+@pytest.mark.parametrize("message", list(BAD_PLANS))
+def test_bad_plan_raises_names_the_problem_and_changes_nothing(executor, sched, message):
+    plan = copy.deepcopy(BAD_PLANS[message])
+    # Bad plans that do not schedule seq 1 also finish it: that must not happen either.
+    if 1 not in plan.seq_ids and not plan.finished_seq_ids:
+        plan.finished_seq_ids.append(1)
+    before = copy.deepcopy(executor.seqs)
+    with pytest.raises(PlanError, match=re.escape(message)):
+        executor.step(plan)
+    assert executor.seqs == before
+    # The executor keeps working: the next good plan decodes seq 1.
+    result, _ = sched.step(sched.decode_all())
+    assert result.seq_ids == [1]
+    assert len(executor.seqs[1].token_ids) == 18
+
+
+def test_plan_with_only_finished_ids_runs_no_forward(executor, sched):
+    result = executor.step(StepPlan(step_id=5, finished_seq_ids=[1, 42]))
+    assert result.step_id == 5 and result.seq_ids == [] and result.forward_seconds == 0.0
+    assert executor.seqs == {}
+
+
+def test_preempted_sequence_can_be_resent_in_the_same_plan(executor, sched):
+    tokens = list(executor.seqs[1].token_ids)
+    plan = _new_plan(_new(1, tokens, [7, 8]), preempted_seq_ids=[1])
+    result = executor.step(plan)
+    assert result.seq_ids == [1]
+    assert executor.seqs[1].token_ids[:-1] == tokens
+    assert executor.seqs[1].block_table == [7, 8]
+
+
+def test_seeded_sampling_survives_preemption_and_batch_company(qwen3_tied):
+    params = dict(temperature=1.0, seed=2024)
+    prompt = prompt_ids(10, seed=3)
+
+    alone = MiniScheduler(make_executor(qwen3_tied, seed=1))
+    alone.add(1, prompt, StepSamplingParams(**params))
+    alone.step({1: 10})
+    for _ in range(9):
+        alone.step({1: 1})
+
+    crowd = MiniScheduler(make_executor(qwen3_tied, seed=2))
+    crowd.add(1, prompt, StepSamplingParams(**params))
+    crowd.add(2, prompt_ids(12, seed=4), StepSamplingParams(temperature=1.0))
+    crowd.step({1: 10, 2: 12})
+    for i in range(9):
+        if i == 4:  # recompute preemption: dropped, then re-sent with everything it has
+            crowd.step({2: 1}, preempted=(1,))
+            crowd.step({1: len(crowd.seqs[1].token_ids), 2: 1})
+        else:
+            crowd.step({1: 1, 2: 1})
+    assert crowd.seqs[1].token_ids == alone.seqs[1].token_ids
+    assert len(set(alone.seqs[1].token_ids[10:])) > 3  # really sampled, not greedy repeats
+
+
+def test_reset_drops_every_sequence(executor, sched):
+    sched.add(2, prompt_ids(5, seed=2))
+    sched.step({1: 1, 2: 5})
+    assert executor.reset() == 2
+    assert executor.reset() == 0
+    with pytest.raises(PlanError, match="unknown seq id 1"):
+        executor.step(_decode(computed=17, blocks=[]))
+    result = executor.step(_new_plan(_new(1, [5, 6, 7], [0])))
+    assert result.seq_ids == [1]
+
+
+def test_describe_reports_capacity_and_model_limits(qwen3_untied):
+    info = make_executor(qwen3_untied, block_size=32, num_kv_blocks=40, max_model_len=None).describe()
+    assert info.model == Path(qwen3_untied).name
+    assert info.architecture == "Qwen3ForCausalLM"
+    assert (info.block_size, info.num_kv_blocks, info.max_model_len) == (32, 40, 1024)
+    assert info.eos_token_ids == [0, 1]
+    assert (info.vocab_size, info.num_layers, info.dtype, info.device) == (512, 4, "float32", "cpu")
+    assert info.block_bytes == 2 * 4 * 32 * 2 * 16 * 4  # K and V, 4 layers, 2 KV heads of 16, fp32
+    assert info.attention_backend == "torch"
+
+
+def test_kv_cache_gb_sets_the_block_count(qwen3_tied):
+    info = LocalExecutor(
+        ExecutorConfig(model=str(qwen3_tied), kv_cache_gb=0.01, max_model_len=128)
+    ).describe()
+    assert info.num_kv_blocks == int(0.01 * 2**30) // info.block_bytes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_model_len": 4096}, r"max_model_len \(4096\) must be in \[1, 1024\]"),
+        ({"dtype": "float8"}, "dtype 'float8' is not one of"),
+        ({"attention_backend": "flash"}, "attention_backend 'flash' is not one of auto, torch"),
+        ({"block_size": 0}, r"block_size \(0\) must be positive"),
+        ({"max_num_seqs": 9000}, r"max_num_batched_tokens \(8192\) must be >= max_num_seqs \(9000\)"),
+        ({"device": "tpu"}, "device 'tpu' must be 'cpu' or 'cuda'"),
+    ],
+)
+def test_config_errors_say_what_to_change(qwen3_tied, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ExecutorConfig(model=str(qwen3_tied), **kwargs)
+
+
+def test_kv_cache_smaller_than_max_model_len_is_refused(qwen3_tied):
+    with pytest.raises(ValueError, match=r"fewer than max_model_len \(1024\)"):
+        LocalExecutor(ExecutorConfig(model=str(qwen3_tied), num_kv_blocks=10))
