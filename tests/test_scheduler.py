@@ -378,14 +378,14 @@ def test_fake_executor_detects_wrong_kv():
         ex.step(plan)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     requests=st.lists(
         st.tuples(st.integers(1, 30), st.integers(0, 2), st.integers(1, 12), st.integers(0, 6)),
-        min_size=1,
-        max_size=7,
+        min_size=2,
+        max_size=8,
     ),
-    num_kv_blocks=st.integers(11, 40),
+    num_kv_blocks=st.integers(11, 22),
     budget=st.integers(1, 40),
     max_num_seqs=st.integers(1, 6),
     caching=st.booleans(),

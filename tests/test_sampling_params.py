@@ -1,0 +1,103 @@
+"""Every bad request fails with InvalidRequestError naming the limit it broke."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.sampling_params import InvalidRequestError, SamplingParams, verify_request
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"top_k": -1}, "top_k must be >= 0 (0 disables it), got -1"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"min_p": -0.1}, "min_p must be in [0, 1], got -0.1"),
+        ({"min_p": 1.1}, "min_p must be in [0, 1], got 1.1"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
+        ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
+        ({"stop_token_ids": [3, -2]}, "stop_token_ids[1] must be >= 0, got -2"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(InvalidRequestError) as exc:
+        SamplingParams(**kwargs)
+    assert str(exc.value) == message
+    assert isinstance(exc.value, ValueError)
+
+
+def test_good_sampling_params_and_step_params():
+    params = SamplingParams(
+        max_tokens=None, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=3, logprobs=2
+    )
+    step = params.to_step_params(num_prompt_tokens=11)
+    assert (step.temperature, step.top_k, step.top_p, step.min_p, step.seed) == (0.7, 5, 0.9, 0.05, 3)
+    assert (step.logprobs, step.num_prompt_tokens, step.repetition_penalty) == (2, 11, 1.0)
+    assert SamplingParams().max_tokens == 16 and SamplingParams().temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], SamplingParams(), "prompt is empty: at least one token is required"),
+        ([1, 2, 3, 600], SamplingParams(), "token id 600 at position 3 is outside the vocabulary (size 512)"),
+        ([1, -1], SamplingParams(), "token id -1 at position 1 is outside the vocabulary (size 512)"),
+        (
+            [1] * 900,
+            SamplingParams(max_tokens=200),
+            "prompt (900 tokens) + max_tokens (200) exceeds max_model_len (1024)",
+        ),
+        (
+            [1] * 1024,
+            SamplingParams(max_tokens=None),
+            "prompt (1024 tokens) leaves no room to generate within max_model_len (1024)",
+        ),
+        (
+            [1],
+            SamplingParams(stop_token_ids=[512]),
+            "stop_token_ids[0] = 512 is outside the vocabulary (size 512)",
+        ),
+    ],
+)
+def test_bad_requests(prompt, params, message):
+    with pytest.raises(InvalidRequestError) as exc:
+        verify_request(prompt, params, vocab_size=512, max_model_len=1024)
+    assert str(exc.value) == message
+
+
+def test_request_at_the_limit_is_accepted():
+    verify_request([1] * 824, SamplingParams(max_tokens=200), vocab_size=512, max_model_len=1024)
+    verify_request([511], SamplingParams(max_tokens=None), vocab_size=512, max_model_len=1024)
+
+
+def test_engine_add_request_validates():
+    from test_scheduler import make_engine
+
+    engine, _ = make_engine(max_model_len=64)
+    with pytest.raises(InvalidRequestError, match=r"outside the vocabulary \(size 512\)"):
+        engine.add_request([5, 512])
+    with pytest.raises(InvalidRequestError, match=r"exceeds max_model_len \(64\)"):
+        engine.add_request([5] * 60, SamplingParams(max_tokens=5))
+    params = SamplingParams()
+    params.temperature = -1.0  # mutated after construction: checked again on admission
+    with pytest.raises(InvalidRequestError, match="temperature must be >= 0"):
+        engine.add_request([5], params)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
+        ({"max_model_len": 1}, "max_model_len must be >= 2 (or None for the executor's), got 1"),
+    ],
+)
+def test_bad_scheduler_config(kwargs, message):
+    with pytest.raises(ValueError) as exc:
+        SchedulerConfig(**kwargs)
+    assert str(exc.value) == message
