@@ -124,12 +124,13 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: frozenset[str] =
             with safe_open(path, "pt") as f:
                 for name in names:
                     bar.update(1)
-                    if name in skip:
+                    # Older checkpoints store the rotary buffer; it is recomputed from rope_theta.
+                    if name in skip or name.endswith("rotary_emb.inv_freq"):
                         continue
                     tensor = f.get_tensor(name)
                     for shard_name, (packed_name, shard_id) in packed.items():
                         if f".{shard_name}." in name:
-                            target = name.replace(shard_name, packed_name)
+                            target = name.replace(f".{shard_name}.", f".{packed_name}.")
                             param = _param(params, target, name)
                             param.weight_loader(param, tensor, shard_id)
                             break

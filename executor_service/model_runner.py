@@ -18,7 +18,7 @@ from executor_service.kv_cache import KVCache, block_bytes, num_blocks_for_bytes
 from executor_service.layers.attention import Attention
 from executor_service.loader import checkpoint_tensor_files, load_weights
 from executor_service.models import get_model_class
-from executor_service.sampler import Sampler
+from executor_service.sampler import Sampler, SamplerOutput
 from executor_service.sampling_metadata import SamplingMetadata, _to_device
 from executor_service.sequence import SequenceState
 from protos.plan import TokenLogprobs
@@ -188,7 +188,7 @@ class ModelRunner:
         return batch, out
 
 
-def _logprobs(batch: PreparedBatch, sampled) -> list[TokenLogprobs]:
+def _logprobs(batch: PreparedBatch, sampled: SamplerOutput) -> list[TokenLogprobs]:
     sampled_lp = sampled.sampled_logprobs.tolist()
     top_ids = sampled.top_token_ids.tolist()
     top_lp = sampled.top_logprobs.tolist()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from executor_fixtures import MiniScheduler, hf_logits, make_executor, prompt_ids
@@ -128,3 +131,21 @@ def test_bfloat16_load_via_dtype_flag(qwen3_tied):
     # bf16 keeps ~3 significant digits; the logits span about +-20.
     torch.testing.assert_close(logits.float(), ref, atol=0.25, rtol=0.02)
     assert (logits.float().argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_older_config_format_with_top_level_rope_theta(qwen3_untied, tmp_path):
+    """Configs written before transformers 5 carry rope_theta and torch_dtype at the top level."""
+    for f in qwen3_untied.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((qwen3_untied / "config.json").read_text())
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config["torch_dtype"] = config.pop("dtype")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    executor = make_executor(tmp_path)
+    assert executor.config.model_config.rope_theta == 1e6
+    assert executor.describe().dtype == "float32"
+    sched = MiniScheduler(executor)
+    prompt = prompt_ids(40, seed=9)
+    sched.add(1, prompt)
+    _, logits = sched.step({1: 40})
+    torch.testing.assert_close(logits, hf_logits(_hf(qwen3_untied), prompt), atol=ATOL, rtol=0)

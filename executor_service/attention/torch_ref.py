@@ -15,6 +15,7 @@ def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     # k_cache viewed as [num_slots, num_kv_heads, head_dim]; slot -1 is padding and is skipped.
+    # The boolean mask syncs on CUDA: fine for the reference, the GPU backends' store kernels skip -1.
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
