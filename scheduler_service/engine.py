@@ -10,7 +10,9 @@ from protos.plan import ExecutorInfo, StepPlan, StepResult
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.sampling_params import SamplingParams, verify_request
 from scheduler_service.scheduler import Scheduler
-from scheduler_service.sequence import Sequence
+from scheduler_service.sequence import Sequence, SequenceStatus
+
+_FINISHED = SequenceStatus.FINISHED
 
 
 class Executor(Protocol):
@@ -93,16 +95,17 @@ class LLMEngine:
 
 
 def _to_output(seq: Sequence) -> RequestOutput:
+    # Positional arguments: this runs once per sequence per step.
     tokens = seq.token_ids
     k = seq.num_new_tokens
     return RequestOutput(
-        request_id=seq.seq_id,
-        new_token_ids=tokens[-k:] if k else [],
-        finished=seq.is_finished,
-        finish_reason=seq.finish_reason,
-        num_prompt_tokens=seq.num_prompt_tokens,
-        num_cached_tokens=max(seq.num_cached_tokens, 0),
-        error=seq.error,
-        _all_token_ids=tokens,
-        _end=len(tokens),
+        seq.seq_id,
+        tokens[-k:] if k else [],
+        seq.status is _FINISHED,
+        seq.finish_reason,
+        seq.num_prompt_tokens,
+        seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0,
+        seq.error,
+        tokens,
+        len(tokens),
     )

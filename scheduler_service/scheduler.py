@@ -39,6 +39,8 @@ class Scheduler:
         self._next_step_id = 1
         # Sequences the executor holds that finished since the last plan.
         self._finished_ids: list[int] = []
+        # step id -> (how many sequences sample, the scheduled ones that do not).
+        self._in_flight: dict[int, tuple[int, list[Sequence]]] = {}
         # Sequences failed inside schedule(), returned by the next update().
         self._failed: list[Sequence] = []
         self.stats = SchedulerStats(num_total_blocks=limits.num_kv_blocks)
@@ -95,22 +97,22 @@ class Scheduler:
         seq_ids = plan.seq_ids
         num_scheduled = plan.num_scheduled_tokens
         num_computed = plan.num_computed_tokens
-        new_block_ids = plan.new_block_ids
         num_new_blocks = plan.num_new_blocks
         free_ids = bm.free_block_ids
         running = self.running
+        # Scheduled sequences that sample nothing this step (a chunk of a longer prefill).
+        partial: list[Sequence] = []
+        num_sampling = 0
         preempted = False
 
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             c = seq.num_computed_tokens
-            n = min(len(seq.token_ids) - c, budget)
-            if n <= 0:
-                i += 1
-                continue
-            needed = -(-(c + n) // bs) - len(seq.block_table)
-            if needed > 0:
+            remaining = len(seq.token_ids) - c
+            n = remaining if remaining <= budget else budget
+            if c + n > len(seq.block_table) * bs:
+                needed = -(-(c + n) // bs) - len(seq.block_table)
                 while needed > len(free_ids) and running[-1] is not seq:
                     self._preempt(running.pop(), plan)
                     preempted = True
@@ -121,10 +123,14 @@ class Scheduler:
                         self._fail_unfittable(seq)
                     break
                 new = bm.append_slots(seq, n)
-                new_block_ids.extend(new)
+                plan.new_block_ids.extend(new)
                 num_new_blocks.append(len(new))
             else:
                 num_new_blocks.append(0)
+            if n < remaining:
+                partial.append(seq)
+            else:
+                num_sampling += 1
             seq_ids.append(seq.seq_id)
             num_scheduled.append(n)
             num_computed.append(c)
@@ -134,16 +140,19 @@ class Scheduler:
 
         # After a preemption, admitting new work would only thrash the cache.
         if not preempted:
-            self._schedule_waiting(plan, budget)
+            num_sampling += self._schedule_waiting(plan, budget, partial)
+        self._in_flight[plan.step_id] = (num_sampling, partial)
         self.stats.num_steps += 1
         self._refresh_gauges()
         return plan
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: int, partial: list[Sequence]) -> int:
+        """Admit waiting sequences in arrival order; returns how many of them will sample."""
         bm = self.block_manager
         bs = self.limits.block_size
         waiting = self.waiting
         running = self.running
+        num_sampling = 0
         while waiting and budget > 0 and len(running) < self.limits.max_num_seqs:
             seq = waiting[0]
             cached = bm.find_cached_blocks(seq)
@@ -161,7 +170,6 @@ class Scheduler:
             waiting.popleft()
             running.append(seq)
             seq.status = _RUNNING
-            seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_cached
             plan.new_seqs.append(
@@ -179,7 +187,12 @@ class Scheduler:
             plan.num_computed_tokens.append(num_cached)
             plan.num_new_blocks.append(0)
             seq.num_computed_tokens = num_cached + n
+            if seq.num_computed_tokens < len(seq.token_ids):
+                partial.append(seq)
+            else:
+                num_sampling += 1
             budget -= n
+        return num_sampling
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
@@ -209,54 +222,60 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Apply the executor's sampled tokens: append, stop checks, free finished blocks.
         Returns the sequences that got a token or finished, each with num_new_tokens set."""
-        if result.step_id != plan.step_id:
+        if result.step_id != plan.step_id or plan.step_id not in self._in_flight:
             raise RuntimeError(f"result for step {result.step_id} does not match plan {plan.step_id}")
+        num_sampling, partial = self._in_flight.pop(plan.step_id)
+        if len(result.seq_ids) != num_sampling:
+            raise RuntimeError(
+                f"step {plan.step_id}: executor sampled {len(result.seq_ids)} sequences, expected {num_sampling}"
+            )
         out = self._failed
         self._failed = []
         seqs = self.seqs
-        token_ids = result.token_ids
         stats = self.stats
-        any_finished = False
-        offset = 0
-        for seq_id, k in zip(result.seq_ids, result.num_tokens, strict=True):
-            start = offset
-            offset += k
-            seq = seqs.get(seq_id)
-            if seq is None or seq.status is not _RUNNING:
-                continue  # aborted while the step ran
-            tokens = seq.token_ids
-            if seq.num_computed_tokens != len(tokens):
-                raise RuntimeError(f"executor sampled a token for sequence {seq_id} in mid-prefill")
-            if seq.num_computed_tokens == seq.num_prompt_tokens:
-                stats.num_prompt_tokens += seq.num_prompt_tokens
-            seq.num_new_tokens = 0
-            for tok in token_ids[start:offset] if k != 1 else (token_ids[start],):
-                tokens.append(tok)
-                seq.num_new_tokens += 1
-                if tok in seq.stop_ids:
-                    self._finish(seq, "stop")
-                    any_finished = True
-                    break
-                if len(tokens) >= seq.max_num_tokens:
-                    self._finish(seq, "length")
-                    any_finished = True
-                    break
-            stats.num_generation_tokens += seq.num_new_tokens
-            out.append(seq)
-        if any_finished:
-            self.running = [s for s in self.running if s.status is _RUNNING]
-
         bm = self.block_manager
         caching = bm.enable_prefix_caching
         bs = self.limits.block_size
-        for seq_id in plan.seq_ids:
+        token_ids = result.token_ids
+        any_finished = False
+        num_generated = 0
+        offset = 0
+        for seq_id, k in zip(result.seq_ids, result.num_tokens, strict=True):
             seq = seqs.get(seq_id)
             if seq is None or seq.status is not _RUNNING:
-                continue
-            if seq.num_computed_tokens == len(seq.token_ids):
-                raise RuntimeError(f"executor returned no token for sequence {seq_id}")
-            if caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                offset += k
+                continue  # aborted while the step ran
+            tokens = seq.token_ids
+            num_before = len(tokens)
+            if seq.num_computed_tokens != num_before:
+                raise RuntimeError(f"executor sampled a token for sequence {seq_id} in mid-prefill")
+            if num_before == seq.num_prompt_tokens:
+                stats.num_prompt_tokens += num_before
+            reason = None
+            for tok in token_ids[offset : offset + k] if k != 1 else (token_ids[offset],):
+                tokens.append(tok)
+                if tok in seq.stop_ids:
+                    reason = "stop"
+                    break
+                if len(tokens) >= seq.max_num_tokens:
+                    reason = "length"
+                    break
+            offset += k
+            seq.num_new_tokens = len(tokens) - num_before
+            num_generated += seq.num_new_tokens
+            if reason is not None:
+                self._finish(seq, reason)
+                any_finished = True
+            elif caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:
                 bm.cache_full_blocks(seq)
+            out.append(seq)
+        stats.num_generation_tokens += num_generated
+        if any_finished:
+            self.running = [s for s in self.running if s.status is _RUNNING]
+        if caching:
+            for seq in partial:
+                if seq.status is _RUNNING:
+                    bm.cache_full_blocks(seq)
         self._refresh_gauges()
         return out
 
