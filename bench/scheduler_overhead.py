@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protos.plan import ExecutorInfo, StepPlan, StepResult  # noqa: E402
-from scheduler_service.config import SchedulerConfig  # noqa: E402
-from scheduler_service.engine import LLMEngine  # noqa: E402
-from scheduler_service.sampling_params import SamplingParams  # noqa: E402
+from protos.plan import ExecutorInfo, StepPlan, StepResult
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.engine import LLMEngine
+from scheduler_service.sampling_params import SamplingParams
 
 
 class TrivialExecutor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -13,6 +15,8 @@ from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import Sequence, SequenceStatus
 
 _FINISHED = SequenceStatus.FINISHED
+logger = logging.getLogger(__name__)
+STATUS_INTERVAL_S = 10.0
 
 
 class Executor(Protocol):
@@ -57,6 +61,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.info)
         self.limits = self.scheduler.limits
         self._next_request_id = 0
+        self._last_status = (time.monotonic(), 0, 0)
 
     def add_request(
         self,
@@ -66,8 +71,7 @@ class LLMEngine:
     ) -> int:
         """Queue a request; raises InvalidRequestError if it can never run."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        params.verify()
-        verify_request(prompt_token_ids, params, self.limits.vocab_size, self.limits.max_model_len)
+        self.validate_request(prompt_token_ids, params)
         if request_id is None:
             while self._next_request_id in self.scheduler.seqs:
                 self._next_request_id += 1
@@ -77,6 +81,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id} is already in use")
         self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params))
         return request_id
+
+    def validate_request(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams) -> None:
+        """The checks of add_request without admitting anything (to check a batch first)."""
+        sampling_params.verify()
+        verify_request(prompt_token_ids, sampling_params, self.limits.vocab_size, self.limits.max_model_len)
 
     def abort_request(self, request_id: int) -> bool:
         """Abort between steps; returns whether the request was still unfinished."""
@@ -91,7 +100,31 @@ class LLMEngine:
             result = self.executor.step(plan)
         else:
             result = StepResult(step_id=plan.step_id)
-        return [_to_output(seq) for seq in self.scheduler.update(plan, result)]
+        outputs = [_to_output(seq) for seq in self.scheduler.update(plan, result)]
+        if time.monotonic() - self._last_status[0] >= STATUS_INTERVAL_S:
+            self._log_status()
+        return outputs
+
+    def _log_status(self) -> None:
+        """One line of throughput and occupancy, quiet when idle."""
+        stats = self.scheduler.stats
+        now = time.monotonic()
+        t0, prompt0, gen0 = self._last_status
+        self._last_status = (now, stats.num_prompt_tokens, stats.num_generation_tokens)
+        if stats.num_generation_tokens == gen0 and stats.num_prompt_tokens == prompt0:
+            return
+        dt = now - t0
+        logger.info(
+            "prompt %.0f tok/s, generation %.0f tok/s, running %d, waiting %d, "
+            "KV usage %.1f%%, prefix hit rate %.1f%%, preemptions %d",
+            (stats.num_prompt_tokens - prompt0) / dt,
+            (stats.num_generation_tokens - gen0) / dt,
+            stats.num_running,
+            stats.num_waiting,
+            100 * stats.kv_usage,
+            100 * stats.prefix_hit_rate,
+            stats.num_preemptions,
+        )
 
 
 def _to_output(seq: Sequence) -> RequestOutput:

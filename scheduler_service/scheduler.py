@@ -142,6 +142,7 @@ class Scheduler:
         if not preempted:
             num_sampling += self._schedule_waiting(plan, budget, partial)
         self._in_flight[plan.step_id] = (num_sampling, partial)
+        self.stats.num_chunked_prefills += len(partial)
         self.stats.num_steps += 1
         self._refresh_gauges()
         return plan

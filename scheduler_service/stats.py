@@ -15,6 +15,8 @@ class SchedulerStats:
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_steps: int = 0
+    # Scheduled prefill chunks that did not reach the end of their prompt.
+    num_chunked_prefills: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     # Gauges, refreshed after every schedule() and update().
     num_running: int = 0

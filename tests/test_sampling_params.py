@@ -86,6 +86,9 @@ def test_engine_add_request_validates():
     params.temperature = -1.0  # mutated after construction: checked again on admission
     with pytest.raises(InvalidRequestError, match="temperature must be >= 0"):
         engine.add_request([5], params)
+    engine.validate_request([5] * 59, SamplingParams(max_tokens=5))
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        engine.validate_request([], SamplingParams())
     assert not engine.has_unfinished_requests()
 
 

@@ -197,6 +197,7 @@ def test_chunked_prefill_respects_token_budget():
     assert [p.num_computed_tokens for p in ex.plans[:5]] == [[0], [16], [32], [48], [50]]
     assert len(ex.plans[0].new_seqs) == 1 and not any(p.new_seqs for p in ex.plans[1:])
     assert finished[rid].finish_reason == "length" and len(finished[rid].token_ids) == 4
+    assert engine.scheduler.stats.num_chunked_prefills == 3
 
 
 def test_mixed_prefill_and_decode_in_one_step():
