@@ -12,7 +12,7 @@ from protos.plan import ExecutorInfo, StepPlan, StepResult
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.sampling_params import SamplingParams, verify_request
 from scheduler_service.scheduler import Scheduler
-from scheduler_service.sequence import Sequence, SequenceStatus
+from scheduler_service.sequence import Sequence, SequenceStatus, TokenLogprob
 
 _FINISHED = SequenceStatus.FINISHED
 logger = logging.getLogger(__name__)
@@ -38,15 +38,25 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
-    # token_ids is a slice taken on demand: copying every sequence's output every step
-    # would make a step O(total tokens).
+    # Present when the request asked for logprobs: one entry per new token.
+    new_logprobs: list[TokenLogprob] | None = None
+    # token_ids and logprobs are slices taken on demand: copying every sequence's output
+    # every step would make a step O(total tokens).
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
     _end: int = 0
+    _all_logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
         """All generated tokens up to and including this step."""
         return self._all_token_ids[self.num_prompt_tokens : self._end]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One entry per generated token so far, when the request asked for logprobs."""
+        if self._all_logprobs is None:
+            return None
+        return self._all_logprobs[: self._end - self.num_prompt_tokens]
 
     @property
     def num_output_tokens(self) -> int:
@@ -139,6 +149,8 @@ def _to_output(seq: Sequence) -> RequestOutput:
         seq.num_prompt_tokens,
         seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0,
         seq.error,
+        seq.logprobs[-k:] if k and seq.logprobs is not None else None,
         tokens,
         len(tokens),
+        seq.logprobs,
     )

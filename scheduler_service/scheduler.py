@@ -13,10 +13,10 @@ import itertools
 import logging
 from collections import deque
 
-from protos.plan import ExecutorInfo, NewSequence, StepPlan, StepResult
+from protos.plan import ExecutorInfo, NewSequence, StepPlan, StepResult, TokenLogprobs
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.config import SchedulerConfig, resolve_limits
-from scheduler_service.sequence import Sequence, SequenceStatus
+from scheduler_service.sequence import Sequence, SequenceStatus, TokenLogprob
 from scheduler_service.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -238,6 +238,7 @@ class Scheduler:
         caching = bm.enable_prefix_caching
         bs = self.limits.block_size
         token_ids = result.token_ids
+        logprobs = {lp.seq_id: lp for lp in result.logprobs} if result.logprobs else None
         any_finished = False
         num_generated = 0
         offset = 0
@@ -264,6 +265,8 @@ class Scheduler:
             offset += k
             seq.num_new_tokens = len(tokens) - num_before
             num_generated += seq.num_new_tokens
+            if logprobs is not None and seq.logprobs is not None and seq_id in logprobs:
+                _append_logprobs(seq, logprobs[seq_id], num_before)
             if reason is not None:
                 self._finish(seq, reason)
                 any_finished = True
@@ -293,3 +296,16 @@ class Scheduler:
         if seq.sent:
             self._finished_ids.append(seq.seq_id)
             seq.sent = False
+
+
+def _append_logprobs(seq: Sequence, lp: TokenLogprobs, num_before: int) -> None:
+    num_top = len(lp.top_token_ids) // max(len(lp.sampled_logprobs), 1)
+    for j in range(seq.num_new_tokens):
+        top = slice(j * num_top, (j + 1) * num_top)
+        seq.logprobs.append(
+            TokenLogprob(
+                seq.token_ids[num_before + j],
+                lp.sampled_logprobs[j],
+                list(zip(lp.top_token_ids[top], lp.top_logprobs[top], strict=True)),
+            )
+        )

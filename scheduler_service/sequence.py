@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from protos.plan import StepSamplingParams
 from scheduler_service.sampling_params import SamplingParams
@@ -14,6 +15,15 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class TokenLogprob:
+    """A sampled token's logprob and the top alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
 class Sequence:
     __slots__ = (
         "arrival",
@@ -21,6 +31,7 @@ class Sequence:
         "block_table",
         "error",
         "finish_reason",
+        "logprobs",
         "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -52,6 +63,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.error: str | None = None
+        # One entry per output token when the request asked for logprobs, else None.
+        self.logprobs: list[TokenLogprob] | None = [] if sampling_params.logprobs > 0 else None
         # Tokens whose KV is in the cache (or will be once the step in flight completes).
         self.num_computed_tokens = 0
         # Prefix-cache hit at first schedule; -1 until then.

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protos.plan import ExecutorInfo, StepPlan, StepResult
+from protos.plan import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.sampling_params import InvalidRequestError, SamplingParams
@@ -22,6 +22,7 @@ class _SeqState:
     token_ids: list[int]
     block_table: list[int]
     num_computed: int
+    num_logprobs: int = 0
     # The "KV" the fake writes at each position: a hash chained over the prefix.
     values: list[int] = field(default_factory=list)
 
@@ -81,7 +82,9 @@ class FakeExecutor:
         for sid in plan.finished_seq_ids + plan.preempted_seq_ids:
             del self.seqs[sid]
         for s in plan.new_seqs:
-            self.seqs[s.seq_id] = _SeqState(list(s.token_ids), list(s.block_table), s.num_computed_tokens)
+            self.seqs[s.seq_id] = _SeqState(
+                list(s.token_ids), list(s.block_table), s.num_computed_tokens, s.sampling_params.logprobs
+            )
         bs = self.info.block_size
         result = StepResult(step_id=plan.step_id)
         off = 0
@@ -103,6 +106,9 @@ class FakeExecutor:
                 result.seq_ids.append(sid)
                 result.token_ids.append(tok)
                 result.num_tokens.append(1)
+                if st_.num_logprobs:
+                    top = [(tok + j) % VOCAB for j in range(st_.num_logprobs)]
+                    result.logprobs.append(TokenLogprobs(sid, [-tok / 1000], top, [-t / 1000 for t in top]))
         return result
 
     def _validate(self, plan: StepPlan) -> None:
@@ -320,6 +326,30 @@ def test_stop_rules_and_finish_reasons():
     # max_tokens=None runs until max_model_len.
     reason, tokens = generate(greedy(None), max_model_len=19)
     assert reason == "length" and tokens == ref[:12]
+
+
+def test_logprobs_follow_the_tokens_through_preemption():
+    engine, _ = make_engine(num_kv_blocks=8)
+    ids = [engine.add_request(prompt(8, seed=i), greedy(8, logprobs=2)) for i in range(3)]
+    plain = engine.add_request(prompt(8, seed=9), greedy(8))
+    seen: dict[int, list] = {i: [] for i in ids}
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == plain:
+                assert o.new_logprobs is None and o.logprobs is None
+                continue
+            assert [lp.token_id for lp in o.new_logprobs] == o.new_token_ids
+            seen[o.request_id] += o.new_logprobs
+            if o.finished:
+                finished[o.request_id] = o
+    assert engine.scheduler.stats.num_preemptions > 0
+    for i in ids:
+        out = finished[i]
+        assert out.logprobs == seen[i] and len(out.logprobs) == 8
+        for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+            assert lp.logprob == -tok / 1000
+            assert lp.top_logprobs == [(tok, -tok / 1000), ((tok + 1) % VOCAB, -((tok + 1) % VOCAB) / 1000)]
 
 
 def test_abort_frees_blocks_and_tells_the_executor():
