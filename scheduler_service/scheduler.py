@@ -215,6 +215,7 @@ class Scheduler:
             f"({self.limits.num_kv_blocks} blocks of {self.limits.block_size} tokens)"
         )
         logger.error(seq.error)
+        seq.num_new_tokens = 0
         self._finish(seq, "abort")
         self._failed.append(seq)
 

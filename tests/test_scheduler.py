@@ -12,6 +12,7 @@ from protos.plan import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.sampling_params import InvalidRequestError, SamplingParams
+from scheduler_service.sequence import Sequence
 
 VOCAB = 512
 EOS = 1
@@ -376,6 +377,22 @@ def test_max_model_len_is_capped_by_kv_capacity():
     assert engine.limits.max_model_len == 20
     with pytest.raises(InvalidRequestError, match=r"exceeds max_model_len \(20\)"):
         engine.add_request(prompt(15), greedy(10))
+
+
+@pytest.mark.parametrize("budget", [512, 8])
+def test_a_sequence_larger_than_the_cache_fails_instead_of_looping(budget):
+    engine, ex = make_engine(SchedulerConfig(max_num_batched_tokens=budget), num_kv_blocks=4)
+    # Bypasses add_request, which would reject it against max_model_len (capped to 16).
+    engine.scheduler.add(Sequence(99, prompt(20), greedy(4)))
+    outs = []
+    for _ in range(5):
+        outs += engine.step()
+    assert [(o.request_id, o.finished, o.finish_reason, o.new_token_ids) for o in outs] == [
+        (99, True, "abort", [])
+    ]
+    assert "does not fit in the KV cache (4 blocks of 4 tokens)" in outs[0].error
+    assert not engine.has_unfinished_requests() and 99 not in ex.seqs
+    assert engine.scheduler.block_manager.num_used_blocks == 0
 
 
 def _decode_plan() -> tuple[FakeExecutor, StepPlan]:
