@@ -13,10 +13,10 @@ import itertools
 import logging
 from collections import deque
 
-from protos.plan import ExecutorInfo, NewSequence, StepPlan, StepResult, TokenLogprobs
+from protos.plan import ExecutorInfo, StepPlan, StepResult
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.config import SchedulerConfig, resolve_limits
-from scheduler_service.sequence import Sequence, SequenceStatus, TokenLogprob
+from scheduler_service.sequence import Sequence, SequenceStatus
 from scheduler_service.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -50,15 +50,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already in use")
-        params = seq.sampling_params
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self.limits.eos_token_ids)
-        seq.stop_ids = frozenset(stop_ids)
-        max_len = self.limits.max_model_len
-        if params.max_tokens is not None:
-            max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
-        seq.max_num_tokens = max_len
+        seq.set_stop_rules(self.limits.eos_token_ids, self.limits.max_model_len)
         seq.arrival = next(self._arrivals)
         seq.status = SequenceStatus.WAITING
         self.seqs[seq.seq_id] = seq
@@ -173,15 +165,8 @@ class Scheduler:
             seq.status = _RUNNING
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_cached
-            plan.new_seqs.append(
-                NewSequence(
-                    seq_id=seq.seq_id,
-                    token_ids=list(seq.token_ids),
-                    block_table=list(seq.block_table),
-                    num_computed_tokens=num_cached,
-                    sampling_params=seq.step_params,
-                )
-            )
+            seq.num_computed_tokens = num_cached
+            plan.new_seqs.append(seq.to_new_sequence())
             seq.sent = True
             plan.seq_ids.append(seq.seq_id)
             plan.num_scheduled_tokens.append(n)
@@ -267,7 +252,7 @@ class Scheduler:
             seq.num_new_tokens = len(tokens) - num_before
             num_generated += seq.num_new_tokens
             if logprobs is not None and seq.logprobs is not None and seq_id in logprobs:
-                _append_logprobs(seq, logprobs[seq_id], num_before)
+                seq.append_logprobs(logprobs[seq_id], num_before)
             if reason is not None:
                 self._finish(seq, reason)
                 any_finished = True
@@ -297,16 +282,3 @@ class Scheduler:
         if seq.sent:
             self._finished_ids.append(seq.seq_id)
             seq.sent = False
-
-
-def _append_logprobs(seq: Sequence, lp: TokenLogprobs, num_before: int) -> None:
-    num_top = len(lp.top_token_ids) // max(len(lp.sampled_logprobs), 1)
-    for j in range(seq.num_new_tokens):
-        top = slice(j * num_top, (j + 1) * num_top)
-        seq.logprobs.append(
-            TokenLogprob(
-                seq.token_ids[num_before + j],
-                lp.sampled_logprobs[j],
-                list(zip(lp.top_token_ids[top], lp.top_logprobs[top], strict=True)),
-            )
-        )

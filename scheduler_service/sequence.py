@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from protos.plan import StepSamplingParams
+from protos.plan import NewSequence, StepSamplingParams, TokenLogprobs
 from scheduler_service.sampling_params import SamplingParams
 
 
@@ -111,3 +111,37 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def set_stop_rules(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        """Which sampled tokens stop this sequence ("stop"), and at what length ("length")."""
+        params = self.sampling_params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(eos_token_ids)
+        self.stop_ids = frozenset(stop_ids)
+        self.max_num_tokens = max_model_len
+        if params.max_tokens is not None:
+            self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + params.max_tokens)
+
+    def to_new_sequence(self) -> NewSequence:
+        """The executor's copy: all tokens known so far, prompt and generated."""
+        return NewSequence(
+            seq_id=self.seq_id,
+            token_ids=list(self.token_ids),
+            block_table=list(self.block_table),
+            num_computed_tokens=self.num_computed_tokens,
+            sampling_params=self.step_params,
+        )
+
+    def append_logprobs(self, lp: TokenLogprobs, num_before: int) -> None:
+        """Record the logprobs of the tokens appended after position num_before."""
+        num_top = len(lp.top_token_ids) // max(len(lp.sampled_logprobs), 1)
+        for j in range(len(self.token_ids) - num_before):
+            top = slice(j * num_top, (j + 1) * num_top)
+            self.logprobs.append(
+                TokenLogprob(
+                    self.token_ids[num_before + j],
+                    lp.sampled_logprobs[j],
+                    list(zip(lp.top_token_ids[top], lp.top_logprobs[top], strict=True)),
+                )
+            )
