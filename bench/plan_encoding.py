@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protos import plan  # noqa: E402
-from protos.tandem.v1 import executor_pb2  # noqa: E402
+from protos import plan
+from protos.tandem.v1 import executor_pb2
 
 
 def main(batch: int = 256, number: int = 20000) -> None:
@@ -55,7 +55,10 @@ def main(batch: int = 256, number: int = 20000) -> None:
         ("dataclass build + read", lambda: read_dataclass(build_dataclass())),
         ("protobuf build + read", lambda: read_proto(build_proto())),
         ("dataclass -> protobuf -> bytes", lambda: plan.plan_to_proto(dc).SerializeToString()),
-        ("bytes -> protobuf -> dataclass", lambda: plan.plan_from_proto(executor_pb2.StepPlan.FromString(msg.SerializeToString()))),
+        (
+            "bytes -> protobuf -> dataclass",
+            lambda: plan.plan_from_proto(executor_pb2.StepPlan.FromString(msg.SerializeToString())),
+        ),
     ]
     print(f"{batch}-sequence decode plan, {len(msg.SerializeToString())} bytes on the wire")
     for name, fn in rows:

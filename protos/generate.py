@@ -35,7 +35,9 @@ def generate(out_root: Path) -> list[Path]:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
     files = sorted(p for p in (out_root / "tandem" / "v1").iterdir() if p.name.endswith(GENERATED_SUFFIXES))
     for path in files:
-        text = re.sub(r"^from tandem\.v1 import", "from protos.tandem.v1 import", path.read_text(), flags=re.M)
+        text = re.sub(
+            r"^from tandem\.v1 import", "from protos.tandem.v1 import", path.read_text(), flags=re.M
+        )
         path.write_text(text)
     return files
 

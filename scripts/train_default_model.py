@@ -41,7 +41,9 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--device", default="cuda", help="cuda or cpu")
     parser.add_argument("--steps", type=int, default=3000, help="optimizer steps")

@@ -15,6 +15,7 @@ EOS_TEXT = "<|endoftext|>"
 def train_tokenizer(out_dir: Path, vocab_size: int = 400) -> Path:
     """A byte-level BPE trained on CPython's bundled documentation; saves tokenizer.json."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())

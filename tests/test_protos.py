@@ -33,7 +33,9 @@ def test_stale_stub_is_detected(tmp_path, monkeypatch):
         if f.suffix in (".proto", ".py", ".pyi"):
             (proto_dir / f.name).write_text(f.read_text())
     source = proto_dir / "executor.proto"
-    source.write_text(source.read_text().replace("int32 block_size = 3;", "int32 block_size = 3;\n  int32 extra = 99;"))
+    source.write_text(
+        source.read_text().replace("int32 block_size = 3;", "int32 block_size = 3;\n  int32 extra = 99;")
+    )
     monkeypatch.setattr(generate, "PROTO_ROOT", tmp_path)
     monkeypatch.setattr(generate, "PROTO_DIR", proto_dir)
     monkeypatch.setattr(sys, "argv", ["generate.py", "--check"])
@@ -49,7 +51,9 @@ def test_plan_round_trips_through_protobuf():
                 token_ids=[5, 6, 7],
                 block_table=[9],
                 num_computed_tokens=0,
-                sampling_params=plan.StepSamplingParams(temperature=0.5, top_k=4, seed=11, num_prompt_tokens=3),
+                sampling_params=plan.StepSamplingParams(
+                    temperature=0.5, top_k=4, seed=11, num_prompt_tokens=3
+                ),
             ),
             plan.NewSequence(4, [1], [2], 0, plan.StepSamplingParams()),
         ],
@@ -83,5 +87,12 @@ def test_result_and_info_round_trip():
     )
     wire = plan.result_to_proto(result).SerializeToString()
     assert plan.result_from_proto(executor_pb2.StepResult.FromString(wire)) == result
-    info = plan.ExecutorInfo("m", "Qwen3ForCausalLM", 16, 100, 1024, 512, [0, 1], 1, "float32", "cpu", 8, 64, "torch", 4, 4096)
-    assert plan.info_from_proto(executor_pb2.DescribeResponse.FromString(plan.info_to_proto(info).SerializeToString())) == info
+    info = plan.ExecutorInfo(
+        "m", "Qwen3ForCausalLM", 16, 100, 1024, 512, [0, 1], 1, "float32", "cpu", 8, 64, "torch", 4, 4096
+    )
+    assert (
+        plan.info_from_proto(
+            executor_pb2.DescribeResponse.FromString(plan.info_to_proto(info).SerializeToString())
+        )
+        == info
+    )

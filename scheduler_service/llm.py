@@ -1,0 +1,137 @@
+"""Offline, in-process generation: the scheduler core and a LocalExecutor in one process.
+
+llm = LLM("path/to/qwen3")
+outputs = llm.generate(["The list type"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.engine import LLMEngine
+from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.sequence import TokenLogprob
+from scheduler_service.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass
+class GenerationOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    num_cached_tokens: int
+    # One entry per generated token when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
+
+
+class LLM:
+    """A checkpoint directory served in-process. Executor options are `ExecutorConfig` fields."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        **executor_options,
+    ):
+        # Imported here so that scheduler_service imports without torch.
+        from executor_service.config import ExecutorConfig
+        from executor_service.executor import LocalExecutor
+
+        self.executor = LocalExecutor(
+            ExecutorConfig(
+                model=model,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                **executor_options,
+            )
+        )
+        self.engine = LLMEngine(
+            self.executor,
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+        )
+        tokenizer_path = tokenizer or model
+        self.tokenizer = Tokenizer(tokenizer_path) if Tokenizer.exists(tokenizer_path) else None
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt at once (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+
+        # Validate and encode everything before admitting anything: a bad prompt fails alone.
+        encoded = [self._encode(p) for p in prompts]
+        for ids, sp in zip(encoded, sampling_params):
+            self.engine.validate_request(ids, sp)
+        request_ids = [self.engine.add_request(ids, sp) for ids, sp in zip(encoded, sampling_params)]
+        order = {rid: i for i, rid in enumerate(request_ids)}
+        finished: dict[int, object] = {}
+        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        stats = self.engine.scheduler.stats
+        while self.engine.has_unfinished_requests():
+            prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
+            t0 = time.perf_counter()
+            outputs = self.engine.step()
+            dt = max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(
+                prefill=f"{(stats.num_prompt_tokens - prompt_before) / dt:.0f}tok/s",
+                decode=f"{(stats.num_generation_tokens - gen_before) / dt:.0f}tok/s",
+            )
+            for out in outputs:
+                if out.finished and out.request_id in order:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+
+        results = []
+        for prompt, ids, rid in zip(prompts, encoded, request_ids):
+            out = finished[rid]
+            text = self.tokenizer.decode(out.token_ids) if self.tokenizer is not None else None
+            results.append(
+                GenerationOutput(
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=ids,
+                    token_ids=list(out.token_ids),
+                    text=text,
+                    finish_reason=out.finish_reason,
+                    num_cached_tokens=out.num_cached_tokens,
+                    logprobs=out.logprobs,
+                )
+            )
+        return results

@@ -1,0 +1,193 @@
+"""End to end, in-process: tandem's greedy generation is token-identical to transformers'."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from scheduler_service.llm import LLM
+from scheduler_service.sampling_params import SamplingParams
+
+MAX_NEW = 24
+PROMPT_LENGTHS = [1, 3, 7, 15, 16, 17, 40, 100]
+
+
+def make_prompts(lengths=PROMPT_LENGTHS, seed=0, prefix: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [(prefix or []) + [rng.randrange(2, 400) for _ in range(n)] for n in lengths]
+
+
+@functools.cache
+def _hf_model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path, prompt: list[int], max_new: int = MAX_NEW) -> tuple[list[int], list[torch.Tensor]]:
+    """Tokens from transformers' generate(do_sample=False) and the log-softmax at each step."""
+    model = _hf_model(str(path))
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=eos if isinstance(eos, int) else eos[0],
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [torch.log_softmax(s[0].float(), -1) for s in out.scores]
+
+
+def assert_matches_hf(path, prompts, outputs):
+    for prompt, out in zip(prompts, outputs):
+        expected, _ = hf_greedy(path, prompt)
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == ("stop" if len(expected) < MAX_NEW else "length")
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_tied", "qwen3_untied"])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_greedy_batch_matches_transformers(request, fixture, block_size):
+    path = request.getfixturevalue(fixture)
+    prompts = make_prompts(seed=block_size)
+    llm = LLM(str(path), block_size=block_size, num_kv_blocks=64)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert_matches_hf(path, prompts, outputs)
+
+
+def test_logprobs_match_transformers_step_by_step(qwen3_untied):
+    """The sampled tokens' logprobs (and top-5 alternatives) agree with transformers' scores."""
+    prompts = make_prompts([5, 33], seed=3)
+    llm = LLM(str(qwen3_untied), num_kv_blocks=64)
+    params = SamplingParams(max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        model = _hf_model(str(qwen3_untied))
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids])).logits[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+        assert len(out.logprobs) == MAX_NEW
+        for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert token == int(ref[step].argmax()), f"step {step}"
+            assert math.isclose(lp.logprob, float(ref[step, token]), abs_tol=1e-4)
+            top = ref[step].topk(5)
+            assert [t for t, _ in lp.top_logprobs] == top.indices.tolist()
+            assert [v for _, v in lp.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_chunked_prefill_matches_transformers(qwen3_tied):
+    """A token budget smaller than the prompts forces every long prompt through several chunks."""
+    prompts = make_prompts(seed=5)
+    llm = LLM(str(qwen3_tied), num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=8)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert llm.engine.scheduler.stats.num_chunked_prefills > 0
+    assert_matches_hf(qwen3_tied, prompts, outputs)
+
+
+def test_prefix_cache_hits_match_transformers(qwen3_untied):
+    """Prompts sharing a 64-token prefix reuse its KV blocks and still generate the same tokens."""
+    shared = make_prompts([64], seed=7)[0]
+    first = [shared + [5, 6, 7]]
+    rest = make_prompts([2, 9, 20, 33], seed=8, prefix=shared)
+    llm = LLM(str(qwen3_untied), num_kv_blocks=64, block_size=16)
+    warm = llm.generate(first, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert warm[0].num_cached_tokens == 0
+    outputs = llm.generate(rest, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    # The 64 shared tokens are 4 full blocks of 16: all of them are served from the cache.
+    assert [o.num_cached_tokens for o in outputs] == [64, 64, 64, 64]
+    assert llm.engine.scheduler.stats.num_prefix_hit_tokens >= 4 * 64
+    assert_matches_hf(qwen3_untied, first + rest, warm + outputs)
+
+
+def test_preemption_matches_transformers(qwen3_tied):
+    """With too few KV blocks for the whole batch, sequences are preempted and recomputed."""
+    prompts = make_prompts([30, 31, 32, 33, 34, 35, 36, 37], seed=9)
+    # 8 sequences of up to 61 tokens need 32 blocks of 16; give them 12.
+    llm = LLM(str(qwen3_tied), num_kv_blocks=12, block_size=16, max_model_len=128)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert_matches_hf(qwen3_tied, prompts, outputs)
+
+
+def test_cli_generate_json_matches_transformers(qwen3_untied):
+    prompts = make_prompts([4, 11], seed=11)
+    args = [sys.executable, "-m", "client.cli", "generate", "--model", str(qwen3_untied), "--json"]
+    args += ["--max-tokens", str(MAX_NEW)]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(lines) == 2
+    for prompt, line in zip(prompts, lines):
+        expected, _ = hf_greedy(qwen3_untied, prompt)
+        assert line["token_ids"] == expected
+        assert set(line) == {"token_ids", "text", "finish_reason"}
+
+
+def test_cli_text_prompt(qwen3_tied):
+    args = [
+        sys.executable,
+        "-m",
+        "client.cli",
+        "generate",
+        "--model",
+        str(qwen3_tied),
+        "--prompt",
+        "The list type",
+    ]
+    proc = subprocess.run(
+        args + ["--json", "--max-tokens", "8", "--ignore-eos"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout)
+    assert len(line["token_ids"]) == 8 and line["finish_reason"] == "length"
+    assert isinstance(line["text"], str) and line["text"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], SamplingParams(), "empty"),
+        ([1, 2, 600], SamplingParams(), "vocabulary"),
+        ([1] * 1000, SamplingParams(max_tokens=100), "max_model_len"),
+    ],
+)
+def test_bad_requests_fail_clearly_and_alone(qwen3_tied, prompt, params, message):
+    llm = LLM(str(qwen3_tied), num_kv_blocks=64)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[5, 6, 7], prompt], params, use_tqdm=False)
+    # Nothing was admitted: the engine is idle and still serves a good request.
+    assert not llm.engine.has_unfinished_requests()
+    good = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(good[0].token_ids) == 4
+
+
+def test_cli_reports_bad_input(qwen3_tied):
+    args = [sys.executable, "-m", "client.cli", "generate", "--model", str(qwen3_tied), "--prompt-ids", "1,2"]
+    proc = subprocess.run(args + ["--temperature", "-1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "temperature" in proc.stderr
+
+
+def test_embedded_default_model_matches_transformers():
+    """The shipped checkpoint: greedy output equals transformers' and reads as Python docs."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-pydoc"
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=512)
+    prompt = llm.tokenizer.encode("The list type")
+    out = llm.generate([prompt], SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)[0]
+    expected, _ = hf_greedy(path, prompt)
+    assert out.token_ids == expected
+    assert "list" in out.text or "mutable" in out.text
