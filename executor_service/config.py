@@ -30,6 +30,8 @@ class ExecutorConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_gb: float = 1.0
+    # Fraction of the GPU's memory the executor may use (the KV cache is sized from it on CUDA).
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
@@ -60,6 +62,8 @@ class ExecutorConfig:
             )
         if self.num_kv_blocks is None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb ({self.kv_cache_gb}) must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

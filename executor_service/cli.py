@@ -1,0 +1,161 @@
+"""`tandem executor`: serve a checkpoint as the executor service. Every flag has a TANDEM_* twin."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from executor_service.server import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT, GRACE_SECONDS
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-pydoc"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _env(name: str, default: object = None) -> object:
+    # argparse applies `type` to string defaults, so environment values are parsed like flags.
+    return os.environ.get(f"TANDEM_{name}", default)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(f"TANDEM_{name}", "").strip().lower() in _TRUE
+
+
+DESCRIPTION = (
+    "Serve a checkpoint as the executor service. Every flag can also be set by the environment "
+    "variable in brackets."
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `executor` verb; its `func` takes the parsed Namespace and returns an exit code."""
+    p = subparsers.add_parser(
+        "executor", help="serve a model as the executor service (gRPC step stream)", description=DESCRIPTION
+    )
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The executor's flags, and `func=run`."""
+    p.add_argument(
+        "--model",
+        default=_env("MODEL", str(DEFAULT_MODEL)),
+        help="checkpoint directory (HF format, safetensors) [TANDEM_MODEL; default: the embedded tandem-tiny-pydoc]",
+    )
+    p.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda or cuda:N [TANDEM_DEVICE]")
+    p.add_argument(
+        "--host", default=_env("EXECUTOR_HOST", DEFAULT_HOST), help="address to bind [TANDEM_EXECUTOR_HOST]"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=_env("EXECUTOR_PORT", DEFAULT_PORT),
+        help=f"gRPC port (default {DEFAULT_PORT}) [TANDEM_EXECUTOR_PORT]",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env("EXECUTOR_METRICS_PORT", DEFAULT_METRICS_PORT),
+        help=f"Prometheus /metrics port, 0 = off (default {DEFAULT_METRICS_PORT}) [TANDEM_EXECUTOR_METRICS_PORT]",
+    )
+    p.add_argument(
+        "--dtype",
+        default=_env("DTYPE"),
+        help="weights and KV dtype (default: the checkpoint's) [TANDEM_DTYPE]",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=_env("BLOCK_SIZE", 16),
+        help="tokens per KV block (default 16) [TANDEM_BLOCK_SIZE]",
+    )
+    p.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=_env("KV_CACHE_GB", 1.0),
+        help="KV cache size in GiB when --num-kv-blocks is not given (default 1) [TANDEM_KV_CACHE_GB]",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=_env("NUM_KV_BLOCKS"),
+        help="number of KV blocks, overrides --kv-cache-gb [TANDEM_NUM_KV_BLOCKS]",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=_env("GPU_MEMORY_UTILIZATION", 0.9),
+        help="fraction of GPU memory the executor may use, in (0, 1] (default 0.9) [TANDEM_GPU_MEMORY_UTILIZATION]",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=_env("MAX_NUM_SEQS", 256),
+        help="most sequences in one step (default 256) [TANDEM_MAX_NUM_SEQS]",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_env("MAX_NUM_BATCHED_TOKENS", 8192),
+        help="most tokens in one step (default 8192) [TANDEM_MAX_NUM_BATCHED_TOKENS]",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_env("MAX_MODEL_LEN"),
+        help="context limit in tokens (default: the model's) [TANDEM_MAX_MODEL_LEN]",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=_env_flag("ENFORCE_EAGER"),
+        help="never use CUDA graphs [TANDEM_ENFORCE_EAGER=1]",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default=_env("ATTENTION_BACKEND", "auto"),
+        help="auto or torch (default auto: the fastest the device supports) [TANDEM_ATTENTION_BACKEND]",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=_env("EXECUTOR_GRACE", GRACE_SECONDS),
+        help=f"seconds a running step may take to finish on SIGTERM (default {GRACE_SECONDS:g}) "
+        "[TANDEM_EXECUTOR_GRACE]",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the configuration, then serve until SIGTERM / SIGINT."""
+    from executor_service.config import ExecutorConfig
+    from executor_service.server import serve
+
+    try:
+        config = ExecutorConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_gb=args.kv_cache_gb,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return serve(config, args.host, args.port, args.metrics_port, args.grace)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,200 @@
+"""The executor's gRPC server: ExecutorService (Describe, the Step stream, Reset), grpc.health.v1
+and server reflection. It listens before the model is loaded (health NOT_SERVING) so that probes
+and the scheduler can tell "loading" from "down"."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from executor_service.metrics import ExecutorMetrics, start_metrics_server
+from executor_service.plan_validation import PlanError
+from protos.plan import info_to_proto, plan_from_proto, result_to_proto
+from protos.tandem.v1 import executor_pb2 as pb
+from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from executor_service.config import ExecutorConfig
+    from executor_service.executor import LocalExecutor
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50052
+DEFAULT_METRICS_PORT = 9102
+# A 256-sequence plan with new 8k-token prompts is ~8 MB; 64 MiB leaves room and fails loudly beyond.
+MAX_MESSAGE_BYTES = 64 * 2**20
+GRACE_SECONDS = 5.0
+# After the running step has finished, how long its result may take to reach the scheduler
+# before idle streams are cancelled.
+FLUSH_SECONDS = 0.5
+# Tests only: seconds to wait (health NOT_SERVING) before loading the model.
+LOAD_DELAY_ENV = "TANDEM_TEST_LOAD_DELAY"
+
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A second executor on the same port must fail to bind, not share the port silently.
+    ("grpc.so_reuseport", 0),
+    # The scheduler pings an idle Step stream every 30 s (executor_client.py); allow it.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+]
+
+
+class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
+    """ExecutorService over one executor; steps from any number of streams are serialised."""
+
+    def __init__(self, metrics: ExecutorMetrics) -> None:
+        self.executor: LocalExecutor | None = None
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self, timeout: float) -> None:
+        """Let the running step finish (up to `timeout`), then refuse further steps."""
+        acquired = self._lock.acquire(timeout=timeout)
+        self._closed = True
+        if acquired:
+            self._lock.release()
+        else:
+            logger.warning("a step still runs after %.1f s; stopping anyway", timeout)
+
+    def _executor(self, context: grpc.ServicerContext) -> LocalExecutor:
+        if self._closed:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
+        if self.executor is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is still loading its model")
+        return self.executor
+
+    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeResponse:
+        return info_to_proto(self._executor(context).describe())
+
+    def Step(
+        self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext
+    ) -> Iterator[pb.StepResult]:
+        for msg in request_iterator:
+            plan = plan_from_proto(msg)
+            with self._lock:
+                executor = self._executor(context)
+                t0 = time.perf_counter()
+                try:
+                    result = executor.step(plan)
+                except PlanError as e:
+                    self.metrics.step_failed("INVALID_ARGUMENT")
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except Exception as e:
+                    logger.exception("step %d failed", plan.step_id)
+                    self.metrics.step_failed("INTERNAL")
+                    context.abort(
+                        grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}"
+                    )
+                # The CUDA-graph model runner sets this; eager runners do not have it.
+                cuda_graph = bool(getattr(executor, "last_step_cuda_graph", False))
+                self.metrics.observe_step(plan, time.perf_counter() - t0, cuda_graph)
+            yield result_to_proto(result)
+
+    def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
+        with self._lock:
+            dropped = self._executor(context).reset()
+        logger.info("reset: dropped %d sequences", dropped)
+        return pb.ResetResponse(num_dropped_seqs=dropped)
+
+
+class ExecutorServer:
+    """The gRPC server. It listens from `start()` with health NOT_SERVING and serves steps once
+    `set_executor()` has been given the loaded executor."""
+
+    def __init__(
+        self,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        metrics: ExecutorMetrics | None = None,
+        max_workers: int = 16,
+    ) -> None:
+        self.metrics = metrics if metrics is not None else ExecutorMetrics()
+        self.servicer = ExecutorServicer(self.metrics)
+        # Health Watch streams must not hold the workers that Step streams need.
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers, thread_name_prefix="executor-grpc"), options=SERVER_OPTIONS
+        )
+        pb_grpc.add_ExecutorServiceServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_name, reflection.SERVICE_NAME), self._server
+        )
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {host}:{port} (is the port in use?)") from e
+        self.address = f"{host}:{self.port}"
+
+    def start(self) -> None:
+        self._server.start()
+        logger.info("listening on %s (NOT_SERVING until the model is loaded)", self.address)
+
+    def set_executor(self, executor: LocalExecutor) -> None:
+        self.servicer.executor = executor
+        self.metrics.set_executor(executor.describe())
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("serving on %s", self.address)
+
+    def stop(self, grace: float = GRACE_SECONDS) -> None:
+        """Health NOT_SERVING, let the running step finish (up to `grace`), then close every stream."""
+        self.health.enter_graceful_shutdown()
+        self.servicer.close(timeout=grace)
+        self._server.stop(FLUSH_SECONDS).wait()
+        logger.info("stopped")
+
+
+def serve(
+    config: ExecutorConfig,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    metrics_port: int = DEFAULT_METRICS_PORT,
+    grace: float = GRACE_SECONDS,
+) -> int:
+    """Run the executor service until SIGTERM or SIGINT; returns the process exit code.
+    `metrics_port` 0 serves no /metrics."""
+    from executor_service.executor import LocalExecutor
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+
+    server = ExecutorServer(host, port)
+    metrics_http = start_metrics_server(server.metrics, host, metrics_port) if metrics_port else None
+    server.start()
+    exit_code = 0
+    try:
+        if delay := float(os.environ.get(LOAD_DELAY_ENV, "0")):
+            stop.wait(delay)
+        if not stop.is_set():
+            server.set_executor(LocalExecutor(config))
+        while not stop.wait(1.0):
+            pass
+        logger.info("signal received, shutting down")
+    except Exception:
+        logger.exception("the executor failed to load %s", config.model)
+        exit_code = 1
+    finally:
+        server.stop(grace)
+        if metrics_http is not None:
+            metrics_http.shutdown()
+    return exit_code

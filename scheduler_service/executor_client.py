@@ -1,0 +1,163 @@
+"""RemoteExecutor: the Executor protocol over gRPC, one long-lived Step stream (torch-free)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.plan import ExecutorInfo, StepPlan, StepResult, info_from_proto, plan_to_proto, result_from_proto
+from protos.tandem.v1 import executor_pb2 as pb
+from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
+# The executor server's limit (executor_service/server.py); the two must agree.
+MAX_MESSAGE_BYTES = 64 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Notice an executor host that vanished without closing the connection within ~40 s,
+    # even while the Step stream idles.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+_UNAVAILABLE_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
+_CLOSE = None  # ends the request iterator
+
+
+class ExecutorError(Exception):
+    """The executor failed a call (base class of the errors below)."""
+
+
+class ExecutorUnavailable(ExecutorError):
+    """The executor cannot be reached, is not ready, or the stream broke."""
+
+
+class PlanRejected(ExecutorError):
+    """The executor refused a plan (INVALID_ARGUMENT); its state is unchanged."""
+
+    def __init__(self, address: str, step_id: int, message: str) -> None:
+        super().__init__(f"executor at {address} rejected step {step_id}: {message}")
+        self.step_id = step_id
+        self.message = message
+
+
+class _StepStream:
+    """One Step call: plans go in through a queue, results come out in order."""
+
+    def __init__(self, stub: pb_grpc.ExecutorServiceStub) -> None:
+        self._requests: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
+        self._responses = stub.Step(iter(self._requests.get, _CLOSE))
+
+    def step(self, msg: pb.StepPlan) -> pb.StepResult:
+        self._requests.put(msg)
+        return next(self._responses)
+
+    def close(self) -> None:
+        self._requests.put(_CLOSE)
+        self._responses.cancel()
+
+
+class RemoteExecutor:
+    """The Executor protocol (`describe`, `step`, `reset`) against an executor service.
+
+    Calls are synchronous. Any error closes the Step stream; the next `step()` opens a new one.
+    """
+
+    def __init__(self, address: str, *, connect_timeout: float = 10.0) -> None:
+        self.address = address
+        self.connect_timeout = connect_timeout
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.ExecutorServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._stream: _StepStream | None = None
+        self._lock = threading.Lock()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll grpc.health.v1 until the executor is SERVING; ExecutorUnavailable after `timeout`."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                response = self._health.Check(request, timeout=max(0.05, min(1.0, remaining)))
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            if remaining <= 0:
+                raise ExecutorUnavailable(
+                    f"executor at {self.address} not ready after {timeout:.1f} s ({last})"
+                )
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def describe(self) -> ExecutorInfo:
+        try:
+            return info_from_proto(self._stub.Describe(pb.DescribeRequest(), timeout=self.connect_timeout))
+        except grpc.RpcError as e:
+            raise self._error(e, "Describe") from e
+
+    def reset(self) -> int:
+        try:
+            return self._stub.Reset(pb.ResetRequest(), timeout=self.connect_timeout).num_dropped_seqs
+        except grpc.RpcError as e:
+            raise self._error(e, "Reset") from e
+
+    def step(self, plan: StepPlan) -> StepResult:
+        msg = plan_to_proto(plan)
+        with self._lock:
+            if self._stream is None:
+                self._stream = _StepStream(self._stub)
+            try:
+                out = self._stream.step(msg)
+            except grpc.RpcError as e:
+                self._close_stream()
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise PlanRejected(self.address, plan.step_id, e.details()) from e
+                raise self._error(e, f"Step {plan.step_id}") from e
+            except StopIteration:
+                self._close_stream()
+                raise ExecutorUnavailable(
+                    f"executor at {self.address} closed the step stream at step {plan.step_id}"
+                ) from None
+            if out.step_id != plan.step_id:
+                self._close_stream()
+                raise ExecutorError(
+                    f"executor at {self.address} answered step {plan.step_id} with the result of step {out.step_id}"
+                )
+        return result_from_proto(out)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_stream()
+        self._channel.close()
+
+    def __enter__(self) -> RemoteExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def _error(self, e: grpc.RpcError, what: str) -> ExecutorError:
+        code = e.code()
+        if code in _UNAVAILABLE_CODES:
+            return ExecutorUnavailable(f"executor at {self.address} is unavailable ({what}): {e.details()}")
+        return ExecutorError(f"executor at {self.address} failed {what}: {code.name}: {e.details()}")
