@@ -1,16 +1,21 @@
-"""The `tandem` command line."""
+"""The `tandem` command line: generate (through a server, or in-process), up, executor, scheduler."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
-import os
 import sys
 
+from client.defaults import DEFAULT_SERVER, env
 
-def _env(name: str, default=None):
-    return os.environ.get(f"TANDEM_{name}", default)
+# The service verbs live with their services; they are imported only when used, so that
+# `tandem generate --server` needs neither torch (executor) nor the scheduler's internals.
+SERVICE_VERBS = {
+    "executor": ("executor_service.cli", "run the executor service: model weights, KV cache, kernels"),
+    "scheduler": ("scheduler_service.cli", "run the scheduler service: requests, batching, streaming"),
+}
 
 
 def _token_ids(text: str) -> list[int]:
@@ -23,61 +28,199 @@ def _token_ids(text: str) -> list[int]:
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--model", default=_env("MODEL"), help="checkpoint directory: run in-process")
-    prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", action="append", help="prompt text (repeat for several prompts)")
-    prompt.add_argument("--prompt-ids", type=_token_ids, action="append", help="prompt as token ids: 1,2,3")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from prompts, through a server (default) or in-process (--model)",
+        description="Generate from one or more prompts, all in one batch. Without --json the first "
+        "prompt's text streams to the terminal as it is generated.",
+    )
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (several: generated together)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--server",
+        default=None,
+        help=f"scheduler address HOST:PORT (default {DEFAULT_SERVER}; env TANDEM_SERVER)",
+    )
+    where.add_argument("--model", default=None, help="checkpoint directory: run in-process, no server")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for several prompts)")
+    p.add_argument(
+        "--prompt-ids", type=_token_ids, action="append", default=[], help="prompt as token ids: 1,2,3"
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most (default 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1: off)")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability")
     p.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=None, help="stop when this string appears (repeatable)")
+    p.add_argument(
+        "--stop-token-id",
+        dest="stop_token_ids",
+        type=int,
+        action="append",
+        default=None,
+        help="stop at this token id (repeatable)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu or cuda (in-process)")
-    p.add_argument("--dtype", default=_env("DTYPE"), help="weights dtype (default: the checkpoint's)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="1: off (default)")
+    p.add_argument("--presence-penalty", type=float, default=None, help="0: off (default)")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="0: off (default)")
+    p.add_argument(
+        "--logprobs", type=int, default=None, help="top logprobs per token (adds `logprobs` to --json)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt, when it is done")
+    server = p.add_argument_group("with --server")
+    server.add_argument(
+        "--timeout",
+        type=float,
+        default=env("TIMEOUT"),
+        help="deadline per request, seconds (env TANDEM_TIMEOUT)",
+    )
+    server.add_argument(
+        "--api-key", default=env("API_KEY"), help="sent as a bearer token (env TANDEM_API_KEY)"
+    )
+    local = p.add_argument_group("with --model (in-process)")
+    local.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json or its directory (default: the model's)"
+    )
+    local.add_argument("--device", default=env("DEVICE", "cpu"), help="cpu or cuda (env TANDEM_DEVICE)")
+    local.add_argument("--dtype", default=env("DTYPE"), help="weights dtype (default: the checkpoint's)")
+    local.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.set_defaults(func=_generate)
 
 
+SAMPLING_ARGS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+)
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags that were given, as keyword arguments of SamplingParams / the client."""
+    kwargs = {name: getattr(args, name) for name in SAMPLING_ARGS if getattr(args, name) is not None}
+    if not kwargs.get("ignore_eos"):
+        kwargs.pop("ignore_eos", None)
+    return kwargs
+
+
+def prompts_of(args: argparse.Namespace) -> list[str] | list[list[int]]:
+    texts = list(args.prompts) + list(args.prompt)
+    if texts and args.prompt_ids:
+        raise ValueError("give text prompts or --prompt-ids, not both")
+    if not texts and not args.prompt_ids:
+        raise ValueError('no prompt: tandem generate "The list type" (or --prompt / --prompt-ids)')
+    return texts or args.prompt_ids
+
+
+def server_address(args: argparse.Namespace) -> str:
+    return args.server or env("SERVER") or DEFAULT_SERVER
+
+
 def _generate(args: argparse.Namespace) -> int:
+    try:
+        prompts = prompts_of(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.model is not None:
+        return _generate_in_process(args, prompts)
+    from client.generate import generate_remote
+
+    return generate_remote(server_address(args), prompts, args, sampling_kwargs(args))
+
+
+def _generate_in_process(args: argparse.Namespace, prompts) -> int:
     from scheduler_service.llm import LLM
     from scheduler_service.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
+        params = SamplingParams(**sampling_kwargs(args))
+        llm = LLM(
+            args.model,
+            tokenizer=args.tokenizer,
+            device=args.device,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
         )
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
-        prompts = args.prompt if args.prompt is not None else args.prompt_ids
         outputs = llm.generate(prompts, params, use_tqdm=False)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for out in outputs:
         if args.json:
-            print(
-                json.dumps({"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason})
-            )
+            line = {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}
+            if out.logprobs is not None:
+                line["logprobs"] = [
+                    {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": lp.top_logprobs}
+                    for lp in out.logprobs
+                ]
+            print(json.dumps(line))
         else:
             print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _add_service_parsers(sub: argparse._SubParsersAction, command: str | None) -> None:
+    for verb, (module, help_text) in SERVICE_VERBS.items():
+        if verb != command:
+            # A stand-in that only lists the verb in `tandem --help`; never parsed.
+            sub.add_parser(verb, help=help_text, add_help=False)
+            continue
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ImportError as e:
+            p = sub.add_parser(verb, help=help_text)
+            p.set_defaults(func=lambda _args, m=module, e=e: _missing(m, e))
+
+
+def _missing(module: str, error: ImportError) -> int:
+    extra = " (pip install 'tandem[executor]')" if module.startswith("executor") else ""
+    print(f"error: cannot import {module}: {error}{extra}", file=sys.stderr)
+    return 2
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The verb: the first argument that is neither an option nor an option's value."""
+    it = iter(argv)
+    for arg in it:
+        if arg == "--log-level":
+            next(it, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    from client import up
+
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="tandem", description="LLM serving: a CPU scheduler and a GPU executor"
     )
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"), help="logging level")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--log-level", default=env("LOG_LEVEL", "WARNING"), help="logging level (env TANDEM_LOG_LEVEL)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(sub)
+    up.add_parser(sub)
+    _add_service_parsers(sub, _command_of(argv))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -1,0 +1,157 @@
+"""The asyncio client of the scheduler service (grpc.aio).
+
+async with AsyncTandemClient("127.0.0.1:50051") as client:
+    async for item in client.generate("The list type", max_tokens=32):
+        if isinstance(item, Chunk):
+            print(item.text, end="", flush=True)
+    completion = await client.complete([1, 2, 3], max_tokens=8)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.client import call_metadata
+from client.defaults import CHANNEL_OPTIONS, DEFAULT_SERVER
+from client.messages import (
+    Chunk,
+    Completion,
+    CompletionBuilder,
+    Final,
+    ModelInfo,
+    TandemError,
+    chunk_from_proto,
+    final_from_proto,
+    generate_request,
+    model_info_from_proto,
+)
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+
+class AsyncGenerationStream:
+    """One Generate call: `async for` Chunks, then one Final. cancel() aborts it on the server."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str = "") -> None:
+        self._call = call
+        self._request_id = request_id
+        self._cancelled = False
+        self._items = self._read()
+        self.final: Final | None = None
+
+    def __aiter__(self) -> AsyncIterator[Chunk | Final]:
+        return self
+
+    async def __anext__(self) -> Chunk | Final:
+        return await self._items.__anext__()
+
+    async def _read(self) -> AsyncIterator[Chunk | Final]:
+        try:
+            async for response in self._call:
+                kind = response.WhichOneof("payload")
+                if kind == "chunk":
+                    yield chunk_from_proto(response.chunk)
+                elif kind == "final":
+                    self.final = final_from_proto(response.final, response.request_id or self._request_id)
+                    yield self.final
+        except asyncio.CancelledError:
+            if not self._cancelled:
+                raise
+        except grpc.RpcError as e:
+            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise TandemError.from_rpc_error(e) from None
+
+    def cancel(self) -> None:
+        """Abort the request: the server stops generating for it and frees its KV blocks."""
+        self._cancelled = True
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.final is None:
+            self.cancel()
+
+
+class AsyncTandemClient:
+    """A grpc.aio connection to the scheduler service; create it inside the running event loop."""
+
+    def __init__(
+        self, address: str = DEFAULT_SERVER, *, timeout: float | None = None, api_key: str | None = None
+    ):
+        self.address = address
+        self.timeout = timeout
+        self._metadata = call_metadata(api_key)
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def generate(self, prompt: str | list[int], *, request_id: str = "", **sampling) -> AsyncGenerationStream:
+        """Stream a generation: Chunks, then one Final. Sampling arguments: see SamplingParams."""
+        request = generate_request(prompt, request_id, **sampling)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        return AsyncGenerationStream(call, request_id)
+
+    async def complete(self, prompt: str | list[int], *, request_id: str = "", **sampling) -> Completion:
+        """The whole generation at once."""
+        builder = CompletionBuilder()
+        async with self.generate(prompt, request_id=request_id, **sampling) as stream:
+            async for item in stream:
+                builder.add(item)
+        return builder.build()
+
+    async def model_info(self) -> ModelInfo:
+        try:
+            info = await self._stub.GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise TandemError.from_rpc_error(e) from None
+        return model_info_from_proto(info)
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"..."""
+        try:
+            response = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout if timeout is not None else self.timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as e:
+            raise TandemError.from_rpc_error(e) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def wait_until_serving(self, timeout: float = 60.0, service: str = "") -> None:
+        """Poll health until SERVING; raise TandemError(DEADLINE_EXCEEDED) with the last status."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            try:
+                last = await self.health(service, timeout=1.0)
+                if last == "SERVING":
+                    return
+            except TandemError as e:
+                last = str(e)
+            if time.monotonic() >= deadline:
+                raise TandemError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{self.address} not SERVING after {timeout:.0f} s (last: {last})",
+                )
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncTandemClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

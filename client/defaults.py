@@ -1,0 +1,42 @@
+"""Defaults shared by the client, the CLI, `tandem up`, the tests and the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+SCHEDULER_PORT = 50051
+EXECUTOR_PORT = 50052
+SCHEDULER_METRICS_PORT = 9101
+EXECUTOR_METRICS_PORT = 9102
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_SERVER = f"{DEFAULT_HOST}:{SCHEDULER_PORT}"
+
+# Explicit on both ends: gRPC's default receive limit is 4 MiB, and a long prompt as token ids
+# or a response with top-k logprobs can come near it.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-tiny-pydoc"
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The TANDEM_<NAME> environment twin of a flag."""
+    return os.environ.get(f"TANDEM_{name}", default)
+
+
+def default_model() -> str:
+    """The embedded checkpoint shipped with the repository (TANDEM_MODEL overrides it)."""
+    return env("MODEL") or str(DEFAULT_MODEL)
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    """A TCP port that nothing listens on right now (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

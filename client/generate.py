@@ -1,0 +1,85 @@
+"""`tandem generate --server`: every prompt in flight at once, the first one streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from client.client import GenerationStream, TandemClient
+from client.messages import Chunk, CompletionBuilder, TandemError
+
+
+def _logprobs_json(logprobs) -> list[dict]:
+    return [
+        {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top_logprobs]}
+        for lp in logprobs
+    ]
+
+
+def _error(e: TandemError, address: str) -> int:
+    if e.code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in e.message:
+        print(f"error: no tandem server at {address} ({e}); start one with `tandem up`", file=sys.stderr)
+        return 1
+    print(f"error: {e}", file=sys.stderr)
+    return 2 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+
+
+def _print_streaming(stream: GenerationStream, out) -> CompletionBuilder:
+    """Write text deltas as they arrive; token ids at the end when the server sends no text."""
+    builder = CompletionBuilder()
+    for item in stream:
+        builder.add(item)
+        if isinstance(item, Chunk) and item.text:
+            out.write(item.text)
+            out.flush()
+    if not "".join(builder.text) and builder.token_ids:
+        out.write(" ".join(map(str, builder.token_ids)))
+    out.write("\n")
+    out.flush()
+    return builder
+
+
+def generate_remote(address: str, prompts: list, args: argparse.Namespace, sampling: dict) -> int:
+    out = sys.stdout
+    status = 0
+    with TandemClient(address, timeout=args.timeout, api_key=args.api_key) as client:
+        # Start every request before reading any: the server batches them together.
+        try:
+            streams = [client.generate(p, **sampling) for p in prompts]
+        except TypeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        try:
+            for stream in streams:
+                try:
+                    if args.json:
+                        builder = CompletionBuilder()
+                        for item in stream:
+                            builder.add(item)
+                    else:
+                        builder = _print_streaming(stream, out)
+                except TandemError as e:
+                    status = status or _error(e, address)
+                    if e.code == grpc.StatusCode.UNAVAILABLE:
+                        break
+                    continue
+                completion = builder.build()
+                if args.json:
+                    line = completion.to_json()
+                    if completion.logprobs is not None:
+                        line["logprobs"] = _logprobs_json(completion.logprobs)
+                    print(json.dumps(line), flush=True)
+                if completion.finish_reason == "abort":
+                    print("error: the server aborted the request", file=sys.stderr)
+                    status = status or 1
+        except KeyboardInterrupt:
+            out.write("\n")
+            status = 130
+        finally:
+            for stream in streams:
+                if stream.final is None:
+                    stream.cancel()
+    return status

@@ -1,0 +1,220 @@
+"""What the client returns, and the mapping between Python keyword arguments and generation.proto."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.tandem.v1 import generation_pb2 as pb
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_UNSPECIFIED: None,
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+# Keyword arguments of generate()/complete() and how each is checked before it is sent.
+SAMPLING_FIELDS = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "seed": int,
+    "stop": list,
+    "stop_token_ids": list,
+    "ignore_eos": bool,
+    "repetition_penalty": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "logprobs": int,
+}
+
+
+class TandemError(Exception):
+    """A failed call: the gRPC status code and the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> TandemError:
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The most likely alternatives: (token id, logprob), best first.
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Chunk:
+    """New tokens of one request and the text they add."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Final:
+    """The last message of a generation: why it ended and how many tokens it counted."""
+
+    finish_reason: str | None  # "stop", "length" or "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # The stop string or stop token id that ended the request; None otherwise.
+    stop_reason: str | None
+    request_id: str = ""
+
+
+@dataclass
+class Completion:
+    """A whole generation, as complete() returns it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    stop_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    def to_json(self) -> dict:
+        """The CLI's JSON line: the same keys as the in-process `tandem generate --json`."""
+        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}
+
+
+@dataclass
+class ModelInfo:
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_kv_blocks: int
+    tensor_parallel_size: int
+    dtype: str
+    device: str
+
+
+def sampling_params(**kwargs) -> pb.SamplingParams:
+    """Build the proto SamplingParams; None leaves a field at the server's default."""
+    unknown = set(kwargs) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(
+            f"unknown sampling argument(s) {', '.join(sorted(unknown))}; "
+            f"expected some of {', '.join(SAMPLING_FIELDS)}"
+        )
+    values = {}
+    for name, value in kwargs.items():
+        if value is None:
+            continue
+        kind = SAMPLING_FIELDS[name]
+        if name == "stop" and isinstance(value, str):
+            value = [value]
+        if kind is list:
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                raise TypeError(f"{name} must be a list, got {value!r}")
+            value = [int(v) for v in value] if name == "stop_token_ids" else [str(v) for v in value]
+        elif kind is bool:
+            value = bool(value)
+        elif kind is int:
+            if isinstance(value, bool) or int(value) != value:
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+            value = int(value)
+        else:
+            value = float(value)
+        values[name] = value
+    return pb.SamplingParams(**values)
+
+
+def generate_request(prompt: str | list[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(sampling_params=sampling_params(**sampling), request_id=request_id)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise TypeError("prompt must be a string or a list of token ids (ints)")
+        request.token_ids.ids.extend(ids)
+    return request
+
+
+def chunk_from_proto(chunk: pb.GenerateChunk) -> Chunk:
+    logprobs = None
+    if len(chunk.logprobs):
+        logprobs = [
+            TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+            for lp in chunk.logprobs
+        ]
+    return Chunk(list(chunk.token_ids), chunk.text, logprobs)
+
+
+def final_from_proto(final: pb.GenerateFinal, request_id: str = "") -> Final:
+    return Final(
+        finish_reason=FINISH_REASONS.get(final.finish_reason),
+        prompt_tokens=final.prompt_tokens,
+        completion_tokens=final.completion_tokens,
+        cached_tokens=final.cached_tokens,
+        stop_reason=final.stop_reason or None,
+        request_id=request_id,
+    )
+
+
+def model_info_from_proto(info: pb.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        model=info.model,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        tensor_parallel_size=info.tensor_parallel_size,
+        dtype=info.dtype,
+        device=info.device,
+    )
+
+
+class CompletionBuilder:
+    """Accumulates a stream of chunks and its final message into a Completion."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
+        self.final: Final | None = None
+
+    def add(self, item: Chunk | Final) -> None:
+        if isinstance(item, Final):
+            self.final = item
+            return
+        self.text.append(item.text)
+        self.token_ids.extend(item.token_ids)
+        if item.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + item.logprobs
+
+    def build(self) -> Completion:
+        final = self.final
+        return Completion(
+            text="".join(self.text),
+            token_ids=self.token_ids,
+            finish_reason=final.finish_reason if final else None,
+            prompt_tokens=final.prompt_tokens if final else 0,
+            completion_tokens=final.completion_tokens if final else len(self.token_ids),
+            cached_tokens=final.cached_tokens if final else 0,
+            stop_reason=final.stop_reason if final else None,
+            logprobs=self.logprobs,
+        )

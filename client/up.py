@@ -1,0 +1,269 @@
+"""`tandem up`: the executor and the scheduler as two local subprocesses, stopped together.
+
+The children run in their own sessions so that Ctrl-C reaches only this process, which then
+stops them in order (scheduler first, so it drains; then the executor): SIGTERM, a grace
+period, SIGKILL. On Linux each child also gets SIGTERM if this process dies without cleanup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from client.defaults import (
+    DEFAULT_HOST,
+    EXECUTOR_METRICS_PORT,
+    EXECUTOR_PORT,
+    SCHEDULER_METRICS_PORT,
+    SCHEDULER_PORT,
+    default_model,
+    env,
+)
+
+LOG_TAIL_LINES = 20
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="start the executor and the scheduler on this machine, and stop both on Ctrl-C",
+        description="Start the executor service, then the scheduler service pointing at it, both on "
+        "localhost; wait until both report SERVING; stop both on Ctrl-C or SIGTERM.",
+    )
+    p.add_argument(
+        "--model",
+        default=default_model(),
+        help="checkpoint directory (default: the embedded model; env TANDEM_MODEL)",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory (default: the model's)")
+    p.add_argument("--device", default=env("DEVICE", "cpu"), help="cpu or cuda (env TANDEM_DEVICE)")
+    p.add_argument("--dtype", default=env("DTYPE"), help="weights dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address both services listen on (default {DEFAULT_HOST})"
+    )
+    p.add_argument(
+        "--port", type=int, default=SCHEDULER_PORT, help=f"scheduler gRPC port (default {SCHEDULER_PORT})"
+    )
+    p.add_argument(
+        "--executor-port",
+        type=int,
+        default=EXECUTOR_PORT,
+        help=f"executor gRPC port (default {EXECUTOR_PORT})",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=SCHEDULER_METRICS_PORT,
+        help=f"scheduler /metrics port (default {SCHEDULER_METRICS_PORT}; 0: none)",
+    )
+    p.add_argument(
+        "--executor-metrics-port",
+        type=int,
+        default=EXECUTOR_METRICS_PORT,
+        help=f"executor /metrics port (default {EXECUTOR_METRICS_PORT}; 0: none)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="sequences per step at most (both services)"
+    )
+    p.add_argument(
+        "--executor-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the executor, e.g. --executor-arg=--kv-cache-gb=4 (repeatable)",
+    )
+    p.add_argument(
+        "--scheduler-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the scheduler, e.g. --scheduler-arg=--max-queue=512 (repeatable)",
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds each service may take to be SERVING"
+    )
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
+    p.add_argument("--log-dir", default=None, help="where the services' logs go (default: a new temp dir)")
+    p.set_defaults(func=run_up)
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+    log_file: object = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_file = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
+        self.process = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if _PRCTL is not None else None,
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def tail(self, n: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(collections.deque(f, maxlen=n))
+        except OSError:
+            return ""
+
+    def stop(self, grace: float) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                print(f"{self.name} did not stop within {grace:.0f} s: killing it", file=sys.stderr)
+                self.process.kill()
+                self.process.wait()
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
+
+
+def _load_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up before any fork: the child runs only the call itself.
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # No orphan if `tandem up` is killed with SIGKILL: the kernel sends the child SIGTERM.
+    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The command lines of the executor and of the scheduler."""
+    executor = [sys.executable, "-m", "executor_service", "--model", args.model]
+    executor += ["--host", args.host, "--port", str(args.executor_port)]
+    executor += ["--metrics-port", str(args.executor_metrics_port), "--device", args.device]
+    if args.dtype:
+        executor += ["--dtype", args.dtype]
+    if args.max_num_seqs:
+        executor += ["--max-num-seqs", str(args.max_num_seqs)]
+    executor += args.executor_arg
+
+    scheduler = [sys.executable, "-m", "scheduler_service", "--executor", f"{args.host}:{args.executor_port}"]
+    scheduler += ["--host", args.host, "--port", str(args.port), "--metrics-port", str(args.metrics_port)]
+    scheduler += ["--tokenizer", args.tokenizer or args.model]
+    if args.max_num_seqs:
+        scheduler += ["--max-num-seqs", str(args.max_num_seqs)]
+    scheduler += args.scheduler_arg
+    return executor, scheduler
+
+
+def _wait_serving(service: Service, address: str, timeout: float, stop: threading.Event) -> str | None:
+    """None once SERVING; otherwise why not (the child died, the timeout, or a stop signal)."""
+    from client.client import TandemClient
+    from client.messages import TandemError
+
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    with TandemClient(address) as client:
+        while not stop.is_set():
+            if not service.alive():
+                return f"{service.name} exited with code {service.process.returncode}"
+            try:
+                last = client.health(timeout=1.0)
+                if last == "SERVING":
+                    return None
+            except TandemError as e:
+                last = e.code.name
+            if time.monotonic() > deadline:
+                return f"{service.name} not SERVING on {address} after {timeout:.0f} s (health: {last})"
+            stop.wait(0.2)
+    return "interrupted"
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if not (Path(args.model) / "config.json").is_file():
+        print(
+            f"error: --model {args.model!r} is not a checkpoint directory (no config.json)", file=sys.stderr
+        )
+        return 2
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    executor_argv, scheduler_argv = service_argv(args)
+    executor = Service("executor", executor_argv, log_dir / "executor.log")
+    scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log")
+    # Stopped in this order: the scheduler drains its clients before the executor goes.
+    services = [scheduler, executor]
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    executor_address = f"{args.host}:{args.executor_port}"
+    scheduler_address = f"{args.host}:{args.port}"
+    try:
+        for service, address in ((executor, executor_address), (scheduler, scheduler_address)):
+            print(f"starting the {service.name} on {address} (log: {service.log_path})", flush=True)
+            service.start()
+            failure = _wait_serving(service, address, args.startup_timeout, stop)
+            if failure == "interrupted":
+                return 130 if signal.SIGINT in received else 0
+            if failure is not None:
+                _report_failure(failure, service)
+                return 1
+        _print_ready(args, executor, scheduler, executor_address, scheduler_address)
+        while not stop.wait(0.5):
+            for service in services:
+                if not service.alive():
+                    _report_failure(f"{service.name} exited with code {service.process.returncode}", service)
+                    return 1
+        print("stopping...", flush=True)
+        return 0
+    finally:
+        for service in services:
+            service.stop(args.grace)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _report_failure(reason: str, service: Service) -> None:
+    print(f"error: {reason}; the last lines of {service.log_path}:", file=sys.stderr)
+    for line in service.tail().splitlines():
+        print(f"  | {line}", file=sys.stderr)
+
+
+def _print_ready(args, executor: Service, scheduler: Service, executor_address: str, scheduler_address: str):
+    def metrics(port: int) -> str:
+        return f"metrics http://{args.host}:{port}/metrics" if port else "no metrics"
+
+    print(
+        f"tandem is up ({Path(args.model).name} on {args.device})\n"
+        f"  scheduler  {scheduler_address}  {metrics(args.metrics_port)}  pid {scheduler.process.pid}\n"
+        f"  executor   {executor_address}  {metrics(args.executor_metrics_port)}  pid {executor.process.pid}\n"
+        f"  logs       {executor.log_path.parent}\n"
+        f'try:  tandem generate --server {scheduler_address} "The list type" --max-tokens 64\n'
+        "Ctrl-C stops both.",
+        flush=True,
+    )
