@@ -1,0 +1,341 @@
+"""The client library and the `tandem` CLI without the real services: argument parsing, the mapping
+of keyword arguments to generation.proto, and the clients against a fake GenerationService."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from client import AsyncTandemClient, Chunk, Final, TandemClient, TandemError, cli, up
+from client.defaults import DEFAULT_MODEL, DEFAULT_SERVER, free_port
+from client.messages import generate_request, sampling_params
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- kwargs -> proto ------------------------------------------------------------------------
+
+
+def test_every_sampling_kwarg_maps_to_its_proto_field():
+    sp = sampling_params(
+        max_tokens=7,
+        temperature=0.5,
+        top_k=3,
+        top_p=0.9,
+        min_p=0.1,
+        seed=42,
+        stop=["\n\n", "."],
+        stop_token_ids=[5, 6],
+        ignore_eos=True,
+        repetition_penalty=1.2,
+        presence_penalty=0.3,
+        frequency_penalty=0.4,
+        logprobs=2,
+    )
+    assert sp.max_tokens == 7 and sp.top_k == 3 and sp.seed == 42 and sp.logprobs == 2
+    assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
+    assert sp.min_p == pytest.approx(0.1) and sp.repetition_penalty == pytest.approx(1.2)
+    assert sp.presence_penalty == pytest.approx(0.3) and sp.frequency_penalty == pytest.approx(0.4)
+    assert list(sp.stop) == ["\n\n", "."] and list(sp.stop_token_ids) == [5, 6] and sp.ignore_eos
+
+
+def test_unset_kwargs_leave_the_server_defaults():
+    sp = sampling_params(top_p=None, seed=None, max_tokens=4)
+    # Optional fields stay unset, so the server applies "1 = disabled" and "no seed".
+    assert not sp.HasField("top_p") and not sp.HasField("seed") and not sp.HasField("repetition_penalty")
+    assert sp.max_tokens == 4
+    # seed 0 is a seed, not "unset".
+    assert sampling_params(seed=0).HasField("seed")
+
+
+def test_a_single_stop_string_is_a_list_of_one():
+    assert list(sampling_params(stop="END").stop) == ["END"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_token": 3}, "unknown sampling argument"),
+        ({"top_k": 1.5}, "top_k must be an integer"),
+        ({"max_tokens": True}, "max_tokens must be an integer"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+    ],
+)
+def test_bad_kwargs_fail_before_anything_is_sent(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        sampling_params(**kwargs)
+
+
+def test_prompt_is_text_or_token_ids():
+    assert generate_request("hello").WhichOneof("prompt") == "text"
+    request = generate_request([1, 2, 3], request_id="r1", max_tokens=2)
+    assert request.WhichOneof("prompt") == "token_ids" and list(request.token_ids.ids) == [1, 2, 3]
+    assert request.request_id == "r1" and request.sampling_params.max_tokens == 2
+    with pytest.raises(TypeError, match="token ids"):
+        generate_request([1, "2"])
+
+
+# --- CLI parsing ----------------------------------------------------------------------------
+
+
+def parse(*argv: str):
+    return cli.build_parser(list(argv)).parse_args(list(argv))
+
+
+def test_generate_defaults_to_the_local_server(monkeypatch):
+    monkeypatch.delenv("TANDEM_SERVER", raising=False)
+    args = parse("generate", "The list type")
+    assert args.model is None and cli.server_address(args) == DEFAULT_SERVER
+    assert cli.prompts_of(args) == ["The list type"]
+    monkeypatch.setenv("TANDEM_SERVER", "10.0.0.1:6000")
+    assert cli.server_address(parse("generate", "x")) == "10.0.0.1:6000"
+    assert cli.server_address(parse("generate", "x", "--server", "h:1")) == "h:1"
+
+
+def test_server_and_model_are_mutually_exclusive(capsys):
+    with pytest.raises(SystemExit):
+        parse("generate", "x", "--server", "h:1", "--model", "m")
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_prompts_positional_flags_and_ids():
+    args = parse("generate", "a", "b", "--prompt", "c")
+    assert cli.prompts_of(args) == ["a", "b", "c"]
+    assert cli.prompts_of(parse("generate", "--prompt-ids", "1,2", "--prompt-ids", "3")) == [[1, 2], [3]]
+    with pytest.raises(ValueError, match="not both"):
+        cli.prompts_of(parse("generate", "a", "--prompt-ids", "1"))
+    with pytest.raises(ValueError, match="no prompt"):
+        cli.prompts_of(parse("generate"))
+
+
+def test_sampling_flags_become_kwargs():
+    args = parse(
+        "generate", "x", "--max-tokens", "9", "--stop", "\n", "--stop", "END", "--stop-token-id", "3",
+        "--top-p", "0.5", "--seed", "1", "--ignore-eos", "--logprobs", "2",
+    )  # fmt: skip
+    assert cli.sampling_kwargs(args) == {
+        "max_tokens": 9,
+        "temperature": 0.0,
+        "top_p": 0.5,
+        "seed": 1,
+        "stop": ["\n", "END"],
+        "stop_token_ids": [3],
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
+    # Unset flags are left to the server (or to SamplingParams in-process).
+    assert cli.sampling_kwargs(parse("generate", "x")) == {"max_tokens": 16, "temperature": 0.0}
+
+
+def test_verb_detection_skips_global_options():
+    assert cli._command_of(["--log-level", "INFO", "executor", "--port", "1"]) == "executor"
+    assert cli._command_of(["generate", "x"]) == "generate"
+    assert cli._command_of(["--help"]) is None
+
+
+def test_service_verbs_are_listed_without_importing_them(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for verb in ("generate", "up", "executor", "scheduler"):
+        assert verb in out
+
+
+def test_up_command_lines(monkeypatch):
+    monkeypatch.delenv("TANDEM_MODEL", raising=False)
+    args = parse(
+        "up", "--port", "7001", "--executor-port", "7002", "--metrics-port", "0", "--max-num-seqs", "8"
+    )
+    executor, scheduler = up.service_argv(args)
+    assert args.model == str(DEFAULT_MODEL) and (DEFAULT_MODEL / "config.json").is_file()
+    assert executor[executor.index("--model") + 1] == str(DEFAULT_MODEL)
+    assert executor[1:3] == ["-m", "executor_service"]
+    assert executor[executor.index("--port") + 1] == "7002"
+    assert executor[executor.index("--max-num-seqs") + 1] == "8"
+    assert scheduler[1:3] == ["-m", "scheduler_service"]
+    assert scheduler[scheduler.index("--executor") + 1] == "127.0.0.1:7002"
+    assert scheduler[scheduler.index("--port") + 1] == "7001"
+    assert scheduler[scheduler.index("--metrics-port") + 1] == "0"
+
+
+def test_up_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
+    assert cli.main(["up", "--model", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_generate_server_path_needs_no_torch():
+    script = f"""
+import importlib.abc, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "numpy", "executor_service"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Blocker())
+from client.cli import main
+rc = main(["generate", "--server", "127.0.0.1:{free_port()}", "hello", "--timeout", "5"])
+assert "torch" not in sys.modules
+print("rc", rc)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.stdout.split() == ["rc", "1"], proc.stderr
+    assert "no tandem server" in proc.stderr
+
+
+# --- the clients against a fake GenerationService --------------------------------------------
+
+
+class FakeGeneration(pb_grpc.GenerationServiceServicer):
+    """Tokens 1..max_tokens, text "t1 t2 ...", two tokens per chunk. max_tokens 0 streams until
+    cancelled; temperature 99 is rejected."""
+
+    def __init__(self):
+        self.cancelled = threading.Event()
+        self.requests: list[pb.GenerateRequest] = []
+        self.metadata: list[dict] = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        sp = request.sampling_params
+        if sp.temperature == 99:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature 99 is too hot")
+        n_prompt = len(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" else 3
+        if sp.max_tokens == 0:
+            context.add_callback(self.cancelled.set)
+            i = 0
+            while context.is_active():
+                i += 1
+                yield pb.GenerateResponse(chunk=pb.GenerateChunk(token_ids=[i], text=f"t{i} "))
+                time.sleep(0.005)
+            return
+        tokens = list(range(1, sp.max_tokens + 1))
+        for start in range(0, len(tokens), 2):
+            ids = tokens[start : start + 2]
+            chunk = pb.GenerateChunk(token_ids=ids, text="".join(f"t{t} " for t in ids))
+            if sp.logprobs:
+                for t in ids:
+                    chunk.logprobs.add(
+                        token_id=t, logprob=-0.5, top_logprobs=[pb.Logprob(token_id=t, logprob=-0.5)]
+                    )
+            yield pb.GenerateResponse(request_id=request.request_id, chunk=chunk)
+        yield pb.GenerateResponse(
+            request_id=request.request_id,
+            final=pb.GenerateFinal(
+                finish_reason=pb.FINISH_REASON_LENGTH,
+                prompt_tokens=n_prompt,
+                completion_tokens=len(tokens),
+                cached_tokens=1,
+            ),
+        )
+
+    def GetModelInfo(self, request, context):
+        return pb.GetModelInfoResponse(model="fake", max_model_len=128, vocab_size=512, eos_token_ids=[0])
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    servicer = FakeGeneration()
+    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(0)
+
+
+def test_sync_stream_chunks_then_final(fake_server):
+    address, servicer = fake_server
+    with TandemClient(address, api_key="secret") as client:
+        items = list(client.generate([4, 5, 6, 7], request_id="abc", max_tokens=5))
+    assert [type(i) for i in items] == [Chunk, Chunk, Chunk, Final]
+    assert [i.token_ids for i in items[:3]] == [[1, 2], [3, 4], [5]]
+    final = items[-1]
+    assert (final.finish_reason, final.prompt_tokens, final.completion_tokens) == ("length", 4, 5)
+    assert final.cached_tokens == 1 and final.stop_reason is None and final.request_id == "abc"
+    assert servicer.metadata[-1]["authorization"] == "Bearer secret"
+
+
+def test_sync_complete_logprobs_model_info_health(fake_server):
+    address, _ = fake_server
+    with TandemClient(address, timeout=10) as client:
+        done = client.complete("hi", max_tokens=3, logprobs=1)
+        assert done.text == "t1 t2 t3 " and done.token_ids == [1, 2, 3] and done.finish_reason == "length"
+        assert [lp.token_id for lp in done.logprobs] == [1, 2, 3]
+        assert done.logprobs[0].top_logprobs == [(1, -0.5)]
+        info = client.model_info()
+        assert (info.model, info.max_model_len, info.eos_token_ids) == ("fake", 128, [0])
+        assert client.health() == "SERVING"
+
+
+def test_errors_carry_the_status_code(fake_server):
+    address, _ = fake_server
+    with TandemClient(address) as client, pytest.raises(TandemError) as err:
+        client.complete("hi", temperature=99)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "too hot" in err.value.message
+    with TandemClient(f"127.0.0.1:{free_port()}") as client, pytest.raises(TandemError) as err:
+        client.model_info()
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_cancel_aborts_on_the_server(fake_server):
+    address, servicer = fake_server
+    servicer.cancelled.clear()
+    with TandemClient(address) as client:
+        stream = client.generate("forever", max_tokens=0)
+        received = [next(stream) for _ in range(3)]
+        stream.cancel()
+        assert list(stream) == []  # ends quietly, no error
+        assert [c.token_ids for c in received] == [[1], [2], [3]]
+    assert servicer.cancelled.wait(5)
+
+
+def test_async_client(fake_server):
+    address, servicer = fake_server
+
+    async def main():
+        async with AsyncTandemClient(address) as client:
+            results = await asyncio.gather(*(client.complete([1] * n, max_tokens=n) for n in (1, 2, 3, 4)))
+            assert [r.token_ids for r in results] == [[1], [1, 2], [1, 2, 3], [1, 2, 3, 4]]
+            assert [r.prompt_tokens for r in results] == [1, 2, 3, 4]
+            assert (await client.model_info()).vocab_size == 512
+            assert await client.health() == "SERVING"
+            with pytest.raises(TandemError) as err:
+                await client.complete("x", temperature=99)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            servicer.cancelled.clear()
+            stream = client.generate("forever", max_tokens=0)
+            async for item in stream:
+                if item.token_ids == [3]:
+                    stream.cancel()
+            assert stream.final is None
+
+    asyncio.run(main())
+    assert servicer.cancelled.wait(5)
+
+
+def test_cli_generate_against_a_server(fake_server, capsys):
+    address, _ = fake_server
+    assert cli.main(["generate", "--server", address, "one", "two", "--max-tokens", "3", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines == [{"token_ids": [1, 2, 3], "text": "t1 t2 t3 ", "finish_reason": "length"}] * 2
+    assert cli.main(["generate", "--server", address, "one", "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out == "t1 t2 t3 t4 t5 \n"
+    assert cli.main(["generate", "--server", address, "x", "--temperature", "99"]) == 2
+    assert "INVALID_ARGUMENT: temperature 99 is too hot" in capsys.readouterr().err
