@@ -1,0 +1,307 @@
+"""Offline throughput, in-process (`LLM`) and through the gRPC split (executor + scheduler as two
+subprocesses, one asyncio client streaming every request at once). Prints output tokens/s of
+each and their ratio.
+
+    python bench/throughput.py                      # CPU: the embedded model, 64 requests
+    python bench/throughput.py --workload w1 --device cuda     # BENCH.md W1 (Qwen3-0.6B shape)
+
+Requests have token-id prompts, random (seeded) prompt and output lengths and ignore_eos, so
+every run generates exactly the same number of tokens. Time runs from submitting the first
+request to the last token, after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import shlex
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from client.defaults import DEFAULT_HOST, DEFAULT_MODEL, free_port
+
+# BENCH.md W1: Qwen3-0.6B's shape, random bf16 weights.
+W1_CONFIG = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    eos_token_id=151645,
+    bos_token_id=None,
+)
+W1_TOTALS = (142_827, 133_966)  # prompt, output tokens
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--workload",
+        choices=["random", "w1"],
+        default="random",
+        help="random: the flags below; w1: BENCH.md W1 (256 requests, 100-1024 in and out, T=0.6)",
+    )
+    p.add_argument("--model", default=None, help="checkpoint directory (default: embedded model; w1: built)")
+    p.add_argument("--w1-dir", default=str(Path(tempfile.gettempdir()) / "tandem-w1-qwen3-0.6b"))
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-prompt-len", type=int, default=16)
+    p.add_argument("--max-prompt-len", type=int, default=256)
+    p.add_argument("--min-output-len", type=int, default=16)
+    p.add_argument("--max-output-len", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None, help="default 0 (greedy); w1: 0.6")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the executor's (kv-cache-gb)")
+    p.add_argument("--mode", choices=["both", "in-process", "split"], default="both")
+    p.add_argument("--executor-arg", action="append", default=[], help="extra executor flag (repeatable)")
+    p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
+    p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
+    args = p.parse_args(argv)
+    if args.workload == "w1":
+        args.num_requests = 256
+        args.min_prompt_len, args.max_prompt_len = 100, 1024
+        args.min_output_len, args.max_output_len = 100, 1024
+        if args.temperature is None:
+            args.temperature = 0.6
+    if args.temperature is None:
+        args.temperature = 0.0
+    return args
+
+
+def build_w1_checkpoint(out_dir: Path) -> Path:
+    """Qwen3-0.6B's architecture with random bf16 weights, saved through transformers."""
+    if (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")):
+        return out_dir
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    print(f"building the W1 checkpoint in {out_dir} ...", flush=True)
+    torch.manual_seed(0)
+    config = Qwen3Config(**W1_CONFIG, torch_dtype="bfloat16")
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
+    # W1's recipe (nano-vllm's bench): draw all prompts first, then all max_tokens.
+    rng = random.Random(args.seed)
+    top = min(10000, vocab_size - 1)
+    prompts = [
+        [rng.randint(0, top) for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))]
+        for _ in range(args.num_requests)
+    ]
+    outputs = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_requests)]
+    return [Request(p, n) for p, n in zip(prompts, outputs)]
+
+
+def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]) -> tuple[int, float]:
+    from scheduler_service.llm import LLM
+    from scheduler_service.sampling_params import SamplingParams
+
+    options = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+    llm = LLM(
+        model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        **options,
+    )
+    warm = [r.prompt_token_ids for r in workload[:4]]
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    params = [
+        SamplingParams(max_tokens=r.max_tokens, temperature=args.temperature, ignore_eos=True)
+        for r in workload
+    ]
+    t0 = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outputs)
+    del llm, outputs
+    gc.collect()
+    return tokens, elapsed
+
+
+def start_services(args: argparse.Namespace, model: str, log_dir: Path):
+    from client.up import Service
+
+    host = DEFAULT_HOST
+    executor_port, scheduler_port = free_port(), free_port()
+    executor_metrics, scheduler_metrics = free_port(), free_port()
+    executor_argv = [sys.executable, "-m", "executor_service", "--model", model, "--host", host]
+    executor_argv += ["--port", str(executor_port), "--metrics-port", str(executor_metrics)]
+    executor_argv += ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
+    executor_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.dtype:
+        executor_argv += ["--dtype", args.dtype]
+    if args.num_kv_blocks:
+        executor_argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    executor_argv += args.executor_arg
+    scheduler_argv = [sys.executable, "-m", "scheduler_service", "--executor", f"{host}:{executor_port}"]
+    scheduler_argv += [
+        "--host",
+        host,
+        "--port",
+        str(scheduler_port),
+        "--metrics-port",
+        str(scheduler_metrics),
+    ]
+    scheduler_argv += ["--max-num-seqs", str(args.max_num_seqs)]
+    scheduler_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    scheduler_argv += args.scheduler_arg
+    executor = Service("executor", executor_argv, log_dir / "executor.log")
+    scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log")
+    ports = {
+        "executor": f"{host}:{executor_port}",
+        "scheduler": f"{host}:{scheduler_port}",
+        "executor_metrics": f"http://{host}:{executor_metrics}/metrics",
+        "scheduler_metrics": f"http://{host}:{scheduler_metrics}/metrics",
+    }
+    return executor, scheduler, ports
+
+
+def wait_serving(service, address: str, timeout: float = 600.0) -> None:
+    from client.up import _wait_serving
+
+    failure = _wait_serving(service, address, timeout, threading.Event())
+    if failure is not None:
+        raise SystemExit(f"{failure}; the last lines of {service.log_path}:\n{service.tail()}")
+
+
+async def stream_all(address: str, workload: list[Request], temperature: float) -> tuple[int, float]:
+    from client.aio import AsyncTandemClient
+    from client.messages import Chunk
+
+    async def one(client, request: Request) -> tuple[int, float]:
+        n, last = 0, 0.0
+        stream = client.generate(
+            request.prompt_token_ids, max_tokens=request.max_tokens, temperature=temperature, ignore_eos=True
+        )
+        async for item in stream:
+            if isinstance(item, Chunk):
+                n += len(item.token_ids)
+                last = time.perf_counter()
+        return n, last
+
+    async with AsyncTandemClient(address) as client:
+        warm = [Request(r.prompt_token_ids, 8) for r in workload[:4]]
+        await asyncio.gather(*(one(client, r) for r in warm))
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(client, r) for r in workload))
+    return sum(n for n, _ in results), max(last for _, last in results) - t0
+
+
+def scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> tuple[int, float, dict]:
+    log_dir = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
+    executor, scheduler, ports = start_services(args, model, log_dir)
+    services = [scheduler, executor]
+    try:
+        executor.start()
+        wait_serving(executor, ports["executor"])
+        scheduler.start()
+        wait_serving(scheduler, ports["scheduler"])
+        before = scrape(ports["executor_metrics"])
+        tokens, elapsed = asyncio.run(stream_all(ports["scheduler"], workload, args.temperature))
+        after = scrape(ports["executor_metrics"])
+        steps = {
+            k: after.get(k, 0.0) - before.get(k, 0.0)
+            for k in (
+                "tandem_executor_step_duration_seconds_sum",
+                "tandem_executor_step_duration_seconds_count",
+            )
+        }
+    finally:
+        for service in services:
+            service.stop(10.0)
+    if args.keep_logs:
+        print(f"service logs: {log_dir}")
+    return tokens, elapsed, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.model is None:
+        args.model = (
+            str(build_w1_checkpoint(Path(args.w1_dir))) if args.workload == "w1" else str(DEFAULT_MODEL)
+        )
+    vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    workload = make_workload(args, vocab_size)
+    num_prompt = sum(len(r.prompt_token_ids) for r in workload)
+    num_output = sum(r.max_tokens for r in workload)
+    print(f"command: python {shlex.join(sys.argv)}")
+    print(
+        f"workload: {args.workload}, {len(workload)} requests, {num_prompt} prompt tokens, {num_output} output "
+        f"tokens (longest {max(r.max_tokens for r in workload)}), temperature {args.temperature}, "
+        f"model {args.model}, device {args.device}, max_num_seqs {args.max_num_seqs}"
+    )
+    if args.workload == "w1" and (num_prompt, num_output) != W1_TOTALS:
+        print(f"warning: W1 expects {W1_TOTALS} prompt/output tokens", file=sys.stderr)
+
+    results = {}
+    if args.mode in ("both", "in-process"):
+        tokens, elapsed = run_in_process(args, args.model, workload)
+        results["in-process"] = tokens / elapsed
+        print(
+            f"in-process: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} output tok/s",
+            flush=True,
+        )
+    if args.mode in ("both", "split"):
+        tokens, elapsed, steps = run_split(args, args.model, workload)
+        results["split"] = tokens / elapsed
+        busy = steps["tandem_executor_step_duration_seconds_sum"]
+        count = int(steps["tandem_executor_step_duration_seconds_count"])
+        print(
+            f"split: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} output tok/s "
+            f"(executor: {count} steps, {busy:.2f} s in steps = {busy / elapsed:.0%} of the wall time)",
+            flush=True,
+        )
+        if tokens != num_output:
+            print(f"warning: the client received {tokens} tokens, expected {num_output}", file=sys.stderr)
+    if len(results) == 2:
+        ratio = results["split"] / results["in-process"]
+        label = "CPU" if args.device == "cpu" else "GPU"
+        print(f"{label} split/in-process: {ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
