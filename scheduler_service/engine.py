@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable as Iter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -72,6 +73,9 @@ class LLMEngine:
         self.limits = self.scheduler.limits
         self._next_request_id = 0
         self._last_status = (time.monotonic(), 0, 0)
+        # The last step's plan and how long executor.step() took (0 when not called).
+        self.last_plan: StepPlan | None = None
+        self.last_step_seconds = 0.0
 
     def add_request(
         self,
@@ -106,14 +110,54 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_plan = plan
+        self.last_step_seconds = 0.0
         if plan.seq_ids or plan.finished_seq_ids or plan.preempted_seq_ids:
-            result = self.executor.step(plan)
+            t0 = time.perf_counter()
+            try:
+                result = self.executor.step(plan)
+            except BaseException:
+                self._abandon(plan)
+                raise
+            self.last_step_seconds = time.perf_counter() - t0
         else:
             result = StepResult(step_id=plan.step_id)
         outputs = [_to_output(seq) for seq in self.scheduler.update(plan, result)]
         if time.monotonic() - self._last_status[0] >= STATUS_INTERVAL_S:
             self._log_status()
         return outputs
+
+    def fail_requests(self, request_ids: Iter[int], error: str) -> list[RequestOutput]:
+        """Finish unfinished requests with "abort" and `error` (e.g. the plan they were in was
+        rejected); returns their final outputs. Call between steps."""
+        scheduler = self.scheduler
+        outputs = []
+        for rid in request_ids:
+            seq = scheduler.seqs.get(rid)
+            if seq is None or not scheduler.abort(rid):
+                continue
+            seq.error = error
+            seq.num_new_tokens = 0
+            outputs.append(_to_output(seq))
+        return outputs
+
+    def _abandon(self, plan: StepPlan) -> None:
+        """Undo schedule()'s bookkeeping for a plan the executor did not run (it changed no
+        state), so that failing the plan's requests leaves the scheduler consistent."""
+        scheduler = self.scheduler
+        scheduler._in_flight.pop(plan.step_id, None)
+        # The executor still holds these: drop them with the next plan.
+        scheduler._finished_ids.extend(plan.finished_seq_ids)
+        scheduler._finished_ids.extend(plan.preempted_seq_ids)
+        new_ids = {s.seq_id for s in plan.new_seqs}
+        for seq_id, computed in zip(plan.seq_ids, plan.num_computed_tokens):
+            seq = scheduler.seqs.get(seq_id)
+            if seq is None:
+                continue
+            # Never register blocks in the prefix cache whose KV was not computed.
+            seq.num_computed_tokens = computed
+            if seq_id in new_ids:
+                seq.sent = False
 
     def _log_status(self) -> None:
         """One line of throughput and occupancy, quiet when idle."""

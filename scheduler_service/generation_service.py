@@ -1,0 +1,195 @@
+"""tandem.v1.GenerationService: admission, streaming and errors as status codes (grpc.aio)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_service.async_engine import AsyncEngine, QueueFullError
+from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.executor_client import ExecutorUnavailable
+from scheduler_service.request_stream import RequestStream
+from scheduler_service.sampling_params import InvalidRequestError, SamplingParams
+from scheduler_service.sequence import TokenLogprob
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+_FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+NO_TOKENIZER = "this server has no tokenizer: send token ids or start it with --tokenizer"
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Proto3 zero values mean "unset"; raises InvalidRequestError naming the limit."""
+    for name in (
+        "temperature",
+        "min_p",
+        "top_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
+        if not math.isfinite(getattr(msg, name)):
+            raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)}")
+    if msg.max_tokens < 0:
+        raise InvalidRequestError(f"max_tokens must be >= 0 (0: up to max_model_len), got {msg.max_tokens}")
+    return SamplingParams(
+        max_tokens=msg.max_tokens or None,
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logprobs=msg.logprobs,
+    )
+
+
+def _logprobs_to_proto(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_logprobs=[pb.Logprob(token_id=t, logprob=v) for t, v in lp.top_logprobs],
+        )
+        for lp in logprobs
+    ]
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, engine: AsyncEngine, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.engine = engine
+        self.metrics = engine.metrics
+        self.stream_interval = stream_interval
+
+    async def _fail(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.requests_failed.labels(code.name).inc()
+        await context.abort(code, message)
+
+    def _admit(self, request: pb.GenerateRequest, request_id: str, arrival: float) -> RequestStream:
+        params = sampling_params_from_proto(request.sampling_params)
+        tokenizer = self.engine.tokenizer
+        if params.stop and tokenizer is None:
+            raise InvalidRequestError(f"stop strings need a tokenizer; {NO_TOKENIZER}")
+        if request.WhichOneof("prompt") == "text":
+            if tokenizer is None and self.engine.engine is not None:
+                raise InvalidRequestError(NO_TOKENIZER)
+            prompt = tokenizer.encode(request.text) if tokenizer is not None else []
+        else:
+            prompt = list(request.token_ids.ids)
+        return self.engine.add_request(request_id, prompt, params, arrival)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.perf_counter()
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            stream = self._admit(request, request_id, arrival)
+        except ExecutorUnavailable as e:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        except QueueFullError as e:
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:  # InvalidRequestError, and anything else a request can get wrong
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        tokenizer = self.engine.tokenizer
+        detokenizer = IncrementalDetokenizer(tokenizer, stream.params.stop) if tokenizer else None
+        try:
+            async for response in self._responses(stream, detokenizer, context):
+                yield response
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            self.metrics.requests_failed.labels(code.name).inc()
+            raise
+        finally:
+            if not stream.finished:
+                self.engine.abort(stream)
+
+    async def _responses(
+        self,
+        stream: RequestStream,
+        detokenizer: IncrementalDetokenizer | None,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        num_sent = 0
+        while True:
+            await stream.wait(self.stream_interval)
+            if stream.failure is not None:
+                await self._fail(context, stream.failure.code, stream.failure.message)
+            ids, logprobs = stream.take()
+            text, stop = "", None
+            if detokenizer is not None:
+                update = detokenizer.add(ids)
+                text = update.text
+                if update.stop_string is not None:
+                    stop = update.stop_string
+                    ids, logprobs = ids[: update.num_tokens], logprobs[: update.num_tokens]
+                    self.engine.abort(stream)
+                    stream.finished = True
+                elif stream.finished:
+                    text += detokenizer.flush()
+            num_sent += len(ids)
+            if ids or text:
+                chunk = pb.GenerateChunk(token_ids=ids, text=text, logprobs=_logprobs_to_proto(logprobs))
+                yield pb.GenerateResponse(request_id=stream.request_id, chunk=chunk)
+            if stream.finished:
+                yield pb.GenerateResponse(
+                    request_id=stream.request_id, final=self._final(stream, num_sent, stop)
+                )
+                return
+
+    def _final(self, stream: RequestStream, num_sent: int, stop: str | None) -> pb.GenerateFinal:
+        reason = "stop" if stop is not None else stream.finish_reason or "abort"
+        stop_reason = stop or ""
+        if stop is None and reason == "stop" and stream.last_token_id in stream.params.stop_token_ids:
+            stop_reason = str(stream.last_token_id)
+        self.metrics.requests_finished.labels(reason).inc()
+        self.metrics.e2e.observe(time.perf_counter() - stream.arrival)
+        return pb.GenerateFinal(
+            finish_reason=_FINISH_REASONS[reason],
+            prompt_tokens=stream.num_prompt_tokens,
+            completion_tokens=num_sent,
+            cached_tokens=stream.num_cached_tokens,
+            stop_reason=stop_reason,
+        )
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        engine = self.engine.engine
+        if engine is None:
+            await self._fail(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"executor at {self.engine.options.executor_address} is not connected",
+            )
+        info = engine.info
+        return pb.GetModelInfoResponse(
+            model=info.model,
+            max_model_len=engine.limits.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            block_size=info.block_size,
+            num_kv_blocks=info.num_kv_blocks,
+            tensor_parallel_size=info.tensor_parallel_size,
+            dtype=info.dtype,
+            device=info.device,
+        )

@@ -1,0 +1,118 @@
+"""The scheduler's Prometheus metrics, in their own registry, served on `--metrics-port`.
+
+Counters and gauges are updated once per step from SchedulerStats deltas (engine thread);
+latencies are observed when a request streams or finishes (asyncio thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from scheduler_service.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+# Counters taken from SchedulerStats, as (metric attribute, stats attribute).
+_STAT_COUNTERS = (
+    ("preemptions", "num_preemptions"),
+    ("prompt_tokens", "num_prompt_tokens"),
+    ("generation_tokens", "num_generation_tokens"),
+    ("prefix_queried_tokens", "num_prefix_queried_tokens"),
+    ("prefix_hit_tokens", "num_prefix_hit_tokens"),
+)
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        p = "tandem_scheduler_"
+        self.requests_running = Gauge(p + "requests_running", "Requests in the running batch", registry=r)
+        self.requests_waiting = Gauge(p + "requests_waiting", "Requests queued for admission", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV cache blocks in use", registry=r)
+        self.kv_blocks_used = Gauge(p + "kv_cache_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_blocks_total = Gauge(p + "kv_cache_blocks_total", "KV cache blocks in all", registry=r)
+        self.executor_up = Gauge(p + "executor_up", "1 while the executor is connected", registry=r)
+        self.prefix_queried_tokens = Counter(
+            p + "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            p + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.preemptions = Counter(p + "preemptions", "Sequences preempted (recomputed later)", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.requests_finished = Counter(
+            p + "requests_finished", "Requests finished, by finish reason", ["reason"], registry=r
+        )
+        self.requests_failed = Counter(
+            p + "requests_failed",
+            "Requests that ended with a gRPC error, by status code",
+            ["code"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Time between steps that gave a request tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Arrival to final message",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            p + "queue_time_seconds", "Arrival to first schedule", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tokens_per_step = Histogram(
+            p + "tokens_per_step", "Tokens scheduled per step", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.executor_round_trip = Histogram(
+            p + "executor_round_trip_seconds",
+            "executor.step() as seen by the scheduler",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self._last = SchedulerStats()
+        self._http: WSGIServer | None = None
+
+    def update_from_stats(self, stats: SchedulerStats) -> None:
+        """Gauges and counter deltas after a step; called from the engine thread."""
+        last = self._last
+        for metric, attr in _STAT_COUNTERS:
+            delta = getattr(stats, attr) - getattr(last, attr)
+            if delta > 0:
+                getattr(self, metric).inc(delta)
+            setattr(last, attr, getattr(stats, attr))
+        self.requests_running.set(stats.num_running)
+        self.requests_waiting.set(stats.num_waiting)
+        self.kv_blocks_used.set(stats.num_used_blocks)
+        self.kv_blocks_total.set(stats.num_total_blocks)
+        self.kv_usage.set(stats.kv_usage)
+
+    def reset_stats_baseline(self) -> None:
+        """A new engine (after a reconnect) counts its stats from zero again."""
+        self._last = SchedulerStats()
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics over HTTP in a daemon thread; returns the bound port (port 0 picks one)."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._http.server_port
+        logger.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def shutdown(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,111 @@
+"""The asyncio side of each request: tokens accumulate here between a stream's writes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from scheduler_service.engine import RequestOutput
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.sequence import TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    code: grpc.StatusCode
+    message: str
+
+
+class RequestStream:
+    """Written by StreamTable.dispatch (one batch per engine step), read by the RPC handler."""
+
+    def __init__(
+        self, request_id: str, engine_id: int, num_prompt_tokens: int, params: SamplingParams, arrival: float
+    ) -> None:
+        self.request_id = request_id
+        self.engine_id = engine_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.params = params
+        self.arrival = arrival
+        # Tokens (and logprobs) not yet written to the client.
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.last_token_id: int | None = None
+        self.num_cached_tokens = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.failure: RequestFailure | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time = 0.0
+        self.event = asyncio.Event()
+
+    def take(self) -> tuple[list[int], list[TokenLogprob]]:
+        ids, lps = self.token_ids, self.logprobs
+        self.token_ids, self.logprobs = [], []
+        return ids, lps
+
+    async def wait(self, min_tokens: int) -> None:
+        """Until min_tokens have accumulated, or the request finished or failed."""
+        while len(self.token_ids) < min_tokens and not self.finished:
+            self.event.clear()
+            await self.event.wait()
+
+
+class StreamTable:
+    """The live streams by engine request id; dispatch() runs on the asyncio loop."""
+
+    def __init__(self, metrics: SchedulerMetrics) -> None:
+        self.metrics = metrics
+        self._streams: dict[int, RequestStream] = {}
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def add(self, stream: RequestStream) -> None:
+        self._streams[stream.engine_id] = stream
+
+    def remove(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.engine_id, None)
+
+    def dispatch(
+        self, outputs: Sequence[RequestOutput], failures: dict[int, RequestFailure] | None, now: float
+    ) -> None:
+        """One engine step's outputs, handed over in one batch."""
+        streams = self._streams
+        ttft = self.metrics.ttft
+        itl = self.metrics.itl
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            new = out.new_token_ids
+            if new:
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    ttft.observe(now - stream.arrival)
+                else:
+                    itl.observe(now - stream.last_token_time)
+                stream.last_token_time = now
+                stream.token_ids.extend(new)
+                stream.last_token_id = new[-1]
+                if out.new_logprobs:
+                    stream.logprobs.extend(out.new_logprobs)
+            stream.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                stream.finished = True
+                stream.finish_reason = out.finish_reason
+                if out.error is not None:
+                    stream.failure = RequestFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, out.error)
+                del streams[out.request_id]
+            stream.event.set()
+        for engine_id, failure in (failures or {}).items():
+            stream = streams.pop(engine_id, None)
+            if stream is not None:
+                stream.finished = True
+                stream.finish_reason = "abort"
+                stream.failure = failure
+                stream.event.set()
