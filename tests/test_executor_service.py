@@ -1,0 +1,507 @@
+"""The executor service as a real process on localhost, driven through RemoteExecutor and raw gRPC."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from executor_fixtures import MiniScheduler, make_executor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from executor_service import cli
+from executor_service.metrics import step_kind
+from executor_service.plan_validation import PlanError
+from executor_service.server import ExecutorServer
+from protos.plan import ExecutorInfo, NewSequence, StepPlan, StepResult, StepSamplingParams, plan_to_proto
+from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.engine import LLMEngine
+from scheduler_service.executor_client import (
+    SERVICE_NAME,
+    ExecutorError,
+    ExecutorUnavailable,
+    PlanRejected,
+    RemoteExecutor,
+)
+from scheduler_service.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_KV_BLOCKS = 96
+EXECUTOR_OPTIONS = dict(
+    block_size=4, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64
+)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ExecutorProcess:
+    proc: subprocess.Popen
+    address: str
+    metrics_url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def start_executor(model: Path, log: Path, **env: str) -> ExecutorProcess:
+    port, metrics_port = free_port(), free_port()
+    args = [sys.executable, "-m", "executor_service", "--model", str(model)]
+    args += ["--port", str(port), "--metrics-port", str(metrics_port)]
+    for name, value in EXECUTOR_OPTIONS.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    # One intra-op thread: the same float reductions as the in-process reference.
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    with log.open("w") as f:
+        proc = subprocess.Popen(args, cwd=ROOT, env=full_env, stdout=f, stderr=subprocess.STDOUT)
+    return ExecutorProcess(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
+
+
+def wait_ready(ep: ExecutorProcess, timeout: float = 60) -> None:
+    with RemoteExecutor(ep.address) as remote:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert ep.proc.poll() is None, f"executor exited early:\n{ep.output()}"
+            try:
+                return remote.wait_ready(0.5)
+            except ExecutorUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+
+
+def stop(ep: ExecutorProcess, timeout: float = 10) -> int | None:
+    if ep.proc.poll() is None:
+        ep.proc.send_signal(signal.SIGTERM)
+        try:
+            return ep.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            ep.proc.kill()
+            ep.proc.wait()
+            return None
+    return ep.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def executor_proc(qwen3_tied, tmp_path_factory):
+    ep = start_executor(qwen3_tied, tmp_path_factory.mktemp("executor") / "executor.log")
+    try:
+        wait_ready(ep)
+        yield ep
+    finally:
+        stop(ep)
+
+
+@pytest.fixture(scope="module")
+def local(qwen3_tied):
+    return make_executor(qwen3_tied, **EXECUTOR_OPTIONS)
+
+
+@pytest.fixture
+def remote(executor_proc):
+    with RemoteExecutor(executor_proc.address) as r:
+        r.reset()
+        yield r
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]]:
+    """{sample name: {sorted label items: value}}."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+class CountingExecutor:
+    """Wraps an executor and counts the steps and tokens it was asked to run."""
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self.forward_steps = 0
+        self.forward_tokens = 0
+
+    def describe(self) -> ExecutorInfo:
+        return self.executor.describe()
+
+    def reset(self) -> int:
+        return self.executor.reset()
+
+    def step(self, plan: StepPlan) -> StepResult:
+        if plan.seq_ids:
+            self.forward_steps += 1
+            self.forward_tokens += sum(plan.num_scheduled_tokens)
+        return self.executor.step(plan)
+
+
+def waves() -> list[list[tuple[list[int], SamplingParams]]]:
+    """8 prompts of different lengths in two waves; the second shares prefixes with the first
+    (prefix-cache hits), the 61-token prompt needs two chunks of the 32-token budget."""
+    rng = random.Random(7)
+    first = [[rng.randrange(2, 400) for _ in range(n)] for n in (3, 9, 30, 61)]
+    second = [
+        first[2][:20] + [rng.randrange(2, 400) for _ in range(5)],
+        first[3] + [rng.randrange(2, 400) for _ in range(7)],
+        first[1][:8],
+        [rng.randrange(2, 400)],
+    ]
+    prompts = first + second
+
+    def params(i: int) -> SamplingParams:
+        if i % 2 == 0:
+            return SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2 if i == 2 else 0)
+        return SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=100 + i)
+
+    items = [(p, params(i)) for i, p in enumerate(prompts)]
+    return [items[:4], items[4:]]
+
+
+def generate(executor) -> tuple[dict[int, list[int]], dict[int, list], LLMEngine]:
+    engine = LLMEngine(executor, SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=32))
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list] = {}
+    for wave in waves():
+        for prompt, params in wave:
+            engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None, out.error
+                if out.finished:
+                    tokens[out.request_id] = out.token_ids
+                    logprobs[out.request_id] = out.logprobs
+    return tokens, logprobs, engine
+
+
+# -- health, describe, reflection ---------------------------------------------------------
+
+
+def test_describe_matches_local_executor(remote, local):
+    assert remote.describe() == local.describe()
+
+
+def test_health_serving_for_server_and_service(executor_proc):
+    with grpc.insecure_channel(executor_proc.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE_NAME):
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert response.status == SERVING
+
+
+def test_reflection_lists_the_services(executor_proc):
+    with grpc.insecure_channel(executor_proc.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        (response,) = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
+    names = {s.name for s in response.list_services_response.service}
+    assert {"tandem.v1.ExecutorService", "grpc.health.v1.Health"} <= names
+
+
+# -- generation over the wire -------------------------------------------------------------
+
+
+def test_remote_generation_identical_to_local(remote, local):
+    local.reset()
+    expected, expected_lp, local_engine = generate(local)
+    got, got_lp, remote_engine = generate(remote)
+    assert len(got) == 8
+    assert got == expected
+    assert got_lp == expected_lp
+    assert got_lp[2] is not None and len(got_lp[2]) == 12
+    stats = remote_engine.scheduler.stats
+    assert stats.num_chunked_prefills > 0
+    assert stats.num_prefix_hit_tokens > 0
+    assert stats.num_prefix_hit_tokens == local_engine.scheduler.stats.num_prefix_hit_tokens
+
+
+def test_metrics_count_steps_and_tokens(executor_proc, remote):
+    before = scrape(executor_proc.metrics_url)
+    counting = CountingExecutor(remote)
+    generate(counting)
+    after = scrape(executor_proc.metrics_url)
+
+    def delta(name: str) -> float:
+        return sum(after.get(name, {}).values()) - sum(before.get(name, {}).values())
+
+    assert counting.forward_steps > 0
+    assert delta("tandem_executor_step_duration_seconds_count") == counting.forward_steps
+    assert delta("tandem_executor_steps_total") == counting.forward_steps
+    assert delta("tandem_executor_forward_tokens_total") == counting.forward_tokens
+    counts = after["tandem_executor_step_duration_seconds_count"]
+    assert all(counts[(("kind", kind),)] > 0 for kind in ("prefill", "decode", "mixed"))
+    assert after["tandem_executor_steps_total"][(("mode", "cuda_graph"),)] == 0
+    assert after["tandem_executor_kv_cache_blocks"][()] == NUM_KV_BLOCKS
+    info = remote.describe()
+    assert after["tandem_executor_kv_cache_bytes"][()] == NUM_KV_BLOCKS * info.block_bytes
+    assert after["tandem_executor_device_memory_used_bytes"][()] > 0
+    ((labels, value),) = after["tandem_executor_info"].items()
+    assert value == 1
+    assert dict(labels) == {
+        "model": info.model,
+        "architecture": "Qwen3ForCausalLM",
+        "dtype": "float32",
+        "tensor_parallel_size": "1",
+        "attention_backend": "torch",
+        "device": "cpu",
+    }
+
+
+# -- bad plans, reset ---------------------------------------------------------------------
+
+
+def _good_step(remote: RemoteExecutor, mini: MiniScheduler, seq_id: int) -> StepResult:
+    mini.add(seq_id, [5, 6, 7, 8, 9])
+    plan = mini.plan({seq_id: 5})
+    result = remote.step(plan)
+    mini.update(plan, result)
+    assert result.step_id == plan.step_id and result.seq_ids == [seq_id]
+    return result
+
+
+@pytest.mark.parametrize(
+    ("bad", "problem"),
+    [
+        (
+            StepPlan(
+                1000, seq_ids=[424242], num_scheduled_tokens=[1], num_computed_tokens=[0], num_new_blocks=[0]
+            ),
+            "unknown seq id 424242",
+        ),
+        (
+            StepPlan(
+                1000,
+                new_seqs=[NewSequence(77, [5, 6], [NUM_KV_BLOCKS], 0, StepSamplingParams())],
+                seq_ids=[77],
+                num_scheduled_tokens=[2],
+                num_computed_tokens=[0],
+                num_new_blocks=[0],
+            ),
+            f"block id {NUM_KV_BLOCKS} in the block_table of new seq 77 is outside [0, {NUM_KV_BLOCKS})",
+        ),
+        (
+            StepPlan(
+                1000,
+                new_seqs=[NewSequence(78, [5, 512], [0], 0, StepSamplingParams())],
+                seq_ids=[78],
+                num_scheduled_tokens=[2],
+                num_computed_tokens=[0],
+                num_new_blocks=[0],
+            ),
+            "token id 512 is outside the vocabulary [0, 512)",
+        ),
+    ],
+    ids=["unknown-seq", "block-out-of-range", "token-outside-vocab"],
+)
+def test_bad_plan_rejected_then_new_stream_works(remote, executor_proc, bad, problem):
+    mini = MiniScheduler(remote)
+    _good_step(remote, mini, seq_id=1)
+    with pytest.raises(PlanRejected, match=re.escape(problem)) as excinfo:
+        remote.step(bad)
+    assert excinfo.value.step_id == 1000
+    assert executor_proc.address in str(excinfo.value)
+    # The rejected plan changed nothing: seq 1 decodes where it was, on a new stream.
+    plan = mini.plan(mini.decode_all())
+    assert plan.seq_ids == [1] and plan.num_computed_tokens == [5]
+    assert remote.step(plan).seq_ids == [1]
+
+    with grpc.insecure_channel(executor_proc.address) as channel:
+        responses = pb_grpc.ExecutorServiceStub(channel).Step(iter([plan_to_proto(bad)]), timeout=10)
+        with pytest.raises(grpc.RpcError) as raw:
+            list(responses)
+    assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert problem in raw.value.details()
+
+
+def test_reset_drops_every_sequence(remote):
+    mini = MiniScheduler(remote)
+    _good_step(remote, mini, seq_id=1)
+    _good_step(remote, mini, seq_id=2)
+    assert remote.reset() == 2
+    with pytest.raises(PlanRejected, match="unknown seq id 1"):
+        remote.step(mini.plan(mini.decode_all()))
+    assert remote.reset() == 0
+
+
+# -- errors and lifecycle -----------------------------------------------------------------
+
+
+def test_dead_address_raises_executor_unavailable():
+    address = f"127.0.0.1:{free_port()}"
+    with RemoteExecutor(address, connect_timeout=2) as remote:
+        with pytest.raises(ExecutorUnavailable, match=address):
+            remote.describe()
+        with pytest.raises(ExecutorUnavailable, match=address):
+            remote.step(StepPlan(0))
+        with pytest.raises(ExecutorUnavailable, match=f"{address} not ready"):
+            remote.wait_ready(0.3)
+
+
+def test_not_serving_while_loading_then_serving_then_sigterm(qwen3_tied, tmp_path):
+    ep = start_executor(qwen3_tied, tmp_path / "executor.log", TANDEM_TEST_LOAD_DELAY="2")
+    try:
+        statuses = []
+        with grpc.insecure_channel(ep.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 60
+            while SERVING not in statuses and time.monotonic() < deadline:
+                assert ep.proc.poll() is None, ep.output()
+                try:
+                    response = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1)
+                    statuses.append(response.status)
+                    if response.status == NOT_SERVING:
+                        overall = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                        assert overall == NOT_SERVING
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE  # not listening yet
+                time.sleep(0.05)
+        assert statuses[0] == NOT_SERVING, ep.output()
+        assert statuses[-1] == SERVING, ep.output()
+
+        with RemoteExecutor(ep.address) as remote:
+            _good_step(remote, MiniScheduler(remote), seq_id=3)  # leaves a Step stream open
+            t0 = time.monotonic()
+            ep.proc.send_signal(signal.SIGTERM)
+            assert ep.proc.wait(10) == 0, ep.output()
+            assert time.monotonic() - t0 < 5
+            with pytest.raises(ExecutorUnavailable, match=ep.address):
+                remote.describe()
+        assert "stopped" in ep.output()
+    finally:
+        stop(ep)
+
+
+def test_loading_executor_answers_unavailable(qwen3_tied, tmp_path):
+    ep = start_executor(qwen3_tied, tmp_path / "executor.log", TANDEM_TEST_LOAD_DELAY="30")
+    try:
+        with RemoteExecutor(ep.address, connect_timeout=5) as remote:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    remote.describe()
+                    raise AssertionError("Describe answered while loading")
+                except ExecutorUnavailable as e:
+                    if "still loading" in str(e):
+                        break
+                    assert time.monotonic() < deadline, ep.output()
+                    time.sleep(0.05)
+        # SIGTERM during the load: exits at once.
+        assert stop(ep) == 0
+    finally:
+        stop(ep)
+
+
+# -- in-process server with a fake executor ------------------------------------------------
+
+
+class FakeExecutor:
+    """Echoes each scheduled seq id as its token; step 1 fails, step 2 answers the wrong step id."""
+
+    def describe(self) -> ExecutorInfo:
+        return ExecutorInfo("fake", "Fake", 4, 8, 64, 512, [0], 1, "float32", "cpu", 8, 64, "none", 1, 16)
+
+    def reset(self) -> int:
+        return 0
+
+    def step(self, plan: StepPlan) -> StepResult:
+        if plan.step_id == 1:
+            raise RuntimeError("boom")
+        if plan.step_id == 3:
+            raise PlanError("step 3: nope")
+        step_id = plan.step_id + 1 if plan.step_id == 2 else plan.step_id
+        return StepResult(step_id, list(plan.seq_ids), list(plan.seq_ids), [1] * len(plan.seq_ids))
+
+
+def test_internal_error_keeps_service_up():
+    server = ExecutorServer("127.0.0.1", 0)
+    server.start()
+    server.set_executor(FakeExecutor())
+    plan = lambda step_id: StepPlan(step_id, seq_ids=[9], num_scheduled_tokens=[1], num_computed_tokens=[0])  # noqa: E731
+    try:
+        with RemoteExecutor(server.address) as remote:
+            assert remote.step(plan(0)).token_ids == [9]
+            with pytest.raises(ExecutorError, match="INTERNAL: step 1 failed: RuntimeError: boom") as e:
+                remote.step(plan(1))
+            assert not isinstance(e.value, ExecutorUnavailable | PlanRejected)
+            with pytest.raises(ExecutorError, match="answered step 2 with the result of step 3"):
+                remote.step(plan(2))
+            with pytest.raises(PlanRejected, match="nope"):
+                remote.step(plan(3))
+            assert remote.step(plan(4)).token_ids == [9]
+        failures = {
+            s.labels["code"]: s.value
+            for f in text_string_to_metric_families(_registry_text(server))
+            for s in f.samples
+            if s.name == "tandem_executor_step_failures_total"
+        }
+        assert failures == {"INTERNAL": 1, "INVALID_ARGUMENT": 1}
+    finally:
+        server.stop(1)
+
+
+def _registry_text(server: ExecutorServer) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(server.metrics.registry).decode()
+
+
+def test_step_kind():
+    new = NewSequence(1, [5, 6, 7], [0], 0, StepSamplingParams())
+    prefill = StepPlan(0, new_seqs=[new], seq_ids=[1], num_scheduled_tokens=[3])
+    decode = StepPlan(0, seq_ids=[2, 3], num_scheduled_tokens=[1, 1])
+    mixed = StepPlan(0, new_seqs=[new], seq_ids=[2, 1], num_scheduled_tokens=[1, 3])
+    chunk = StepPlan(0, seq_ids=[4], num_scheduled_tokens=[16])
+    assert [step_kind(p) for p in (prefill, decode, mixed, chunk)] == [
+        "prefill",
+        "decode",
+        "mixed",
+        "prefill",
+    ]
+
+
+# -- CLI ----------------------------------------------------------------------------------
+
+
+def test_cli_flags_have_env_twins(monkeypatch):
+    import argparse
+
+    monkeypatch.setenv("TANDEM_EXECUTOR_PORT", "50123")
+    monkeypatch.setenv("TANDEM_GPU_MEMORY_UTILIZATION", "0.5")
+    monkeypatch.setenv("TANDEM_ENFORCE_EAGER", "1")
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["executor"])
+    assert (args.port, args.gpu_memory_utilization, args.enforce_eager) == (50123, 0.5, True)
+    assert args.host == "127.0.0.1" and args.metrics_port == 9102
+    assert Path(args.model) == ROOT / "models" / "tandem-tiny-pydoc"
+    assert args.port == parser.parse_args(["executor", "--port", "50123"]).port
+    assert parser.parse_args(["executor", "--port", "7"]).port == 7
+    for action in parser._subparsers._group_actions[0].choices["executor"]._actions:
+        assert action.help, action.dest
+
+
+def test_cli_rejects_bad_configuration(capsys):
+    from executor_service.__main__ import main
+
+    assert main(["--model", str(ROOT / "no-such-model")]) == 2
+    assert main(["executor", "--gpu-memory-utilization", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "gpu_memory_utilization (1.5) must be in (0, 1]" in err
