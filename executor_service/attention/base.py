@@ -14,6 +14,12 @@ class AttentionBackend:
     def supports(device: torch.device) -> bool:
         raise NotImplementedError
 
+    def prepare(self, context: Context) -> object:
+        """Once per step, before the first layer: derive per-step metadata (routing, split counts)
+        from the context. Backends that need none keep this no-op; the model runner may call it after
+        building the context, and backends that need it also call it lazily on a new context."""
+        return None
+
     def forward(
         self,
         q: torch.Tensor,

@@ -1,0 +1,351 @@
+"""Triton kernels over the paged KV cache: store, paged attention (decode and prefill), split-KV reduce.
+
+Cache layout (one layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; every
+kernel takes strides, so q/k/v may be strided views (the qkv split) and the caches layer slices.
+
+One attention kernel serves decode and prefill. A program owns one sequence, one KV head and a tile
+of BLOCK_Q query tokens; its query tile packs those tokens with all GROUP query heads of the KV head
+as rows (row r = token r // GROUP_PAD, head r % GROUP_PAD), so each K/V byte is read once per tile.
+Decode launches it with BLOCK_Q = 1 and GROUP_PAD >= 16 (rows for tl.dot), optionally split over
+the keys (flash-decoding) with a reduce kernel after; prefill launches it with BLOCK_Q > 1 and a
+causal mask, reading the cached prefix and this chunk's keys through the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # grid: (num_tokens,). Slot -1 (CUDA-graph padding) stores nothing; no host sync.
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    partial_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] fp32, only with NUM_SPLITS > 1
+    partial_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32 (log2 domain)
+    block_tables_ptr,
+    context_lens_ptr,
+    cu_seqlens_q_ptr,
+    qk_scale,  # softmax scale * log2(e): scores go through exp2
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    block_size,
+    num_heads,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per tile
+    BLOCK_N: tl.constexpr,  # keys per iteration, independent of block_size
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,  # 0: every sequence; 1: only query length 1; 2: only query length > 1
+):
+    # grid: (num_seqs, num_query_tiles, num_kv_heads * NUM_SPLITS); it never depends on device values.
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if ROWS == 1:  # noqa: SIM102 (constexpr branch, pruned at compile time)
+        if q_len != 1:
+            return
+    if ROWS == 2:  # noqa: SIM102
+        if q_len == 1:
+            return
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    # Query token i of the sequence sits at position context_len - q_len + i.
+    first_pos = context_len - q_len + q_tile * BLOCK_Q
+
+    M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    rows = tl.arange(0, M)
+    token = q_tile * BLOCK_Q + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_valid = (token < q_len) & (rows % GROUP_PAD < GROUP)
+    row_pos = first_pos + rows // GROUP_PAD
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+
+    q_off = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+
+    # Keys this tile needs: 0 .. its last query position (causal), split evenly in BLOCK_N tiles.
+    kv_end = tl.minimum(first_pos + BLOCK_Q, context_len)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_ch + d[None, :]
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        key = tile * BLOCK_N + n
+        key_valid = key < kv_end
+        # Gather the cache block of every key: BLOCK_N keys may span several blocks.
+        block = tl.load(bt_row + key // block_size, mask=key_valid, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + (key % block_size)[:, None] * stride_cs + head_off
+        kv_mask = key_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, BLOCK_N], log2 domain
+        s = tl.where((key[None, :] <= row_pos[:, None]) & key_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row can see no key of this tile (causal); keep it finite so it contributes nothing.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # Context length 0 (padding rows) or an empty split: l = 0, acc = 0 -> zeros, never NaN.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_mask = row_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS == 1:
+        o_off = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(partial_lse_ptr + part, lse, mask=row_valid)
+        tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+
+
+@triton.jit
+def split_kv_reduce_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # grid: (num_seqs, num_heads). Combines the splits of one decode query row by their log-sum-exp.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    if ROWS == 1:
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        if q_len != 1:
+            return
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + s
+    lse = tl.load(partial_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # empty splits weigh 0
+    o = tl.load(
+        partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    o_off = q_start.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+# Launch configurations, tunable by bench/attention.py. BLOCK_M is the prefill tile's rows (tokens x heads).
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+MAX_SPLITS = 32
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Split the keys of each (sequence, KV head) when there are too few of them to fill the GPU:
+    aim for about 4 programs per SM. Depends only on shapes, so a captured CUDA graph keeps it."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    if programs >= 2 * num_sms:
+        return 1
+    return min(MAX_SPLITS, triton.cdiv(4 * num_sms, programs))
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim] (last dim contiguous) -> cache slots; -1 skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def _launch(q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, grid_q, **meta):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[2]
+    num_splits = meta["NUM_SPLITS"]
+    num_seqs = block_tables.shape[0]
+    grid = (num_seqs, grid_q, k_cache.shape[2] * num_splits)
+    partial_out = partial_lse = out  # unused without splits
+    if num_splits > 1:
+        partial_out = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        partial_out,
+        partial_lse,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        k_cache.shape[1],
+        num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        **meta,
+    )
+    if num_splits > 1:
+        split_kv_reduce_kernel[(num_seqs, num_heads)](
+            partial_out,
+            partial_lse,
+            out,
+            cu_seqlens_q,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            ROWS=meta["ROWS"],
+        )
+
+
+def paged_decode(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    block_tables,
+    context_lens,
+    cu_seqlens_q,
+    scale,
+    num_splits=1,
+    rows=0,
+    config=None,
+) -> None:
+    """Attention of every sequence's single query token over its paged KV (grid fixed by shapes).
+
+    q, out: [num_tokens, num_heads, head_dim]; row cu_seqlens_q[i] is sequence i's query.
+    rows=1 touches only sequences of query length 1 (the decode rows of a mixed batch)."""
+    cfg = {**DECODE_CONFIG, **(config or {})}
+    group = q.shape[1] // k_cache.shape[2]
+    _launch(
+        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
+        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def paged_prefill(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    block_tables,
+    context_lens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    scale,
+    rows=0,
+    config=None,
+) -> None:
+    """Causal attention of each sequence's query tokens (the last q_len of its context_len positions)
+    over its paged KV: the cached prefix and this chunk. rows=2 skips sequences of query length 1."""
+    cfg = {**PREFILL_CONFIG, **(config or {})}
+    group_pad = triton.next_power_of_2(q.shape[1] // k_cache.shape[2])
+    block_q = max(cfg["BLOCK_M"] // group_pad, 1)
+    group_pad = max(group_pad, 16 // block_q)  # at least 16 rows for tl.dot
+    _launch(
+        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, triton.cdiv(max_seqlen_q, block_q),
+        GROUP_PAD=group_pad, BLOCK_Q=block_q, NUM_SPLITS=1, ROWS=rows,
+        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip

@@ -1,0 +1,126 @@
+"""The Triton backend: our paged-KV kernels, plus PyTorch's FlashAttention-2 for prefill without prefix.
+
+Routing per step (decided once in `prepare`, from the host lengths):
+- every query length 1 (decode, CUDA-graph padded or not): the paged decode kernel over all rows,
+  split-KV when batch x KV heads is small next to the SM count;
+- no sequence has a cached prefix (query length == context length for all) and `varlen_attn` is
+  available: `varlen_attn` on this step's contiguous q/k/v, causal;
+- otherwise (prefix-cache hits, later prefill chunks, mixed batches): the decode kernel takes the
+  rows of query length 1 and the paged prefill kernel the others; each launch skips the other's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.attention.base import AttentionBackend
+from executor_service.context import Context
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10
+    varlen_attn = None
+
+try:
+    from executor_service.attention import triton_kernels as kernels
+except ImportError:  # no triton (CPU-only installs)
+    kernels = None
+
+_VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn else frozenset()
+
+
+@dataclass
+class StepPlan:
+    context: Context
+    num_seqs: int
+    decode_only: bool  # every query length is 1
+    has_decode: bool
+    no_prefix: bool  # query length == context length for every sequence
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: Context, scale: float):
+    """Causal attention of this step's tokens among themselves (no cached prefix), via varlen_attn.
+    Returns None where varlen_attn cannot serve (missing, dtype, or a torch without `scale`)."""
+    if varlen_attn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    kwargs = {}
+    if "scale" in _VARLEN_PARAMS:
+        kwargs["scale"] = scale
+    elif abs(scale - q.shape[-1] ** -0.5) > 1e-6:
+        return None
+    if "window_size" in _VARLEN_PARAMS:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cu = context.cu_seqlens_q
+    return varlen_attn(q, k, v, cu, cu, context.max_seqlen_q, context.max_seqlen_q, **kwargs)
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._plan: StepPlan | None = None
+
+    @staticmethod
+    def supports(device: torch.device) -> bool:
+        return device.type == "cuda" and kernels is not None
+
+    def prepare(self, context: Context) -> StepPlan:
+        q_lens, ctx_lens = context.query_lens_host, context.context_lens_host
+        self._plan = StepPlan(
+            context=context,
+            num_seqs=len(q_lens),
+            decode_only=all(n == 1 for n in q_lens),
+            has_decode=any(n == 1 for n in q_lens),
+            no_prefix=all(n == c for n, c in zip(q_lens, ctx_lens, strict=True)),
+        )
+        return self._plan
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context: Context,
+        scale: float,
+    ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None or plan.context is not context:  # first layer of the step
+            plan = self.prepare(context)
+        if k_cache.numel():
+            kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping)
+        if plan.no_prefix and not plan.decode_only:
+            out = prefill_varlen(q, k, v, context, scale)
+            if out is not None:
+                return out
+        if not k_cache.numel():
+            raise ValueError("the triton backend needs the KV cache bound unless varlen_attn serves the step")
+        out = torch.empty_like(q)
+        meta = (context.block_tables, context.context_lens, context.cu_seqlens_q)
+        if plan.has_decode:
+            num_kv_heads = k_cache.shape[2]
+            splits = kernels.choose_num_splits(plan.num_seqs, num_kv_heads, _num_sms(q.device))
+            rows = 0 if plan.decode_only else 1
+            kernels.paged_decode(q, k_cache, v_cache, out, *meta, scale, num_splits=splits, rows=rows)
+        if not plan.decode_only:
+            rows = 2 if plan.has_decode else 0
+            kernels.paged_prefill(q, k_cache, v_cache, out, *meta, context.max_seqlen_q, scale, rows=rows)
+        return out
