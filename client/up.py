@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from client.defaults import (
     DEFAULT_HOST,
     EXECUTOR_METRICS_PORT,
     EXECUTOR_PORT,
+    REPO_ROOT,
     SCHEDULER_METRICS_PORT,
     SCHEDULER_PORT,
     default_model,
@@ -101,6 +103,8 @@ class Service:
     name: str
     argv: list[str]
     log_path: Path
+    env: dict[str, str] | None = None
+    cwd: str | Path | None = None
     process: subprocess.Popen | None = None
     log_file: object = field(default=None, repr=False)
 
@@ -111,6 +115,8 @@ class Service:
             stdin=subprocess.DEVNULL,
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.cwd,
             start_new_session=True,
             preexec_fn=_die_with_parent if _PRCTL is not None else None,
         )
@@ -176,6 +182,13 @@ def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return executor, scheduler
 
 
+def child_env() -> dict[str, str]:
+    """This environment, with the directory that holds our packages importable by `python -m`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def _wait_serving(service: Service, address: str, timeout: float, stop: threading.Event) -> str | None:
     """None once SERVING; otherwise why not (the child died, the timeout, or a stop signal)."""
     from client.client import TandemClient
@@ -208,8 +221,8 @@ def run_up(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     executor_argv, scheduler_argv = service_argv(args)
-    executor = Service("executor", executor_argv, log_dir / "executor.log")
-    scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log")
+    executor = Service("executor", executor_argv, log_dir / "executor.log", env=child_env())
+    scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log", env=child_env())
     # Stopped in this order: the scheduler drains its clients before the executor goes.
     services = [scheduler, executor]
 

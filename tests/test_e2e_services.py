@@ -1,0 +1,362 @@
+"""End to end: the executor and the scheduler as real processes on localhost ports, driven through
+the real client. One pair of services is shared by the module (started scheduler first, so the
+fixture also records how health follows the executor)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client import AsyncTandemClient, Chunk, Final, TandemClient, TandemError
+from client.defaults import free_port
+from client.up import Service
+from scheduler_service.llm import LLM
+from scheduler_service.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_KV_BLOCKS = 512
+MAX_TOKENS = 24
+CANCEL_MAX_TOKENS = 120
+STARTUP_TIMEOUT = 60.0
+# The services share two cores with the test process (and another xdist worker).
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_LOG_LEVEL": "INFO"}
+TEXT_PROMPTS = ["The list type", "Exceptions are", "A class definition", "The for statement"]
+
+
+class Services:
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        host = "127.0.0.1"
+        self.executor_port, self.executor_metrics_port = free_port(), free_port()
+        self.scheduler_port, self.scheduler_metrics_port = free_port(), free_port()
+        self.executor_address = f"{host}:{self.executor_port}"
+        self.address = f"{host}:{self.scheduler_port}"
+        common = ["--max-num-seqs", "64"]
+        self.executor = Service(
+            "executor",
+            [
+                sys.executable,
+                "-m",
+                "executor_service",
+                "--model",
+                str(model),
+                "--port",
+                str(self.executor_port),
+            ]
+            + ["--metrics-port", str(self.executor_metrics_port), "--num-kv-blocks", str(NUM_KV_BLOCKS)]
+            + common,
+            log_dir / "executor.log",
+            env=CHILD_ENV,
+            cwd=ROOT,
+        )
+        self.scheduler = Service(
+            "scheduler",
+            [sys.executable, "-m", "scheduler_service", "--executor", self.executor_address]
+            + ["--port", str(self.scheduler_port), "--metrics-port", str(self.scheduler_metrics_port)]
+            + ["--tokenizer", str(model)]
+            + common,
+            log_dir / "scheduler.log",
+            env=CHILD_ENV,
+            cwd=ROOT,
+        )
+        self.health_before_executor: str | None = None
+        self.health_after_executor: str | None = None
+
+    def start(self) -> None:
+        self.scheduler.start()
+        with TandemClient(self.address) as client:
+            self.health_before_executor = _first_health(client, self.scheduler)
+            self.executor.start()
+            try:
+                client.wait_until_serving(STARTUP_TIMEOUT)
+            except TandemError as e:
+                raise RuntimeError(f"{e}\n{self.logs()}") from None
+            self.health_after_executor = client.health()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {s.name} ---\n{s.tail(40)}" for s in (self.executor, self.scheduler))
+
+    def stop(self) -> None:
+        for service in (self.scheduler, self.executor):
+            service.stop(10.0)
+
+    def metrics(self, which: str) -> dict[str, float]:
+        port = self.scheduler_metrics_port if which == "scheduler" else self.executor_metrics_port
+        return scrape(f"http://127.0.0.1:{port}/metrics")
+
+
+def _first_health(client: TandemClient, service: Service) -> str:
+    """The scheduler's first health answer, once it listens."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        assert service.alive(), service.tail()
+        try:
+            return client.health(timeout=1.0)
+        except TandemError:
+            time.sleep(0.05)
+    raise AssertionError(f"the scheduler never answered health checks\n{service.tail()}")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample, summed over labels, keyed by sample name ("..._total", "..._count")."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+@pytest.fixture(scope="module")
+def services(qwen3_tied, tmp_path_factory):
+    services = Services(qwen3_tied, tmp_path_factory.mktemp("e2e_logs"))
+    try:
+        services.start()
+        yield services
+    finally:
+        services.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_tied):
+    """The in-process LLM on the same checkpoint (greedy is deterministic)."""
+    return LLM(str(qwen3_tied), num_kv_blocks=NUM_KV_BLOCKS)
+
+
+def token_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 400) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+async def stream_one(client: AsyncTandemClient, prompt, **sampling) -> tuple[list[Chunk], Final | None]:
+    chunks, final = [], None
+    async for item in client.generate(prompt, **sampling):
+        if isinstance(item, Final):
+            final = item
+        else:
+            chunks.append(item)
+    return chunks, final
+
+
+def wait_idle(services: Services, timeout: float = 10.0) -> dict[str, float]:
+    """Scheduler metrics once nothing runs or waits and no KV block is used."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = services.metrics("scheduler")
+        idle = (
+            m["tandem_scheduler_requests_running"] == 0
+            and m["tandem_scheduler_requests_waiting"] == 0
+            and m["tandem_scheduler_kv_cache_usage_ratio"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_scheduler_health_follows_the_executor(services):
+    assert services.health_before_executor == "NOT_SERVING"
+    assert services.health_after_executor == "SERVING"
+    with TandemClient(services.address) as client:
+        info = client.model_info()
+    assert info.vocab_size == 512 and info.num_kv_blocks == NUM_KV_BLOCKS and info.device == "cpu"
+
+
+def test_32_concurrent_streams_match_in_process(services, reference):
+    prompts = TEXT_PROMPTS + token_prompts(28, seed=1)
+    expected = reference.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+    before = services.metrics("scheduler")
+
+    async def run():
+        async with AsyncTandemClient(services.address) as client:
+            return await asyncio.gather(*(stream_one(client, p, max_tokens=MAX_TOKENS) for p in prompts))
+
+    results = asyncio.run(run())
+    received = 0
+    for i, ((chunks, final), want) in enumerate(zip(results, expected)):
+        ids = [t for c in chunks for t in c.token_ids]
+        assert ids == want.token_ids, f"prompt {i} diverged"
+        assert "".join(c.text for c in chunks) == want.text, f"prompt {i}: text differs"
+        assert final is not None and final.finish_reason == want.finish_reason
+        assert final.completion_tokens == len(ids) and final.prompt_tokens == len(want.prompt_token_ids)
+        received += len(ids)
+    # Streaming: the longer generations arrive in several chunks.
+    assert max(len(chunks) for chunks, _ in results) > 1
+    after = wait_idle(services)
+    generated = (
+        after["tandem_scheduler_generation_tokens_total"] - before["tandem_scheduler_generation_tokens_total"]
+    )
+    assert generated == received
+
+
+def test_cancelling_half_leaves_the_others_correct_and_frees_everything(services, reference):
+    prompts = token_prompts(32, seed=2)
+    params = SamplingParams(max_tokens=CANCEL_MAX_TOKENS, ignore_eos=True)
+    expected = reference.generate(prompts, params, use_tqdm=False)
+    before = services.metrics("scheduler")
+    received = [0] * len(prompts)
+
+    async def run_one(client, i: int):
+        stream = client.generate(prompts[i], max_tokens=CANCEL_MAX_TOKENS, ignore_eos=True)
+        ids, final = [], None
+        async for item in stream:
+            if isinstance(item, Final):
+                final = item
+                continue
+            ids += item.token_ids
+            received[i] = len(ids)
+            if i % 2 and len(ids) >= 3:
+                stream.cancel()
+        return ids, final
+
+    async def run():
+        async with AsyncTandemClient(services.address) as client:
+            return await asyncio.gather(*(run_one(client, i) for i in range(len(prompts))))
+
+    results = asyncio.run(run())
+    for i, ((ids, final), want) in enumerate(zip(results, expected)):
+        if i % 2:
+            assert final is None and 3 <= len(ids) < CANCEL_MAX_TOKENS
+            assert ids == want.token_ids[: len(ids)], f"cancelled prompt {i} diverged before its cancel"
+        else:
+            assert ids == want.token_ids, f"prompt {i} diverged"
+            assert final.finish_reason == "length" and final.completion_tokens == CANCEL_MAX_TOKENS
+
+    after = wait_idle(services)
+    assert after["tandem_scheduler_requests_running"] == 0
+    assert after["tandem_scheduler_requests_waiting"] == 0
+    assert after["tandem_scheduler_kv_cache_usage_ratio"] == 0
+    assert after["tandem_scheduler_kv_cache_blocks_used"] == 0
+    generated = (
+        after["tandem_scheduler_generation_tokens_total"] - before["tandem_scheduler_generation_tokens_total"]
+    )
+    # Cancelled requests may have generated a token or two that was never sent.
+    assert sum(received) <= generated <= sum(received) + 16 * CANCEL_MAX_TOKENS
+    assert generated < len(prompts) * CANCEL_MAX_TOKENS
+
+
+def test_executor_counted_every_step(services):
+    scheduler, executor = services.metrics("scheduler"), services.metrics("executor")
+    steps = executor["tandem_executor_step_duration_seconds_count"]
+    assert steps > 0 and executor["tandem_executor_step_duration_seconds_sum"] > 0
+    # Every plan with scheduled tokens is one executor step; plans that only drop finished
+    # sequences reach the executor but run no forward.
+    assert steps <= scheduler["tandem_scheduler_executor_round_trip_seconds_count"]
+    assert (
+        executor["tandem_executor_forward_tokens_total"] == scheduler["tandem_scheduler_tokens_per_step_sum"]
+    )
+
+
+def test_bad_request_is_invalid_argument_and_the_service_stays_up(services):
+    with TandemClient(services.address) as client:
+        with pytest.raises(TandemError) as err:
+            client.complete([1, 2, 600], max_tokens=4)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in err.value.message
+        assert client.complete([5, 6, 7], max_tokens=4, ignore_eos=True).token_ids
+
+
+def test_unreachable_executor_is_unavailable_naming_it(tmp_path):
+    dead = f"127.0.0.1:{free_port()}"
+    port = free_port()
+    scheduler = Service(
+        "scheduler",
+        [
+            sys.executable,
+            "-m",
+            "scheduler_service",
+            "--executor",
+            dead,
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+        ],
+        tmp_path / "scheduler.log",
+        env=CHILD_ENV,
+        cwd=ROOT,
+    )
+    scheduler.start()
+    try:
+        with TandemClient(f"127.0.0.1:{port}") as client:
+            assert _first_health(client, scheduler) == "NOT_SERVING"
+            with pytest.raises(TandemError) as err:
+                client.complete([1, 2, 3], max_tokens=4)
+    finally:
+        scheduler.stop(5.0)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert dead in err.value.message
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(pid)
+    return alive
+
+
+def test_tandem_up_generate_and_ctrl_c(tmp_path):
+    port, executor_port = free_port(), free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "up", "--port", str(port), "--executor-port", str(executor_port)]
+        + ["--metrics-port", "0", "--executor-metrics-port", "0", "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=CHILD_ENV,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C stops both"):
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(STARTUP_TIMEOUT), "".join(lines)
+        output = "".join(lines)
+        assert f"127.0.0.1:{port}" in output and f"tandem generate --server 127.0.0.1:{port}" in output
+        pids = [int(p) for p in re.findall(r"pid (\d+)", output)]
+        assert len(pids) == 2
+
+        gen = subprocess.run(
+            [sys.executable, "-m", "client.cli", "generate", "--server", f"127.0.0.1:{port}", "The list type"]
+            + ["--max-tokens", "32"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert gen.returncode == 0, gen.stderr
+        # The embedded model writes Python documentation.
+        assert re.search(r"[a-z]+ [a-z]+ [a-z]+", gen.stdout), gen.stdout
+        assert "list" in gen.stdout or "mutable" in gen.stdout
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 0, "".join(lines)
+        reader.join(5)
+        assert _pids_alive(pids) == [], "tandem up left child processes behind"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
