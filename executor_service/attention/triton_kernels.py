@@ -75,8 +75,8 @@ def paged_attention_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
-    block_size,
     num_heads,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # query tokens per tile
@@ -86,11 +86,12 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence; 1: only query length 1; 2: only query length > 1
 ):
-    # grid: (num_seqs, num_query_tiles, num_kv_heads * NUM_SPLITS); it never depends on device values.
-    seq = tl.program_id(0)
+    # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
+    # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
+    kv_head = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
     q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    seq = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -113,7 +114,11 @@ def paged_attention_kernel(
     row_valid = (token < q_len) & (rows % GROUP_PAD < GROUP)
     row_pos = first_pos + rows // GROUP_PAD
     d = tl.arange(0, BLOCK_D)
-    d_valid = d < HEAD_DIM
+    # Mask head_dim only when padded: a mask constant along d keeps the 16-byte vector loads.
+    if BLOCK_D == HEAD_DIM:
+        d_valid = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        d_valid = d < HEAD_DIM
 
     q_off = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
@@ -135,9 +140,12 @@ def paged_attention_kernel(
         key = tile * BLOCK_N + n
         key_valid = key < kv_end
         # Gather the cache block of every key: BLOCK_N keys may span several blocks.
-        block = tl.load(bt_row + key // block_size, mask=key_valid, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (key % block_size)[:, None] * stride_cs + head_off
-        kv_mask = key_valid[:, None] & d_valid[None, :]
+        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = key_valid[:, None]
+        else:
+            kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
 
@@ -250,7 +258,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, 
     group = num_heads // k_cache.shape[2]
     num_splits = meta["NUM_SPLITS"]
     num_seqs = block_tables.shape[0]
-    grid = (num_seqs, grid_q, k_cache.shape[2] * num_splits)
+    grid = (k_cache.shape[2] * num_splits, grid_q, num_seqs)
     partial_out = partial_lse = out  # unused without splits
     if num_splits > 1:
         partial_out = torch.empty(
@@ -276,8 +284,8 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, 
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        k_cache.shape[1],
         num_heads,
+        BLOCK_SIZE=k_cache.shape[1],
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),

@@ -1,0 +1,139 @@
+"""Attention kernels on the GPU: the Triton paged decode kernel alone and a causal prefill, against
+PyTorch's FlashAttention-2 (`varlen_attn`) on contiguous KV. Qwen3-0.6B shapes: 16 query heads,
+8 KV heads, head_dim 128, bf16. Decode reports effective KV bandwidth: bytes of K and V read / time.
+
+    python bench/attention.py [--sweep]
+
+--sweep also times a grid of decode launch configurations (BLOCK_N, num_warps, num_stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from executor_service.attention import triton_kernels as tk
+from executor_service.attention.triton_paged import prefill_varlen, varlen_attn
+from executor_service.context import Context
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
+SCALE = HEAD_DIM**-0.5
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def paged_decode_inputs(batch: int, context: int, block_size: int) -> dict:
+    blocks_per_seq = triton.cdiv(context, block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
+    return {
+        "q": torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda"),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": tables,
+        "context_lens": torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+        "cu_seqlens_q": torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+    }
+
+
+def bench_decode(batch: int, context: int, block_size: int, config: dict | None = None, splits=None):
+    x = paged_decode_inputs(batch, context, block_size)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = splits or tk.choose_num_splits(batch, NUM_KV_HEADS, num_sms)
+    out = torch.empty_like(x["q"])
+    meta = (x["block_tables"], x["context_lens"], x["cu_seqlens_q"])
+
+    def run():
+        tk.paged_decode(
+            x["q"], x["k_cache"], x["v_cache"], out, *meta, SCALE, num_splits=splits, config=config
+        )
+
+    ms = time_ms(run)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    return ms, kv_bytes / ms / 1e9, splits
+
+
+def bench_varlen_decode(batch: int, context: int):
+    if varlen_attn is None:
+        return None
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k = torch.randn(batch * context, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    cu_k = cu_q * context
+    ms = time_ms(lambda: varlen_attn(q, k, v, cu_q, cu_k, 1, context, scale=SCALE, enable_gqa=True))
+    return ms, 2 * k.numel() * k.element_size() / ms / 1e9
+
+
+def bench_prefill(num_seqs: int, length: int, block_size: int) -> None:
+    num_tokens = num_seqs * length
+    blocks_per_seq = triton.cdiv(length, block_size)
+    shape = (num_seqs * blocks_per_seq, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    tables = torch.randperm(shape[0], device="cuda", dtype=torch.int32).view(num_seqs, blocks_per_seq)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * length
+    lens = torch.full((num_seqs,), length, dtype=torch.int32, device="cuda")
+    ctx = Context(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=length, max_seqlen_k=length)
+    out = torch.empty_like(q)
+    flops = 4 * num_seqs * NUM_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal half
+    line = f"prefill {num_seqs}x{length} causal (block size {block_size}):"
+    if varlen_attn is not None:
+        ms = time_ms(lambda: prefill_varlen(q, k, v, ctx, SCALE))
+        line += f" varlen_attn {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s);"
+    ms = time_ms(lambda: tk.paged_prefill(q, k_cache, v_cache, out, tables, lens, cu, length, SCALE))
+    line += f" triton paged prefill {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)"
+    print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of decode configurations")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shapes = [(256, 1024), (8, 8192)]
+    for batch, context in shapes:
+        for block_size in (16, 256):
+            ms, tbs, splits = bench_decode(batch, context, block_size)
+            print(
+                f"decode b{batch}x{context} block size {block_size}: {ms * 1e3:.1f} us, "
+                f"{tbs:.2f} TB/s (splits {splits}, {tk.DECODE_CONFIG})"
+            )
+            if block_size == 16:
+                headline = tbs
+        ref = bench_varlen_decode(batch, context)
+        if ref:
+            print(f"varlen_attn contiguous b{batch}x{context}: {ref[0] * 1e3:.1f} us, {ref[1]:.2f} TB/s")
+        print(f"decode kernel b{batch}x{context}: {headline:.2f} TB/s")
+    for block_size in (16, 256):
+        bench_prefill(64, 512, block_size)
+    if args.sweep:
+        for (batch, context), block_size in itertools.product(shapes, (16, 256)):
+            results = []
+            for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+                cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+                try:
+                    results.append((bench_decode(batch, context, block_size, cfg)[1], cfg))
+                except Exception as e:  # out of shared memory, say
+                    print(f"  {cfg}: {type(e).__name__}")
+            for tbs, cfg in sorted(results, key=lambda r: -r[0])[:4]:
+                print(f"sweep b{batch}x{context} bs{block_size}: {tbs:.2f} TB/s {cfg}")
+
+
+if __name__ == "__main__":
+    main()
