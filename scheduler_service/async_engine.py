@@ -104,7 +104,10 @@ class AsyncEngine:
         max_queue = self.options.max_queue
         with self._cond:
             if max_queue is not None:
-                num_waiting = len(self._adds) + len(engine.scheduler.waiting)
+                # Requests that will have to wait: beyond the free places in the running batch.
+                scheduler = engine.scheduler
+                free = engine.limits.max_num_seqs - len(scheduler.running)
+                num_waiting = max(0, len(self._adds) + len(scheduler.waiting) - free)
                 if num_waiting >= max_queue:
                     raise QueueFullError(
                         f"queue full: {num_waiting} requests waiting (--max-queue {max_queue})"
@@ -201,6 +204,8 @@ class AsyncEngine:
         for engine_id in aborts:
             engine.abort_request(engine_id)
             self._arrivals.pop(engine_id, None)
+        if aborts:
+            self.metrics.update_from_stats(engine.scheduler.stats)
         if failures:
             self._post([], failures)
 

@@ -43,7 +43,11 @@ class IncrementalDetokenizer:
             return DetokenizerUpdate("", 0, self.stopped)
         if not self.stop:
             self.token_ids.extend(token_ids)
-            return DetokenizerUpdate(self._decode_tail(), len(token_ids))
+            text = self._decode_tail()
+            if text or len(token_ids) <= 1:
+                return DetokenizerUpdate(text, len(token_ids))
+            # The batch ends inside a character: release what precedes it, token by token.
+            del self.token_ids[-len(token_ids) :]
         # Token by token: a stop string ends the output at the token that completed it.
         out = []
         for i, tok in enumerate(token_ids):

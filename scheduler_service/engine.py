@@ -103,7 +103,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: int) -> bool:
         """Abort between steps; returns whether the request was still unfinished."""
-        return self.scheduler.abort(request_id)
+        aborted = self.scheduler.abort(request_id)
+        if aborted:
+            self.scheduler._refresh_gauges()  # running / waiting / blocks without waiting for a step
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -139,6 +142,7 @@ class LLMEngine:
             seq.error = error
             seq.num_new_tokens = 0
             outputs.append(_to_output(seq))
+        scheduler._refresh_gauges()
         return outputs
 
     def _abandon(self, plan: StepPlan) -> None:

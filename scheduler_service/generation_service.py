@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 import uuid
@@ -113,15 +112,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             async for response in self._responses(stream, detokenizer, context):
                 yield response
-        except asyncio.CancelledError:
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            self.metrics.requests_failed.labels(code.name).inc()
-            raise
         finally:
-            if not stream.finished:
+            if not stream.finished:  # the client cancelled, or its deadline passed
                 self.engine.abort(stream)
+                remaining = context.time_remaining()
+                expired = remaining is not None and remaining <= 0
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+                self.metrics.requests_failed.labels(code.name).inc()
 
     async def _responses(
         self,
@@ -134,6 +131,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await stream.wait(self.stream_interval)
             if stream.failure is not None:
                 await self._fail(context, stream.failure.code, stream.failure.message)
+            # Read together with the tokens: more may arrive while the chunk is written.
+            finished = stream.finished
             ids, logprobs = stream.take()
             text, stop = "", None
             if detokenizer is not None:
@@ -143,14 +142,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     stop = update.stop_string
                     ids, logprobs = ids[: update.num_tokens], logprobs[: update.num_tokens]
                     self.engine.abort(stream)
-                    stream.finished = True
-                elif stream.finished:
+                    stream.finished = finished = True
+                elif finished:
                     text += detokenizer.flush()
             num_sent += len(ids)
             if ids or text:
                 chunk = pb.GenerateChunk(token_ids=ids, text=text, logprobs=_logprobs_to_proto(logprobs))
                 yield pb.GenerateResponse(request_id=stream.request_id, chunk=chunk)
-            if stream.finished:
+            if finished:
                 yield pb.GenerateResponse(
                     request_id=stream.request_id, final=self._final(stream, num_sent, stop)
                 )

@@ -1,0 +1,118 @@
+"""Incremental detokenization: no broken UTF-8 on the wire, stop strings across tokens."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import EOS_TEXT, train_tokenizer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.tokenizer import Tokenizer
+
+MIXED = "héllo 😀 中文 🎉 def x"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer(train_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def stream(tok: Tokenizer, ids: list[int], stop=(), batch: int = 1) -> tuple[list[str], str, str | None, int]:
+    """Feed ids `batch` at a time; returns (deltas, full text, stop string, tokens consumed)."""
+    detok = IncrementalDetokenizer(tok, stop)
+    deltas, consumed = [], 0
+    for i in range(0, len(ids), batch):
+        update = detok.add(ids[i : i + batch])
+        deltas.append(update.text)
+        consumed += update.num_tokens
+        if update.stop_string is not None:
+            return deltas, "".join(deltas), update.stop_string, consumed
+    deltas.append(detok.flush())
+    return deltas, "".join(deltas), None, consumed
+
+
+def test_multibyte_characters_split_across_tokens_are_never_emitted_broken(tokenizer):
+    ids = tokenizer.encode(MIXED)
+    # The emoji and CJK characters are several byte-level tokens each, none decodable alone.
+    assert sum(tokenizer.decode([i]) == "\ufffd" for i in ids) >= 8
+    deltas, text, _, _ = stream(tokenizer, ids)
+    assert text == MIXED
+    assert all("\ufffd" not in d for d in deltas)
+    assert "😀" in deltas and "中" in deltas  # each released whole, by the token completing it
+
+
+def test_held_back_tail_is_released_by_flush(tokenizer):
+    # A lone first byte of an emoji: held while it may complete, released when the request ends.
+    emoji = tokenizer.encode("😀")
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.add(tokenizer.encode("ab") + emoji[:1]).text == "ab"
+    assert detok.flush() == tokenizer.decode(emoji[:1]) == "\ufffd"
+
+
+def test_eos_is_not_in_the_text(tokenizer):
+    eos = tokenizer.token_to_id(EOS_TEXT)
+    ids = tokenizer.encode("return x") + [eos]
+    _, text, _, _ = stream(tokenizer, ids)
+    assert text == "return x"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 100])
+def test_stop_string_spanning_tokens_ends_the_output_before_it(tokenizer, batch):
+    text = "def foo():\n    return 1\n\nclass Bar:\n    pass"
+    ids = tokenizer.encode(text)
+    _, out, stop, consumed = stream(tokenizer, ids, stop=["\n\nclass"], batch=batch)
+    assert (out, stop) == ("def foo():\n    return 1", "\n\nclass")
+    # Output ends at the token that completed the stop string.
+    assert "\n\nclass" in tokenizer.decode(ids[:consumed])
+    assert "\n\nclass" not in tokenizer.decode(ids[: consumed - 1])
+
+
+def test_possible_stop_prefix_is_held_until_ruled_out(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, ["xyz"])
+    assert detok.add(tokenizer.encode("ab xy")).text == "ab "
+    assert detok.add(tokenizer.encode("q")).text == "xyq"
+    assert detok.add(tokenizer.encode(" x")).text == " "
+    assert detok.flush() == "x"
+
+
+def test_earliest_stop_string_wins_and_emoji_stop(tokenizer):
+    ids = tokenizer.encode("one two 😀 three")
+    _, out, stop, _ = stream(tokenizer, ids, stop=["three", "😀"])
+    assert (out, stop) == ("one two ", "😀")
+
+
+def test_text_after_a_stop_is_ignored(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, ["END"])
+    update = detok.add(tokenizer.encode("a END b"))
+    assert (update.text, update.stop_string) == ("a ", "END")
+    assert detok.add(tokenizer.encode("more")).text == ""
+    assert detok.flush() == ""
+
+
+TEXT = st.text(
+    alphabet=st.sampled_from(list("abc xyz\n()_:=") + ["é", "ß", "中", "文", "😀", "🎉", "🏽", "\u0301"]),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 399), max_size=40), batch=st.integers(1, 5))
+def test_deltas_concatenate_to_decode_of_any_ids(tokenizer, ids, batch):
+    """Even ids that make invalid UTF-8: the stream's text is exactly decode(all ids)."""
+    deltas, text, _, _ = stream(tokenizer, ids, batch=batch)
+    assert text == tokenizer.decode(ids)
+    # Nothing but the final flush may end in a replacement character.
+    assert all(not d.endswith("\ufffd") for d in deltas[:-1])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXT, stop=st.text(alphabet=st.sampled_from(list("xyz 中😀")), min_size=1, max_size=4))
+def test_single_stop_string_cuts_at_its_first_occurrence(tokenizer, text, stop):
+    ids = tokenizer.encode(text)
+    _, out, hit, _ = stream(tokenizer, ids, stop=[stop])
+    index = text.find(stop)
+    if index < 0:
+        assert (out, hit) == (text, None)
+    else:
+        assert (out, hit) == (text[:index], stop)

@@ -1,0 +1,354 @@
+"""The scheduler service in-process over a LocalExecutor, through the generated gRPC stubs."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from executor_service.config import ExecutorConfig
+from executor_service.executor import LocalExecutor
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_service.async_engine import EngineOptions
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.executor_client import ExecutorUnavailable, PlanRejected
+from scheduler_service.llm import LLM
+from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.server import SchedulerServer, ServerThread
+from scheduler_service.tokenizer import Tokenizer
+
+NUM_KV_BLOCKS = 256
+MAX_NEW = 24
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def make_server(path, executor=None, *, max_num_seqs=32, **kwargs) -> SchedulerServer:
+    executor = executor or LocalExecutor(ExecutorConfig(model=str(path), num_kv_blocks=NUM_KV_BLOCKS))
+    options = kwargs.pop("options", None) or EngineOptions(
+        SchedulerConfig(max_num_seqs=max_num_seqs), max_queue=kwargs.pop("max_queue", None)
+    )
+    tokenizer = Tokenizer(path)
+    return SchedulerServer(
+        executor, options, tokenizer_for=lambda info: tokenizer, port=0, metrics_port=0, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def service(qwen3_tied):
+    thread = ServerThread(make_server(qwen3_tied))
+    server = thread.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    wait_serving(channel)
+    yield server, pb_grpc.GenerationServiceStub(channel)
+    channel.close()
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_tied):
+    return LLM(str(qwen3_tied), num_kv_blocks=NUM_KV_BLOCKS)
+
+
+def wait_serving(channel, timeout=20.0, want=SERVING) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while stub.Check(health_pb2.HealthCheckRequest(service="")).status != want:
+        assert time.monotonic() < deadline, "health never reached the expected status"
+        time.sleep(0.02)
+
+
+def metrics(server) -> dict[tuple, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read()
+    return {
+        (s.name, *sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+
+
+def wait_idle(server, timeout=10.0) -> dict[tuple, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = [m[(f"tandem_scheduler_{n}",)] for n in ("requests_running", "requests_waiting")]
+        if idle == [0, 0] and m[("tandem_scheduler_kv_cache_usage_ratio",)] == 0:
+            return m
+        assert time.monotonic() < deadline, f"scheduler never became idle: {idle}"
+        time.sleep(0.05)
+
+
+def request(prompt, max_tokens=MAX_NEW, **sampling) -> pb.GenerateRequest:
+    params = pb.SamplingParams(max_tokens=max_tokens, **sampling)
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(text=prompt, sampling_params=params)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling_params=params)
+
+
+def collect(responses) -> tuple[list[int], list[str], pb.GenerateFinal, list[int]]:
+    """(token ids, text deltas, final message, tokens per chunk)."""
+    ids, texts, sizes, final = [], [], [], None
+    for r in responses:
+        if r.WhichOneof("payload") == "chunk":
+            assert final is None
+            ids += r.chunk.token_ids
+            texts.append(r.chunk.text)
+            sizes.append(len(r.chunk.token_ids))
+        else:
+            final = r.final
+    assert final is not None
+    return ids, texts, final, sizes
+
+
+PROMPTS = [
+    "The list type",
+    "def f(x):",
+    "Exceptions are",
+    "import",
+    *[[random.Random(i).randrange(2, 400) for _ in range(3 + 5 * i)] for i in range(6)],
+    "class A:\n    pass\n",
+    "for i in range(10):",
+    "The with statement",
+    "yield",
+    "lambda",
+    "async def",
+]
+
+
+def test_sixteen_concurrent_streams_match_the_offline_llm(service, reference):
+    server, stub = service
+    expected = reference.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    before = metrics(server)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: collect(stub.Generate(request(p))), PROMPTS))
+    received = 0
+    for prompt, exp, (ids, texts, final, _) in zip(PROMPTS, expected, results, strict=True):
+        assert ids == exp.token_ids, prompt
+        assert "".join(texts) == exp.text == reference.tokenizer.decode(ids)
+        reason = pb.FINISH_REASON_LENGTH if exp.finish_reason == "length" else pb.FINISH_REASON_STOP
+        assert final.finish_reason == reason
+        assert (final.prompt_tokens, final.completion_tokens) == (len(exp.prompt_token_ids), len(ids))
+        received += len(ids)
+    after = wait_idle(server)
+    gen = ("tandem_scheduler_generation_tokens_total",)
+    assert after[gen] - before[gen] == received
+    stop = ("tandem_scheduler_requests_finished_total", ("reason", "stop"))
+    length = ("tandem_scheduler_requests_finished_total", ("reason", "length"))
+    assert after[stop] + after[length] - before.get(stop, 0) - before.get(length, 0) == len(PROMPTS)
+    assert after[("tandem_scheduler_time_to_first_token_seconds_count",)] >= len(PROMPTS)
+    assert after[("tandem_scheduler_executor_up",)] == 1
+
+
+BAD_REQUESTS = [
+    (pb.GenerateRequest(text=""), "prompt is empty"),
+    (pb.GenerateRequest(), "prompt is empty"),
+    (request([5, 512]), "outside the vocabulary (size 512)"),
+    (request([-1]), "outside the vocabulary (size 512)"),
+    (request([5] * 1000, max_tokens=100), "exceeds max_model_len (1024)"),
+    (request([5] * 1024, max_tokens=0), "no room to generate within max_model_len (1024)"),
+    (request([5], temperature=-0.5), "temperature must be >= 0"),
+    (request([5], temperature=float("nan")), "temperature must be a finite number"),
+    (request([5], top_p=0.0), "top_p must be in (0, 1]"),
+    (request([5], top_p=1.5), "top_p must be in (0, 1]"),
+    (request([5], top_k=-1), "top_k must be >= 0"),
+    (request([5], max_tokens=-3), "max_tokens must be >= 0"),
+    (request([5], min_p=2.0), "min_p must be in [0, 1]"),
+    (request([5], repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (request([5], stop_token_ids=[600]), "stop_token_ids[0] = 600 is outside the vocabulary"),
+    (request([5], logprobs=-1), "logprobs must be >= 0"),
+]
+
+
+def test_bad_requests_are_invalid_argument_and_the_next_request_works(service):
+    server, stub = service
+    for bad, message in BAD_REQUESTS:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(bad))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+        assert message in e.value.details()
+        ids, _, final, _ = collect(stub.Generate(request([7, 8, 9], max_tokens=2)))
+        assert len(ids) == 2 and final.finish_reason == pb.FINISH_REASON_LENGTH
+    failed = metrics(server)[("tandem_scheduler_requests_failed_total", ("code", "INVALID_ARGUMENT"))]
+    assert failed >= len(BAD_REQUESTS)
+
+
+def test_unknown_fields_are_ignored_and_request_id_is_echoed(service, reference):
+    server, stub = service
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    raw = channel.unary_stream(
+        "/tandem.v1.GenerationService/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+    msg = request([11, 12, 13], max_tokens=4)
+    msg.request_id = "mine-1"
+    # Field 99, varint 5, then field 100, length-delimited "hi": unknown to this server.
+    data = msg.SerializeToString() + bytes([0x98, 0x06, 0x05, 0xA2, 0x06, 0x02]) + b"hi"
+    responses = list(raw(data))
+    assert {r.request_id for r in responses} == {"mine-1"}
+    ids, _, _, _ = collect(responses)
+    assert (
+        ids == reference.generate([[11, 12, 13]], SamplingParams(max_tokens=4), use_tqdm=False)[0].token_ids
+    )
+    generated = {r.request_id for r in stub.Generate(request([11], max_tokens=1))}
+    assert len(generated) == 1 and generated != {""}
+    channel.close()
+
+
+def test_cancelling_half_the_streams_leaves_the_others_correct(service, reference):
+    server, stub = service
+    prompts = [[random.Random(100 + i).randrange(2, 400) for _ in range(4 + 3 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    expected = reference.generate(prompts, params, use_tqdm=False)
+    before = metrics(server)[("tandem_scheduler_generation_tokens_total",)]
+    # The cancelled ones would run for long (900 tokens) if they were not aborted.
+    calls = [
+        stub.Generate(request(p, max_tokens=900 if i % 2 == 0 else 64, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    for call in calls[::2]:
+        next(call)  # started and streaming
+        call.cancel()
+    for call, exp in zip(calls[1::2], expected[1::2]):
+        ids, _, final, _ = collect(call)
+        assert ids == exp.token_ids and final.completion_tokens == 64
+    for call in calls[::2]:
+        assert call.code() == grpc.StatusCode.CANCELLED
+    after = wait_idle(server, timeout=2.0)
+    assert after[("tandem_scheduler_generation_tokens_total",)] - before < 4 * 64 + 4 * 200
+    assert after[("tandem_scheduler_kv_cache_blocks_used",)] == 0
+    assert after[("tandem_scheduler_kv_cache_blocks_total",)] == NUM_KV_BLOCKS
+    assert after[("tandem_scheduler_requests_failed_total", ("code", "CANCELLED"))] >= 4
+
+
+def test_stop_strings_and_stop_token_ids(service, reference):
+    _, stub = service
+    prompt = "The list type"
+    full = reference.generate([prompt], SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)[0]
+    # A stop string that spans a token boundary, starting in the middle of the output.
+    pieces = [reference.tokenizer.decode([t]) for t in full.token_ids]
+    start = len("".join(pieces[:5])) + len(pieces[5]) - 1
+    stop = full.text[start : start + 3]
+    ids, texts, final, _ = collect(stub.Generate(request(prompt, stop=[stop, "never seen"])))
+    cut = full.text.find(stop)
+    assert "".join(texts) == full.text[:cut]
+    assert (final.finish_reason, final.stop_reason) == (pb.FINISH_REASON_STOP, stop)
+    assert ids == full.token_ids[: len(ids)] and stop in reference.tokenizer.decode(ids)
+    assert final.completion_tokens == len(ids)
+
+    token = full.token_ids[6]
+    ids, _, final, _ = collect(stub.Generate(request(prompt, stop_token_ids=[token])))
+    assert ids == full.token_ids[: full.token_ids.index(token) + 1]
+    assert (final.finish_reason, final.stop_reason) == (pb.FINISH_REASON_STOP, str(token))
+
+
+def test_model_info_and_logprobs(service):
+    _, stub = service
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.vocab_size, info.max_model_len, info.num_kv_blocks, info.block_size) == (512, 1024, 256, 16)
+    ids, _, _, _ = collect(stub.Generate(request([3, 4, 5], max_tokens=3, logprobs=2)))
+    chunks = [
+        r.chunk for r in stub.Generate(request([3, 4, 5], max_tokens=3, logprobs=2)) if r.chunk.token_ids
+    ]
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in logprobs] == ids
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+
+
+def test_queue_limit_and_stream_interval(qwen3_tied):
+    server = make_server(qwen3_tied, max_num_seqs=1, max_queue=1, stream_interval=4)
+    with ServerThread(server):
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        wait_serving(channel)
+        stub = pb_grpc.GenerationServiceStub(channel)
+        running = stub.Generate(request([5, 6], max_tokens=600, ignore_eos=True))
+        next(running)
+        waiting = stub.Generate(request([7, 8], max_tokens=9, ignore_eos=True))
+        deadline = time.monotonic() + 5
+        while len(server.engine.streams) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([9], max_tokens=2)))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-queue 1" in e.value.details()
+        running.cancel()
+        ids, _, _, sizes = collect(waiting)
+        assert len(ids) == 9 and all(n >= 4 for n in sizes[:-1])
+        channel.close()
+
+
+class FlakyExecutor:
+    """A LocalExecutor that is unreachable until `up` is set, and rejects plans for one prompt."""
+
+    POISON = 397
+
+    def __init__(self, path) -> None:
+        self.inner = LocalExecutor(ExecutorConfig(model=str(path), num_kv_blocks=64))
+        self.up = threading.Event()
+
+    def _check(self) -> None:
+        if not self.up.is_set():
+            raise ExecutorUnavailable("executor at flaky:1 is unavailable (Describe): connection refused")
+
+    def describe(self):
+        self._check()
+        return self.inner.describe()
+
+    def reset(self) -> int:
+        self._check()
+        return self.inner.reset()
+
+    def step(self, plan):
+        self._check()
+        if any(s.token_ids[0] == self.POISON for s in plan.new_seqs):
+            raise PlanRejected("flaky:1", plan.step_id, "token id out of range")
+        return self.inner.step(plan)
+
+
+def test_health_follows_the_executor_and_a_rejected_plan_fails_only_its_requests(qwen3_tied):
+    executor = FlakyExecutor(qwen3_tied)
+    options = EngineOptions(
+        SchedulerConfig(), executor_address="flaky:1", heartbeat_s=0.1, backoff_min_s=0.02, backoff_max_s=0.05
+    )
+    server = make_server(qwen3_tied, executor, options=options)
+    with ServerThread(server):
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        stub = pb_grpc.GenerationServiceStub(channel)
+        wait_serving(channel, want=health_pb2.HealthCheckResponse.NOT_SERVING)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([5])))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "flaky:1" in e.value.details()
+        assert metrics(server)[("tandem_scheduler_executor_up",)] == 0
+
+        executor.up.set()
+        wait_serving(channel)
+        # The rejected plan holds the poisoned request and the running one: both fail, and the
+        # executor (which validates every plan against its own state) keeps accepting the next.
+        running = stub.Generate(request([5, 6, 7], max_tokens=500, ignore_eos=True))
+        next(running)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([FlakyExecutor.POISON, 5])))
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "rejected step" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            list(running)
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+        ids, _, final, _ = collect(stub.Generate(request([5, 6], max_tokens=5, ignore_eos=True)))
+        assert len(ids) == 5 and final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(executor.inner.seqs) <= 1  # the running one was dropped by a later plan
+        assert metrics(server)[("tandem_scheduler_requests_failed_total", ("code", "INTERNAL"))] == 2
+
+        # The executor goes away while idle: NOT_SERVING, then SERVING again once it is back.
+        executor.up.clear()
+        wait_serving(channel, want=health_pb2.HealthCheckResponse.NOT_SERVING)
+        executor.up.set()
+        wait_serving(channel)
+        assert len(collect(stub.Generate(request([5, 6], max_tokens=3)))[0]) == 3
+        channel.close()
