@@ -9,6 +9,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -360,3 +361,26 @@ def test_tandem_up_generate_and_ctrl_c(tmp_path):
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_tandem_up_reports_a_service_that_dies(tmp_path):
+    """The executor cannot bind its port: `tandem up` exits non-zero with the executor's last log lines."""
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        executor_port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "client.cli", "up", "--port", str(free_port())]
+            + ["--executor-port", str(executor_port), "--metrics-port", "0", "--executor-metrics-port", "0"]
+            + ["--log-dir", str(tmp_path), "--startup-timeout", "60"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=ROOT,
+            env=CHILD_ENV,
+        )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "executor exited with code" in proc.stderr
+    assert f"127.0.0.1:{executor_port}" in proc.stderr  # the executor's own message, from its log
+    assert not (tmp_path / "scheduler.log").exists()  # the scheduler was never started
