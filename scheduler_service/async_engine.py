@@ -72,6 +72,7 @@ class AsyncEngine:
         self._arrivals: dict[int, float] = {}
         self._stopping = False
         self._admitting = True
+        self._last_connect_error: str | None = None
         self._next_id = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -157,8 +158,12 @@ class AsyncEngine:
             self.executor.reset()
             self.tokenizer = self.tokenizer_for(engine.info)
         except Exception as e:
-            logger.warning("executor at %s: %s", self.options.executor_address, e)
+            # Once per distinct error: retries every few seconds would flood the log.
+            log = logger.debug if str(e) == self._last_connect_error else logger.warning
+            self._last_connect_error = str(e)
+            log("executor at %s not connected: %s", self.options.executor_address, e)
             return False
+        self._last_connect_error = None
         logger.info("connected to executor at %s: %s", self.options.executor_address, engine.info)
         self.metrics.reset_stats_baseline()
         self.metrics.executor_up.set(1)
@@ -186,9 +191,13 @@ class AsyncEngine:
 
     def _heartbeat(self) -> None:
         try:
-            self.executor.describe()
+            info = self.executor.describe()
         except Exception as e:
             self._disconnect(RequestFailure(grpc.StatusCode.UNAVAILABLE, str(e)))
+            return
+        if info != self.engine.info:  # restarted with other settings: our block tables are void
+            message = f"executor at {self.options.executor_address} changed: {info}"
+            self._disconnect(RequestFailure(grpc.StatusCode.UNAVAILABLE, message))
 
     def _drain_inbox(self, engine: LLMEngine) -> None:
         with self._cond:
@@ -221,11 +230,13 @@ class AsyncEngine:
             self._post([], {out.request_id: failure for out in failed})
             self.metrics.update_from_stats(engine.scheduler.stats)
             return
-        except ExecutorError as e:
+        except ExecutorUnavailable as e:
             self._disconnect(RequestFailure(grpc.StatusCode.UNAVAILABLE, str(e)))
             return
         except Exception as e:
-            logger.exception("engine step failed; restarting the engine")
+            # The executor's state (or ours) is unknown: start over from a reset.
+            if not isinstance(e, ExecutorError):
+                logger.exception("engine step failed")
             self._disconnect(RequestFailure(grpc.StatusCode.INTERNAL, f"engine step failed: {e}"))
             return
         self._record_step(engine)

@@ -228,6 +228,15 @@ def test_cancelling_half_the_streams_leaves_the_others_correct(service, referenc
     assert after[("tandem_scheduler_requests_failed_total", ("code", "CANCELLED"))] >= 4
 
 
+def test_deadline_aborts_the_request(service):
+    server, stub = service
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request([21, 22], max_tokens=1000, ignore_eos=True), timeout=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    after = wait_idle(server, timeout=2.0)
+    assert after[("tandem_scheduler_requests_failed_total", ("code", "DEADLINE_EXCEEDED"))] == 1
+
+
 def test_stop_strings_and_stop_token_ids(service, reference):
     _, stub = service
     prompt = "The list type"
@@ -345,10 +354,64 @@ def test_health_follows_the_executor_and_a_rejected_plan_fails_only_its_requests
         assert len(executor.inner.seqs) <= 1  # the running one was dropped by a later plan
         assert metrics(server)[("tandem_scheduler_requests_failed_total", ("code", "INTERNAL"))] == 2
 
-        # The executor goes away while idle: NOT_SERVING, then SERVING again once it is back.
+        # The executor dies mid-stream: UNAVAILABLE naming it, NOT_SERVING until it is back.
+        running = stub.Generate(request([5, 6, 7], max_tokens=500, ignore_eos=True))
+        next(running)
+        executor.up.clear()
+        with pytest.raises(grpc.RpcError) as e:
+            list(running)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "flaky:1" in e.value.details()
+        wait_serving(channel, want=health_pb2.HealthCheckResponse.NOT_SERVING)
+        executor.up.set()
+        wait_serving(channel)
+        assert len(collect(stub.Generate(request([5, 6], max_tokens=3)))[0]) == 3
+        # It goes away while idle: the heartbeat notices.
         executor.up.clear()
         wait_serving(channel, want=health_pb2.HealthCheckResponse.NOT_SERVING)
         executor.up.set()
         wait_serving(channel)
         assert len(collect(stub.Generate(request([5, 6], max_tokens=3)))[0]) == 3
         channel.close()
+
+
+def test_without_a_tokenizer_text_prompts_are_refused_and_ids_stream(qwen3_tied):
+    server = make_server(qwen3_tied)
+    server.engine.tokenizer_for = lambda info: None
+    with ServerThread(server):
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        wait_serving(channel)
+        stub = pb_grpc.GenerationServiceStub(channel)
+        for bad in (pb.GenerateRequest(text="hello"), request([5], stop=["x"])):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(bad))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "no tokenizer: send token ids or start it with --tokenizer" in e.value.details()
+        ids, texts, _, _ = collect(stub.Generate(request([5, 6], max_tokens=4, ignore_eos=True)))
+        assert len(ids) == 4 and set(texts) == {""}
+        channel.close()
+
+
+def test_cli_flags_have_environment_twins(monkeypatch):
+    import argparse
+
+    from scheduler_service import cli
+
+    monkeypatch.setenv("TANDEM_EXECUTOR_ADDRESS", "10.0.0.2:7000")
+    monkeypatch.setenv("TANDEM_MAX_QUEUE", "12")
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["scheduler", "--stream-interval", "3"])
+    assert (args.executor, args.max_queue, args.stream_interval, args.port) == ("10.0.0.2:7000", 12, 3, 50051)
+    assert (args.host, args.metrics_port, args.tokenizer) == ("127.0.0.1", 9101, None)
+    assert args.func is cli.run
+    args.stream_interval = 0
+    assert cli.run(args) == 2  # refused before anything starts
+    embedded = cli.tokenizer_resolver(None)
+    assert embedded(_info("tandem-tiny-pydoc")) is not None
+    assert embedded(_info("some-other-model")) is None
+
+
+def _info(model: str):
+    from protos.plan import ExecutorInfo
+
+    return ExecutorInfo(model, "Qwen3", 16, 64, 1024, 512, [0], 1, "float32", "cpu", 8, 64, "torch", 1, 1)
