@@ -27,6 +27,9 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect within ~2 s of an executor (re)starting, not after grpc's default of up to 120 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 _UNAVAILABLE_CODES = (
     grpc.StatusCode.UNAVAILABLE,
