@@ -67,22 +67,28 @@ class LocalExecutor:
     def reset(self) -> int:
         """Drop every sequence; returns how many were held."""
         dropped = len(self.seqs)
+        for seq in self.seqs.values():
+            self.runner.remove_sequence(seq)
         self.seqs.clear()
         return dropped
 
     def _step(self, plan: StepPlan, all_logits: bool) -> tuple[StepResult, torch.Tensor | None]:
         validate_plan(plan, self.seqs, self.limits)
         for seq_id in (*plan.finished_seq_ids, *plan.preempted_seq_ids):
-            self.seqs.pop(seq_id, None)
+            seq = self.seqs.pop(seq_id, None)
+            if seq is not None:
+                self.runner.remove_sequence(seq)
         for new in plan.new_seqs:
-            self.seqs[new.seq_id] = SequenceState.from_new(new)
+            seq = self.seqs[new.seq_id] = SequenceState.from_new(new)
+            self.runner.add_sequence(seq)
         if not plan.seq_ids:
             return StepResult(step_id=plan.step_id), None
         batch: list[SequenceState] = []
         offset = 0
         for seq_id, num_new in zip(plan.seq_ids, plan.num_new_blocks, strict=True):
             seq = self.seqs[seq_id]
-            seq.block_table.extend(plan.new_block_ids[offset : offset + num_new])
+            if num_new:
+                self.runner.append_blocks(seq, plan.new_block_ids[offset : offset + num_new])
             offset += num_new
             batch.append(seq)
 

@@ -4,24 +4,28 @@ batch into tensors, runs the forward and samples."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from executor_service.attention import get_backend
+from executor_service.block_tables import BlockTables
 from executor_service.config import ExecutorConfig
 from executor_service.context import Context, reset_context, set_context
+from executor_service.cuda_graph import DecodeGraphs
 from executor_service.kv_cache import KVCache, block_bytes, num_blocks_for_bytes
 from executor_service.layers.attention import Attention
 from executor_service.loader import checkpoint_tensor_files, load_weights
 from executor_service.models import get_model_class
 from executor_service.sampler import Sampler, SamplerOutput
-from executor_service.sampling_metadata import SamplingMetadata, _to_device
+from executor_service.sampling_metadata import SamplingMetadata
 from executor_service.sequence import SequenceState
-from protos.plan import TokenLogprobs
+from protos.plan import StepSamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # [num_sampling_seqs], rows of the flattened batch that sample
     sampling_seqs: list[SequenceState]  # the sequences that sample, in batch order
     sampling: SamplingMetadata | None
+    decode_only: bool = False
 
 
 @dataclass
@@ -73,12 +78,26 @@ class ModelRunner:
         bytes_per_block = block_bytes(
             mc.num_hidden_layers, self.block_size, mc.num_key_value_heads, mc.head_dim, config.torch_dtype
         )
-        num_blocks = config.num_kv_blocks or num_blocks_for_bytes(config.kv_cache_gb * 2**30, bytes_per_block)
+        backend = get_backend(config.attention_backend)
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.backend = backend
+        self.sampler = Sampler(config.seed, self.device)
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.block_tables = BlockTables(self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
+        self.num_graph_steps = self.num_eager_steps = 0
+        self.graphs: DecodeGraphs | None = None
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._num_blocks_from_free_memory(bytes_per_block)
+        else:
+            num_blocks = num_blocks_for_bytes(config.kv_cache_gb * 2**30, bytes_per_block)
         if num_blocks * self.block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of "
                 f"{self.block_size}), fewer than max_model_len ({config.max_model_len}): raise "
-                "num_kv_blocks or kv_cache_gb, or lower max_model_len"
+                "num_kv_blocks, kv_cache_gb or gpu_memory_utilization, or lower max_model_len"
             )
         self.kv_cache = KVCache(
             mc.num_hidden_layers,
@@ -90,78 +109,193 @@ class ModelRunner:
             self.device,
         )
         self.kv_cache.bind(self.model)
-        backend = get_backend(config.attention_backend)
-        for module in self.model.modules():
-            if isinstance(module, Attention):
-                module.backend = backend
-        self.sampler = Sampler(config.seed, self.device)
         logger.info(
-            "loaded %s (%s, %s) with %d KV blocks of %d tokens (%d bytes each)",
+            "loaded %s (%s, %s, %s attention) with %d KV blocks of %d tokens (%.2f GiB)",
             config.model,
             mc.architecture,
             config.dtype,
+            config.attention_backend,
             num_blocks,
             self.block_size,
-            bytes_per_block,
+            num_blocks * bytes_per_block / 2**30,
         )
+        if self.device.type == "cuda" and not config.enforce_eager and backend.graph_safe:
+            self.graphs = DecodeGraphs(
+                self.model, config.max_num_seqs, self.max_blocks_per_seq, mc.hidden_size
+            )
+
+    def _num_blocks_from_free_memory(self, bytes_per_block: int) -> int:
+        """blocks = (total x gpu_memory_utilization - used - (peak - current)) / block bytes, with
+        `peak` measured over a warm-up forward and sampling at the largest batch."""
+        config = self.config
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._warm_up()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        peak = torch.cuda.max_memory_allocated(self.device)
+        current = torch.cuda.memory_allocated(self.device)
+        budget = total * config.gpu_memory_utilization - used - (peak - current)
+        num_blocks = int(budget // bytes_per_block)
+        logger.info(
+            "GPU memory: total %.1f GiB, used %.1f GiB, warm-up peak %.1f GiB over %.1f GiB current: "
+            "%d KV blocks at gpu_memory_utilization %.2f",
+            total / 2**30,
+            used / 2**30,
+            peak / 2**30,
+            current / 2**30,
+            num_blocks,
+            config.gpu_memory_utilization,
+        )
+        if num_blocks <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization "
+                f"{config.gpu_memory_utilization}: raise it or lower max_num_batched_tokens"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """A prefill of max_num_batched_tokens tokens, then sampling for max_num_seqs rows, through a
+        temporary KV cache just large enough (its bytes are counted in the peak: conservative)."""
+        config, mc = self.config, self.config.model_config
+        seq_len = min(config.max_model_len, config.max_num_batched_tokens)
+        num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
+        blocks_per_seq = -(-seq_len // self.block_size)
+        cache = KVCache(
+            mc.num_hidden_layers,
+            num_seqs * blocks_per_seq,
+            self.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            config.torch_dtype,
+            self.device,
+        )
+        cache.bind(self.model)
+        seqs = [
+            SequenceState(i, [0] * seq_len, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0,
+                          StepSamplingParams(), seq_len)
+            for i in range(num_seqs)
+        ]  # fmt: skip
+        for seq in seqs:
+            self.add_sequence(seq)
+        try:
+            self.execute_model(self.prepare(seqs, [seq_len] * num_seqs))
+        finally:
+            for seq in seqs:
+                self.remove_sequence(seq)
+            for module in self.model.modules():
+                if isinstance(module, Attention):
+                    module.k_cache = module.v_cache = torch.tensor([])
+        logits = torch.zeros(config.max_num_seqs, mc.vocab_size, dtype=config.torch_dtype, device=self.device)
+        params = [StepSamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * config.max_num_seqs
+        states = [SequenceState(i, [0], [], 0, p, 1) for i, p in enumerate(params)]
+        self.sampler(logits, SamplingMetadata.build(states, mc.vocab_size, self.device))
+        del cache, logits
+
+    # -- sequences --------------------------------------------------------------------------
+
+    def add_sequence(self, seq: SequenceState) -> None:
+        seq.row = self.block_tables.add(seq.block_table)
+
+    def remove_sequence(self, seq: SequenceState) -> None:
+        self.block_tables.free(seq.row)
+        seq.row = -1
+
+    def append_blocks(self, seq: SequenceState, block_ids: list[int]) -> None:
+        seq.block_table.extend(block_ids)
+        self.block_tables.extend(seq.row, block_ids)
 
     def prepare(self, seqs: list[SequenceState], num_scheduled_tokens: list[int]) -> PreparedBatch:
         """Flatten a mixed batch (prefill chunks and decodes): sequence i computes tokens
         [c, c + n) with c = its num_computed_tokens and n = num_scheduled_tokens[i]."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu_q, cu_k = [0], [0]
-        context_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        sampling_seqs: list[SequenceState] = []
-        for seq, n in zip(seqs, num_scheduled_tokens, strict=True):
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            for i in range(start // bs, (end - 1) // bs + 1):
-                base = seq.block_table[i] * bs - i * bs
-                slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)
-            context_lens.append(end)
-            block_tables.append(seq.block_table[: (end + bs - 1) // bs])
-            if end == seq.num_tokens:
-                logits_indices.append(cu_q[-1] - 1)
-                sampling_seqs.append(seq)
-        width = max(map(len, block_tables), default=0)
-        dev = self.device
+        num_seqs = len(seqs)
+        q_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
+        ends = starts + q_lens
+        num_tokens = int(q_lens.sum())
+        if num_tokens == num_seqs:  # decode only: one token per sequence
+            positions = starts
+            input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, num_seqs)
+            token_seq = np.arange(num_seqs)
+        else:
+            positions = np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
+            input_ids = np.fromiter(
+                itertools.chain.from_iterable(
+                    s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
+                    for s, n in zip(seqs, num_scheduled_tokens)
+                ),
+                np.int64,
+                num_tokens,
+            )
+            token_seq = np.repeat(np.arange(num_seqs), q_lens)
+        rows = np.fromiter((s.row for s in seqs), np.int64, num_seqs)
+        width = int(-(-ends.max() // bs))
+        tables = self.block_tables.gather(rows, width)  # [num_seqs, width] int32
+        slot_mapping = tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(ends, out=cu_k[1:])
+        samples = ends == np.fromiter((len(s.token_ids) for s in seqs), np.int64, num_seqs)
+        logits_indices = cu_q[1:][samples] - 1
+        sampling_seqs = [s for s, m in zip(seqs, samples.tolist()) if m]
+
+        # Two host-to-device copies per step: the int64 columns and the int32 ones.
+        longs = self._to_device(np.concatenate([input_ids, positions, slot_mapping, logits_indices]))
+        ints = self._to_device(np.concatenate([ends, cu_q, cu_k, tables.ravel()]).astype(np.int32))
+        input_ids_d, positions_d, slot_mapping_d, logits_indices_d = longs.split(
+            [num_tokens, num_tokens, num_tokens, len(logits_indices)]
+        )
+        context_lens_d, cu_q_d, cu_k_d, tables_d = ints.split(
+            [num_seqs, num_seqs + 1, num_seqs + 1, num_seqs * width]
+        )
+        context_lens_host = ends.tolist()
         context = Context(
-            slot_mapping=_to_device(slot_mapping, torch.long, dev),
-            block_tables=_to_device([t + [-1] * (width - len(t)) for t in block_tables], torch.int32, dev),
-            context_lens=_to_device(context_lens, torch.int32, dev),
-            cu_seqlens_q=_to_device(cu_q, torch.int32, dev),
-            cu_seqlens_k=_to_device(cu_k, torch.int32, dev),
-            max_seqlen_q=max(num_scheduled_tokens, default=0),
-            max_seqlen_k=max(context_lens, default=0),
+            slot_mapping=slot_mapping_d,
+            block_tables=tables_d.view(num_seqs, width),
+            context_lens=context_lens_d,
+            cu_seqlens_q=cu_q_d,
+            cu_seqlens_k=cu_k_d,
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=max(context_lens_host),
             query_lens_host=list(num_scheduled_tokens),
-            context_lens_host=context_lens,
+            context_lens_host=context_lens_host,
         )
         return PreparedBatch(
-            input_ids=_to_device(input_ids, torch.long, dev),
-            positions=_to_device(positions, torch.long, dev),
+            input_ids=input_ids_d,
+            positions=positions_d,
             context=context,
-            logits_indices=_to_device(logits_indices, torch.long, dev),
+            logits_indices=logits_indices_d,
             sampling_seqs=sampling_seqs,
-            sampling=SamplingMetadata.build(sampling_seqs, self.vocab_size, dev) if sampling_seqs else None,
+            sampling=SamplingMetadata.build(sampling_seqs, self.vocab_size, self.device)
+            if sampling_seqs
+            else None,
+            decode_only=num_tokens == num_seqs,
         )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute_model(self, batch: PreparedBatch, all_logits: bool = False) -> torch.Tensor:
         """Logits [num_sampling_seqs, vocab] (or [num_tokens, vocab] with all_logits, for tests)."""
-        set_context(batch.context)
-        try:
-            hidden = self.model(batch.input_ids, batch.positions)
-        finally:
-            reset_context()
+        if batch.decode_only and self.graphs is not None and self.graphs.can_run(len(batch.input_ids)):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.context)
+            self.num_graph_steps += 1
+        else:
+            set_context(batch.context)
+            try:
+                hidden = self.model(batch.input_ids, batch.positions)
+            finally:
+                reset_context()
+            self.num_eager_steps += 1
         if not all_logits:
             hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden)

@@ -16,6 +16,8 @@ class SequenceState:
     sampling_params: StepSamplingParams
     # token_ids[:num_prompt_tokens] is the prompt; the rest was generated (penalties tell them apart).
     num_prompt_tokens: int
+    # The model runner's row for this sequence's block table (set while the executor holds it).
+    row: int = -1
 
     @classmethod
     def from_new(cls, new: NewSequence) -> SequenceState:

@@ -194,7 +194,8 @@ def test_kv_cache_gb_sets_the_block_count(qwen3_tied):
     [
         ({"max_model_len": 4096}, r"max_model_len \(4096\) must be in \[1, 1024\]"),
         ({"dtype": "float8"}, "dtype 'float8' is not one of"),
-        ({"attention_backend": "flash"}, "attention_backend 'flash' is not one of auto, torch"),
+        ({"attention_backend": "nope"}, "attention_backend 'nope' is not one of auto, "),
+        ({"attention_backend": "triton"}, "attention_backend 'triton' does not run on cpu"),
         ({"block_size": 0}, r"block_size \(0\) must be positive"),
         ({"max_num_seqs": 9000}, r"max_num_batched_tokens \(8192\) must be >= max_num_seqs \(9000\)"),
         ({"device": "tpu"}, "device 'tpu' must be 'cpu' or 'cuda'"),

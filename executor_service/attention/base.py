@@ -9,6 +9,8 @@ from executor_service.context import Context
 
 class AttentionBackend:
     name: str = ""
+    # Whether a decode step can be captured in a CUDA graph: no host-side per-step values.
+    graph_safe: bool = False
 
     @staticmethod
     def supports(device: torch.device) -> bool:

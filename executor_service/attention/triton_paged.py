@@ -73,6 +73,7 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: C
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
+    graph_safe = True
 
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
