@@ -1,0 +1,79 @@
+"""The whole engine on a CUDA device: Triton attention, CUDA graphs, KV sizing from free memory.
+
+Marked gpu: skipped without CUDA (CI); run on the H200 with `pytest -m gpu tests/test_gpu_engine.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generate_vs_hf import MAX_NEW, assert_matches_hf, make_prompts
+
+from scheduler_service.llm import LLM
+from scheduler_service.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def _generate(path, prompts, max_tokens=MAX_NEW, **options):
+    llm = LLM(str(path), device="cuda", **options)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return llm, [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_tied", "qwen3_untied"])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_triton_fp32_matches_transformers(request, fixture, block_size):
+    path = request.getfixturevalue(fixture)
+    prompts = make_prompts(seed=block_size)
+    llm = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", block_size=block_size,
+              num_kv_blocks=64)  # fmt: skip
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert_matches_hf(path, prompts, outputs)
+    assert llm.executor.runner.num_graph_steps > 0  # decode steps went through CUDA graphs
+
+
+def test_triton_fp32_chunked_prefill_and_prefix_hits_match_transformers(qwen3_untied):
+    shared = make_prompts([64], seed=7)[0]
+    prompts = make_prompts([2, 9, 20, 33], seed=8, prefix=shared)
+    llm = LLM(str(qwen3_untied), device="cuda", dtype="float32", attention_backend="triton", num_kv_blocks=64,
+              max_num_batched_tokens=32, max_num_seqs=8)  # fmt: skip
+    warm = llm.generate([shared + [5]], SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == [64] * 4
+    assert_matches_hf(qwen3_untied, [shared + [5], *prompts], warm + outputs)
+
+
+def test_bf16_triton_matches_torch_backend(qwen3_tied):
+    """In bf16 both backends round differently; with clear logit margins the first 32 tokens agree."""
+    prompts = make_prompts(seed=21)
+    _, triton_tokens = _generate(qwen3_tied, prompts, 32, dtype="bfloat16", attention_backend="triton",
+                                 num_kv_blocks=64)  # fmt: skip
+    _, torch_tokens = _generate(qwen3_tied, prompts, 32, dtype="bfloat16", attention_backend="torch",
+                                num_kv_blocks=64)  # fmt: skip
+    assert triton_tokens == torch_tokens
+
+
+def test_cuda_graphs_match_eager(qwen3_tied):
+    # 5 and 37 sequences replay the graphs of buckets 8 and 48: padded rows must change nothing.
+    for n in (5, 37):
+        prompts = make_prompts([3 + 7 * i % 90 for i in range(n)], seed=n)
+        llm_graph, graph_tokens = _generate(qwen3_tied, prompts, dtype="bfloat16", attention_backend="triton",
+                                            num_kv_blocks=256)  # fmt: skip
+        llm_eager, eager_tokens = _generate(qwen3_tied, prompts, dtype="bfloat16", attention_backend="triton",
+                                            num_kv_blocks=256, enforce_eager=True)  # fmt: skip
+        assert llm_graph.executor.runner.num_graph_steps > 0
+        assert llm_eager.executor.runner.num_graph_steps == 0
+        assert graph_tokens == eager_tokens
+
+
+def test_kv_cache_sized_from_free_memory(qwen3_tied):
+    # Blocks of 256 tokens keep the block count (and the scheduler's free list) modest.
+    llm = LLM(str(qwen3_tied), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.1, block_size=256)
+    info = llm.executor.describe()
+    total = torch.cuda.mem_get_info()[1]
+    kv_bytes = info.num_kv_blocks * info.block_bytes
+    # The cache fills most of the 10% budget, and the process stays within it.
+    assert kv_bytes > 0.05 * total
+    assert torch.cuda.memory_reserved() <= 0.1 * total
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 8
