@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import random
 import shlex
 import sys
@@ -140,13 +141,13 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         SamplingParams(max_tokens=r.max_tokens, temperature=args.temperature, ignore_eos=True)
         for r in workload
     ]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = sum(len(o.token_ids) for o in outputs)
     del llm, outputs
     gc.collect()
-    return tokens, elapsed
+    return tokens, elapsed, cpu
 
 
 def start_services(args: argparse.Namespace, model: str, log_dir: Path):
@@ -218,6 +219,15 @@ async def stream_all(address: str, workload: list[Request], temperature: float) 
     return sum(n for n, _ in results), max(last for _, last in results) - t0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all threads (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def scrape(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -240,7 +250,11 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
         scheduler.start()
         wait_serving(scheduler, ports["scheduler"])
         before = scrape(ports["executor_metrics"])
+        cpu_before = {s.name: cpu_seconds(s.process.pid) for s in services}
+        client_cpu = time.process_time()
         tokens, elapsed = asyncio.run(stream_all(ports["scheduler"], workload, args.temperature))
+        cpu = {s.name: cpu_seconds(s.process.pid) - cpu_before[s.name] for s in services}
+        cpu["client"] = time.process_time() - client_cpu
         after = scrape(ports["executor_metrics"])
         steps = {
             k: after.get(k, 0.0) - before.get(k, 0.0)
@@ -249,6 +263,7 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
                 "tandem_executor_step_duration_seconds_count",
             )
         }
+        steps["cpu"] = cpu
     finally:
         for service in services:
             service.stop(10.0)
@@ -278,10 +293,11 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {}
     if args.mode in ("both", "in-process"):
-        tokens, elapsed = run_in_process(args, args.model, workload)
+        tokens, elapsed, cpu = run_in_process(args, args.model, workload)
         results["in-process"] = tokens / elapsed
         print(
-            f"in-process: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} output tok/s",
+            f"in-process: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} output tok/s "
+            f"(CPU time {cpu:.1f} s)",
             flush=True,
         )
     if args.mode in ("both", "split"):
@@ -291,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         count = int(steps["tandem_executor_step_duration_seconds_count"])
         print(
             f"split: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} output tok/s "
-            f"(executor: {count} steps, {busy:.2f} s in steps = {busy / elapsed:.0%} of the wall time)",
+            f"(executor: {count} steps, {busy:.2f} s in steps = {busy / elapsed:.0%} of the wall time; "
+            f"CPU time: " + ", ".join(f"{k} {v:.1f} s" for k, v in steps["cpu"].items()) + ")",
             flush=True,
         )
         if tokens != num_output:
