@@ -472,6 +472,16 @@ def test_internal_error_keeps_service_up():
         server.stop(1)
 
 
+def test_port_in_use_fails_loudly():
+    first = ExecutorServer("127.0.0.1", 0)
+    first.start()
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{first.port}"):
+            ExecutorServer("127.0.0.1", first.port)
+    finally:
+        first.stop(0)
+
+
 def _registry_text(server: ExecutorServer) -> str:
     from prometheus_client import generate_latest
 
