@@ -88,6 +88,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             plan = plan_from_proto(msg)
             with self._lock:
                 executor = self._executor(context)
+                graph_steps = _num_graph_steps(executor)
                 t0 = time.perf_counter()
                 try:
                     result = executor.step(plan)
@@ -100,9 +101,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     context.abort(
                         grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}"
                     )
-                # The CUDA-graph model runner sets this; eager runners do not have it.
-                cuda_graph = bool(getattr(executor, "last_step_cuda_graph", False))
-                self.metrics.observe_step(plan, time.perf_counter() - t0, cuda_graph)
+                seconds = time.perf_counter() - t0
+                self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > graph_steps)
             yield result_to_proto(result)
 
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
@@ -110,6 +110,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             dropped = self._executor(context).reset()
         logger.info("reset: dropped %d sequences", dropped)
         return pb.ResetResponse(num_dropped_seqs=dropped)
+
+
+def _num_graph_steps(executor: LocalExecutor) -> int:
+    """Steps the model runner replayed from a CUDA graph (0 for executors without one)."""
+    return getattr(getattr(executor, "runner", None), "num_graph_steps", 0)
 
 
 class ExecutorServer:
