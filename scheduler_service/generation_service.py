@@ -24,6 +24,8 @@ _FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
+# The client's own deadline timer fires first and cancels the call, a few ms before ours.
+DEADLINE_SLACK_S = 0.1
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start it with --tokenizer"
 
 
@@ -116,7 +118,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if not stream.finished:  # the client cancelled, or its deadline passed
                 self.engine.abort(stream)
                 remaining = context.time_remaining()
-                expired = remaining is not None and remaining <= 0
+                expired = remaining is not None and remaining <= DEADLINE_SLACK_S
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
                 self.metrics.requests_failed.labels(code.name).inc()
 

@@ -230,8 +230,10 @@ def test_cancelling_half_the_streams_leaves_the_others_correct(service, referenc
 
 def test_deadline_aborts_the_request(service):
     server, stub = service
+    call = stub.Generate(request([21, 22], max_tokens=1000, ignore_eos=True), timeout=1.0)
+    next(call)  # admitted and streaming when the deadline passes
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Generate(request([21, 22], max_tokens=1000, ignore_eos=True), timeout=0.3))
+        list(call)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     after = wait_idle(server, timeout=2.0)
     assert after[("tandem_scheduler_requests_failed_total", ("code", "DEADLINE_EXCEEDED"))] == 1
