@@ -1,4 +1,5 @@
-"""Attention kernels on the GPU: the Triton paged decode kernel alone and a causal prefill, against
+"""Attention kernels on the GPU: the Triton paged decode kernel alone (replayed from a CUDA graph,
+like the engine's decode steps) and a causal prefill (eager), against
 PyTorch's FlashAttention-2 (`varlen_attn`) on contiguous KV. Qwen3-0.6B shapes: 16 query heads,
 8 KV heads, head_dim 128, bf16. Decode reports effective KV bandwidth: bytes of K and V read / time.
 
@@ -20,7 +21,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from executor_service.attention import triton_kernels as tk
-from executor_service.attention.triton_paged import prefill_varlen, varlen_attn
+from executor_service.attention.triton_paged import _VARLEN_PARAMS, prefill_varlen, varlen_attn
 from executor_service.context import Context
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
@@ -29,6 +30,16 @@ SCALE = HEAD_DIM**-0.5
 
 def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def time_graph_ms(fn) -> float:
+    """Time fn replayed from a CUDA graph, as the engine runs decode: a short kernel timed eagerly
+    measures Python launch overhead (two launches plus allocations for split-KV) instead."""
+    fn()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
 
 
 def paged_decode_inputs(batch: int, context: int, block_size: int) -> dict:
@@ -60,20 +71,28 @@ def bench_decode(batch: int, context: int, block_size: int, config: dict | None 
             x["q"], x["k_cache"], x["v_cache"], out, *meta, SCALE, num_splits=splits, config=config
         )
 
-    ms = time_ms(run)
+    ms = time_graph_ms(run)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
     return ms, kv_bytes / ms / 1e9, splits
 
 
 def bench_varlen_decode(batch: int, context: int):
+    """varlen_attn over contiguous KV. Without its enable_gqa (torch 2.11) the KV heads are repeated
+    to the query heads beforehand, and the bandwidth counts the bytes it is handed."""
     if varlen_attn is None:
         return None
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     k = torch.randn(batch * context, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     v = torch.randn_like(k)
+    kwargs = {"scale": SCALE}
+    if "enable_gqa" in _VARLEN_PARAMS:
+        kwargs["enable_gqa"] = True
+    else:
+        k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+        v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     cu_k = cu_q * context
-    ms = time_ms(lambda: varlen_attn(q, k, v, cu_q, cu_k, 1, context, scale=SCALE, enable_gqa=True))
+    ms = time_graph_ms(lambda: varlen_attn(q, k, v, cu_q, cu_k, 1, context, **kwargs))
     return ms, 2 * k.numel() * k.element_size() / ms / 1e9
 
 
@@ -94,8 +113,13 @@ def bench_prefill(num_seqs: int, length: int, block_size: int) -> None:
     flops = 4 * num_seqs * NUM_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal half
     line = f"prefill {num_seqs}x{length} causal (block size {block_size}):"
     if varlen_attn is not None:
-        ms = time_ms(lambda: prefill_varlen(q, k, v, ctx, SCALE))
+        ms = time_ms(lambda: prefill_varlen(q, k, v, ctx, SCALE, repeat_kv=True))
         line += f" varlen_attn {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s);"
+        if "enable_gqa" not in _VARLEN_PARAMS:  # the time above includes repeating the KV heads
+            group = NUM_HEADS // NUM_KV_HEADS
+            k16, v16 = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            ms = time_ms(lambda: prefill_varlen(q, k16, v16, ctx, SCALE))
+            line += f" varlen_attn on KV repeated beforehand {ms:.3f} ms;"
     ms = time_ms(lambda: tk.paged_prefill(q, k_cache, v_cache, out, tables, lens, cu, length, SCALE))
     line += f" triton paged prefill {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)"
     print(line)
@@ -119,20 +143,25 @@ def main() -> None:
         ref = bench_varlen_decode(batch, context)
         if ref:
             print(f"varlen_attn contiguous b{batch}x{context}: {ref[0] * 1e3:.1f} us, {ref[1]:.2f} TB/s")
+        # The headline is the engine's default block size, 16.
         print(f"decode kernel b{batch}x{context}: {headline:.2f} TB/s")
     for block_size in (16, 256):
         bench_prefill(64, 512, block_size)
     if args.sweep:
         for (batch, context), block_size in itertools.product(shapes, (16, 256)):
             results = []
-            for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+            split_choices = (None,) if batch * NUM_KV_HEADS >= 264 else (None, 4, 8, 16, 32)
+            grid = itertools.product(split_choices, (32, 64, 128), (4, 8), (2, 3, 4))
+            for splits, block_n, warps, stages in grid:
                 cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
                 try:
-                    results.append((bench_decode(batch, context, block_size, cfg)[1], cfg))
+                    _, tbs, used = bench_decode(batch, context, block_size, cfg, splits)
                 except Exception as e:  # out of shared memory, say
                     print(f"  {cfg}: {type(e).__name__}")
-            for tbs, cfg in sorted(results, key=lambda r: -r[0])[:4]:
-                print(f"sweep b{batch}x{context} bs{block_size}: {tbs:.2f} TB/s {cfg}")
+                    continue
+                results.append((tbs, used, cfg))
+            for tbs, used, cfg in sorted(results, key=lambda r: -r[0])[:4]:
+                print(f"sweep b{batch}x{context} bs{block_size}: {tbs:.2f} TB/s splits {used} {cfg}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ for group, block_size in ((1, 16), (2, 256), (4, 16), (8, 16)):
     for splits in (1, 3):
         b = make_batch([1] * 4, [20, 1, 40, 17], 2 * group, 2, 32, block_size, f16, "cpu", num_padding=2)
         check_decode(b, splits)
+# head_dim 48: padded to 64 lanes, masked
+check_decode(make_batch([1] * 3, [20, 33, 5], 4, 2, 48, 16, f16, "cpu", num_padding=1), 2)
+check_prefill(make_batch([9, 1, 20], [30, 9, 20], 4, 2, 48, 16, f16, "cpu", seed=4))
 """,
     "decode_padding_only": """
 b = make_batch([], [], 4, 2, 32, 16, f16, "cpu", num_padding=3)

@@ -255,28 +255,34 @@ def test_prefill_prefix_and_chunks(block_size, group, head_dim):
     check_prefill(batch)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 80)]
+)
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_prefill_mixed_with_padding(dtype, num_splits):
+def test_prefill_mixed_with_padding(dtype, head_dim, num_splits):
     ctx_lens = random_lengths(20, 900, seed=7)
     q_lens = [1 if i % 2 else min(c, 1 + i * 7) for i, c in enumerate(ctx_lens)]
-    batch = make_batch(q_lens, ctx_lens, 16, 8, 128, 16, dtype, "cuda", seed=8, num_padding=2)
+    batch = make_batch(q_lens, ctx_lens, 16, 8, head_dim, 16, dtype, "cuda", seed=8, num_padding=2)
     check_prefill(batch, num_splits)
 
 
-@pytest.mark.parametrize("case", ["no_prefix", "prefix", "mixed", "decode"])
+@pytest.mark.parametrize("case", ["no_prefix", "no_prefix_mha", "prefix", "mixed", "decode"])
 def test_backend_matches_torch_ref(case):
     """The whole backend (routing, varlen_attn for prefill without prefix) against torch_ref."""
     from executor_service.attention.torch_ref import TorchRefBackend
     from executor_service.attention.triton_paged import TritonPagedBackend
 
+    num_kv_heads = 16 if case == "no_prefix_mha" else 8  # MHA: varlen_attn serves even on torch 2.11
     q_lens, ctx_lens, pad = {
         "no_prefix": ([100, 7, 513], [100, 7, 513], 0),
+        "no_prefix_mha": ([100, 7, 513], [100, 7, 513], 0),
         "prefix": ([100, 7, 513], [356, 7, 600], 0),
         "mixed": ([100, 1, 1, 513], [100, 400, 17, 513], 0),
         "decode": ([1] * 30, random_lengths(30, 2000, seed=3), 2),
     }[case]
-    batch = make_batch(q_lens, ctx_lens, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=11, num_padding=pad)
+    batch = make_batch(
+        q_lens, ctx_lens, 16, num_kv_heads, 128, 16, torch.bfloat16, "cuda", seed=11, num_padding=pad
+    )
     ref = reference(batch)
     out = TritonPagedBackend().forward(
         batch["q"],

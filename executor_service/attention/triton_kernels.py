@@ -212,19 +212,22 @@ def split_kv_reduce_kernel(
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-# Launch configurations, tunable by bench/attention.py. BLOCK_M is the prefill tile's rows (tokens x heads).
+# Launch configurations, chosen with bench/attention.py --sweep on an H200 (Qwen3-0.6B shapes).
+# BLOCK_M is the prefill tile's rows: query tokens x query heads of one KV head.
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Split the keys of each (sequence, KV head) when there are too few of them to fill the GPU:
-    aim for about 4 programs per SM. Depends only on shapes, so a captured CUDA graph keeps it."""
+    about 4 programs per SM, rounded down to a power of two (key tiles then divide evenly).
+    Depends only on shapes, so a captured CUDA graph keeps it."""
     programs = max(num_seqs * num_kv_heads, 1)
     if programs >= 2 * num_sms:
         return 1
-    return min(MAX_SPLITS, triton.cdiv(4 * num_sms, programs))
+    want = min(MAX_SPLITS, triton.cdiv(4 * num_sms, programs))
+    return 1 << (want.bit_length() - 1)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
