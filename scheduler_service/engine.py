@@ -103,10 +103,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: int) -> bool:
         """Abort between steps; returns whether the request was still unfinished."""
-        aborted = self.scheduler.abort(request_id)
-        if aborted:
-            self.scheduler._refresh_gauges()  # running / waiting / blocks without waiting for a step
-        return aborted
+        return self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -120,7 +117,7 @@ class LLMEngine:
             try:
                 result = self.executor.step(plan)
             except BaseException:
-                self._abandon(plan)
+                self.scheduler.abandon(plan)
                 raise
             self.last_step_seconds = time.perf_counter() - t0
         else:
@@ -142,26 +139,7 @@ class LLMEngine:
             seq.error = error
             seq.num_new_tokens = 0
             outputs.append(_to_output(seq))
-        scheduler._refresh_gauges()
         return outputs
-
-    def _abandon(self, plan: StepPlan) -> None:
-        """Undo schedule()'s bookkeeping for a plan the executor did not run (it changed no
-        state), so that failing the plan's requests leaves the scheduler consistent."""
-        scheduler = self.scheduler
-        scheduler._in_flight.pop(plan.step_id, None)
-        # The executor still holds these: drop them with the next plan.
-        scheduler._finished_ids.extend(plan.finished_seq_ids)
-        scheduler._finished_ids.extend(plan.preempted_seq_ids)
-        new_ids = {s.seq_id for s in plan.new_seqs}
-        for seq_id, computed in zip(plan.seq_ids, plan.num_computed_tokens):
-            seq = scheduler.seqs.get(seq_id)
-            if seq is None:
-                continue
-            # Never register blocks in the prefix cache whose KV was not computed.
-            seq.num_computed_tokens = computed
-            if seq_id in new_ids:
-                seq.sent = False
 
     def _log_status(self) -> None:
         """One line of throughput and occupancy, quiet when idle."""

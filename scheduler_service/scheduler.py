@@ -66,7 +66,25 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self._finish(seq, "abort")
+        self._refresh_gauges()
         return True
+
+    def abandon(self, plan: StepPlan) -> None:
+        """Undo schedule()'s bookkeeping for a plan the executor did not run (a rejected plan
+        changes no executor state), so that failing the plan's requests leaves all consistent."""
+        self._in_flight.pop(plan.step_id, None)
+        # The executor still holds these: drop them with the next plan.
+        self._finished_ids.extend(plan.finished_seq_ids)
+        self._finished_ids.extend(plan.preempted_seq_ids)
+        new_ids = {s.seq_id for s in plan.new_seqs}
+        for seq_id, computed in zip(plan.seq_ids, plan.num_computed_tokens):
+            seq = self.seqs.get(seq_id)
+            if seq is None:
+                continue
+            # Never register blocks in the prefix cache whose KV was not computed.
+            seq.num_computed_tokens = computed
+            if seq_id in new_ids:
+                seq.sent = False
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
