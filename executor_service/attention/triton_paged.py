@@ -120,8 +120,13 @@ class TritonPagedBackend(AttentionBackend):
             out = prefill_varlen(q, k, v, context, scale)
             if out is not None:
                 return out
-        if not k_cache.numel():
-            raise ValueError("the triton backend needs the KV cache bound unless varlen_attn serves the step")
+        if not k_cache.numel():  # a profiling forward before the cache exists: no prefix by construction
+            out = prefill_varlen(q, k, v, context, scale, repeat_kv=True) if plan.no_prefix else None
+            if out is None:
+                raise ValueError(
+                    "the triton backend needs the KV cache bound unless varlen_attn serves the step"
+                )
+            return out
         out = torch.empty_like(q)
         meta = (context.block_tables, context.context_lens, context.cu_seqlens_q)
         if plan.has_decode:
