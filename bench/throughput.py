@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=["both", "in-process", "split"], default="both")
     p.add_argument("--executor-arg", action="append", default=[], help="extra executor flag (repeatable)")
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
+    p.add_argument(
+        "--executor-cmd",
+        default=None,
+        help='command that starts the executor (default: "python -m executor_service"), e.g. under a profiler',
+    )
     p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
     args = p.parse_args(argv)
     if args.workload == "w1":
@@ -156,7 +161,10 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     host = DEFAULT_HOST
     executor_port, scheduler_port = free_port(), free_port()
     executor_metrics, scheduler_metrics = free_port(), free_port()
-    executor_argv = [sys.executable, "-m", "executor_service", "--model", model, "--host", host]
+    executor_cmd = (
+        shlex.split(args.executor_cmd) if args.executor_cmd else [sys.executable, "-m", "executor_service"]
+    )
+    executor_argv = [*executor_cmd, "--model", model, "--host", host]
     executor_argv += ["--port", str(executor_port), "--metrics-port", str(executor_metrics)]
     executor_argv += ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
     executor_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
