@@ -119,7 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend",
         default=_env("ATTENTION_BACKEND", "auto"),
-        help="auto or torch (default auto: the fastest the device supports) [TANDEM_ATTENTION_BACKEND]",
+        help="auto, flash, triton or torch (default auto: flash if installed, else triton on CUDA, torch on "
+        "CPU) [TANDEM_ATTENTION_BACKEND]",
     )
     p.add_argument(
         "--grace",

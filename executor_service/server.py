@@ -54,13 +54,23 @@ SERVER_OPTIONS = [
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    """ExecutorService over one executor; steps from any number of streams are serialised."""
+    """ExecutorService over one executor; steps from any number of streams are serialised.
+
+    Every call into the executor (loading included) runs on one dedicated thread: torch's
+    OpenMP thread team belongs to the calling thread, and gRPC worker threads taking turns
+    would each start a team of their own, all spinning on the same cores (a 5x slower step on
+    2 cores, measured with bench/throughput.py)."""
 
     def __init__(self, metrics: ExecutorMetrics) -> None:
         self.executor: LocalExecutor | None = None
         self.metrics = metrics
         self._lock = threading.Lock()
         self._closed = False
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="executor-step")
+
+    def run_on_worker(self, fn, *args):
+        """fn(*args) on the executor's own thread; returns its result or raises its exception."""
+        return self._worker.submit(fn, *args).result()
 
     def close(self, timeout: float) -> None:
         """Let the running step finish (up to `timeout`), then refuse further steps."""
@@ -79,7 +89,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return self.executor
 
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeResponse:
-        return info_to_proto(self._executor(context).describe())
+        return info_to_proto(self.run_on_worker(self._executor(context).describe))
 
     def Step(
         self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext
@@ -91,7 +101,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 graph_steps = _num_graph_steps(executor)
                 t0 = time.perf_counter()
                 try:
-                    result = executor.step(plan)
+                    result = self.run_on_worker(executor.step, plan)
                 except PlanError as e:
                     self.metrics.step_failed("INVALID_ARGUMENT")
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -107,7 +117,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
         with self._lock:
-            dropped = self._executor(context).reset()
+            dropped = self.run_on_worker(self._executor(context).reset)
         logger.info("reset: dropped %d sequences", dropped)
         return pb.ResetResponse(num_dropped_seqs=dropped)
 
@@ -191,7 +201,7 @@ def serve(
         if delay := float(os.environ.get(LOAD_DELAY_ENV, "0")):
             stop.wait(delay)
         if not stop.is_set():
-            server.set_executor(LocalExecutor(config))
+            server.set_executor(server.servicer.run_on_worker(LocalExecutor, config))
         while not stop.wait(1.0):
             pass
         logger.info("signal received, shutting down")

@@ -85,6 +85,7 @@ def paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence; 1: only query length 1; 2: only query length > 1
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (Triton would use TF32), ignored for 16-bit
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -149,7 +150,7 @@ def paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
 
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, BLOCK_N], log2 domain
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
         s = tl.where((key[None, :] <= row_pos[:, None]) & key_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row can see no key of this tile (causal); keep it finite so it contributes nothing.
@@ -157,7 +158,7 @@ def paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Context length 0 (padding rows) or an empty split: l = 0, acc = 0 -> zeros, never NaN.
@@ -292,6 +293,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, 
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **meta,
     )
     if num_splits > 1:
