@@ -1,21 +1,37 @@
-PY ?= python3
+# Everything runs in a virtual environment of its own (VENV), created on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= The list type
 
-.PHONY: install test lint format protos
+.PHONY: install up test lint check format protos
 
-install:
-	$(PY) -m pip install torch==2.13.0 || $(PY) -m pip install torch
-	$(PY) -m pip install -e '.[dev]'
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch 2.13.0 is the CPU build where a local wheel exists; elsewhere PyPI's torch.
+	$(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q torch
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
 
-test:
+install: $(VENV)/.installed
+
+# The main job: both services with the embedded model, a streamed generation, then serving until Ctrl-C.
+up: install
+	$(VENV)/bin/tandem up --prompt "$(PROMPT)"
+
+# The test command (what .ci/run calls): lint, then the whole suite.
+check: lint test
+
+test: install
 	$(PY) -m pytest -q -n 2 tests
 
-lint:
+lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-format:
+format: install
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-protos:
+protos: install
 	$(PY) protos/generate.py

@@ -95,6 +95,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
     p.add_argument("--log-dir", default=None, help="where the services' logs go (default: a new temp dir)")
+    p.add_argument(
+        "--prompt",
+        default=None,
+        help="once both serve, stream one generation for this prompt to the terminal, then keep serving",
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate for --prompt (default 64)")
     p.set_defaults(func=run_up)
 
 
@@ -247,6 +253,8 @@ def run_up(args: argparse.Namespace) -> int:
                 _report_failure(failure, service)
                 return 1
         _print_ready(args, executor, scheduler, executor_address, scheduler_address)
+        if args.prompt:
+            _demo(scheduler_address, args.prompt, args.max_tokens)
         while not stop.wait(0.5):
             for service in services:
                 if not service.alive():
@@ -259,6 +267,21 @@ def run_up(args: argparse.Namespace) -> int:
             service.stop(args.grace)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _demo(address: str, prompt: str, max_tokens: int) -> None:
+    """Stream one generation to the terminal, as `tandem generate` would."""
+    from client.client import TandemClient
+    from client.generate import _print_streaming
+    from client.messages import TandemError
+
+    print(f"\n$ tandem generate --server {address} {prompt!r} --max-tokens {max_tokens}", flush=True)
+    try:
+        with TandemClient(address) as client:
+            sys.stdout.write(prompt)
+            _print_streaming(client.generate(prompt, max_tokens=max_tokens), sys.stdout)
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
 
 
 def _report_failure(reason: str, service: Service) -> None:

@@ -315,7 +315,8 @@ def test_tandem_up_generate_and_ctrl_c(tmp_path):
     port, executor_port = free_port(), free_port()
     up = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "up", "--port", str(port), "--executor-port", str(executor_port)]
-        + ["--metrics-port", "0", "--executor-metrics-port", "0", "--log-dir", str(tmp_path)],
+        + ["--metrics-port", "0", "--executor-metrics-port", "0", "--log-dir", str(tmp_path)]
+        + ["--prompt", "The list type", "--max-tokens", "24"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -324,12 +325,15 @@ def test_tandem_up_generate_and_ctrl_c(tmp_path):
     )
     lines: list[str] = []
     ready = threading.Event()
+    demo = threading.Event()
 
     def read():
         for line in up.stdout:
             lines.append(line)
             if line.startswith("Ctrl-C stops both"):
                 ready.set()
+            if ready.is_set() and line.startswith("The list type"):
+                demo.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -339,6 +343,10 @@ def test_tandem_up_generate_and_ctrl_c(tmp_path):
         assert f"127.0.0.1:{port}" in output and f"tandem generate --server 127.0.0.1:{port}" in output
         pids = [int(p) for p in re.findall(r"pid (\d+)", output)]
         assert len(pids) == 2
+        # --prompt: one generation streamed by `tandem up` itself, continuing the prompt.
+        assert demo.wait(60), "".join(lines)
+        streamed = next(line for line in lines if line.startswith("The list type"))
+        assert re.search(r"The list type\S* [a-z]+ [a-z]+", streamed), streamed
 
         gen = subprocess.run(
             [sys.executable, "-m", "client.cli", "generate", "--server", f"127.0.0.1:{port}", "The list type"]
