@@ -41,10 +41,10 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     ):
         if not math.isfinite(getattr(msg, name)):
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)}")
-    if msg.max_tokens < 0:
-        raise InvalidRequestError(f"max_tokens must be >= 0 (0: up to max_model_len), got {msg.max_tokens}")
+    if msg.HasField("max_tokens") and msg.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be >= 1 (unset: up to max_model_len), got {msg.max_tokens}")
     return SamplingParams(
-        max_tokens=msg.max_tokens or None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         temperature=msg.temperature,
         top_k=msg.top_k,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
