@@ -209,7 +209,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         prog="tandem", description="LLM serving: a CPU scheduler and a GPU executor"
     )
     parser.add_argument(
-        "--log-level", default=env("LOG_LEVEL", "WARNING"), help="logging level (env TANDEM_LOG_LEVEL)"
+        "--log-level",
+        default=env("LOG_LEVEL"),
+        help="logging level (default INFO for the services, WARNING otherwise; env TANDEM_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(sub)
@@ -222,10 +224,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    level = args.log_level or ("INFO" if args.command in SERVICE_VERBS else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
+
+
+def service_main(verb: str) -> int:
+    """`python -m executor_service [executor] [flags]` and its scheduler twin: `tandem VERB [flags]`."""
+    argv = sys.argv[1:]
+    if argv[:1] == [verb]:
+        argv = argv[1:]
+    log_level = []
+    if argv[:1] == ["--log-level"]:
+        log_level, argv = argv[:2], argv[2:]
+    return main([*log_level, verb, *argv])
 
 
 if __name__ == "__main__":

@@ -524,9 +524,9 @@ def test_cli_flags_have_env_twins(monkeypatch):
 
 
 def test_cli_rejects_bad_configuration(capsys):
-    from executor_service.__main__ import main
+    from client.cli import main
 
-    assert main(["--model", str(ROOT / "no-such-model")]) == 2
+    assert main(["executor", "--model", str(ROOT / "no-such-model")]) == 2
     assert main(["executor", "--gpu-memory-utilization", "1.5"]) == 2
     err = capsys.readouterr().err
     assert "no-such-model" in err and "gpu_memory_utilization (1.5) must be in (0, 1]" in err
