@@ -14,6 +14,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-pydoc"
 _TRUE = {"1", "true", "yes", "on"}
+DEFAULT_TP_MASTER_PORT = 29500
 
 
 def _env(name: str, default: object = None) -> object:
@@ -123,6 +124,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "CPU) [TANDEM_ATTENTION_BACKEND]",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=_env("TENSOR_PARALLEL_SIZE", 1),
+        help="ranks behind this executor, one GPU each on CUDA (default 1) [TANDEM_TENSOR_PARALLEL_SIZE]",
+    )
+    p.add_argument(
+        "--tp-master-addr",
+        default=_env("TP_MASTER_ADDR", "127.0.0.1"),
+        help="rendezvous address of the tensor-parallel ranks (default 127.0.0.1) [TANDEM_TP_MASTER_ADDR]",
+    )
+    p.add_argument(
+        "--tp-master-port",
+        type=int,
+        default=_env("TP_MASTER_PORT", DEFAULT_TP_MASTER_PORT),
+        help=f"rendezvous port of the tensor-parallel ranks (default {DEFAULT_TP_MASTER_PORT}) "
+        "[TANDEM_TP_MASTER_PORT]",
+    )
+    p.add_argument(
         "--grace",
         type=float,
         default=_env("EXECUTOR_GRACE", GRACE_SECONDS),
@@ -151,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
+            tp_master_addr=args.tp_master_addr,
+            tp_master_port=args.tp_master_port,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

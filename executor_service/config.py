@@ -9,6 +9,7 @@ import torch
 
 from executor_service.attention import BACKENDS
 from executor_service.loader import ModelConfig, load_model_config
+from executor_service.parallel import check_tp_layout, rank_device
 
 DTYPES = {
     "float32": torch.float32,
@@ -38,6 +39,11 @@ class ExecutorConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
+    # Ranks behind this executor (one GPU each on CUDA); rank 0 spawns the others.
+    tensor_parallel_size: int = 1
+    # Rendezvous of the tensor-parallel ranks (torch.distributed TCP init).
+    tp_master_addr: str = "127.0.0.1"
+    tp_master_port: int = 29500
     # Resolved at construction.
     model_config: ModelConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -78,12 +84,31 @@ class ExecutorConfig:
                 "the model's max_position_embeddings"
             )
         self._check_backend()
+        self._check_tensor_parallel()
 
     def _check_device(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device {self.device!r} must be 'cpu' or 'cuda'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for but torch sees no CUDA device")
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp <= 0:
+            raise ValueError(f"tensor_parallel_size ({tp}) must be positive")
+        if not 0 < self.tp_master_port < 65536:
+            raise ValueError(f"tp_master_port ({self.tp_master_port}) must be in [1, 65535]")
+        if tp == 1:
+            return
+        mc = self.model_config
+        check_tp_layout(mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size, tp)
+        if self.device.startswith("cuda"):
+            last = rank_device(self.device, tp - 1)
+            if int(last.partition(":")[2]) >= torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size {tp} on {self.device} needs {last}, but torch sees "
+                    f"{torch.cuda.device_count()} CUDA devices"
+                )
 
     def _check_backend(self) -> None:
         if self.attention_backend == "auto":

@@ -101,17 +101,40 @@ def checkpoint_tensor_files(model_dir: str | Path) -> dict[str, Path]:
     return names
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+class CheckpointSlice:
+    """A checkpoint tensor not read yet (safetensors `get_slice`): `narrow` reads only the part
+    asked for, so a tensor-parallel rank never reads the whole model; `read()` reads it all."""
+
+    def __init__(self, lazy) -> None:
+        self._lazy = lazy
+        self.shape = torch.Size(lazy.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._lazy[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def read(self) -> torch.Tensor:
+        return self._lazy[:] if self.shape else self.narrow(0, 0, 0).reshape(())
+
+
+def read_tensor(loaded: torch.Tensor | CheckpointSlice) -> torch.Tensor:
+    return loaded.read() if isinstance(loaded, CheckpointSlice) else loaded
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor | CheckpointSlice) -> None:
     if param.shape != loaded_weight.shape:
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}"
         )
-    param.data.copy_(loaded_weight)
+    param.data.copy_(read_tensor(loaded_weight))
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, skip: frozenset[str] = frozenset()) -> None:
     """Copy checkpoint tensors into `model`; q/k/v and gate/up go into their packed parameters
-    through `model.packed_modules_mapping` and each parameter's `weight_loader`."""
+    through `model.packed_modules_mapping` and each parameter's `weight_loader`, which reads
+    the part of each tensor its rank holds."""
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
     files = checkpoint_tensor_files(model_dir)
@@ -127,7 +150,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: frozenset[str] =
                     # Older checkpoints store the rotary buffer; it is recomputed from rope_theta.
                     if name in skip or name.endswith("rotary_emb.inv_freq"):
                         continue
-                    tensor = f.get_tensor(name)
+                    tensor = CheckpointSlice(f.get_slice(name))
                     for shard_name, (packed_name, shard_id) in packed.items():
                         if f".{shard_name}." in name:
                             target = name.replace(f".{shard_name}.", f".{packed_name}.")

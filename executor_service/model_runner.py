@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from executor_service import parallel
 from executor_service.attention import get_backend
 from executor_service.block_tables import BlockTables
 from executor_service.config import ExecutorConfig
@@ -62,21 +63,37 @@ class RunOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: ExecutorConfig) -> None:
+    """One tensor-parallel rank's model and KV cache (the only one with tensor_parallel_size 1).
+    Only rank 0 (the driver) builds sampling metadata and samples."""
+
+    def __init__(self, config: ExecutorConfig, tp_rank: int = 0) -> None:
         self.config = config
         mc = config.model_config
-        self.device = torch.device(config.device)
+        self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
+        self.is_driver = tp_rank == 0
+        self.device = torch.device(parallel.rank_device(config.device, tp_rank))
         self.block_size = config.block_size
         self.vocab_size = mc.vocab_size
+        self.num_kv_heads = parallel.num_kv_heads_per_rank(mc.num_key_value_heads, self.tp_size)
+        if self.tp_size > mc.num_key_value_heads and self.is_driver:
+            logger.warning(
+                "tensor parallel size %d exceeds the model's %d KV heads: each rank holds the KV "
+                "head its query heads use, each KV head replicated on %d ranks",
+                self.tp_size,
+                mc.num_key_value_heads,
+                self.tp_size // mc.num_key_value_heads,
+            )
         names = checkpoint_tensor_files(config.model)
         tied = mc.tie_word_embeddings or "lm_head.weight" not in names
         with _default_dtype(config.torch_dtype), torch.device(self.device):
-            self.model = get_model_class(mc.architecture)(mc, tie_word_embeddings=tied)
+            self.model = get_model_class(mc.architecture)(
+                mc, tie_word_embeddings=tied, tp_rank=tp_rank, tp_size=self.tp_size
+            )
         load_weights(self.model, config.model, skip=frozenset({"lm_head.weight"}) if tied else frozenset())
         self.model.eval()
 
         bytes_per_block = block_bytes(
-            mc.num_hidden_layers, self.block_size, mc.num_key_value_heads, mc.head_dim, config.torch_dtype
+            mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, config.torch_dtype
         )
         backend = get_backend(config.attention_backend)
         for module in self.model.modules():
@@ -93,6 +110,8 @@ class ModelRunner:
             num_blocks = self._num_blocks_from_free_memory(bytes_per_block)
         else:
             num_blocks = num_blocks_for_bytes(config.kv_cache_gb * 2**30, bytes_per_block)
+        if self.tp_size > 1:  # the scheduler sees one block count: every rank must hold it
+            num_blocks = parallel.min_over_ranks(num_blocks, self.device)
         if num_blocks * self.block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of "
@@ -103,14 +122,16 @@ class ModelRunner:
             mc.num_hidden_layers,
             num_blocks,
             self.block_size,
-            mc.num_key_value_heads,
+            self.num_kv_heads,
             mc.head_dim,
             config.torch_dtype,
             self.device,
         )
         self.kv_cache.bind(self.model)
         logger.info(
-            "loaded %s (%s, %s, %s attention) with %d KV blocks of %d tokens (%.2f GiB)",
+            "rank %d/%d: loaded %s (%s, %s, %s attention) with %d KV blocks of %d tokens (%.2f GiB)",
+            tp_rank,
+            self.tp_size,
             config.model,
             mc.architecture,
             config.dtype,
@@ -168,7 +189,7 @@ class ModelRunner:
             mc.num_hidden_layers,
             num_seqs * blocks_per_seq,
             self.block_size,
-            mc.num_key_value_heads,
+            self.num_kv_heads,
             mc.head_dim,
             config.torch_dtype,
             self.device,
@@ -189,6 +210,8 @@ class ModelRunner:
             for module in self.model.modules():
                 if isinstance(module, Attention):
                     module.k_cache = module.v_cache = torch.tensor([])
+        if not self.is_driver:
+            return
         logits = torch.zeros(config.max_num_seqs, mc.vocab_size, dtype=config.torch_dtype, device=self.device)
         params = [StepSamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * config.max_num_seqs
         states = [SequenceState(i, [0], [], 0, p, 1) for i, p in enumerate(params)]
@@ -272,7 +295,7 @@ class ModelRunner:
             logits_indices=logits_indices_d,
             sampling_seqs=sampling_seqs,
             sampling=SamplingMetadata.build(sampling_seqs, self.vocab_size, self.device)
-            if sampling_seqs
+            if sampling_seqs and self.is_driver
             else None,
             decode_only=num_tokens == num_seqs,
         )
@@ -284,8 +307,9 @@ class ModelRunner:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute_model(self, batch: PreparedBatch, all_logits: bool = False) -> torch.Tensor:
-        """Logits [num_sampling_seqs, vocab] (or [num_tokens, vocab] with all_logits, for tests)."""
+    def execute_model(self, batch: PreparedBatch, all_logits: bool = False) -> torch.Tensor | None:
+        """Logits [num_sampling_seqs, vocab] (or [num_tokens, vocab] with all_logits, for tests);
+        None on ranks other than 0, and with tensor parallelism when no row samples."""
         if batch.decode_only and self.graphs is not None and self.graphs.can_run(len(batch.input_ids)):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.context)
             self.num_graph_steps += 1
@@ -298,6 +322,8 @@ class ModelRunner:
             self.num_eager_steps += 1
         if not all_logits:
             hidden = hidden[batch.logits_indices]
+        if self.tp_size > 1 and hidden.shape[0] == 0:
+            return None  # nothing to gather: every rank knows it from the plan
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

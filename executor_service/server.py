@@ -36,6 +36,8 @@ DEFAULT_METRICS_PORT = 9102
 # A 256-sequence plan with new 8k-token prompts is ~8 MB; 64 MiB leaves room and fails loudly beyond.
 MAX_MESSAGE_BYTES = 64 * 2**20
 GRACE_SECONDS = 5.0
+# How often the server checks that its tensor-parallel ranks are alive.
+RANK_POLL_SECONDS = 0.2
 # After the running step has finished, how long its result may take to reach the scheduler
 # before idle streams are cancelled.
 FLUSH_SECONDS = 0.5
@@ -197,14 +199,21 @@ def serve(
     metrics_http = start_metrics_server(server.metrics, host, metrics_port) if metrics_port else None
     server.start()
     exit_code = 0
+    executor = None
     try:
         if delay := float(os.environ.get(LOAD_DELAY_ENV, "0")):
             stop.wait(delay)
         if not stop.is_set():
-            server.set_executor(server.servicer.run_on_worker(LocalExecutor, config))
-        while not stop.wait(1.0):
-            pass
-        logger.info("signal received, shutting down")
+            executor = server.servicer.run_on_worker(LocalExecutor, config)
+            server.set_executor(executor)
+        while not stop.wait(RANK_POLL_SECONDS):
+            if failed := executor.failed_ranks():
+                # A rank is gone: the group cannot step any more. NOT_SERVING, then exit non-zero.
+                logger.error("tensor-parallel rank(s) died (rank, exit code): %s; shutting down", failed)
+                exit_code = 1
+                break
+        else:
+            logger.info("signal received, shutting down")
     except Exception:
         logger.exception("the executor failed to load %s", config.model)
         exit_code = 1
@@ -212,4 +221,19 @@ def serve(
         server.stop(grace)
         if metrics_http is not None:
             metrics_http.shutdown()
+        if executor is not None:
+            _close(server, executor, exit_code)
     return exit_code
+
+
+def _close(server: ExecutorServer, executor: LocalExecutor, exit_code: int) -> None:
+    """Stop the other tensor-parallel ranks. After a failure the executor thread may still wait
+    in a collective: leave it (the ranks are killed) rather than wait for it."""
+    if exit_code:
+        if executor.workers is not None:
+            executor.workers.kill()
+        return
+    try:
+        server.servicer.run_on_worker(executor.close)
+    except Exception:
+        logger.exception("closing the tensor-parallel ranks failed")

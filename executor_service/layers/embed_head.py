@@ -1,10 +1,14 @@
-"""Token embedding and LM head, laid out for vocab parallelism (tp_size 1 for now)."""
+"""Token embedding and LM head split over the vocabulary: rank r holds rows
+[r * shard_size, (r + 1) * shard_size), the last shard padded with zero rows."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from executor_service.loader import CheckpointSlice
+from executor_service.parallel import all_reduce, gather_to_rank0
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -18,12 +22,12 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = loaded.narrow(0, self.vocab_start, min(self.shard_size, self.vocab_size - self.vocab_start))
-        if shard.shape[1:] != param.shape[1:]:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | CheckpointSlice) -> None:
+        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
             raise ValueError(
                 f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
             )
+        shard = loaded.narrow(0, self.vocab_start, min(self.shard_size, self.vocab_size - self.vocab_start))
         param.data[: shard.shape[0]].copy_(shard)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -32,11 +36,14 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         in_shard = (local >= 0) & (local < self.shard_size)
         out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
-        return out * in_shard.unsqueeze(-1)  # the all-reduce over ranks would follow
+        return all_reduce(out * in_shard.unsqueeze(-1))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states: [num_sampling_tokens, hidden] -> logits [num_sampling_tokens, vocab_size]."""
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """hidden_states: [num_sampling_tokens, hidden] -> logits [num_sampling_tokens, vocab_size]
+        on rank 0 (the shards gathered there for sampling), None on the other ranks."""
         logits = F.linear(hidden_states, self.weight)
-        return logits[:, : self.vocab_size] if self.tp_size == 1 else logits  # gather would follow
+        if self.tp_size > 1:
+            logits = gather_to_rank0(logits, self.tp_rank, self.tp_size)
+        return logits[:, : self.vocab_size] if logits is not None else None

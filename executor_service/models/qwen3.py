@@ -14,20 +14,30 @@ from executor_service.layers.linear import MergedColumnParallelLinear, QKVParall
 from executor_service.layers.norm import RMSNorm
 from executor_service.layers.rotary import RotaryEmbedding
 from executor_service.loader import ModelConfig
+from executor_service.parallel import num_kv_heads_per_rank
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # This rank's heads.
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = num_kv_heads_per_rank(config.num_key_value_heads, tp_size)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
         )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, False, tp_rank, tp_size
+        )
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -46,11 +56,13 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=False)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], False, tp_rank, tp_size
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp_rank, tp_size)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,10 +70,10 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = Qwen3Attention(config, tp_rank, tp_size)
+        self.mlp = Qwen3MLP(config, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -79,10 +91,12 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.layers = nn.ModuleList(
+            [Qwen3DecoderLayer(config, tp_rank, tp_size) for _ in range(config.num_hidden_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -104,10 +118,12 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, tie_word_embeddings: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, tie_word_embeddings: bool, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         super().__init__()
-        self.model = Qwen3Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = Qwen3Model(config, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         if tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -115,6 +131,7 @@ class Qwen3ForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states of the sampling tokens only: [n, hidden] -> [n, vocab_size]."""
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """hidden_states of the sampling tokens only: [n, hidden] -> [n, vocab_size] on rank 0,
+        None on the other ranks."""
         return self.lm_head(hidden_states)

@@ -1,0 +1,146 @@
+"""Tensor-parallel ranks 1..N-1: spawned by rank 0, each loads its shard of the weights and
+loops receiving plans. A rank keeps its own per-sequence state (the same as rank 0's), runs the
+forward and joins the collectives; it never samples. It exits when rank 0 says so, when rank 0
+dies (parent-death watchdog) or when a collective fails."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from executor_service import parallel
+from executor_service.config import ExecutorConfig
+
+logger = logging.getLogger(__name__)
+
+JOIN_SECONDS = 10.0
+WATCHDOG_SECONDS = 0.5
+
+
+class WorkerProcesses:
+    """Rank 0's handle on ranks 1..N-1: `python -m executor_service.tp_worker` subprocesses
+    (not multiprocessing's spawn, which would re-run the user's main module), each given its
+    arguments pickled on stdin. They exit by their watchdog if rank 0 dies."""
+
+    def __init__(self, config: ExecutorConfig) -> None:
+        root = str(Path(__file__).resolve().parents[1])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        self.procs: dict[int, subprocess.Popen] = {}
+        for rank in range(1, config.tensor_parallel_size):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "executor_service.tp_worker"], stdin=subprocess.PIPE, env=env
+            )
+            args = (
+                config,
+                rank,
+                os.getpid(),
+                torch.get_num_threads(),
+                logging.getLogger().getEffectiveLevel(),
+            )
+            proc.stdin.write(pickle.dumps(args))
+            proc.stdin.close()
+            self.procs[rank] = proc
+        logger.info(
+            "tensor parallel size %d: started ranks %s (pids %s)",
+            config.tensor_parallel_size,
+            list(self.procs),
+            self.pids,
+        )
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+    def failed(self) -> list[tuple[int, int | None]]:
+        """(rank, exit code) of the ranks that have exited."""
+        return [(rank, p.returncode) for rank, p in self.procs.items() if p.poll() is not None]
+
+    def join(self, timeout: float = JOIN_SECONDS) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit as soon as rank 0 is gone (reparented), even while blocked in a collective."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(WATCHDOG_SECONDS)
+        logger.error("rank 0 (pid %d) is gone: exiting", parent_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def worker_main(
+    config: ExecutorConfig, tp_rank: int, parent_pid: int, num_threads: int, log_level: int
+) -> None:
+    _exit_with_parent(parent_pid)
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s rank{tp_rank} %(name)s: %(message)s"
+    )
+    torch.set_num_threads(num_threads)
+    try:
+        _serve_plans(config, tp_rank)
+    except Exception:
+        logger.exception("rank %d failed", tp_rank)
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _serve_plans(config: ExecutorConfig, tp_rank: int) -> None:
+    # Imported here: executor.py imports this module.
+    from executor_service.executor import advance, append_tokens, apply_plan, drop_all
+    from executor_service.model_runner import ModelRunner
+
+    device = parallel.rank_device(config.device, tp_rank)
+    group = parallel.init_group(
+        device, config.tp_master_addr, config.tp_master_port, tp_rank, config.tensor_parallel_size
+    )
+    runner = ModelRunner(config, tp_rank=tp_rank)
+    seqs = {}
+    sampling_seqs = []  # the last step's; rank 0's tokens for them come with the next message
+    while True:
+        message = parallel.receive_message(group)
+        append_tokens(sampling_seqs, message.sampled_token_ids)
+        sampling_seqs = []
+        if message.kind == "close":
+            break
+        if message.kind == "reset":
+            drop_all(runner, seqs)
+            continue
+        plan = message.plan
+        batch = apply_plan(runner, seqs, plan)
+        if batch:
+            prepared, _ = runner.run(batch, plan.num_scheduled_tokens, message.all_logits)
+            advance(batch, plan.num_scheduled_tokens, [], [])
+            sampling_seqs = prepared.sampling_seqs
+    logger.info("rank %d: closing", tp_rank)
+    parallel.destroy_group()
+
+
+if __name__ == "__main__":
+    worker_main(*pickle.load(sys.stdin.buffer))
