@@ -1,0 +1,225 @@
+"""Tensor parallelism on the CPU (gloo): the executor service with --tensor-parallel-size 2 as a
+real process, driven by the scheduler's engine through RemoteExecutor, against TP=1 in-process;
+a dead rank takes the whole group down. GPU variants at the end (they need 2 GPUs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from checkpoints import build_qwen3
+from executor_fixtures import prompt_ids
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_executor_service import ROOT, ExecutorProcess, free_port, stop, wait_ready
+
+from executor_service.config import ExecutorConfig
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.engine import LLMEngine
+from scheduler_service.executor_client import RemoteExecutor
+from scheduler_service.llm import LLM
+from scheduler_service.sampling_params import SamplingParams
+
+# A small token budget: the 61-token prompts are prefilled in chunks.
+OPTIONS = dict(block_size=4, num_kv_blocks=96, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=24)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def qwen3_kv1(tmp_path_factory):
+    """One KV head for 4 query heads: with 2 ranks the KV head is replicated."""
+    return build_qwen3(
+        tmp_path_factory.mktemp("qwen3_kv1"), num_key_value_heads=1, seed=3, with_tokenizer=False
+    )
+
+
+def start_tp_executor(model: Path, log: Path, tp: int = 2) -> ExecutorProcess:
+    port, tp_port = free_port(), free_port()
+    args = [sys.executable, "-m", "executor_service", "--model", str(model), "--port", str(port)]
+    args += ["--metrics-port", "0", "--tensor-parallel-size", str(tp), "--tp-master-port", str(tp_port)]
+    for name, value in OPTIONS.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with log.open("w") as f:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return ExecutorProcess(proc, f"127.0.0.1:{port}", "", log)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def requests() -> list[list[tuple[list[int], SamplingParams]]]:
+    """Two waves of greedy requests; the second shares prefixes with the first (cache hits)."""
+    first = [prompt_ids(n, seed=n) for n in (3, 9, 30, 61)]
+    second = [first[2][:20] + prompt_ids(5, 1), first[3] + prompt_ids(7, 2), first[1][:8], [7]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    return [[(p, params) for p in first], [(p, params) for p in second]]
+
+
+def generate(executor) -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine(executor, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24))
+    tokens: dict[int, list[int]] = {}
+    for wave in requests():
+        for prompt, params in wave:
+            engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None, out.error
+                if out.finished:
+                    tokens[out.request_id] = out.token_ids
+    return [tokens[k] for k in sorted(tokens)], engine
+
+
+def tp1_tokens(model: Path) -> list[list[int]]:
+    llm = LLM(str(model), **OPTIONS)
+    return generate(llm.executor)[0]
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_tied", "qwen3_untied", "qwen3_kv1"])
+def test_tp2_service_greedy_identical_to_tp1(checkpoint, request, tmp_path):
+    model = request.getfixturevalue(checkpoint)
+    ep = start_tp_executor(model, tmp_path / "executor.log")
+    try:
+        expected = tp1_tokens(model)
+        wait_ready(ep)
+        with RemoteExecutor(ep.address) as remote:
+            info = remote.describe()
+            assert info.tensor_parallel_size == 2 and info.num_kv_blocks == OPTIONS["num_kv_blocks"]
+            got, engine = generate(remote)
+        assert got == expected
+        assert engine.scheduler.stats.num_chunked_prefills > 0
+        assert engine.scheduler.stats.num_prefix_hit_tokens > 0
+        assert stop(ep) == 0, ep.output()
+    finally:
+        stop(ep)
+    assert ("replicated on 2 ranks" in ep.output()) == (checkpoint == "qwen3_kv1")
+
+
+def test_killing_rank1_takes_the_executor_down_without_orphans(qwen3_tied, tmp_path):
+    ep = start_tp_executor(qwen3_tied, tmp_path / "executor.log")
+    try:
+        wait_ready(ep)
+        children = descendants(ep.proc.pid)
+        assert len(children) == 1, ep.output()
+        with grpc.insecure_channel(ep.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            assert next(watch).status == SERVING
+            os.kill(children[0], signal.SIGKILL)
+            assert next(watch).status == NOT_SERVING
+        assert ep.proc.wait(30) == 1
+    finally:
+        stop(ep)
+    assert "rank(s) died" in ep.output()
+    assert not [pid for pid in children if alive(pid)]
+
+
+def test_killing_rank0_ends_the_other_ranks(qwen3_tied, tmp_path):
+    ep = start_tp_executor(qwen3_tied, tmp_path / "executor.log")
+    try:
+        wait_ready(ep)
+        children = descendants(ep.proc.pid)
+        ep.proc.kill()
+        ep.proc.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in children if alive(pid)], ep.output()
+    finally:
+        stop(ep)
+
+
+def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1):
+    expected = tp1_tokens(qwen3_kv1)
+    llm = LLM(str(qwen3_kv1), tensor_parallel_size=2, tp_master_port=free_port(), **OPTIONS)
+    try:
+        assert generate(llm.executor)[0] == expected
+        llm.executor.reset()
+        assert generate(llm.executor)[0] == expected
+    finally:
+        pids = llm.executor.workers.pids
+        llm.executor.close()
+    assert not [pid for pid in pids if alive(pid)]
+
+
+def test_config_rejects_layouts_that_do_not_split(qwen3_tied):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must divide num_attention_heads \(4\)"):
+        ExecutorConfig(model=str(qwen3_tied), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="must be positive"):
+        ExecutorConfig(model=str(qwen3_tied), tensor_parallel_size=0)
+
+
+def test_cli_tensor_parallel_flags_have_env_twins(monkeypatch):
+    import argparse
+
+    from executor_service import cli
+
+    monkeypatch.setenv("TANDEM_TENSOR_PARALLEL_SIZE", "2")
+    monkeypatch.setenv("TANDEM_TP_MASTER_PORT", "29123")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.tensor_parallel_size, args.tp_master_port, args.tp_master_addr) == (2, 29123, "127.0.0.1")
+    assert parser.parse_args(["--tensor-parallel-size", "4"]).tensor_parallel_size == 4
+
+
+# -- GPU (2 GPUs) ----------------------------------------------------------------------------
+
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+def _greedy(model: Path, prompts: list[list[int]], max_tokens: int, **options) -> list[list[int]]:
+    llm = LLM(str(model), max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, **options)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.executor.close()
+        del llm
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_2_gpus
+def test_gpu_tp2_fp32_greedy_identical_to_tp1(qwen3_untied):
+    prompts = [prompt_ids(n, seed=n) for n in (5, 17, 64)]
+    options = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    expected = _greedy(qwen3_untied, prompts, 48, **options)
+    got = _greedy(qwen3_untied, prompts, 48, tensor_parallel_size=2, tp_master_port=free_port(), **options)
+    assert got == expected
+
+
+@pytest.mark.gpu
+@needs_2_gpus
+def test_gpu_tp2_bf16_first_32_tokens_match_tp1(qwen3_tied):
+    prompts = [prompt_ids(n, seed=n) for n in (5, 17, 64)]
+    options = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    expected = _greedy(qwen3_tied, prompts, 32, **options)
+    got = _greedy(qwen3_tied, prompts, 32, tensor_parallel_size=2, tp_master_port=free_port(), **options)
+    assert got == expected
