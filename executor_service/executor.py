@@ -31,13 +31,12 @@ class LocalExecutor:
         self.config = config
         self.tp_size = config.tensor_parallel_size
         self.workers: WorkerProcesses | None = None
-        self._plan_group = None
         # Tokens sampled by the last step, sent to ranks 1..N-1 with the next message.
         self._unsent_token_ids: list[int] = []
         if self.tp_size > 1:
             self.workers = WorkerProcesses(config)
             try:
-                self._plan_group = parallel.init_group(
+                parallel.init_group(
                     config.device, config.tp_master_addr, config.tp_master_port, 0, self.tp_size
                 )
                 self.runner = ModelRunner(config, tp_rank=0)
@@ -110,7 +109,7 @@ class LocalExecutor:
 
     def _broadcast(self, message: parallel.TPMessage) -> None:
         message.sampled_token_ids, self._unsent_token_ids = self._unsent_token_ids, []
-        parallel.broadcast_message(message, self._plan_group)
+        self.workers.send(message)
 
     def _step(self, plan: StepPlan, all_logits: bool) -> tuple[StepResult, torch.Tensor | None]:
         validate_plan(plan, self.seqs, self.limits)

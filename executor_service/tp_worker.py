@@ -1,7 +1,8 @@
-"""Tensor-parallel ranks 1..N-1: spawned by rank 0, each loads its shard of the weights and
-loops receiving plans. A rank keeps its own per-sequence state (the same as rank 0's), runs the
-forward and joins the collectives; it never samples. It exits when rank 0 says so, when rank 0
-dies (parent-death watchdog) or when a collective fails."""
+"""Tensor-parallel ranks 1..N-1: started by rank 0, each loads its shard of the weights and
+loops reading plans from its stdin. A rank keeps its own per-sequence state (the same as rank
+0's), runs the forward and joins the collectives; it never samples. It exits when rank 0 says
+so, when its stdin reaches EOF or rank 0 is gone (parent-death watchdog, for a rank blocked in
+a collective), or when a collective fails."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -28,8 +30,8 @@ WATCHDOG_SECONDS = 0.5
 
 class WorkerProcesses:
     """Rank 0's handle on ranks 1..N-1: `python -m executor_service.tp_worker` subprocesses
-    (not multiprocessing's spawn, which would re-run the user's main module), each given its
-    arguments pickled on stdin. They exit by their watchdog if rank 0 dies."""
+    (not multiprocessing's spawn, which would re-run the user's main module). Each one's stdin
+    carries its arguments, pickled, then the message of every step."""
 
     def __init__(self, config: ExecutorConfig) -> None:
         root = str(Path(__file__).resolve().parents[1])
@@ -50,7 +52,7 @@ class WorkerProcesses:
                 logging.getLogger().getEffectiveLevel(),
             )
             proc.stdin.write(pickle.dumps(args))
-            proc.stdin.close()
+            proc.stdin.flush()
             self.procs[rank] = proc
         logger.info(
             "tensor parallel size %d: started ranks %s (pids %s)",
@@ -58,6 +60,13 @@ class WorkerProcesses:
             list(self.procs),
             self.pids,
         )
+
+    def send(self, message: parallel.TPMessage) -> None:
+        """The message to every rank (BrokenPipeError if one is gone)."""
+        data = parallel.encode_message(message)
+        for proc in self.procs.values():
+            proc.stdin.write(data)
+            proc.stdin.flush()
 
     @property
     def pids(self) -> list[int]:
@@ -68,6 +77,9 @@ class WorkerProcesses:
         return [(rank, p.returncode) for rank, p in self.procs.items() if p.poll() is not None]
 
     def join(self, timeout: float = JOIN_SECONDS) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -80,6 +92,8 @@ class WorkerProcesses:
                 proc.kill()
         for proc in self.procs.values():
             proc.wait()
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -95,7 +109,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(
-    config: ExecutorConfig, tp_rank: int, parent_pid: int, num_threads: int, log_level: int
+    config: ExecutorConfig, tp_rank: int, parent_pid: int, num_threads: int, log_level: int, plans: BinaryIO
 ) -> None:
     _exit_with_parent(parent_pid)
     logging.basicConfig(
@@ -103,7 +117,10 @@ def worker_main(
     )
     torch.set_num_threads(num_threads)
     try:
-        _serve_plans(config, tp_rank)
+        _serve_plans(config, tp_rank, plans)
+    except EOFError:
+        logger.error("rank %d: rank 0 is gone, exiting", tp_rank)
+        os._exit(1)
     except Exception:
         logger.exception("rank %d failed", tp_rank)
         sys.stderr.flush()
@@ -111,20 +128,20 @@ def worker_main(
     os._exit(0)
 
 
-def _serve_plans(config: ExecutorConfig, tp_rank: int) -> None:
+def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
     # Imported here: executor.py imports this module.
     from executor_service.executor import advance, append_tokens, apply_plan, drop_all
     from executor_service.model_runner import ModelRunner
 
     device = parallel.rank_device(config.device, tp_rank)
-    group = parallel.init_group(
+    parallel.init_group(
         device, config.tp_master_addr, config.tp_master_port, tp_rank, config.tensor_parallel_size
     )
     runner = ModelRunner(config, tp_rank=tp_rank)
     seqs = {}
     sampling_seqs = []  # the last step's; rank 0's tokens for them come with the next message
     while True:
-        message = parallel.receive_message(group)
+        message = parallel.read_message(plans)
         append_tokens(sampling_seqs, message.sampled_token_ids)
         sampling_seqs = []
         if message.kind == "close":
@@ -143,4 +160,4 @@ def _serve_plans(config: ExecutorConfig, tp_rank: int) -> None:
 
 
 if __name__ == "__main__":
-    worker_main(*pickle.load(sys.stdin.buffer))
+    worker_main(*pickle.load(sys.stdin.buffer), plans=sys.stdin.buffer)
