@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.client import call_metadata
-from client.defaults import CHANNEL_OPTIONS, DEFAULT_SERVER
+from client.client import call_metadata, channel_credentials, channel_options
+from client.defaults import DEFAULT_SERVER
 from client.messages import (
     Chunk,
     Completion,
@@ -82,15 +83,28 @@ class AsyncGenerationStream:
 
 
 class AsyncTandemClient:
-    """A grpc.aio connection to the scheduler service; create it inside the running event loop."""
+    """A grpc.aio connection to the scheduler service; create it inside the running event loop.
+    The arguments are TandemClient's."""
 
     def __init__(
-        self, address: str = DEFAULT_SERVER, *, timeout: float | None = None, api_key: str | None = None
+        self,
+        address: str = DEFAULT_SERVER,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca: str | Path | bytes | None = None,
+        tls_server_name: str | None = None,
     ):
         self.address = address
         self.timeout = timeout
         self._metadata = call_metadata(api_key)
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        credentials = channel_credentials(tls, tls_ca)
+        options = channel_options(tls_server_name)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -79,6 +79,20 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--api-key", default=env("API_KEY"), help="sent as a bearer token (env TANDEM_API_KEY)"
     )
+    server.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect over TLS, trusting the system's CAs (env TANDEM_TLS=1)",
+        default=env("TLS", "") not in ("", "0"),
+    )
+    server.add_argument(
+        "--tls-ca", default=env("TLS_CA"), help="connect over TLS, trusting this CA (PEM; env TANDEM_TLS_CA)"
+    )
+    server.add_argument(
+        "--tls-server-name",
+        default=env("TLS_SERVER_NAME"),
+        help="name the server's certificate must carry (default: the host of --server)",
+    )
     local = p.add_argument_group("with --model (in-process)")
     local.add_argument(
         "--tokenizer", default=None, help="tokenizer.json or its directory (default: the model's)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,6 +35,24 @@ from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 
 def call_metadata(api_key: str | None) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {api_key}")] if api_key else None
+
+
+def channel_credentials(tls: bool, tls_ca: str | Path | bytes | None) -> grpc.ChannelCredentials | None:
+    """None for plaintext; TLS trusting `tls_ca` (PEM bytes or a file), else the system's CAs."""
+    if tls_ca is None and not tls:
+        return None
+    if tls_ca is not None and not isinstance(tls_ca, bytes):
+        try:
+            tls_ca = Path(tls_ca).read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read the CA certificate {tls_ca}: {e.strerror}") from None
+    return grpc.ssl_channel_credentials(root_certificates=tls_ca)
+
+
+def channel_options(tls_server_name: str | None) -> list[tuple[str, object]]:
+    if tls_server_name:
+        return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls_server_name)]
+    return list(CHANNEL_OPTIONS)
 
 
 class GenerationStream:
@@ -80,15 +99,29 @@ class GenerationStream:
 
 
 class TandemClient:
-    """A connection to the scheduler service. `timeout` (seconds) is every call's deadline."""
+    """A connection to the scheduler service. `timeout` (seconds) is every call's deadline;
+    `api_key` is sent as a bearer token; `tls_ca` (a PEM file or bytes) or `tls=True` (the
+    system's CAs) connect over TLS; `tls_server_name` overrides the name the certificate must carry."""
 
     def __init__(
-        self, address: str = DEFAULT_SERVER, *, timeout: float | None = None, api_key: str | None = None
+        self,
+        address: str = DEFAULT_SERVER,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca: str | Path | bytes | None = None,
+        tls_server_name: str | None = None,
     ):
         self.address = address
         self.timeout = timeout
         self._metadata = call_metadata(api_key)
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        credentials = channel_credentials(tls, tls_ca)
+        options = channel_options(tls_server_name)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

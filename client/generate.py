@@ -45,7 +45,19 @@ def _print_streaming(stream: GenerationStream, out) -> CompletionBuilder:
 def generate_remote(address: str, prompts: list, args: argparse.Namespace, sampling: dict) -> int:
     out = sys.stdout
     status = 0
-    with TandemClient(address, timeout=args.timeout, api_key=args.api_key) as client:
+    try:
+        client = TandemClient(
+            address,
+            timeout=args.timeout,
+            api_key=args.api_key,
+            tls=args.tls,
+            tls_ca=args.tls_ca,
+            tls_server_name=args.tls_server_name,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with client:
         # Start every request before reading any: the server batches them together.
         try:
             streams = [client.generate(p, **sampling) for p in prompts]

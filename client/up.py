@@ -277,7 +277,8 @@ def _demo(address: str, prompt: str, max_tokens: int) -> None:
 
     print(f"\n$ tandem generate --server {address} {prompt!r} --max-tokens {max_tokens}", flush=True)
     try:
-        with TandemClient(address) as client:
+        # The scheduler inherits TANDEM_API_KEY from this environment when it is set.
+        with TandemClient(address, api_key=env("API_KEY")) as client:
             sys.stdout.write(prompt)
             _print_streaming(client.generate(prompt, max_tokens=max_tokens), sys.stdout)
     except TandemError as e:

@@ -83,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="most waiting requests before RESOURCE_EXHAUSTED (default: no limit) [TANDEM_MAX_QUEUE]",
     )
     p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=_env("MAX_QUEUED_TOKENS"),
+        help="most prompt tokens waiting for their first output before RESOURCE_EXHAUSTED "
+        "(default: no limit) [TANDEM_MAX_QUEUED_TOKENS]",
+    )
+    p.add_argument(
         "--stream-interval",
         type=int,
         default=_env("STREAM_INTERVAL", 1),
@@ -95,10 +102,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "[TANDEM_TOKENIZER]",
     )
     p.add_argument(
+        "--shutdown-timeout",
         "--grace",
+        dest="shutdown_timeout",
         type=float,
-        default=_env("SCHEDULER_GRACE", 5.0),
-        help="seconds streams may take to finish on SIGTERM (default 5) [TANDEM_SCHEDULER_GRACE]",
+        default=_env("SHUTDOWN_TIMEOUT", _env("SCHEDULER_GRACE", 30.0)),
+        help="on SIGTERM, seconds the requests in flight may take to finish (default 30) "
+        "[TANDEM_SHUTDOWN_TIMEOUT]",
+    )
+    p.add_argument(
+        "--executor-recovery-timeout",
+        type=float,
+        default=_env("EXECUTOR_RECOVERY_TIMEOUT", 300.0),
+        help="seconds accepted requests wait for a lost executor to come back before failing "
+        "UNAVAILABLE (default 300) [TANDEM_EXECUTOR_RECOVERY_TIMEOUT]",
+    )
+    security = p.add_argument_group("security")
+    security.add_argument(
+        "--api-key",
+        default=_env("API_KEY"),
+        help="clients must send it as 'authorization: Bearer <key>' (health checks excepted); "
+        "prefer --api-key-file or the environment, which other users cannot read from the process "
+        "list [TANDEM_API_KEY]",
+    )
+    security.add_argument(
+        "--api-key-file",
+        default=_env("API_KEY_FILE"),
+        help="file of accepted API keys, one a line [TANDEM_API_KEY_FILE]",
+    )
+    security.add_argument(
+        "--tls-cert", default=_env("TLS_CERT"), help="serve TLS: certificate chain, PEM [TANDEM_TLS_CERT]"
+    )
+    security.add_argument("--tls-key", default=_env("TLS_KEY"), help="its private key, PEM [TANDEM_TLS_KEY]")
+    security.add_argument(
+        "--executor-tls-ca",
+        default=_env("EXECUTOR_TLS_CA"),
+        help="talk TLS to the executor, trusting this CA (PEM) [TANDEM_EXECUTOR_TLS_CA]",
+    )
+    security.add_argument(
+        "--executor-tls-cert",
+        default=_env("EXECUTOR_TLS_CERT"),
+        help="client certificate for mutual TLS with the executor, PEM [TANDEM_EXECUTOR_TLS_CERT]",
+    )
+    security.add_argument(
+        "--executor-tls-key",
+        default=_env("EXECUTOR_TLS_KEY"),
+        help="its private key, PEM [TANDEM_EXECUTOR_TLS_KEY]",
+    )
+    security.add_argument(
+        "--executor-tls-server-name",
+        default=_env("EXECUTOR_TLS_SERVER_NAME"),
+        help="name to expect in the executor's certificate (default: the host of --executor) "
+        "[TANDEM_EXECUTOR_TLS_SERVER_NAME]",
     )
     p.set_defaults(func=run)
 
@@ -126,32 +181,55 @@ def run(args: argparse.Namespace) -> int:
     from scheduler_service.async_engine import EngineOptions
     from scheduler_service.config import SchedulerConfig
     from scheduler_service.executor_client import RemoteExecutor
+    from scheduler_service.security import load_api_keys, server_credentials
     from scheduler_service.server import SchedulerServer, serve_until_signal
 
     try:
         if args.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
-        if args.max_queue is not None and args.max_queue < 0:
-            raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+        for flag, value in (("--max-queue", args.max_queue), ("--max-queued-tokens", args.max_queued_tokens)):
+            if value is not None and value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         )
+        options = EngineOptions(
+            config,
+            executor_address=args.executor,
+            max_queue=args.max_queue,
+            max_queued_tokens=args.max_queued_tokens,
+            recovery_timeout_s=args.executor_recovery_timeout if args.executor_recovery_timeout > 0 else None,
+        )
         tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
+        api_keys = load_api_keys(args.api_key, args.api_key_file)
+        tls = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
+        executor = RemoteExecutor(
+            args.executor,
+            tls_ca=args.executor_tls_ca,
+            tls_cert=args.executor_tls_cert,
+            tls_key=args.executor_tls_key,
+            tls_server_name=args.executor_tls_server_name,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    executor = RemoteExecutor(args.executor)
     server = SchedulerServer(
         executor,
-        EngineOptions(config, executor_address=args.executor, max_queue=args.max_queue),
+        options,
         tokenizer_for=tokenizer_resolver(tokenizer),
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port or None,
         stream_interval=args.stream_interval,
+        api_keys=api_keys,
+        tls_credentials=tls,
     )
     try:
-        asyncio.run(serve_until_signal(server, args.grace))
+        asyncio.run(serve_until_signal(server, args.shutdown_timeout))
     except (OSError, RuntimeError) as e:  # a port already in use
         print(f"error: {e}", file=sys.stderr)
         return 2

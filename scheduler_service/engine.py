@@ -11,7 +11,7 @@ from typing import Protocol
 
 from protos.plan import ExecutorInfo, StepPlan, StepResult
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.sampling_params import SamplingParams, verify_request
+from scheduler_service.sampling_params import InvalidRequestError, SamplingParams, verify_request
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import Sequence, SequenceStatus, TokenLogprob
 
@@ -65,11 +65,13 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, executor: Executor, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self, executor: Executor, config: SchedulerConfig | None = None, first_step_id: int = 1
+    ) -> None:
         self.executor = executor
         self.config = config if config is not None else SchedulerConfig()
         self.info = executor.describe()
-        self.scheduler = Scheduler(self.config, self.info)
+        self.scheduler = Scheduler(self.config, self.info, first_step_id)
         self.limits = self.scheduler.limits
         self._next_request_id = 0
         self._last_status = (time.monotonic(), 0, 0)
@@ -95,6 +97,20 @@ class LLMEngine:
             raise ValueError(f"request id {request_id} is already in use")
         self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params))
         return request_id
+
+    def adopt(self, seq: Sequence) -> None:
+        """Take over a sequence from an engine whose executor was lost: it is recomputed from its
+        prompt and the tokens it already generated. Raises InvalidRequestError when it no longer
+        fits this executor's limits."""
+        verify_request(
+            seq.prompt_token_ids, seq.sampling_params, self.limits.vocab_size, self.limits.max_model_len
+        )
+        if any(not 0 <= t < self.limits.vocab_size for t in seq.output_token_ids):
+            raise InvalidRequestError(
+                f"generated tokens fall outside the vocabulary ({self.limits.vocab_size})"
+            )
+        seq.reset_for_recompute()
+        self.scheduler.add(seq)
 
     def validate_request(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams) -> None:
         """The checks of add_request without admitting anything (to check a batch first)."""

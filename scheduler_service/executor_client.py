@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +40,16 @@ _UNAVAILABLE_CODES = (
 _CLOSE = None  # ends the request iterator
 
 
+def read_pem(source: str | Path | bytes) -> bytes:
+    """PEM bytes, given as bytes or as the path of a file that holds them."""
+    if isinstance(source, bytes):
+        return source
+    try:
+        return Path(source).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {source}: {e.strerror}") from None
+
+
 class ExecutorError(Exception):
     """The executor failed a call (base class of the errors below)."""
 
@@ -65,7 +76,12 @@ class _StepStream:
 
     def step(self, msg: pb.StepPlan) -> pb.StepResult:
         self._requests.put(msg)
-        return next(self._responses)
+        out = next(self._responses)
+        # Results come in plan order; one for an older step (a plan sent before a reset) is stale.
+        while out.step_id < msg.step_id:
+            logger.warning("discarding the result of old step %d (waiting for %d)", out.step_id, msg.step_id)
+            out = next(self._responses)
+        return out
 
     def close(self) -> None:
         self._requests.put(_CLOSE)
@@ -78,10 +94,36 @@ class RemoteExecutor:
     Calls are synchronous. Any error closes the Step stream; the next `step()` opens a new one.
     """
 
-    def __init__(self, address: str, *, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        connect_timeout: float = 10.0,
+        tls_ca: str | Path | bytes | None = None,
+        tls_cert: str | Path | bytes | None = None,
+        tls_key: str | Path | bytes | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        """`tls_ca` turns on TLS (the executor's certificate must be signed by that CA);
+        `tls_cert` / `tls_key` add this scheduler's client certificate (mutual TLS)."""
         self.address = address
         self.connect_timeout = connect_timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("the executor TLS client certificate and key go together: give both or neither")
+        if tls_ca is None and tls_cert is not None:
+            raise ValueError("a client certificate for the executor needs its CA too (--executor-tls-ca)")
+        if tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=read_pem(tls_ca),
+                private_key=read_pem(tls_key) if tls_key is not None else None,
+                certificate_chain=read_pem(tls_cert) if tls_cert is not None else None,
+            )
+            options = list(CHANNEL_OPTIONS)
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.ExecutorServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._stream: _StepStream | None = None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -27,6 +29,33 @@ _FINISH_REASONS = {
 # The client's own deadline timer fires first and cancels the call, a few ms before ours.
 DEADLINE_SLACK_S = 0.1
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start it with --tokenizer"
+# Limits that keep one request's stop-string matching cheap (the detokenizer checks every
+# stop string at every token).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+# Text prompts longer than this are tokenized off the event loop, so that health checks and
+# other streams are not held up.
+TOKENIZE_INLINE_CHARS = 8192
+# It is echoed in every response.
+MAX_REQUEST_ID_CHARS = 256
+
+
+class MalformedRequest:
+    """What the Generate deserializer returns for bytes that are no valid GenerateRequest."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def parse_generate_request(data: bytes) -> pb.GenerateRequest | MalformedRequest:
+    """The Generate request deserializer: a parse error becomes INVALID_ARGUMENT in the handler
+    (gRPC would answer INTERNAL for an exception raised here)."""
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return MalformedRequest(
+            f"the request is not a valid tandem.v1.GenerateRequest ({len(data)} bytes): {e}"
+        )
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -42,7 +71,9 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         if not math.isfinite(getattr(msg, name)):
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)}")
     if msg.HasField("max_tokens") and msg.max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be >= 1 (unset: up to max_model_len), got {msg.max_tokens}")
+        raise InvalidRequestError(
+            f"max_tokens must be >= 1 (unset: up to max_model_len), got {msg.max_tokens}"
+        )
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         temperature=msg.temperature,
@@ -83,7 +114,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.metrics.requests_failed.labels(code.name).inc()
         await context.abort(code, message)
 
-    def _admit(self, request: pb.GenerateRequest, request_id: str, arrival: float) -> RequestStream:
+    async def _admit(
+        self, request: pb.GenerateRequest, request_id: str, arrival: float, timeout: float | None
+    ) -> RequestStream:
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                f"request_id is {len(request.request_id)} characters long; at most {MAX_REQUEST_ID_CHARS}"
+            )
         params = sampling_params_from_proto(request.sampling_params)
         tokenizer = self.engine.tokenizer
         if params.stop and tokenizer is None:
@@ -91,18 +128,25 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if request.WhichOneof("prompt") == "text":
             if tokenizer is None and self.engine.engine is not None:
                 raise InvalidRequestError(NO_TOKENIZER)
-            prompt = tokenizer.encode(request.text) if tokenizer is not None else []
+            if tokenizer is None:
+                prompt = []
+            elif len(request.text) > TOKENIZE_INLINE_CHARS:
+                prompt = await asyncio.to_thread(tokenizer.encode, request.text)
+            else:
+                prompt = tokenizer.encode(request.text)
         else:
             prompt = list(request.token_ids.ids)
-        return self.engine.add_request(request_id, prompt, params, arrival)
+        return self.engine.add_request(request_id, prompt, params, arrival, timeout)
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.perf_counter()
+        if isinstance(request, MalformedRequest):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
-            stream = self._admit(request, request_id, arrival)
+            stream = await self._admit(request, request_id, arrival, context.time_remaining())
         except ExecutorUnavailable as e:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(e))
         except QueueFullError as e:

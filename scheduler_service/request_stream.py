@@ -39,6 +39,8 @@ class RequestStream:
         self.finished = False
         self.finish_reason: str | None = None
         self.failure: RequestFailure | None = None
+        # Prompt tokens counted in StreamTable.num_queued_tokens until the first output.
+        self.queued_tokens = num_prompt_tokens
         self.first_token_time: float | None = None
         self.last_token_time = 0.0
         self.event = asyncio.Event()
@@ -47,6 +49,12 @@ class RequestStream:
         ids, lps = self.token_ids, self.logprobs
         self.token_ids, self.logprobs = [], []
         return ids, lps
+
+    def fail(self, failure: RequestFailure) -> None:
+        self.finished = True
+        self.finish_reason = "abort"
+        self.failure = failure
+        self.event.set()
 
     async def wait(self, min_tokens: int) -> None:
         """Until min_tokens have accumulated, or the request finished or failed."""
@@ -61,15 +69,32 @@ class StreamTable:
     def __init__(self, metrics: SchedulerMetrics) -> None:
         self.metrics = metrics
         self._streams: dict[int, RequestStream] = {}
+        # Prompt tokens of live requests that have had no output yet (--max-queued-tokens).
+        self.num_queued_tokens = 0
 
     def __len__(self) -> int:
         return len(self._streams)
 
     def add(self, stream: RequestStream) -> None:
         self._streams[stream.engine_id] = stream
+        self.num_queued_tokens += stream.queued_tokens
 
     def remove(self, stream: RequestStream) -> None:
-        self._streams.pop(stream.engine_id, None)
+        if self._streams.pop(stream.engine_id, None) is not None:
+            self._dequeue(stream)
+
+    def drain(self) -> list[RequestStream]:
+        """Remove and return every live stream."""
+        streams = list(self._streams.values())
+        self._streams.clear()
+        self.num_queued_tokens = 0
+        for stream in streams:
+            stream.queued_tokens = 0
+        return streams
+
+    def _dequeue(self, stream: RequestStream) -> None:
+        self.num_queued_tokens -= stream.queued_tokens
+        stream.queued_tokens = 0
 
     def dispatch(
         self, outputs: Sequence[RequestOutput], failures: dict[int, RequestFailure] | None, now: float
@@ -82,6 +107,8 @@ class StreamTable:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue  # aborted while the step ran
+            if stream.queued_tokens:
+                self._dequeue(stream)
             new = out.new_token_ids
             if new:
                 if stream.first_token_time is None:
@@ -105,7 +132,5 @@ class StreamTable:
         for engine_id, failure in (failures or {}).items():
             stream = streams.pop(engine_id, None)
             if stream is not None:
-                stream.finished = True
-                stream.finish_reason = "abort"
-                stream.failure = failure
-                stream.event.set()
+                self._dequeue(stream)
+                stream.fail(failure)

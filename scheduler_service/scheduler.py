@@ -25,7 +25,7 @@ _RUNNING = SequenceStatus.RUNNING
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, info: ExecutorInfo) -> None:
+    def __init__(self, config: SchedulerConfig, info: ExecutorInfo, first_step_id: int = 1) -> None:
         self.config = config
         self.limits = limits = resolve_limits(config, info)
         self.block_manager = BlockManager(
@@ -36,7 +36,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
         self._arrivals = itertools.count()
-        self._next_step_id = 1
+        # Continues across executor reconnects, so that a late result of an old step is told apart.
+        self._next_step_id = first_step_id
         # Sequences the executor holds that finished since the last plan.
         self._finished_ids: list[int] = []
         # step id -> (how many sequences sample, the scheduled ones that do not).
@@ -88,6 +89,18 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_finished_to_send(self) -> bool:
+        """Finished sequences whose executor state the next plan still has to drop."""
+        return bool(self._finished_ids)
+
+    @property
+    def next_step_id(self) -> int:
+        return self._next_step_id
+
+    def unfinished(self) -> list[Sequence]:
+        """Every running and waiting sequence, in arrival order."""
+        return sorted(self.seqs.values(), key=lambda s: s.arrival)
 
     def _refresh_gauges(self) -> None:
         stats = self.stats

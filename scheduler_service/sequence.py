@@ -123,6 +123,17 @@ class Sequence:
         if params.max_tokens is not None:
             self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + params.max_tokens)
 
+    def reset_for_recompute(self) -> None:
+        """Forget every trace of an executor's state (it was lost): the tokens, generated ones
+        included, are kept and recomputed by the next executor from scratch."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.block_hashes = []
+        self.num_registered_blocks = 0
+        self.sent = False
+        self.num_new_tokens = 0
+
     def to_new_sequence(self) -> NewSequence:
         """The executor's copy: all tokens known so far, prompt and generated."""
         return NewSequence(

@@ -21,11 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos.plan import ExecutorInfo
-from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import AsyncEngine, EngineOptions
 from scheduler_service.engine import Executor
-from scheduler_service.generation_service import SERVICE_NAME, GenerationServicer
+from scheduler_service.generation_service import SERVICE_NAME, GenerationServicer, parse_generate_request
 from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.request_stream import RequestFailure
+from scheduler_service.security import ApiKeyInterceptor
 from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,30 @@ def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
+    """GenerationService's methods, with a Generate deserializer that turns undecodable bytes
+    into INVALID_ARGUMENT (gRPC's own would answer INTERNAL)."""
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate,
+                request_deserializer=parse_generate_request,
+                response_serializer=pb.GenerateResponse.SerializeToString,
+            ),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                servicer.GetModelInfo,
+                request_deserializer=pb.GetModelInfoRequest.FromString,
+                response_serializer=pb.GetModelInfoResponse.SerializeToString,
+            ),
+        },
+    )
+
+
 class SchedulerServer:
     def __init__(
         self,
@@ -55,7 +81,11 @@ class SchedulerServer:
         port: int = 50051,
         metrics_port: int | None = None,
         stream_interval: int = 1,
+        api_keys: list[str] | None = None,
+        tls_credentials: grpc.ServerCredentials | None = None,
     ) -> None:
+        """`api_keys`: callers must send one as a bearer token (health checks excepted);
+        `tls_credentials`: serve TLS (scheduler_service.security.server_credentials)."""
         self.host = host
         self.port = port
         # None: no /metrics endpoint; 0: any free port (see self.metrics_port after start()).
@@ -64,13 +94,19 @@ class SchedulerServer:
         self.engine = AsyncEngine(executor, options, self.metrics, tokenizer_for, self._on_health)
         self.servicer = GenerationServicer(self.engine, stream_interval)
         self.health = health.aio.HealthServicer()
+        self.api_keys = list(api_keys or [])
+        self.tls_credentials = tls_credentials
         self._server: grpc.aio.Server | None = None
         self._health_tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         """Bind and serve; the executor is connected in the background (health says when)."""
-        server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, server)
+        interceptors = []
+        if self.api_keys:
+            refused = self.metrics.requests_failed.labels(grpc.StatusCode.UNAUTHENTICATED.name)
+            interceptors.append(ApiKeyInterceptor(self.api_keys, refused.inc))
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        server.add_generic_rpc_handlers((_generation_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _NOT_SERVING)
@@ -80,13 +116,32 @@ class SchedulerServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(_bind_address(self.host, self.port))
+        address = _bind_address(self.host, self.port)
+        if self.tls_credentials is not None:
+            self.port = server.add_secure_port(address, self.tls_credentials)
+        else:
+            self.port = server.add_insecure_port(address)
+        if not _is_loopback(self.host) and (self.tls_credentials is None or not self.api_keys):
+            logger.warning(
+                "listening on %s without %s: anyone who reaches this address can use it",
+                self.host,
+                " and ".join(
+                    what
+                    for what, on in (("TLS", self.tls_credentials), ("an API key", self.api_keys))
+                    if not on
+                ),
+            )
         await server.start()
         self._server = server
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.metrics_port, self.host)
         self.engine.start(asyncio.get_running_loop())
-        logger.info("scheduler serving on %s", _bind_address(self.host, self.port))
+        logger.info(
+            "scheduler serving on %s (%s%s)",
+            _bind_address(self.host, self.port),
+            "TLS" if self.tls_credentials is not None else "plaintext",
+            ", API key required" if self.api_keys else "",
+        )
 
     def _on_health(self, serving: bool) -> None:
         status = _SERVING if serving else _NOT_SERVING
@@ -97,25 +152,36 @@ class SchedulerServer:
             task.add_done_callback(self._health_tasks.discard)
 
     async def stop(self, grace: float = 5.0) -> None:
-        """NOT_SERVING, refuse new requests, let streams finish for up to `grace` seconds."""
+        """Health NOT_SERVING, refuse new requests (UNAVAILABLE), let the streams in flight
+        finish for up to `grace` seconds, fail what is left (UNAVAILABLE), then stop."""
         await self.health.enter_graceful_shutdown()
         self.engine.stop_admitting()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while len(self.engine.streams) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if left := len(self.engine.streams):
+            message = f"the scheduler shut down before this request finished (shutdown timeout {grace:g} s)"
+            self.engine.abort_all(RequestFailure(grpc.StatusCode.UNAVAILABLE, message))
+            logger.warning("shutdown timeout: %d requests still running were failed", left)
         if self._server is not None:
-            await self._server.stop(grace)
+            # Long enough for the last messages of finished streams to be written.
+            await self._server.stop(1.0)
         await asyncio.to_thread(self.engine.shutdown)
         self.metrics.shutdown()
 
 
-async def serve_until_signal(server: SchedulerServer, grace: float = 5.0) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully."""
+async def serve_until_signal(server: SchedulerServer, grace: float = 30.0) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully (drain for up to `grace` seconds)."""
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.info("stopping: draining streams for up to %.1f s", grace)
+    logger.info("stopping: health NOT_SERVING, new requests refused, draining for up to %.1f s", grace)
     await server.stop(grace)
+    logger.info("stopped")
 
 
 class ServerThread:

@@ -357,17 +357,19 @@ def test_health_follows_the_executor_and_a_rejected_plan_fails_only_its_requests
         assert len(executor.inner.seqs) <= 1  # the running one was dropped by a later plan
         assert metrics(server)[("tandem_scheduler_requests_failed_total", ("code", "INTERNAL"))] == 2
 
-        # The executor dies mid-stream: UNAVAILABLE naming it, NOT_SERVING until it is back.
-        running = stub.Generate(request([5, 6, 7], max_tokens=500, ignore_eos=True))
+        # The executor dies mid-stream: NOT_SERVING and new requests refused (UNAVAILABLE naming
+        # it) until it is back; the accepted request is kept and finishes (tests/test_reliability.py).
+        running = stub.Generate(request([5, 6, 7], max_tokens=40, ignore_eos=True))
         next(running)
         executor.up.clear()
-        with pytest.raises(grpc.RpcError) as e:
-            list(running)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "flaky:1" in e.value.details()
         wait_serving(channel, want=health_pb2.HealthCheckResponse.NOT_SERVING)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([5])))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "flaky:1" in e.value.details()
         executor.up.set()
+        ids, _, final, _ = collect(running)
+        assert len(ids) == 39 and final.finish_reason == pb.FINISH_REASON_LENGTH
         wait_serving(channel)
-        assert len(collect(stub.Generate(request([5, 6], max_tokens=3)))[0]) == 3
         # It goes away while idle: the heartbeat notices.
         executor.up.clear()
         wait_serving(channel, want=health_pb2.HealthCheckResponse.NOT_SERVING)
