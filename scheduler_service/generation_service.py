@@ -70,6 +70,13 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     ):
         if not math.isfinite(getattr(msg, name)):
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)}")
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(msg.stop)}")
+    for i, stop in enumerate(msg.stop):
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_STRING_CHARS}"
+            )
     if msg.HasField("max_tokens") and msg.max_tokens < 1:
         raise InvalidRequestError(
             f"max_tokens must be >= 1 (unset: up to max_model_len), got {msg.max_tokens}"

@@ -83,6 +83,8 @@ def verify_request(
         _fail(
             f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})"
         )
+    if params.logprobs > vocab_size:
+        _fail(f"logprobs ({params.logprobs}) exceeds the vocabulary size ({vocab_size})")
     for i, t in enumerate(params.stop_token_ids):
         if t >= vocab_size:
             _fail(f"stop_token_ids[{i}] = {t} is outside the vocabulary (size {vocab_size})")
