@@ -1,0 +1,284 @@
+"""Only the right callers get in: API keys and TLS on the scheduler's client port, mutual TLS from
+the scheduler's RemoteExecutor to an executor (the real ExecutorService servicer behind a TLS
+server built here), default bind addresses. Certificates are made here with `cryptography`."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from client import TandemClient, TandemError
+from executor_service.config import ExecutorConfig
+from executor_service.executor import LocalExecutor
+from executor_service.metrics import ExecutorMetrics
+from executor_service.server import ExecutorServicer
+from protos.tandem.v1 import executor_pb2_grpc as epb_grpc
+from scheduler_service.async_engine import EngineOptions
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.executor_client import ExecutorError, RemoteExecutor
+from scheduler_service.security import load_api_keys, server_credentials
+from scheduler_service.server import SchedulerServer, ServerThread
+from scheduler_service.tokenizer import Tokenizer
+
+KEY = "s3cret-key-0123456789"
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+
+
+class CA:
+    """A certificate authority that issues leaf certificates (PEM bytes)."""
+
+    def __init__(self, name: str) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        self.cert = (
+            self._builder(self.name, self.key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        self.pem = self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def _builder(self, subject: x509.Name, public_key) -> x509.CertificateBuilder:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(self.name)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+
+    def issue(self, name: str, *, server: bool) -> tuple[bytes, bytes]:
+        """(certificate PEM, private key PEM) for `name`; a server certificate also names 127.0.0.1."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        builder = self._builder(subject, key.public_key()).add_extension(
+            x509.ExtendedKeyUsage([usage]), critical=False
+        )
+        if server:
+            names = [
+                x509.DNSName(name),
+                x509.DNSName("localhost"),
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            ]
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        cert = builder.sign(self.key, hashes.SHA256())
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+@pytest.fixture(scope="module")
+def pki():
+    ca, other = CA("tandem test CA"), CA("another CA")
+    return {
+        "ca": ca.pem,
+        "other_ca": other.pem,
+        "server": ca.issue("localhost", server=True),
+        "client": ca.issue("scheduler", server=False),
+        "other_server": other.issue("localhost", server=True),
+        "other_client": other.issue("scheduler", server=False),
+    }
+
+
+def _scheduler(model, executor=None, **kwargs) -> SchedulerServer:
+    executor = executor or LocalExecutor(ExecutorConfig(model=str(model), num_kv_blocks=64))
+    tokenizer = Tokenizer(model)
+    return SchedulerServer(
+        executor,
+        EngineOptions(SchedulerConfig(max_num_seqs=8), heartbeat_s=0.2, backoff_max_s=0.2),
+        tokenizer_for=lambda info: tokenizer,
+        port=0,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def secured(qwen3_tied, pki, tmp_path_factory):
+    """A scheduler with TLS and two API keys (one given, one from a file)."""
+    key_file = tmp_path_factory.mktemp("keys") / "keys"
+    key_file.write_text("# rotated keys\nold-key-abc\n\n")
+    cert, key = pki["server"]
+    server = _scheduler(
+        qwen3_tied, api_keys=load_api_keys(KEY, key_file), tls_credentials=server_credentials(cert, key)
+    )
+    with ServerThread(server):
+        address = f"127.0.0.1:{server.port}"
+        with TandemClient(address, tls_ca=pki["ca"]) as client:
+            client.wait_until_serving(30)  # health needs no key
+        yield address
+
+
+def _complete(address: str, **kwargs):
+    with TandemClient(address, timeout=10, **kwargs) as client:
+        return client.complete([5, 6, 7], max_tokens=3, ignore_eos=True)
+
+
+def test_the_right_caller_gets_in(secured, pki):
+    assert len(_complete(secured, tls_ca=pki["ca"], api_key=KEY).token_ids) == 3
+    # A key from the key file; the scheme name is case-insensitive.
+    assert len(_complete(secured, tls_ca=pki["ca"], api_key="old-key-abc").token_ids) == 3
+    with TandemClient(secured, tls_ca=pki["ca"], timeout=10) as client:
+        client._metadata = [("authorization", f"bearer {KEY}")]
+        assert client.model_info().vocab_size == 512
+
+
+@pytest.mark.parametrize("key", [None, "wrong", KEY + "x", KEY[:-1], "", "old-key-ab", "OLD-KEY-ABC"])
+def test_without_the_right_key_unauthenticated(secured, pki, key):
+    with pytest.raises(TandemError) as err:
+        _complete(secured, tls_ca=pki["ca"], api_key=key)
+    assert err.value.code == UNAUTHENTICATED and "API key" in err.value.message
+    with TandemClient(secured, tls_ca=pki["ca"], api_key=key, timeout=10) as client:
+        with pytest.raises(TandemError) as err:
+            client.model_info()
+        assert err.value.code == UNAUTHENTICATED
+        assert client.health() == "SERVING"  # health checks stay open
+
+
+def test_a_key_in_another_header_or_scheme_is_refused(secured, pki):
+    for metadata in ([("x-api-key", KEY)], [("authorization", KEY)], [("authorization", f"Basic {KEY}")]):
+        with TandemClient(secured, tls_ca=pki["ca"], timeout=10) as client:
+            client._metadata = metadata
+            with pytest.raises(TandemError) as err:
+                client.complete([5], max_tokens=1)
+        assert err.value.code == UNAUTHENTICATED, metadata
+
+
+def test_plaintext_or_an_untrusted_certificate_does_not_connect(secured, pki):
+    for kwargs in ({}, {"tls_ca": pki["other_ca"]}, {"tls": True}):  # system CAs do not know ours
+        with pytest.raises(TandemError) as err:
+            _complete(secured, api_key=KEY, **kwargs)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, kwargs
+
+
+def test_a_server_certificate_from_another_ca_is_refused_by_the_client(qwen3_tied, pki):
+    cert, key = pki["other_server"]
+    server = _scheduler(qwen3_tied, tls_credentials=server_credentials(cert, key))
+    with ServerThread(server):
+        address = f"127.0.0.1:{server.port}"
+        with pytest.raises(TandemError) as err:
+            _complete(address, tls_ca=pki["ca"])
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert len(_complete(address, tls_ca=pki["other_ca"]).token_ids) == 3
+
+
+# -- mutual TLS from the scheduler to the executor ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mtls_executor(qwen3_tied, pki):
+    """The executor's own servicer behind a gRPC server that requires client certificates of our CA
+    (the executor service's flags for this come later; its servicer is what answers)."""
+    servicer = ExecutorServicer(ExecutorMetrics())
+    servicer.executor = LocalExecutor(ExecutorConfig(model=str(qwen3_tied), num_kv_blocks=64))
+    server = grpc.server(ThreadPoolExecutor(8))
+    epb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
+    cert, key = pki["server"]
+    credentials = grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=pki["ca"], require_client_auth=True
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_mutual_tls_to_the_executor(mtls_executor, pki, qwen3_tied):
+    cert, key = pki["client"]
+    with RemoteExecutor(mtls_executor, tls_ca=pki["ca"], tls_cert=cert, tls_key=key, connect_timeout=5) as ex:
+        assert ex.describe().vocab_size == 512
+    # The whole scheduler over it.
+    executor = RemoteExecutor(mtls_executor, tls_ca=pki["ca"], tls_cert=cert, tls_key=key, connect_timeout=5)
+    server = _scheduler(qwen3_tied, executor)
+    with ServerThread(server):
+        address = f"127.0.0.1:{server.port}"
+        with TandemClient(address) as client:
+            client.wait_until_serving(30)
+        assert len(_complete(address).token_ids) == 3
+    executor.close()
+
+
+@pytest.mark.parametrize(
+    "who", ["plaintext", "no-client-cert", "client-cert-of-another-ca", "trusts-another-ca"]
+)
+def test_the_executor_refuses_or_is_refused(mtls_executor, pki, who):
+    cert, key = pki["client"]
+    other_cert, other_key = pki["other_client"]
+    kwargs = {
+        "plaintext": {},
+        "no-client-cert": {"tls_ca": pki["ca"]},
+        "client-cert-of-another-ca": {"tls_ca": pki["ca"], "tls_cert": other_cert, "tls_key": other_key},
+        "trusts-another-ca": {"tls_ca": pki["other_ca"], "tls_cert": cert, "tls_key": key},
+    }[who]
+    with RemoteExecutor(mtls_executor, connect_timeout=3, **kwargs) as ex, pytest.raises(ExecutorError):
+        ex.describe()
+
+
+def test_remote_executor_tls_arguments_are_checked(pki, tmp_path):
+    cert, key = pki["client"]
+    with pytest.raises(ValueError, match="go together"):
+        RemoteExecutor("127.0.0.1:1", tls_ca=pki["ca"], tls_cert=cert)
+    with pytest.raises(ValueError, match="needs its CA"):
+        RemoteExecutor("127.0.0.1:1", tls_cert=cert, tls_key=key)
+    with pytest.raises(ValueError, match="cannot read"):
+        RemoteExecutor("127.0.0.1:1", tls_ca=tmp_path / "missing.pem")
+
+
+# -- flags and defaults ----------------------------------------------------------------------------
+
+
+def test_services_bind_loopback_by_default():
+    import argparse
+    import inspect
+
+    from executor_service import server as executor_server
+    from scheduler_service import cli
+
+    assert inspect.signature(SchedulerServer).parameters["host"].default == "127.0.0.1"
+    assert executor_server.DEFAULT_HOST == "127.0.0.1"
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--executor", "127.0.0.1:1"])
+    assert args.host == "127.0.0.1"
+    assert (args.api_key, args.tls_cert, args.executor_tls_ca, args.shutdown_timeout) == (
+        None,
+        None,
+        None,
+        30.0,
+    )
+
+
+def test_scheduler_cli_refuses_half_a_tls_config_and_a_missing_key_file(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from scheduler_service import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    base = ["--executor", "127.0.0.1:1", "--metrics-port", "0"]
+    assert cli.run(parser.parse_args([*base, "--tls-cert", str(tmp_path / "c.pem")])) == 2
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+    assert cli.run(parser.parse_args([*base, "--api-key-file", str(tmp_path / "none")])) == 2
+    assert "cannot read the API key file" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.write_text("\n# nothing\n")
+    assert cli.run(parser.parse_args([*base, "--api-key-file", str(empty)])) == 2
+    assert "holds no key" in capsys.readouterr().err
+    monkeypatch.setenv("TANDEM_API_KEY_FILE", str(empty))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert parser.parse_args(base).api_key_file == str(empty)
