@@ -25,7 +25,8 @@ __all__ = ["LocalExecutor", "PlanError"]
 
 
 class LocalExecutor:
-    """The executor in-process: `describe()`, `step(plan)`, `reset()`."""
+    """The executor in-process: `describe()`, `step(plan)`, `reset()`; `close()` stops the
+    tensor-parallel ranks."""
 
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
@@ -120,8 +121,7 @@ class LocalExecutor:
             result, logits = self._run(plan, all_logits)
         except BaseException:
             # The ranks may now disagree on the state or wait in a collective: end the group.
-            logger.error("step %d failed with tensor parallelism: stopping ranks 1..%d", plan.step_id,
-                         self.tp_size - 1)  # fmt: skip
+            logger.error("step %d failed: stopping tensor-parallel ranks %s", plan.step_id, self.workers.pids)
             self.workers.kill()
             raise
         self._unsent_token_ids = result.token_ids

@@ -4,6 +4,7 @@ a dead rank takes the whole group down. GPU variants at the end (they need 2 GPU
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -202,6 +203,7 @@ def _greedy(model: Path, prompts: list[list[int]], max_tokens: int, **options) -
     finally:
         llm.executor.close()
         del llm
+        gc.collect()  # the next LLM sizes its KV cache from the free memory
         torch.cuda.empty_cache()
 
 
@@ -209,7 +211,7 @@ def _greedy(model: Path, prompts: list[list[int]], max_tokens: int, **options) -
 @needs_2_gpus
 def test_gpu_tp2_fp32_greedy_identical_to_tp1(qwen3_untied):
     prompts = [prompt_ids(n, seed=n) for n in (5, 17, 64)]
-    options = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    options = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.2)
     expected = _greedy(qwen3_untied, prompts, 48, **options)
     got = _greedy(qwen3_untied, prompts, 48, tensor_parallel_size=2, tp_master_port=free_port(), **options)
     assert got == expected
@@ -219,7 +221,7 @@ def test_gpu_tp2_fp32_greedy_identical_to_tp1(qwen3_untied):
 @needs_2_gpus
 def test_gpu_tp2_bf16_first_32_tokens_match_tp1(qwen3_tied):
     prompts = [prompt_ids(n, seed=n) for n in (5, 17, 64)]
-    options = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    options = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2)
     expected = _greedy(qwen3_tied, prompts, 32, **options)
     got = _greedy(qwen3_tied, prompts, 32, tensor_parallel_size=2, tp_master_port=free_port(), **options)
     assert got == expected
