@@ -76,7 +76,7 @@ def check_tp_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, t
 
 def rank_device(device: str, tp_rank: int) -> str:
     """Rank r runs on the r-th GPU after the one asked for (cuda -> cuda:r, cuda:2 -> cuda:2+r)."""
-    if not device.startswith("cuda"):
+    if not device.startswith("cuda") or tp_rank == 0:
         return device
     base = int(device.partition(":")[2] or 0)
     return f"cuda:{base + tp_rank}"
@@ -86,7 +86,7 @@ def init_group(device: str, master_addr: str, master_port: int, tp_rank: int, tp
     """Join the tensor-parallel group (this process's default torch.distributed group)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(int(device.partition(":")[2] or 0))
     dist.init_process_group(
         backend,
         init_method=f"tcp://{master_addr}:{master_port}",
