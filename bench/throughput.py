@@ -82,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--executor-arg", action="append", default=[], help="extra executor flag (repeatable)")
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=16,
+        help="the scheduler's --stream-interval in the split: tokens per streamed chunk (default 16, as "
+        "a throughput run would set it; 1 streams every token)",
+    )
+    p.add_argument(
         "--executor-cmd",
         default=None,
         help='command that starts the executor (default: "python -m executor_service"), e.g. under a profiler',
@@ -184,6 +191,7 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     ]
     scheduler_argv += ["--max-num-seqs", str(args.max_num_seqs)]
     scheduler_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    scheduler_argv += ["--stream-interval", str(args.stream_interval)]
     scheduler_argv += args.scheduler_arg
     executor = Service("executor", executor_argv, log_dir / "executor.log")
     scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log")
@@ -294,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"workload: {args.workload}, {len(workload)} requests, {num_prompt} prompt tokens, {num_output} output "
         f"tokens (longest {max(r.max_tokens for r in workload)}), temperature {args.temperature}, "
-        f"model {args.model}, device {args.device}, max_num_seqs {args.max_num_seqs}"
+        f"model {args.model}, device {args.device}, max_num_seqs {args.max_num_seqs}, "
+        f"split stream interval {args.stream_interval}"
     )
     if args.workload == "w1" and (num_prompt, num_output) != W1_TOTALS:
         print(f"warning: W1 expects {W1_TOTALS} prompt/output tokens", file=sys.stderr)
