@@ -149,7 +149,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"seconds a running step may take to finish on SIGTERM (default {GRACE_SECONDS:g}) "
         "[TANDEM_EXECUTOR_GRACE]",
     )
+    # Not TANDEM_EXECUTOR_TLS_*: the scheduler reads those for its client certificate.
+    security = p.add_argument_group("security (mutual TLS with the scheduler)")
+    security.add_argument(
+        "--tls-cert",
+        default=_env("EXECUTOR_SERVER_TLS_CERT"),
+        help="serve TLS: this executor's certificate chain, PEM [TANDEM_EXECUTOR_SERVER_TLS_CERT]",
+    )
+    security.add_argument(
+        "--tls-key",
+        default=_env("EXECUTOR_SERVER_TLS_KEY"),
+        help="its private key, PEM [TANDEM_EXECUTOR_SERVER_TLS_KEY]",
+    )
+    security.add_argument(
+        "--tls-ca",
+        default=_env("EXECUTOR_SERVER_TLS_CA"),
+        help="mutual TLS: accept only clients whose certificate this CA signed, PEM "
+        "[TANDEM_EXECUTOR_SERVER_TLS_CA]",
+    )
     p.set_defaults(func=run)
+
+
+def tls_credentials(args: argparse.Namespace):
+    """grpc.ServerCredentials from --tls-cert/--tls-key/--tls-ca, or None for plaintext;
+    ValueError for half a configuration or an unreadable file."""
+    from executor_service.server import server_credentials
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    if args.tls_ca is not None and args.tls_cert is None:
+        raise ValueError("--tls-ca (mutual TLS) needs this executor's own --tls-cert and --tls-key")
+    if args.tls_cert is None:
+        return None
+    return server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,11 +207,12 @@ def run(args: argparse.Namespace) -> int:
             tp_master_addr=args.tp_master_addr,
             tp_master_port=args.tp_master_port,
         )
+        credentials = tls_credentials(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        return serve(config, args.host, args.port, args.metrics_port, args.grace)
+        return serve(config, args.host, args.port, args.metrics_port, args.grace, credentials)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

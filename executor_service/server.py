@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -53,6 +54,33 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
 ]
+
+
+def _read_pem(source: str | Path | bytes, what: str) -> bytes:
+    if isinstance(source, bytes):
+        return source
+    try:
+        return Path(source).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} {source}: {e.strerror}") from None
+
+
+def server_credentials(
+    cert: str | Path | bytes, key: str | Path | bytes, ca: str | Path | bytes | None = None
+) -> grpc.ServerCredentials:
+    """TLS with this executor's certificate chain and private key (PEM, bytes or file paths).
+    With `ca`, mutual TLS: only clients presenting a certificate signed by that CA (the
+    scheduler) complete the handshake; every service, health included, sits behind it."""
+    pair = (_read_pem(key, "TLS key"), _read_pem(cert, "TLS certificate"))
+    if ca is None:
+        return grpc.ssl_server_credentials([pair])
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=_read_pem(ca, "TLS CA"), require_client_auth=True
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
@@ -139,7 +167,9 @@ class ExecutorServer:
         port: int = DEFAULT_PORT,
         metrics: ExecutorMetrics | None = None,
         max_workers: int = 16,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
+        """`credentials` (see `server_credentials`) serves TLS; without them the port is plaintext."""
         self.metrics = metrics if metrics is not None else ExecutorMetrics()
         self.servicer = ExecutorServicer(self.metrics)
         # Health Watch streams must not hold the workers that Step streams need.
@@ -156,14 +186,28 @@ class ExecutorServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
-            self.port = self._server.add_insecure_port(f"{host}:{port}")
+            if credentials is None:
+                self.port = self._server.add_insecure_port(f"{host}:{port}")
+            else:
+                self.port = self._server.add_secure_port(f"{host}:{port}", credentials)
         except RuntimeError as e:
             raise OSError(f"cannot listen on {host}:{port} (is the port in use?)") from e
         self.address = f"{host}:{self.port}"
+        self.tls = credentials is not None
+        if not self.tls and not _is_loopback(host):
+            logger.warning(
+                "listening on %s without TLS: anyone who reaches this address can drive the executor "
+                "(--tls-cert, --tls-key and --tls-ca turn on mutual TLS)",
+                self.address,
+            )
 
     def start(self) -> None:
         self._server.start()
-        logger.info("listening on %s (NOT_SERVING until the model is loaded)", self.address)
+        logger.info(
+            "listening on %s%s (NOT_SERVING until the model is loaded)",
+            self.address,
+            " (TLS)" if self.tls else "",
+        )
 
     def set_executor(self, executor: LocalExecutor) -> None:
         self.servicer.executor = executor
@@ -186,16 +230,17 @@ def serve(
     port: int = DEFAULT_PORT,
     metrics_port: int = DEFAULT_METRICS_PORT,
     grace: float = GRACE_SECONDS,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> int:
     """Run the executor service until SIGTERM or SIGINT; returns the process exit code.
-    `metrics_port` 0 serves no /metrics."""
+    `metrics_port` 0 serves no /metrics; `credentials` serve (mutual) TLS."""
     from executor_service.executor import LocalExecutor
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
 
-    server = ExecutorServer(host, port)
+    server = ExecutorServer(host, port, credentials=credentials)
     metrics_http = start_metrics_server(server.metrics, host, metrics_port) if metrics_port else None
     server.start()
     exit_code = 0

@@ -1,0 +1,257 @@
+"""The executor service behind mutual TLS (`tandem executor --tls-cert --tls-key --tls-ca`, a real
+process): the scheduler's RemoteExecutor with a certificate of our CA gets in; a plaintext
+client, a TLS client without a certificate, one whose certificate another CA signed, and one
+that trusts another CA do not, health included. Message size limits: a plan over the limit is
+RESOURCE_EXHAUSTED and the executor serves the next good plan."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from executor_fixtures import MiniScheduler
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_executor_service import EXECUTOR_OPTIONS, ROOT, ExecutorProcess, free_port, stop
+from test_security import CA
+
+from executor_service import cli
+from executor_service.server import MAX_MESSAGE_BYTES
+from protos.tandem.v1 import executor_pb2 as pb
+from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_service.executor_client import SERVICE_NAME, ExecutorUnavailable, RemoteExecutor
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+STEP_METHOD = "/tandem.v1.ExecutorService/Step"
+_NEW_BLOCK_IDS_FIELD = pb.StepPlan.DESCRIPTOR.fields_by_name["new_block_ids"].number
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    """PEM files: our CA, the executor's server certificate, the scheduler's client certificate,
+    and another CA with a client and a server certificate of its own."""
+    ca, other = CA("tandem test CA"), CA("another CA")
+    files = {"ca": ca.pem, "other_ca": other.pem}
+    for name, (issuer, cn, server) in {
+        "server": (ca, "localhost", True),
+        "client": (ca, "scheduler", False),
+        "other_client": (other, "scheduler", False),
+    }.items():
+        files[f"{name}_cert"], files[f"{name}_key"] = issuer.issue(cn, server=server)
+    root = tmp_path_factory.mktemp("pki")
+    for name, pem in files.items():
+        (root / f"{name}.pem").write_bytes(pem)
+    return {name: root / f"{name}.pem" for name in files}
+
+
+def start_tls_executor(model: Path, log: Path, pki: dict[str, Path]) -> ExecutorProcess:
+    """The executor CLI with mutual TLS; the TLS files come through the TANDEM_* twins for the key
+    and the CA, flags for the certificate, so both paths are exercised."""
+    port = free_port()
+    args = [sys.executable, "-m", "executor_service", "--model", str(model), "--port", str(port)]
+    args += ["--metrics-port", "0", "--tls-cert", str(pki["server_cert"])]
+    for name, value in EXECUTOR_OPTIONS.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "TANDEM_EXECUTOR_SERVER_TLS_KEY": str(pki["server_key"]),
+        "TANDEM_EXECUTOR_SERVER_TLS_CA": str(pki["ca"]),
+    }
+    with log.open("w") as f:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return ExecutorProcess(proc, f"127.0.0.1:{port}", "", log)
+
+
+def scheduler_side(address: str, pki: dict[str, Path], **kwargs) -> RemoteExecutor:
+    tls = dict(tls_ca=pki["ca"], tls_cert=pki["client_cert"], tls_key=pki["client_key"])
+    return RemoteExecutor(address, **{**tls, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def tls_executor(qwen3_tied, pki, tmp_path_factory):
+    ep = start_tls_executor(qwen3_tied, tmp_path_factory.mktemp("tls") / "executor.log", pki)
+    try:
+        with scheduler_side(ep.address, pki) as remote:
+            deadline = time.monotonic() + 60
+            while True:
+                assert ep.proc.poll() is None, ep.output()
+                try:
+                    remote.wait_ready(0.5)
+                    break
+                except ExecutorUnavailable:
+                    assert time.monotonic() < deadline, ep.output()
+        yield ep
+    finally:
+        assert stop(ep) == 0, ep.output()
+
+
+def _channel(address: str, pki: dict[str, Path], who: str) -> grpc.Channel:
+    """A raw channel as `who` (the right scheduler or one of the callers that must not get in)."""
+    read = lambda name: pki[name].read_bytes()  # noqa: E731
+    if who == "plaintext":
+        return grpc.insecure_channel(address)
+    credentials = {
+        "scheduler": dict(
+            root_certificates=read("ca"),
+            private_key=read("client_key"),
+            certificate_chain=read("client_cert"),
+        ),
+        "no-client-cert": dict(root_certificates=read("ca")),
+        "client-cert-of-another-ca": dict(
+            root_certificates=read("ca"),
+            private_key=read("other_client_key"),
+            certificate_chain=read("other_client_cert"),
+        ),
+        "trusts-another-ca": dict(
+            root_certificates=read("other_ca"),
+            private_key=read("client_key"),
+            certificate_chain=read("client_cert"),
+        ),
+    }[who]
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(**credentials))
+
+
+def test_the_scheduler_gets_in_and_steps(tls_executor, pki):
+    with scheduler_side(tls_executor.address, pki, connect_timeout=5) as remote:
+        remote.reset()
+        assert remote.describe().vocab_size == 512
+        mini = MiniScheduler(remote)
+        mini.add(1, [5, 6, 7, 8, 9])
+        plan = mini.plan({1: 5})
+        result = remote.step(plan)
+        assert result.seq_ids == [1] and len(result.token_ids) == 1
+        mini.update(plan, result)
+        assert remote.step(mini.plan(mini.decode_all())).seq_ids == [1]
+        assert remote.reset() == 1
+    with _channel(tls_executor.address, pki, "scheduler") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE_NAME):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == SERVING
+
+
+@pytest.mark.parametrize(
+    "who", ["plaintext", "no-client-cert", "client-cert-of-another-ca", "trusts-another-ca"]
+)
+def test_everyone_else_is_refused_health_included(tls_executor, pki, who):
+    with _channel(tls_executor.address, pki, who) as channel:
+        calls = {
+            "Describe": lambda: pb_grpc.ExecutorServiceStub(channel).Describe(
+                pb.DescribeRequest(), timeout=3
+            ),
+            "Reset": lambda: pb_grpc.ExecutorServiceStub(channel).Reset(pb.ResetRequest(), timeout=3),
+            "Step": lambda: list(
+                pb_grpc.ExecutorServiceStub(channel).Step(iter([pb.StepPlan(step_id=1)]), timeout=3)
+            ),
+            "Health": lambda: health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=3
+            ),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (who, name, e.value.details())
+    # ... and the RemoteExecutor as that caller fails the same way.
+    kwargs = {
+        "plaintext": dict(tls_ca=None, tls_cert=None, tls_key=None),
+        "no-client-cert": dict(tls_cert=None, tls_key=None),
+        "client-cert-of-another-ca": dict(tls_cert=pki["other_client_cert"], tls_key=pki["other_client_key"]),
+        "trusts-another-ca": dict(tls_ca=pki["other_ca"]),
+    }[who]
+    remote = scheduler_side(tls_executor.address, pki, connect_timeout=3, **kwargs)
+    with remote, pytest.raises(ExecutorUnavailable, match=tls_executor.address):
+        remote.describe()
+    # The refused handshakes did not disturb the executor.
+    with scheduler_side(tls_executor.address, pki, connect_timeout=5) as remote:
+        assert remote.describe().num_kv_blocks == EXECUTOR_OPTIONS["num_kv_blocks"]
+
+
+# -- message size limits ----------------------------------------------------------------------------
+
+
+def _oversized_plan(num_bytes: int) -> bytes:
+    """A well-formed StepPlan of about `num_bytes`: step_id 1 and a packed new_block_ids column of
+    7s (one byte each), built as bytes (a list of 64 million ints would take seconds)."""
+
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                return bytes(out)
+
+    step_id = bytes([1 << 3 | 0, 1])  # field 1, varint 1
+    return step_id + bytes([_NEW_BLOCK_IDS_FIELD << 3 | 2]) + varint(num_bytes) + b"\x07" * num_bytes
+
+
+def test_oversized_plan_resource_exhausted_then_serves(tls_executor, pki):
+    assert pb.StepPlan.FromString(_oversized_plan(5)).new_block_ids == [7] * 5
+    with _channel(tls_executor.address, pki, "scheduler") as channel:
+        # No serializer: the bytes go out as they are (the client's own send limit is unlimited).
+        step = channel.stream_stream(STEP_METHOD, response_deserializer=pb.StepResult.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            list(step(iter([_oversized_plan(MAX_MESSAGE_BYTES + 1024)]), timeout=30))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert str(MAX_MESSAGE_BYTES) in e.value.details()
+    # Over gRPC's default of 4 MiB but under ours the message is read, and its content is refused.
+    with _channel(tls_executor.address, pki, "scheduler") as channel:
+        step = channel.stream_stream(STEP_METHOD, response_deserializer=pb.StepResult.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            list(step(iter([_oversized_plan(4 * 2**20 + 1024)]), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "new_block_ids" in e.value.details() and len(e.value.details()) < 1000
+    with scheduler_side(tls_executor.address, pki, connect_timeout=5) as remote:
+        remote.reset()
+        mini = MiniScheduler(remote)
+        mini.add(2, [5, 6, 7])
+        assert remote.step(mini.plan({2: 3})).seq_ids == [2]
+        assert remote.reset() == 1
+
+
+# -- flags ----------------------------------------------------------------------------------------------
+
+
+def test_tls_flags_have_env_twins(monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["executor"])
+    assert (args.tls_cert, args.tls_key, args.tls_ca) == (None, None, None)
+    assert cli.tls_credentials(args) is None
+    for name in ("CERT", "KEY", "CA"):
+        monkeypatch.setenv(f"TANDEM_EXECUTOR_SERVER_TLS_{name}", f"/x/{name.lower()}.pem")
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["executor"])
+    assert (args.tls_cert, args.tls_key, args.tls_ca) == ("/x/cert.pem", "/x/key.pem", "/x/ca.pem")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tls-cert", "{server_cert}"], "--tls-cert and --tls-key go together"),
+        (["--tls-key", "{server_key}"], "--tls-cert and --tls-key go together"),
+        (["--tls-ca", "{ca}"], "--tls-ca (mutual TLS) needs this executor's own --tls-cert"),
+        (
+            ["--tls-cert", "{server_cert}", "--tls-key", "/no/such/key.pem"],
+            "cannot read the TLS key /no/such",
+        ),
+        (
+            ["--tls-cert", "{server_cert}", "--tls-key", "{server_key}", "--tls-ca", "/no/ca.pem"],
+            "cannot read the TLS CA /no/ca.pem",
+        ),
+    ],
+)
+def test_cli_refuses_half_a_tls_configuration(pki, capsys, flags, message):
+    from client.cli import main
+
+    flags = [f.format(**pki) for f in flags]
+    assert main(["executor", "--metrics-port", "0", "--port", str(free_port()), *flags]) == 2
+    assert message in capsys.readouterr().err
