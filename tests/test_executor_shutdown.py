@@ -1,0 +1,129 @@
+"""SIGTERM on the executor service (a real process on the embedded model): the step in flight
+finishes, its result reaches the scheduler's stream, then the process exits 0 promptly; with
+--tensor-parallel-size 2 no rank is left behind."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from executor_fixtures import prompt_ids
+from test_executor_service import ROOT, ExecutorProcess, free_port, stop, wait_ready
+from test_tensor_parallel import alive, descendants
+
+from protos.plan import NewSequence, StepPlan, StepSamplingParams, plan_to_proto
+from protos.tandem.v1 import executor_pb2 as pb
+from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
+
+PROMPT_LEN = 2048  # one prefill of the embedded model's whole context: ~1.5 s on one CPU thread
+BLOCK_SIZE = 16
+OPTIONS = dict(
+    block_size=BLOCK_SIZE, num_kv_blocks=160, max_model_len=PROMPT_LEN, max_num_batched_tokens=PROMPT_LEN
+)
+# SIGTERM goes out this long after the plan, well inside the prefill.
+IN_FLIGHT_SECONDS = 0.3
+
+
+def start(log: Path, *extra: str) -> ExecutorProcess:
+    """The executor on the embedded model (its default)."""
+    args = [sys.executable, "-m", "executor_service", "--port", str(free_port()), "--metrics-port", "0"]
+    for name, value in OPTIONS.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    args += ["--grace", "30", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with log.open("w") as f:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return ExecutorProcess(proc, f"127.0.0.1:{args[args.index('--port') + 1]}", "", log)
+
+
+def long_prefill(seq_id: int) -> StepPlan:
+    tokens = prompt_ids(PROMPT_LEN, seed=seq_id)
+    new = NewSequence(
+        seq_id,
+        tokens,
+        list(range(PROMPT_LEN // BLOCK_SIZE)),
+        0,
+        StepSamplingParams(num_prompt_tokens=PROMPT_LEN),
+    )
+    return StepPlan(
+        step_id=41,
+        new_seqs=[new],
+        seq_ids=[seq_id],
+        num_scheduled_tokens=[PROMPT_LEN],
+        num_computed_tokens=[0],
+        num_new_blocks=[0],
+    )
+
+
+def sigterm_during_a_step(ep: ExecutorProcess) -> float:
+    """Open a Step stream as the scheduler does (it stays open), send a long prefill, SIGTERM while
+    it runs; assert its result arrives after the signal and the process exits 0. Returns the
+    seconds from the result to the exit."""
+    plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
+    with grpc.insecure_channel(ep.address) as channel:
+        responses = pb_grpc.ExecutorServiceStub(channel).Step(iter(plans.get, None), timeout=60)
+        plans.put(plan_to_proto(long_prefill(seq_id=7)))
+        time.sleep(IN_FLIGHT_SECONDS)
+        assert ep.proc.poll() is None, ep.output()
+        signalled = time.monotonic()
+        ep.proc.send_signal(signal.SIGTERM)
+        result = next(responses)
+        answered = time.monotonic()
+        assert (result.step_id, list(result.seq_ids), len(result.token_ids)) == (41, [7], 1)
+        assert 0 <= result.token_ids[0] < 4096
+        # The step was still running when the signal came: its result is not one sent before.
+        assert answered - signalled > 0.1, "the prefill finished before SIGTERM; make it longer"
+        # Then the stream ends: the scheduler sees the executor go (and reconnects elsewhere).
+        with pytest.raises(grpc.RpcError) as e:
+            plans.put(plan_to_proto(StepPlan(step_id=42)))
+            next(responses)
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), e.value
+        plans.put(None)
+    assert ep.proc.wait(15) == 0, ep.output()
+    exited = time.monotonic()
+    assert "signal received" in ep.output() and "stopped" in ep.output()
+    return exited - answered
+
+
+def test_sigterm_finishes_the_running_step_then_exits_0(tmp_path):
+    ep = start(tmp_path / "executor.log")
+    try:
+        wait_ready(ep)
+        assert sigterm_during_a_step(ep) < 3, ep.output()
+    finally:
+        stop(ep)
+
+
+def test_sigterm_with_tensor_parallel_leaves_no_rank(tmp_path):
+    ep = start(tmp_path / "executor.log", "--tensor-parallel-size", "2", "--tp-master-port", str(free_port()))
+    try:
+        wait_ready(ep)
+        ranks = descendants(ep.proc.pid)
+        assert len(ranks) == 1, ep.output()
+        assert sigterm_during_a_step(ep) < 5, ep.output()
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in ranks if alive(pid)], ep.output()
+        assert "rank 1: closing" in ep.output()
+    finally:
+        stop(ep)
+
+
+def test_sigterm_while_idle_exits_0_at_once(tmp_path):
+    ep = start(tmp_path / "executor.log")
+    try:
+        wait_ready(ep)
+        t0 = time.monotonic()
+        ep.proc.send_signal(signal.SIGTERM)
+        assert ep.proc.wait(10) == 0, ep.output()
+        assert time.monotonic() - t0 < 3
+    finally:
+        stop(ep)
