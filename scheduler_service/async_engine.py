@@ -57,7 +57,7 @@ class EngineOptions:
     # Idle probe of the executor, and reconnect backoff (seconds).
     heartbeat_s: float = 2.0
     backoff_min_s: float = 0.1
-    backoff_max_s: float = 5.0
+    backoff_max_s: float = 2.0
     # How long accepted requests wait for a lost executor before failing UNAVAILABLE (None: forever).
     recovery_timeout_s: float | None = 300.0
 
