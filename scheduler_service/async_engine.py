@@ -291,6 +291,12 @@ class AsyncEngine:
             _, engine_id = heapq.heappop(self._deadlines)
             if self._held.pop(engine_id, None) is not None or self._remove_add(engine_id):
                 failures[engine_id] = _expired("while the executor was unavailable")
+        with self._cond:  # requests queued just before the loss have no heap entry yet
+            expired = [a for a in self._adds if a[4] is not None and a[4] <= now]
+            if expired:
+                self._adds = [a for a in self._adds if a[4] is None or a[4] > now]
+        for add in expired:
+            failures[add[0]] = _expired("while the executor was unavailable")
         timeout = self.options.recovery_timeout_s
         if timeout is not None and self._lost_at is not None and now - self._lost_at >= timeout:
             with self._cond:
