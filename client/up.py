@@ -93,7 +93,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds each service may take to be SERVING"
     )
-    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=40.0,
+        help="seconds between SIGTERM and SIGKILL on stop (default 40: longer than the scheduler's 30 s drain)",
+    )
     p.add_argument("--log-dir", default=None, help="where the services' logs go (default: a new temp dir)")
     p.add_argument(
         "--prompt",
