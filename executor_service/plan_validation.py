@@ -24,6 +24,11 @@ class PlanLimits:
     max_model_len: int
 
 
+def _first(values: list, is_bad) -> tuple[int, object] | None:
+    """(index, value) of the first entry for which is_bad holds."""
+    return next(((i, v) for i, v in enumerate(values) if is_bad(v)), None)
+
+
 def _duplicates(ids: list[int]) -> list[int]:
     return sorted(i for i, count in Counter(ids).items() if count > 1)
 
@@ -41,11 +46,12 @@ def validate_plan(plan: StepPlan, seqs: dict[int, SequenceState], limits: PlanLi
             fail(
                 f"columns of mismatched lengths: {len(plan.seq_ids)} seq_ids but {len(getattr(plan, name))} {name}"
             )
+    # Messages name the first bad entry, never a whole column (a status message must stay small).
     for name in ("num_computed_tokens", "num_new_blocks"):
-        if any(v < 0 for v in getattr(plan, name)):
-            fail(f"negative count in {name}: {getattr(plan, name)}")
-    if any(v <= 0 for v in plan.num_scheduled_tokens):
-        fail(f"num_scheduled_tokens must be positive: {plan.num_scheduled_tokens}")
+        if bad := _first(getattr(plan, name), lambda v: v < 0):
+            fail(f"negative count in {name}: {name}[{bad[0]}] = {bad[1]}")
+    if bad := _first(plan.num_scheduled_tokens, lambda v: v <= 0):
+        fail(f"num_scheduled_tokens must be positive: num_scheduled_tokens[{bad[0]}] = {bad[1]}")
     if sum(plan.num_new_blocks) != len(plan.new_block_ids):
         fail(
             f"columns of mismatched lengths: num_new_blocks sum to {sum(plan.num_new_blocks)} but "
@@ -101,11 +107,17 @@ def validate_plan(plan: StepPlan, seqs: dict[int, SequenceState], limits: PlanLi
             fail(f"seq {seq_id}: schedules tokens [{c}, {c + k}) but only {num_tokens} tokens are known")
         if c + k > limits.max_model_len:
             fail(f"seq {seq_id}: {c + k} tokens exceed max_model_len ({limits.max_model_len})")
+        if num_blocks > (max_blocks := _max_blocks_per_seq(limits)):
+            fail(f"seq {seq_id}: {num_blocks} blocks exceed max_model_len / block_size ({max_blocks})")
         if num_blocks * limits.block_size < c + k:
             fail(
                 f"seq {seq_id}: too few blocks: {num_blocks} blocks of {limits.block_size} cannot hold "
                 f"{c + k} tokens"
             )
+
+
+def _max_blocks_per_seq(limits: PlanLimits) -> int:
+    return -(-limits.max_model_len // limits.block_size)
 
 
 def _check_blocks(what: str, block_ids: list[int], limits: PlanLimits, fail) -> None:
@@ -129,6 +141,11 @@ def _check_new_seq(new: NewSequence, limits: PlanLimits, fail) -> None:
             f"new seq {new.seq_id}: num_computed_tokens {new.num_computed_tokens} is outside "
             f"[0, {len(new.token_ids)}]"
         )
+    if len(new.block_table) > (max_blocks := _max_blocks_per_seq(limits)):
+        fail(
+            f"new seq {new.seq_id}: block_table of {len(new.block_table)} blocks exceeds "
+            f"max_model_len / block_size ({max_blocks})"
+        )
     _check_blocks(f"the block_table of new seq {new.seq_id}", new.block_table, limits, fail)
     if problem := sampling_problem(new.sampling_params, limits.vocab_size):
         fail(f"new seq {new.seq_id}: {problem}")
@@ -143,8 +160,11 @@ def sampling_problem(p: StepSamplingParams, vocab_size: int) -> str | None:
         return f"top_p {p.top_p} must be in (0, 1]"
     if not 0 <= p.min_p <= 1:
         return f"min_p {p.min_p} must be in [0, 1]"
-    if not p.repetition_penalty > 0:
-        return f"repetition_penalty {p.repetition_penalty} must be > 0"
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        return f"repetition_penalty {p.repetition_penalty} must be > 0 and finite"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            return f"{name} {getattr(p, name)} must be finite"
     if not 0 <= p.logprobs <= vocab_size:
         return f"logprobs {p.logprobs} must be in [0, {vocab_size}]"
     if p.num_prompt_tokens < 0:

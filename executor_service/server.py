@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -83,6 +84,32 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
+class MalformedMessage:
+    """What a request deserializer returns for bytes that are no valid message."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _deserializer(message_type):
+    """A request deserializer whose parse error becomes INVALID_ARGUMENT in the handler (gRPC
+    would answer INTERNAL for an exception raised in the deserializer)."""
+    name = message_type.DESCRIPTOR.full_name
+
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return MalformedMessage(f"the message is not a valid {name} ({len(data)} bytes): {e}")
+
+    return parse
+
+
+def _refuse_malformed(message: object, context: grpc.ServicerContext) -> None:
+    if isinstance(message, MalformedMessage):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.error)
+
+
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     """ExecutorService over one executor; steps from any number of streams are serialised.
 
@@ -119,12 +146,16 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return self.executor
 
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeResponse:
+        _refuse_malformed(request, context)
         return info_to_proto(self.run_on_worker(self._executor(context).describe))
 
     def Step(
         self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext
     ) -> Iterator[pb.StepResult]:
         for msg in request_iterator:
+            if isinstance(msg, MalformedMessage):
+                self.metrics.step_failed("INVALID_ARGUMENT")
+                _refuse_malformed(msg, context)
             plan = plan_from_proto(msg)
             with self._lock:
                 executor = self._executor(context)
@@ -146,10 +177,36 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             yield result_to_proto(result)
 
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
+        _refuse_malformed(request, context)
         with self._lock:
             dropped = self.run_on_worker(self._executor(context).reset)
         logger.info("reset: dropped %d sequences", dropped)
         return pb.ResetResponse(num_dropped_seqs=dropped)
+
+
+def _executor_handler(servicer: ExecutorServicer) -> grpc.GenericRpcHandler:
+    """ExecutorService's methods, with deserializers that turn undecodable bytes into
+    INVALID_ARGUMENT."""
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Describe": grpc.unary_unary_rpc_method_handler(
+                servicer.Describe,
+                request_deserializer=_deserializer(pb.DescribeRequest),
+                response_serializer=pb.DescribeResponse.SerializeToString,
+            ),
+            "Step": grpc.stream_stream_rpc_method_handler(
+                servicer.Step,
+                request_deserializer=_deserializer(pb.StepPlan),
+                response_serializer=pb.StepResult.SerializeToString,
+            ),
+            "Reset": grpc.unary_unary_rpc_method_handler(
+                servicer.Reset,
+                request_deserializer=_deserializer(pb.ResetRequest),
+                response_serializer=pb.ResetResponse.SerializeToString,
+            ),
+        },
+    )
 
 
 def _num_graph_steps(executor: LocalExecutor) -> int:
@@ -177,7 +234,7 @@ class ExecutorServer:
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers, thread_name_prefix="executor-grpc"), options=SERVER_OPTIONS
         )
-        pb_grpc.add_ExecutorServiceServicer_to_server(self.servicer, self._server)
+        self._server.add_generic_rpc_handlers((_executor_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection(
