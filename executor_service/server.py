@@ -1,6 +1,7 @@
 """The executor's gRPC server: ExecutorService (Describe, the Step stream, Reset), grpc.health.v1
-and server reflection. It listens before the model is loaded (health NOT_SERVING) so that probes
-and the scheduler can tell "loading" from "down"."""
+and server reflection, in plaintext on loopback by default or behind (mutual) TLS. It listens before
+the model is loaded (health NOT_SERVING) so that probes and the scheduler can tell "loading" from
+"down"."""
 
 from __future__ import annotations
 

@@ -255,3 +255,13 @@ def test_cli_refuses_half_a_tls_configuration(pki, capsys, flags, message):
     flags = [f.format(**pki) for f in flags]
     assert main(["executor", "--metrics-port", "0", "--port", str(free_port()), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plaintext_beyond_loopback_is_logged(caplog):
+    from executor_service.server import ExecutorServer
+
+    for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
+        caplog.clear()
+        server = ExecutorServer(host, 0)
+        server.stop(0)
+        assert ("without TLS" in caplog.text) == warned, host
