@@ -238,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    if args.command in SERVICE_VERBS:
+        from client.up import exit_with_parent
+
+        exit_with_parent()
     level = args.log_level or ("INFO" if args.command in SERVICE_VERBS else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -126,10 +126,11 @@ class Service:
             stdin=subprocess.DEVNULL,
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
-            env=self.env,
+            # The child arms its parent-death signal itself (`exit_with_parent`): a preexec_fn
+            # would run Python in the forked child of a threaded process, which can crash.
+            env={**(self.env if self.env is not None else os.environ), PARENT_PID_ENV: str(os.getpid())},
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent if _PRCTL is not None else None,
         )
 
     def alive(self) -> bool:
@@ -156,21 +157,22 @@ class Service:
             self.log_file = None
 
 
-def _load_prctl():
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# Looked up before any fork: the child runs only the call itself.
-_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
+PARENT_PID_ENV = "TANDEM_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    # No orphan if `tandem up` is killed with SIGKILL: the kernel sends the child SIGTERM.
-    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+def exit_with_parent() -> None:
+    """In a service started by `tandem up`: get SIGTERM from the kernel when `tandem up` dies,
+    even by SIGKILL, so that no service is left orphaned. Does nothing elsewhere."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
