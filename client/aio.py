@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.client import call_metadata, channel_credentials, channel_options
+from client.client import call_metadata, open_channel
 from client.defaults import DEFAULT_SERVER
 from client.messages import (
     Chunk,
@@ -27,9 +27,8 @@ from client.messages import (
     Final,
     ModelInfo,
     TandemError,
-    chunk_from_proto,
-    final_from_proto,
     generate_request,
+    item_from_response,
     model_info_from_proto,
 )
 from protos.tandem.v1 import generation_pb2 as pb
@@ -55,12 +54,11 @@ class AsyncGenerationStream:
     async def _read(self) -> AsyncIterator[Chunk | Final]:
         try:
             async for response in self._call:
-                kind = response.WhichOneof("payload")
-                if kind == "chunk":
-                    yield chunk_from_proto(response.chunk)
-                elif kind == "final":
-                    self.final = final_from_proto(response.final, response.request_id or self._request_id)
-                    yield self.final
+                item = item_from_response(response, self._request_id)
+                if isinstance(item, Final):
+                    self.final = item
+                if item is not None:
+                    yield item
         except asyncio.CancelledError:
             if not self._cancelled:
                 raise
@@ -99,12 +97,7 @@ class AsyncTandemClient:
         self.address = address
         self.timeout = timeout
         self._metadata = call_metadata(api_key)
-        credentials = channel_credentials(tls, tls_ca)
-        options = channel_options(tls_server_name)
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
+        self._channel = open_channel(grpc.aio, address, tls, tls_ca, tls_server_name)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

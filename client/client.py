@@ -24,9 +24,8 @@ from client.messages import (
     Final,
     ModelInfo,
     TandemError,
-    chunk_from_proto,
-    final_from_proto,
     generate_request,
+    item_from_response,
     model_info_from_proto,
 )
 from protos.tandem.v1 import generation_pb2 as pb
@@ -55,6 +54,16 @@ def channel_options(tls_server_name: str | None) -> list[tuple[str, object]]:
     return list(CHANNEL_OPTIONS)
 
 
+def open_channel(grpc_module, address: str, tls: bool, tls_ca, tls_server_name: str | None):
+    """A channel to `address` from `grpc` (sync) or `grpc.aio`: plaintext, or TLS as
+    channel_credentials() says."""
+    credentials = channel_credentials(tls, tls_ca)
+    options = channel_options(tls_server_name)
+    if credentials is None:
+        return grpc_module.insecure_channel(address, options=options)
+    return grpc_module.secure_channel(address, credentials, options=options)
+
+
 class GenerationStream:
     """One Generate call: iterate for Chunks, then one Final. cancel() aborts it on the server."""
 
@@ -74,12 +83,11 @@ class GenerationStream:
     def _read(self) -> Iterator[Chunk | Final]:
         try:
             for response in self._call:
-                kind = response.WhichOneof("payload")
-                if kind == "chunk":
-                    yield chunk_from_proto(response.chunk)
-                elif kind == "final":
-                    self.final = final_from_proto(response.final, response.request_id or self._request_id)
-                    yield self.final
+                item = item_from_response(response, self._request_id)
+                if isinstance(item, Final):
+                    self.final = item
+                if item is not None:
+                    yield item
         except grpc.RpcError as e:
             if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
                 return
@@ -116,12 +124,7 @@ class TandemClient:
         self.address = address
         self.timeout = timeout
         self._metadata = call_metadata(api_key)
-        credentials = channel_credentials(tls, tls_ca)
-        options = channel_options(tls_server_name)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            self._channel = grpc.secure_channel(address, credentials, options=options)
+        self._channel = open_channel(grpc, address, tls, tls_ca, tls_server_name)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

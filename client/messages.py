@@ -174,6 +174,16 @@ def final_from_proto(final: pb.GenerateFinal, request_id: str = "") -> Final:
     )
 
 
+def item_from_response(response: pb.GenerateResponse, request_id: str = "") -> Chunk | Final | None:
+    """A stream message as the client yields it (None for an empty payload)."""
+    kind = response.WhichOneof("payload")
+    if kind == "chunk":
+        return chunk_from_proto(response.chunk)
+    if kind == "final":
+        return final_from_proto(response.final, response.request_id or request_id)
+    return None
+
+
 def model_info_from_proto(info: pb.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(
         model=info.model,
