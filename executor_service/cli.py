@@ -6,20 +6,15 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
+from client.defaults import DEFAULT_MODEL
+from client.defaults import env as _env
 from executor_service.server import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT, GRACE_SECONDS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-pydoc"
 _TRUE = {"1", "true", "yes", "on"}
 DEFAULT_TP_MASTER_PORT = 29500
-
-
-def _env(name: str, default: object = None) -> object:
-    # argparse applies `type` to string defaults, so environment values are parsed like flags.
-    return os.environ.get(f"TANDEM_{name}", default)
 
 
 def _env_flag(name: str) -> bool:

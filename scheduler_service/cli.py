@@ -5,17 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
+from client.defaults import DEFAULT_MODEL
+from client.defaults import env as _env
 from protos.plan import ExecutorInfo
 from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-pydoc"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9101
 DESCRIPTION = (
@@ -23,11 +22,6 @@ DESCRIPTION = (
     "may start later; health is NOT_SERVING until it is connected. Every flag can also be set by "
     "the environment variable in brackets."
 )
-
-
-def _env(name: str, default: object = None) -> object:
-    # argparse applies `type` to string defaults, so environment values are parsed like flags.
-    return os.environ.get(f"TANDEM_{name}", default)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
