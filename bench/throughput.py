@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shlex
+import subprocess
 import sys
 import tempfile
 import threading
@@ -48,6 +49,7 @@ W1_CONFIG = dict(
     bos_token_id=None,
 )
 W1_TOTALS = (142_827, 133_966)  # prompt, output tokens
+W1_FLOOR_S = 3.7  # BENCH.md: the H200's floor for W1 (weights and KV cache read at copy bandwidth)
 
 
 @dataclass
@@ -92,6 +94,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--executor-cmd",
         default=None,
         help='command that starts the executor (default: "python -m executor_service"), e.g. under a profiler',
+    )
+    p.add_argument(
+        "--fused-ops",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the executor's Triton-fused norm/rotary/SiLU kernels, in both modes (default auto: on CUDA)",
+    )
+    p.add_argument(
+        "--peer",
+        default=None,
+        metavar="SCRIPT",
+        help="after tandem, run this peer script (e.g. ../shared/peers/hf_continuous_batching.py) in the "
+        "same run and print its output tok/s next to tandem's; PEER_N requests (default all 256)",
     )
     p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
     args = p.parse_args(argv)
@@ -145,6 +160,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        fused_ops=args.fused_ops,
         **options,
     )
     warm = [r.prompt_token_ids for r in workload[:4]]
@@ -159,6 +175,10 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
     tokens = sum(len(o.token_ids) for o in outputs)
     del llm, outputs
     gc.collect()
+    if args.device.startswith("cuda"):  # the split's executor sizes its KV cache from free memory
+        import torch
+
+        torch.cuda.empty_cache()
     return tokens, elapsed, cpu
 
 
@@ -175,6 +195,7 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     executor_argv += ["--port", str(executor_port), "--metrics-port", str(executor_metrics)]
     executor_argv += ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
     executor_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    executor_argv += ["--fused-ops", args.fused_ops]
     if args.dtype:
         executor_argv += ["--dtype", args.dtype]
     if args.num_kv_blocks:
@@ -309,12 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: W1 expects {W1_TOTALS} prompt/output tokens", file=sys.stderr)
 
     results = {}
+
+    def floor(elapsed: float) -> str:
+        return (
+            f"; the {W1_FLOOR_S} s floor is {W1_FLOOR_S / elapsed:.0%} of it" if args.workload == "w1" else ""
+        )
+
     if args.mode in ("both", "in-process"):
         tokens, elapsed, cpu = run_in_process(args, args.model, workload)
         results["in-process"] = tokens / elapsed
         print(
             f"in-process: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} output tok/s "
-            f"(CPU time {cpu:.1f} s)",
+            f"(CPU time {cpu:.1f} s{floor(elapsed)})",
             flush=True,
         )
     if args.mode in ("both", "split"):
@@ -325,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"split: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} output tok/s "
             f"(executor: {count} steps, {busy:.2f} s in steps = {busy / elapsed:.0%} of the wall time; "
-            f"CPU time: " + ", ".join(f"{k} {v:.1f} s" for k, v in steps["cpu"].items()) + ")",
+            f"CPU time: "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in steps["cpu"].items())
+            + f"{floor(elapsed)})",
             flush=True,
         )
         if tokens != num_output:
@@ -334,7 +363,26 @@ def main(argv: list[str] | None = None) -> int:
         ratio = results["split"] / results["in-process"]
         label = "CPU" if args.device == "cpu" else "GPU"
         print(f"{label} split/in-process: {ratio:.3f}")
+    if args.workload == "w1":
+        for mode, rate in results.items():
+            print(f"W1 {mode}: {rate:.0f} output tok/s")
+    if args.peer:
+        peer = run_peer(args.peer)
+        print(
+            f"peer {peer['peer']} ({peer['n']} requests): {peer['tok_per_s']:.1f} output tok/s in {peer['seconds']} s"
+        )
+        for mode, rate in results.items():
+            print(f"tandem {mode} / peer: {rate / peer['tok_per_s']:.1f}x")
     return 0
+
+
+def run_peer(script: str) -> dict:
+    """The peer script in its own process (it builds its own model); its last line is JSON."""
+    env = {**os.environ, "N": os.environ.get("PEER_N", "256")}
+    result = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"the peer {script} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -119,6 +119,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "CPU) [TANDEM_ATTENTION_BACKEND]",
     )
     p.add_argument(
+        "--fused-ops",
+        choices=("auto", "on", "off"),
+        default=_env("FUSED_OPS", "auto"),
+        help="Triton kernels for residual + RMSNorm, SiLU-and-mul and q/k norm + rotary (default auto: "
+        "on with CUDA and triton) [TANDEM_FUSED_OPS]",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -197,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
+            fused_ops=args.fused_ops,
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
             tp_master_addr=args.tp_master_addr,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,9 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    # Triton kernels for residual + RMSNorm, SiLU-and-mul and q/k norm + rotary: auto (on CUDA
+    # with triton), on, off. Resolved to "on" or "off" at construction.
+    fused_ops: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
     # Ranks behind this executor (one GPU each on CUDA); rank 0 spawns the others.
@@ -84,6 +88,7 @@ class ExecutorConfig:
                 "the model's max_position_embeddings"
             )
         self._check_backend()
+        self._check_fused_ops()
         self._check_tensor_parallel()
 
     def _check_device(self) -> None:
@@ -109,6 +114,21 @@ class ExecutorConfig:
                     f"tensor_parallel_size {tp} on {self.device} needs {last}, but torch sees "
                     f"{torch.cuda.device_count()} CUDA devices"
                 )
+
+    def _check_fused_ops(self) -> None:
+        if self.fused_ops not in ("auto", "on", "off"):
+            raise ValueError(f"fused_ops {self.fused_ops!r} is not one of auto, on, off")
+        head_dim = self.model_config.head_dim
+        why_not = None
+        if not self.device.startswith("cuda"):
+            why_not = f"they are Triton kernels for CUDA, and the device is {self.device}"
+        elif importlib.util.find_spec("triton") is None:
+            why_not = "triton is not installed"
+        elif head_dim & (head_dim - 1):
+            why_not = f"the q/k kernel needs a power-of-two head_dim, and it is {head_dim}"
+        if self.fused_ops == "on" and why_not:
+            raise ValueError(f"fused_ops 'on' cannot be used: {why_not}")
+        self.fused_ops = "off" if why_not or self.fused_ops == "off" else "on"
 
     def _check_backend(self) -> None:
         if self.attention_backend == "auto":

@@ -99,6 +99,8 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = backend
+            if hasattr(module, "fused"):  # the layers with a Triton-fused path
+                module.fused = config.fused_ops == "on"
         self.sampler = Sampler(config.seed, self.device)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.block_tables = BlockTables(self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
@@ -129,13 +131,15 @@ class ModelRunner:
         )
         self.kv_cache.bind(self.model)
         logger.info(
-            "rank %d/%d: loaded %s (%s, %s, %s attention) with %d KV blocks of %d tokens (%.2f GiB)",
+            "rank %d/%d: loaded %s (%s, %s, %s attention, fused ops %s) with %d KV blocks of %d "
+            "tokens (%.2f GiB)",
             tp_rank,
             self.tp_size,
             config.model,
             mc.architecture,
             config.dtype,
             config.attention_backend,
+            config.fused_ops,
             num_blocks,
             self.block_size,
             num_blocks * bytes_per_block / 2**30,

@@ -172,7 +172,8 @@ def test_reset_drops_every_sequence(executor, sched):
 
 
 def test_describe_reports_capacity_and_model_limits(qwen3_untied):
-    info = make_executor(qwen3_untied, block_size=32, num_kv_blocks=40, max_model_len=None).describe()
+    executor = make_executor(qwen3_untied, block_size=32, num_kv_blocks=40, max_model_len=None)
+    info = executor.describe()
     assert info.model == Path(qwen3_untied).name
     assert info.architecture == "Qwen3ForCausalLM"
     assert (info.block_size, info.num_kv_blocks, info.max_model_len) == (32, 40, 1024)
@@ -180,6 +181,7 @@ def test_describe_reports_capacity_and_model_limits(qwen3_untied):
     assert (info.vocab_size, info.num_layers, info.dtype, info.device) == (512, 4, "float32", "cpu")
     assert info.block_bytes == 2 * 4 * 32 * 2 * 16 * 4  # K and V, 4 layers, 2 KV heads of 16, fp32
     assert info.attention_backend == "torch"
+    assert executor.config.fused_ops == "off"  # auto: the Triton kernels need CUDA
 
 
 def test_kv_cache_gb_sets_the_block_count(qwen3_tied):
@@ -196,6 +198,11 @@ def test_kv_cache_gb_sets_the_block_count(qwen3_tied):
         ({"dtype": "float8"}, "dtype 'float8' is not one of"),
         ({"attention_backend": "nope"}, "attention_backend 'nope' is not one of auto, "),
         ({"attention_backend": "triton"}, "attention_backend 'triton' does not run on cpu"),
+        ({"fused_ops": "yes"}, "fused_ops 'yes' is not one of auto, on, off"),
+        (
+            {"fused_ops": "on"},
+            "fused_ops 'on' cannot be used: they are Triton kernels for CUDA, and the device is cpu",
+        ),
         ({"block_size": 0}, r"block_size \(0\) must be positive"),
         ({"max_num_seqs": 9000}, r"max_num_batched_tokens \(8192\) must be >= max_num_seqs \(9000\)"),
         ({"device": "tpu"}, "device 'tpu' must be 'cpu' or 'cuda'"),

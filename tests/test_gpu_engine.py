@@ -77,3 +77,18 @@ def test_kv_cache_sized_from_free_memory(qwen3_tied):
     assert torch.cuda.memory_reserved() <= 0.1 * total
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 8
+
+
+def test_fused_ops_match_the_unfused_layers(qwen3_tied, qwen3_untied):
+    """fp32: fused and unfused give the same greedy tokens; bf16 (rounding alike up to exp/rsqrt):
+    the same first 32 tokens on a checkpoint with clear logit margins."""
+    prompts = make_prompts(seed=5)
+    for path, dtype, max_tokens in ((qwen3_untied, "float32", MAX_NEW), (qwen3_tied, "bfloat16", 32)):
+        fused, fused_tokens = _generate(
+            path, prompts, max_tokens, dtype=dtype, fused_ops="on", num_kv_blocks=64
+        )
+        plain, plain_tokens = _generate(
+            path, prompts, max_tokens, dtype=dtype, fused_ops="off", num_kv_blocks=64
+        )
+        assert fused.executor.config.fused_ops == "on" and plain.executor.config.fused_ops == "off"
+        assert fused_tokens == plain_tokens, dtype

@@ -63,6 +63,14 @@ for group, block_size, cfg in ((2, 16, None), (8, 16, {"BLOCK_M": 16, "BLOCK_N":
     b = make_batch([7, 40, 16], [30, 40, 48], 2 * group, 2, 32, block_size, f16, "cpu", seed=group)
     check_prefill(b, config=cfg)
 """,
+    "fused_ops": """
+from test_triton_ops import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
+for dtype in (torch.float32, torch.bfloat16, f16):
+    check_rms_norm(5, 96, dtype, "cpu")
+    check_silu_and_mul(3, 200, dtype, "cpu")
+    check_qk_norm_rope(4, 4, 2, 32, dtype, "cpu")
+    check_qk_norm_rope(3, 2, 1, 64, dtype, "cpu")
+""",
     "mixed": """
 # Prefill chunks and decode rows in one step, plus CUDA-graph padding rows.
 for splits in (1, 3):

@@ -18,6 +18,9 @@ from executor_service.parallel import num_kv_heads_per_rank
 
 
 class Qwen3Attention(nn.Module):
+    # Set by the model runner (CUDA with triton): q/k norm and rotary in one Triton kernel.
+    fused = False
+
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         # This rank's heads.
@@ -47,10 +50,25 @@ class Qwen3Attention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # [num_tokens, heads, head_dim]
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.fused:
+            from executor_service.layers import triton_ops
+
+            q, k = triton_ops.qk_norm_rope(
+                qkv,
+                positions,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.rotary_emb.cos_sin_cache,
+                self.q_norm.eps,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
+        else:
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1))
 

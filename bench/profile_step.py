@@ -1,0 +1,114 @@
+"""Where a W1 step's GPU time goes: decode steps of the W1 model (Qwen3-0.6B shape) at a fixed batch
+and context, timed end to end (CUDA graphs, as the engine runs them) and broken down by kernel with
+torch.profiler, with the fused ops on and off.
+
+    python bench/profile_step.py [--batch 256] [--context 512] [--steps 32]
+
+Prints, for each setting, the mean decode step in ms and the share of GPU kernel time by group
+(attention, GEMM, fused Triton ops, other elementwise, sampling), then the top kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.throughput import build_w1_checkpoint
+
+GROUPS = (
+    ("attention", ("paged_attention", "store_kv", "reduce", "flash", "varlen", "fmha")),
+    ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "matmul", "splitk")),
+    ("fused ops", ("_rms_norm", "_silu_and_mul", "_qk_norm_rope")),
+    ("sampling", ("softmax", "sort", "topk", "multinomial", "argmax", "exponential", "gumbel", "cumsum")),
+)
+
+
+def group_of(name: str) -> str:
+    lowered = name.lower()
+    for group, keys in GROUPS:
+        if any(k in lowered for k in keys):
+            return group
+    return "other"
+
+
+def run(args: argparse.Namespace, model: str, fused_ops: str) -> None:
+    from scheduler_service.llm import LLM
+    from scheduler_service.sampling_params import SamplingParams
+
+    llm = LLM(
+        model, device="cuda", fused_ops=fused_ops, max_num_seqs=args.batch, enforce_eager=args.enforce_eager
+    )
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
+    params = SamplingParams(max_tokens=args.steps, temperature=0.6, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+
+    def generate(max_tokens: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        p = SamplingParams(max_tokens=max_tokens, temperature=0.6, ignore_eos=True)
+        llm.generate(prompts, p, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    # The prefill is the same in both runs: the difference is (steps - 1) decode steps.
+    one, many = generate(1), generate(args.steps)
+    step_ms = (many - one) / (args.steps - 1) * 1e3
+    print(
+        f"fused ops {fused_ops}: decode step at batch {args.batch}, context ~{args.context}: {step_ms:.2f} ms "
+        f"({args.batch / step_ms * 1e3:.0f} tok/s)",
+        flush=True,
+    )
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name][0] += event.time_range.elapsed_us()
+            kernels[event.name][1] += 1
+    total = sum(t for t, _ in kernels.values()) or 1.0
+    groups = defaultdict(float)
+    for name, (t, _) in kernels.items():
+        groups[group_of(name)] += t
+    print(
+        "  GPU time by group: "
+        + ", ".join(f"{g} {t / total:.0%}" for g, t in sorted(groups.items(), key=lambda x: -x[1]))
+    )
+    for name, (t, n) in sorted(kernels.items(), key=lambda x: -x[1][0])[: args.top]:
+        print(f"  {t / total:6.1%} {t / n:8.1f} us x {n:6d}  {name[:100]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint (default: the W1 checkpoint, built)")
+    p.add_argument("--w1-dir", default="/tmp/tandem-w1-qwen3-0.6b")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both")
+    p.add_argument("--enforce-eager", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/profile_step.py needs a CUDA device")
+    model = args.model or str(build_w1_checkpoint(Path(args.w1_dir)))
+    for fused_ops in ("on", "off") if args.fused_ops == "both" else (args.fused_ops,):
+        run(args, model, fused_ops)
+        gc.collect()  # the next engine sizes its KV cache from free memory
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
