@@ -77,6 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="most waiting requests before RESOURCE_EXHAUSTED (default: no limit) [TANDEM_MAX_QUEUE]",
     )
     p.add_argument(
+        "--max-plans-in-flight",
+        type=int,
+        choices=(1, 2),
+        default=_env("MAX_PLANS_IN_FLIGHT", 2),
+        help="step plans sent before the oldest result is back (default 2: the next step is scheduled "
+        "and on its way while the executor runs one) [TANDEM_MAX_PLANS_IN_FLIGHT]",
+    )
+    p.add_argument(
         "--max-queued-tokens",
         type=int,
         default=_env("MAX_QUEUED_TOKENS"),
@@ -189,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_plans_in_flight=args.max_plans_in_flight,
         )
         options = EngineOptions(
             config,

@@ -17,12 +17,18 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # None = the executor's max_model_len.
     max_model_len: int | None = None
+    # Plans sent before the oldest result is read: 2 hides the scheduler and the network behind
+    # the executor's step (DESIGN.md §3); None = 2 for an executor that takes a plan ahead
+    # (the gRPC one), 1 in-process.
+    max_plans_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_plans_in_flight not in (None, 1, 2):
+            raise ValueError(f"max_plans_in_flight must be 1 or 2, got {self.max_plans_in_flight}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(
                 f"max_model_len must be >= 2 (or None for the executor's), got {self.max_model_len}"

@@ -1,9 +1,14 @@
-"""The synchronous engine: requests in, one schedule -> execute -> update per step, outputs out."""
+"""The synchronous engine: requests in, schedule -> execute -> update, outputs out.
+
+With an executor that can take a plan before answering the last one (RemoteExecutor's `send` /
+`receive`), two plans are in flight: step N+1 is scheduled and sent before step N's result is
+read, so the executor never waits for the scheduler or the network between steps."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable as Iter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -21,13 +26,51 @@ STATUS_INTERVAL_S = 10.0
 
 
 class Executor(Protocol):
-    """LocalExecutor (in-process model runner) or RemoteExecutor (the gRPC stream)."""
+    """LocalExecutor (in-process model runner) or RemoteExecutor (the gRPC stream). An executor
+    may also have `send(plan)`, `receive(plan) -> StepResult` (results in plan order) and
+    `discard()` (forget plans sent and not received) to take two plans in flight."""
 
     def describe(self) -> ExecutorInfo: ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
 
     def reset(self) -> int: ...
+
+
+class RunOnSend:
+    """send / receive / discard over an executor that only has step(): each plan runs when it
+    is sent. Once one fails, later plans (built on it) are not run: the engine discards them."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self._results: deque[StepResult | BaseException] = deque()
+
+    def describe(self) -> ExecutorInfo:
+        return self.executor.describe()
+
+    def reset(self) -> int:
+        return self.executor.reset()
+
+    def step(self, plan: StepPlan) -> StepResult:
+        return self.executor.step(plan)
+
+    def send(self, plan: StepPlan) -> None:
+        if self._results and isinstance(self._results[-1], BaseException):
+            self._results.append(RuntimeError(f"step {plan.step_id} not run: an earlier step failed"))
+            return
+        try:
+            self._results.append(self.executor.step(plan))
+        except Exception as e:
+            self._results.append(e)
+
+    def receive(self, plan: StepPlan) -> StepResult:
+        out = self._results.popleft()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def discard(self) -> None:
+        self._results.clear()
 
 
 @dataclass(slots=True)
@@ -73,9 +116,17 @@ class LLMEngine:
         self.info = executor.describe()
         self.scheduler = Scheduler(self.config, self.info, first_step_id)
         self.limits = self.scheduler.limits
+        depth = self.config.max_plans_in_flight
+        if depth is None:  # two where the executor works while the next plan travels
+            depth = 2 if hasattr(executor, "send") else 1
+        self.max_plans_in_flight = depth
+        self._pipe = executor if hasattr(executor, "send") else RunOnSend(executor)
+        # (plan, when it was sent; None for a plan with nothing for the executor), oldest first.
+        self._in_flight: deque[tuple[StepPlan, float | None]] = deque()
         self._next_request_id = 0
         self._last_status = (time.monotonic(), 0, 0)
-        # The last step's plan and how long executor.step() took (0 when not called).
+        # The plan whose result the last step() applied (or that failed), and the seconds from
+        # sending it to its result (0 when it had nothing for the executor).
         self.last_plan: StepPlan | None = None
         self.last_step_seconds = 0.0
 
@@ -122,26 +173,50 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        self.last_plan = plan
-        self.last_step_seconds = 0.0
-        if plan.seq_ids or plan.finished_seq_ids or plan.preempted_seq_ids:
-            t0 = time.perf_counter()
-            try:
-                result = self.executor.step(plan)
-            except BaseException:
-                self.scheduler.abandon(plan)
-                raise
-            self.last_step_seconds = time.perf_counter() - t0
-        else:
-            result = StepResult(step_id=plan.step_id)
-        outputs = [_to_output(seq) for seq in self.scheduler.update(plan, result)]
+        """Send plans until max_plans_in_flight are out, then apply the oldest one's result. On
+        an executor error every plan in flight is abandoned (none of them changed our state)
+        and the error raised, with last_plan the oldest."""
+        in_flight = self._in_flight
+        scheduler = self.scheduler
+        try:
+            if not in_flight:
+                self._send(scheduler.schedule())
+            while len(in_flight) < self.max_plans_in_flight and scheduler.can_schedule_ahead():
+                self._send(scheduler.schedule())
+            plan, sent_at = in_flight[0]
+            self.last_plan = plan
+            self.last_step_seconds = 0.0
+            if sent_at is None:
+                result = StepResult(step_id=plan.step_id)
+            else:
+                result = self._pipe.receive(plan)
+                self.last_step_seconds = time.perf_counter() - sent_at
+        except BaseException:
+            self._abandon_in_flight()
+            raise
+        in_flight.popleft()
+        outputs = [_to_output(seq) for seq in scheduler.update(plan, result)]
         if time.monotonic() - self._last_status[0] >= STATUS_INTERVAL_S:
             self._log_status()
         return outputs
+
+    def _send(self, plan: StepPlan) -> None:
+        if not (plan.seq_ids or plan.finished_seq_ids or plan.preempted_seq_ids):
+            self._in_flight.append((plan, None))
+            return
+        self._in_flight.append((plan, time.perf_counter()))
+        self._pipe.send(plan)
+
+    def _abandon_in_flight(self) -> None:
+        """Undo the bookkeeping of every plan in flight, newest first; the executor forgets them."""
+        if self._in_flight:
+            self.last_plan = self._in_flight[0][0]
+        while self._in_flight:
+            self.scheduler.abandon(self._in_flight.pop()[0])
+        self._pipe.discard()
 
     def fail_requests(self, request_ids: Iter[int], error: str) -> list[RequestOutput]:
         """Finish unfinished requests with "abort" and `error` (e.g. the plan they were in was

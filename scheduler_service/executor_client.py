@@ -74,12 +74,14 @@ class _StepStream:
         self._requests: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
         self._responses = stub.Step(iter(self._requests.get, _CLOSE))
 
-    def step(self, msg: pb.StepPlan) -> pb.StepResult:
+    def send(self, msg: pb.StepPlan) -> None:
         self._requests.put(msg)
+
+    def receive(self, step_id: int) -> pb.StepResult:
         out = next(self._responses)
         # Results come in plan order; one for an older step (a plan sent before a reset) is stale.
-        while out.step_id < msg.step_id:
-            logger.warning("discarding the result of old step %d (waiting for %d)", out.step_id, msg.step_id)
+        while out.step_id < step_id:
+            logger.warning("discarding the result of old step %d (waiting for %d)", out.step_id, step_id)
             out = next(self._responses)
         return out
 
@@ -91,7 +93,9 @@ class _StepStream:
 class RemoteExecutor:
     """The Executor protocol (`describe`, `step`, `reset`) against an executor service.
 
-    Calls are synchronous. Any error closes the Step stream; the next `step()` opens a new one.
+    `step(plan)` is `send(plan)` then `receive(plan)`; the engine sends the next plan before it
+    receives the last result (two in flight), and the executor answers in order. Any error
+    closes the Step stream, dropping the plans in it; the next `send()` opens a new one.
     """
 
     def __init__(
@@ -162,12 +166,29 @@ class RemoteExecutor:
             raise self._error(e, "Reset") from e
 
     def step(self, plan: StepPlan) -> StepResult:
+        self.send(plan)
+        return self.receive(plan)
+
+    def send(self, plan: StepPlan) -> None:
         msg = plan_to_proto(plan)
         with self._lock:
             if self._stream is None:
                 self._stream = _StepStream(self._stub)
+            self._stream.send(msg)
+
+    def discard(self) -> None:
+        """Forget the plans sent and not received: their stream is closed."""
+        with self._lock:
+            self._close_stream()
+
+    def receive(self, plan: StepPlan) -> StepResult:
+        with self._lock:
+            if self._stream is None:
+                raise ExecutorUnavailable(
+                    f"executor at {self.address}: the step stream closed before the result of step {plan.step_id}"
+                )
             try:
-                out = self._stream.step(msg)
+                out = self._stream.receive(plan.step_id)
             except grpc.RpcError as e:
                 self._close_stream()
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -5,6 +5,12 @@ num_computed_tokens catching up with len(token_ids); a step gives each scheduled
 a number of tokens under a token budget (decode = 1, chunked prefill = a slice), running
 sequences first, then waiting ones in arrival order. When the cache runs out, the newest
 running sequence is preempted by recompute.
+
+Two plans may be in flight (DESIGN.md §3): step N+1 is scheduled before step N's result is back,
+counting on one more token for every sequence N samples (`num_pending_tokens`); the executor
+feeds what it sampled into N+1 itself. Stop checks lag by one step: a sequence that stops at N
+computes one token in N+1 whose result is dropped. A sequence whose pending tokens reach its
+length limit is not scheduled again.
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ class Scheduler:
         self._next_step_id = first_step_id
         # Sequences the executor holds that finished since the last plan.
         self._finished_ids: list[int] = []
-        # step id -> (how many sequences sample, the scheduled ones that do not).
-        self._in_flight: dict[int, tuple[int, list[Sequence]]] = {}
+        # step id -> (the scheduled sequences that sample, those that do not: prefill chunks).
+        self._in_flight: dict[int, tuple[list[Sequence], list[Sequence]]] = {}
         # Sequences failed inside schedule(), returned by the next update().
         self._failed: list[Sequence] = []
         self.stats = SchedulerStats(num_total_blocks=limits.num_kv_blocks)
@@ -58,7 +64,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> bool:
-        """Finish a sequence with "abort". Call between steps, never while one is in flight."""
+        """Finish a sequence with "abort" and free its blocks. Plans in flight may still compute
+        for it: the executor runs plans in order, so a later plan's new owner of a freed block
+        writes after them, and their results for it are dropped."""
         seq = self.seqs.get(seq_id)
         if seq is None:
             return False
@@ -73,7 +81,9 @@ class Scheduler:
     def abandon(self, plan: StepPlan) -> None:
         """Undo schedule()'s bookkeeping for a plan the executor did not run (a rejected plan
         changes no executor state), so that failing the plan's requests leaves all consistent."""
-        self._in_flight.pop(plan.step_id, None)
+        entry = self._in_flight.pop(plan.step_id, None)
+        for seq in entry[0] if entry is not None else ():
+            seq.num_pending_tokens = max(0, seq.num_pending_tokens - 1)
         # The executor still holds these: drop them with the next plan.
         self._finished_ids.extend(plan.finished_seq_ids)
         self._finished_ids.extend(plan.preempted_seq_ids)
@@ -89,6 +99,15 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether a plan scheduled now, before the results in flight, would compute anything."""
+        if self.waiting or self._finished_ids:
+            return True
+        return any(
+            not s.num_pending_tokens or len(s.token_ids) + s.num_pending_tokens < s.max_num_tokens
+            for s in self.running
+        )
 
     def has_finished_to_send(self) -> bool:
         """Finished sequences whose executor state the next plan still has to drop."""
@@ -123,16 +142,21 @@ class Scheduler:
         num_new_blocks = plan.num_new_blocks
         free_ids = bm.free_block_ids
         running = self.running
-        # Scheduled sequences that sample nothing this step (a chunk of a longer prefill).
+        # Scheduled sequences that sample this step, and those that do not (a prefill chunk).
+        sampling: list[Sequence] = []
         partial: list[Sequence] = []
-        num_sampling = 0
         preempted = False
 
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             c = seq.num_computed_tokens
-            remaining = len(seq.token_ids) - c
+            # Tokens known, or sampled by a plan in flight (its token is fed on the executor).
+            known = len(seq.token_ids) + seq.num_pending_tokens
+            remaining = known - c
+            if seq.num_pending_tokens and known >= seq.max_num_tokens:
+                i += 1  # it stops with "length" once the results in flight are in
+                continue
             n = remaining if remaining <= budget else budget
             if c + n > len(seq.block_table) * bs:
                 needed = -(-(c + n) // bs) - len(seq.block_table)
@@ -153,7 +177,8 @@ class Scheduler:
             if n < remaining:
                 partial.append(seq)
             else:
-                num_sampling += 1
+                sampling.append(seq)
+                seq.num_pending_tokens += 1
             seq_ids.append(seq.seq_id)
             num_scheduled.append(n)
             num_computed.append(c)
@@ -163,20 +188,21 @@ class Scheduler:
 
         # After a preemption, admitting new work would only thrash the cache.
         if not preempted:
-            num_sampling += self._schedule_waiting(plan, budget, partial)
-        self._in_flight[plan.step_id] = (num_sampling, partial)
+            self._schedule_waiting(plan, budget, sampling, partial)
+        self._in_flight[plan.step_id] = (sampling, partial)
         self.stats.num_chunked_prefills += len(partial)
         self.stats.num_steps += 1
         self._refresh_gauges()
         return plan
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int, partial: list[Sequence]) -> int:
-        """Admit waiting sequences in arrival order; returns how many of them will sample."""
+    def _schedule_waiting(
+        self, plan: StepPlan, budget: int, sampling: list[Sequence], partial: list[Sequence]
+    ) -> None:
+        """Admit waiting sequences in arrival order into plan, sampling or partial."""
         bm = self.block_manager
         bs = self.limits.block_size
         waiting = self.waiting
         running = self.running
-        num_sampling = 0
         while waiting and budget > 0 and len(running) < self.limits.max_num_seqs:
             seq = waiting[0]
             cached = bm.find_cached_blocks(seq)
@@ -207,15 +233,16 @@ class Scheduler:
             if seq.num_computed_tokens < len(seq.token_ids):
                 partial.append(seq)
             else:
-                num_sampling += 1
+                sampling.append(seq)
+                seq.num_pending_tokens += 1
             budget -= n
-        return num_sampling
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.num_pending_tokens = 0  # a token a plan in flight samples for it is dropped
         self.waiting.appendleft(seq)
         if seq.sent:
             plan.preempted_seq_ids.append(seq.seq_id)
@@ -242,11 +269,12 @@ class Scheduler:
         Returns the sequences that got a token or finished, each with num_new_tokens set."""
         if result.step_id != plan.step_id or plan.step_id not in self._in_flight:
             raise RuntimeError(f"result for step {result.step_id} does not match plan {plan.step_id}")
-        num_sampling, partial = self._in_flight.pop(plan.step_id)
-        if len(result.seq_ids) != num_sampling:
+        sampling, partial = self._in_flight.pop(plan.step_id)
+        if len(result.seq_ids) != len(sampling):
             raise RuntimeError(
-                f"step {plan.step_id}: executor sampled {len(result.seq_ids)} sequences, expected {num_sampling}"
+                f"step {plan.step_id}: executor sampled {len(result.seq_ids)} sequences, expected {len(sampling)}"
             )
+        expected = {s.seq_id: s for s in sampling}
         out = self._failed
         self._failed = []
         seqs = self.seqs
@@ -260,13 +288,18 @@ class Scheduler:
         num_generated = 0
         offset = 0
         for seq_id, k in zip(result.seq_ids, result.num_tokens, strict=True):
-            seq = seqs.get(seq_id)
-            if seq is None or seq.status is not _RUNNING:
+            seq = expected.get(seq_id)
+            if seq is None:
+                raise RuntimeError(
+                    f"step {plan.step_id}: executor sampled sequence {seq_id}, not in the plan"
+                )
+            if seq.status is not _RUNNING or seqs.get(seq_id) is not seq:
                 offset += k
-                continue  # aborted while the step ran
+                continue  # finished, aborted or preempted while the step ran: drop its token
+            seq.num_pending_tokens -= 1
             tokens = seq.token_ids
             num_before = len(tokens)
-            if seq.num_computed_tokens != num_before:
+            if seq.num_computed_tokens != num_before + seq.num_pending_tokens:
                 raise RuntimeError(f"executor sampled a token for sequence {seq_id} in mid-prefill")
             if num_before == seq.num_prompt_tokens:
                 stats.num_prompt_tokens += num_before

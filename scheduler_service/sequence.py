@@ -36,6 +36,7 @@ class Sequence:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_new_tokens",
+        "num_pending_tokens",
         "num_prompt_tokens",
         "num_registered_blocks",
         "sampling_params",
@@ -78,6 +79,8 @@ class Sequence:
         self.sent = False
         # Tokens appended by the last update().
         self.num_new_tokens = 0
+        # Tokens that plans in flight will sample (two plans in flight: up to 2).
+        self.num_pending_tokens = 0
         # Set by the scheduler from the model's limits: sampled tokens that stop the sequence,
         # and the total length at which it stops with "length".
         self.stop_ids: frozenset[int] = frozenset()
@@ -133,6 +136,7 @@ class Sequence:
         self.num_registered_blocks = 0
         self.sent = False
         self.num_new_tokens = 0
+        self.num_pending_tokens = 0
 
     def to_new_sequence(self) -> NewSequence:
         """The executor's copy: all tokens known so far, prompt and generated."""

@@ -426,10 +426,23 @@ def test_fake_executor_detects_wrong_kv():
         ex.step(plan)
 
 
+def _params(max_tokens: int, stop: int | None) -> SamplingParams:
+    """Greedy; with `stop`, an eighth of the vocabulary stops the sequence early."""
+    if stop is None:
+        return greedy(max_tokens)
+    return greedy(max_tokens, stop_token_ids=list(range(stop, stop + VOCAB // 8)))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     requests=st.lists(
-        st.tuples(st.integers(1, 30), st.integers(0, 2), st.integers(1, 12), st.integers(0, 6)),
+        st.tuples(
+            st.integers(1, 30),
+            st.integers(0, 2),
+            st.integers(1, 12),
+            st.integers(0, 6),
+            st.one_of(st.none(), st.integers(2, VOCAB - VOCAB // 8)),
+        ),
         min_size=2,
         max_size=8,
     ),
@@ -437,17 +450,21 @@ def test_fake_executor_detects_wrong_kv():
     budget=st.integers(1, 40),
     max_num_seqs=st.integers(1, 6),
     caching=st.booleans(),
+    plans_in_flight=st.sampled_from([1, 2]),
 )
-def test_random_workloads_match_unconstrained_run(requests, num_kv_blocks, budget, max_num_seqs, caching):
-    """Any cache size, budget and batch limit gives the tokens of an unconstrained run."""
+def test_random_workloads_match_unconstrained_run(
+    requests, num_kv_blocks, budget, max_num_seqs, caching, plans_in_flight
+):
+    """Any cache size, budget, batch limit and number of plans in flight gives the tokens of an
+    unconstrained run, stop tokens included."""
 
     def generate(engine: LLMEngine) -> dict[int, list[int]]:
         finished, step = {}, 0
         ids = {}
         while step < 2000 and (engine.has_unfinished_requests() or step <= 6):
-            for j, (n, seed, max_tokens, arrival) in enumerate(requests):
+            for j, (n, seed, max_tokens, arrival, stop) in enumerate(requests):
                 if arrival == step:
-                    ids[engine.add_request(prompt(n, seed), greedy(max_tokens))] = j
+                    ids[engine.add_request(prompt(n, seed), _params(max_tokens, stop))] = j
             for o in engine.step():
                 if o.finished:
                     finished[ids[o.request_id]] = o.token_ids
@@ -458,10 +475,133 @@ def test_random_workloads_match_unconstrained_run(requests, num_kv_blocks, budge
 
     ref = generate(make_engine()[0])
     config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=caching
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        max_plans_in_flight=plans_in_flight,
     )
     engine, ex = make_engine(config, num_kv_blocks=num_kv_blocks)
     assert generate(engine) == ref
     assert all(sum(p.num_scheduled_tokens) <= budget for p in ex.plans)
     assert all(len(p.seq_ids) <= max_num_seqs for p in ex.plans)
-    assert all(len(ref[j]) == r[2] for j, r in enumerate(requests))
+    assert all(len(ref[j]) == r[2] for j, r in enumerate(requests) if r[4] is None)
+
+
+# -- two plans in flight ------------------------------------------------------------------
+
+
+class CountingPipe:
+    """The fake executor behind send / receive, counting how many plans were out at once."""
+
+    def __init__(self, executor: FakeExecutor, fail_step: int | None = None) -> None:
+        self.executor = executor
+        self.fail_step = fail_step
+        self.pending: list[StepPlan] = []
+        self.most_in_flight = 0
+
+    def describe(self) -> ExecutorInfo:
+        return self.executor.describe()
+
+    def reset(self) -> int:
+        return self.executor.reset()
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.send(plan)
+        return self.receive(plan)
+
+    def send(self, plan: StepPlan) -> None:
+        self.pending.append(plan)
+        self.most_in_flight = max(self.most_in_flight, len(self.pending))
+
+    def receive(self, plan: StepPlan) -> StepResult:
+        # Runs the oldest plan now, as a remote executor that ran it while the next one traveled.
+        oldest = self.pending.pop(0)
+        assert oldest is plan, "results are read in plan order"
+        if plan.step_id == self.fail_step:
+            self.pending.clear()  # a rejected plan closes the stream: the next one never runs
+            raise ValueError(f"step {plan.step_id} rejected")
+        return self.executor.step(plan)
+
+    def discard(self) -> None:
+        self.pending.clear()
+
+
+def _run_all(engine: LLMEngine, requests) -> dict[int, object]:
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    finished = run(engine)
+    while engine.scheduler.has_finished_to_send():  # as the async engine does: tell the executor
+        assert engine.step() == []
+    return {i: (finished[rid].finish_reason, finished[rid].token_ids) for i, rid in enumerate(ids)}
+
+
+@pytest.mark.parametrize(
+    ("requests", "config", "executor_kwargs"),
+    [
+        # stop tokens found one step late: the extra token computed for them is dropped
+        ([(prompt(7, seed=i), _params(30, 100 + 37 * i)) for i in range(6)], {}, {}),
+        # preemption while the victim's token is in flight
+        ([(prompt(10, seed=i), greedy(20)) for i in range(4)], {}, {"num_kv_blocks": 12}),
+        # chunked prefill next to decodes, and the length limit reached through pending tokens
+        ([(prompt(40, seed=i), greedy(3 + i)) for i in range(4)], {"max_num_batched_tokens": 16}, {}),
+        # max_model_len as the limit
+        ([(prompt(9, seed=i), greedy(None)) for i in range(3)], {}, {"max_model_len": 21}),
+    ],
+    ids=["stop-tokens", "preemption", "chunked-prefill", "max-model-len"],
+)
+def test_two_plans_in_flight_give_the_tokens_of_one(requests, config, executor_kwargs):
+    ref = _run_all(make_engine(SchedulerConfig(**config), **executor_kwargs)[0], requests)
+    if requests[0][1].stop_token_ids:
+        assert "stop" in {reason for reason, _ in ref.values()}
+    executor = FakeExecutor(**executor_kwargs)
+    pipe = CountingPipe(executor)
+    engine = LLMEngine(pipe, SchedulerConfig(**config))
+    assert engine.max_plans_in_flight == 2  # the default for an executor that takes plans ahead
+    assert _run_all(engine, requests) == ref
+    assert pipe.most_in_flight == 2
+    assert not executor.seqs, "the executor still holds finished sequences"
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_abort_with_a_plan_in_flight_drops_its_token_and_frees_everything():
+    executor = FakeExecutor()
+    engine = LLMEngine(CountingPipe(executor))
+    a = engine.add_request(prompt(10), greedy(50))
+    b = engine.add_request(prompt(10, seed=1), greedy(6))
+    engine.step()
+    engine.step()  # a's next token is in flight
+    assert engine.abort_request(a)
+    got = {o.request_id: o for o in engine.step()}
+    assert a not in got, "a token computed for an aborted request reached its stream"
+    finished = run(engine)
+    while engine.scheduler.has_finished_to_send():
+        engine.step()
+    assert finished[b].finish_reason == "length" and len(finished[b].token_ids) == 6
+    ref_engine, _ = make_engine()
+    rb = ref_engine.add_request(prompt(10, seed=1), greedy(6))
+    assert run(ref_engine)[rb].token_ids == finished[b].token_ids
+    assert not executor.seqs and engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_failed_plan_abandons_the_one_behind_it():
+    """The executor refuses step 3 while step 4 is already out: both are undone, step 3's requests
+    fail (as the async engine does), the others finish as in a run without the failure."""
+    executor = FakeExecutor()
+    pipe = CountingPipe(executor, fail_step=3)
+    engine = LLMEngine(pipe)
+    a = engine.add_request(prompt(6), greedy(8))
+    engine.step()  # step 1 out, step 2 out, step 1's result
+    with pytest.raises(ValueError, match="step 3 rejected"):
+        for _ in range(3):
+            engine.step()
+    failed_plan = engine.last_plan
+    assert failed_plan.step_id == 3 and failed_plan.seq_ids == [a]
+    outs = engine.fail_requests(failed_plan.seq_ids, "rejected")
+    assert [(o.request_id, o.finish_reason, o.error) for o in outs] == [(a, "abort", "rejected")]
+    b = engine.add_request(prompt(9, seed=4), greedy(5))
+    finished = run(engine)
+    while engine.scheduler.has_finished_to_send():
+        engine.step()
+    ref_engine, _ = make_engine()
+    rb = ref_engine.add_request(prompt(9, seed=4), greedy(5))
+    assert run(ref_engine)[rb].token_ids == finished[b].token_ids
+    assert not executor.seqs and engine.scheduler.block_manager.num_used_blocks == 0
