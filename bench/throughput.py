@@ -286,19 +286,18 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
         wait_serving(executor, ports["executor"])
         scheduler.start()
         wait_serving(scheduler, ports["scheduler"])
-        before = scrape(ports["executor_metrics"]) | scrape(ports["scheduler_metrics"])
+        before = scrape(ports["executor_metrics"])
         cpu_before = {s.name: cpu_seconds(s.process.pid) for s in services}
         client_cpu = time.process_time()
         tokens, elapsed = asyncio.run(stream_all(ports["scheduler"], workload, args.temperature))
         cpu = {s.name: cpu_seconds(s.process.pid) - cpu_before[s.name] for s in services}
         cpu["client"] = time.process_time() - client_cpu
-        after = scrape(ports["executor_metrics"]) | scrape(ports["scheduler_metrics"])
+        after = scrape(ports["executor_metrics"])
         steps = {
             k: after.get(k, 0.0) - before.get(k, 0.0)
             for k in (
                 "tandem_executor_step_duration_seconds_sum",
                 "tandem_executor_step_duration_seconds_count",
-                "tandem_scheduler_executor_round_trip_seconds_sum",
             )
         }
         steps["cpu"] = cpu
@@ -350,11 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         results["split"] = tokens / elapsed
         busy = steps["tandem_executor_step_duration_seconds_sum"]
         count = int(steps["tandem_executor_step_duration_seconds_count"])
-        transport = steps["tandem_scheduler_executor_round_trip_seconds_sum"] - busy
+        idle = max(0.0, elapsed - busy)
         print(
             f"split: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} output tok/s "
             f"(executor: {count} steps, {busy:.2f} s in steps = {busy / elapsed:.0%} of the wall time, "
-            f"{transport / max(count, 1) * 1e3:.2f} ms per step in transport; "
+            f"idle {idle / max(count, 1) * 1e3:.2f} ms per step; "
             f"CPU time: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in steps["cpu"].items())
             + f"{floor(elapsed)})",
