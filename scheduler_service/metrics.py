@@ -79,7 +79,7 @@ class SchedulerMetrics:
         )
         self.executor_round_trip = Histogram(
             p + "executor_round_trip_seconds",
-            "executor.step() as seen by the scheduler",
+            "From sending a step plan to reading its result (behind the plan before it, if any)",
             buckets=_STEP_BUCKETS,
             registry=r,
         )
