@@ -5,8 +5,12 @@
 # The peer stage reads ../shared/peers/ from a copy in .peers/ (git-excluded; the device tool's
 # `carry`), since only the repository travels to the GPU machine.
 #
-#   bench/gpu_run.sh tests profile w1        # stages: tests kernels attention profile w1 w1-split peer tp
+#   bench/gpu_run.sh tests profile w1        # stages: see the case below
+#
+# Multi-GPU stages (tp-*) need a machine with 2 GPUs. NVLink multicast stays off (the device
+# machines' rule; the TP ranks inherit this environment).
 set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -35,7 +39,12 @@ for what in "$@"; do
     w1-off) TAIL=12 stage w1-off "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --fused-ops off ;;
     w1-split) TAIL=12 stage w1-split "$PY" bench/throughput.py --workload w1 --device cuda ;;
     peer) TAIL=12 stage peer "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --peer "${PEER:-.peers/hf_continuous_batching.py}" ;;
-    tp) stage tp "$PY" -m pytest -q -x tests/test_tensor_parallel.py -k gpu ;;
+    tp-tests) stage tp-tests "$PY" -m pytest -q -x -m gpu tests/test_tensor_parallel.py ;;
+    tp-w1) TAIL=12 stage tp-w1 "$PY" bench/throughput.py --workload w1 --device cuda -tp 2 ;;
+    8b-tp1) TAIL=12 stage 8b-tp1 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda -tp 1 ;;
+    8b-tp2) TAIL=12 stage 8b-tp2 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda -tp 2 ;;
+    tp-profile) TAIL=40 stage tp-profile "$PY" bench/profile_step.py --shape qwen3-8b -tp 2 --fused-ops on --steps 16 ;;
+    tp-broadcast) stage tp-broadcast "$PY" bench/tp_broadcast.py --tp 2 ;;
     *) echo "unknown stage $what" | tee -a "$OUT/summary.txt" ;;
     esac
 done

@@ -2,10 +2,12 @@
 and context, timed end to end (CUDA graphs, as the engine runs them) and broken down by kernel with
 torch.profiler, with the fused ops on and off.
 
-    python bench/profile_step.py [--batch 256] [--context 512] [--steps 32]
+    python bench/profile_step.py [--batch 256] [--context 512] [--steps 32] [--shape qwen3-8b] [-tp 2]
 
-Prints, for each setting, the mean decode step in ms and the share of GPU kernel time by group
-(attention, GEMM, fused Triton ops, other elementwise, sampling), then the top kernels.
+Prints, for each setting, the mean decode step in ms, rank 0's GPU kernel time per decode step
+and its share by group (attention, GEMM, fused Triton ops, all-reduce under tensor parallelism,
+sampling, other elementwise), then the top kernels. The prefill's kernels are left out: those of
+a one-token run are subtracted from those of the longer run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.throughput import build_w1_checkpoint
+from bench.throughput import SHAPES, build_w1_checkpoint
 
 GROUPS = (
     ("attention", ("paged_attention", "store_kv", "reduce", "flash", "varlen", "fmha")),
@@ -45,11 +47,15 @@ def run(args: argparse.Namespace, model: str, fused_ops: str) -> None:
     from scheduler_service.sampling_params import SamplingParams
 
     llm = LLM(
-        model, device="cuda", fused_ops=fused_ops, max_num_seqs=args.batch, enforce_eager=args.enforce_eager
+        model,
+        device="cuda",
+        fused_ops=fused_ops,
+        max_num_seqs=args.batch,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
-    params = SamplingParams(max_tokens=args.steps, temperature=0.6, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
 
     def generate(max_tokens: int) -> float:
@@ -69,15 +75,27 @@ def run(args: argparse.Namespace, model: str, fused_ops: str) -> None:
         flush=True,
     )
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-    kernels = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name][0] += event.time_range.elapsed_us()
-            kernels[event.name][1] += 1
+    def kernel_times(max_tokens: int) -> dict[str, list[float]]:
+        p = SamplingParams(max_tokens=max_tokens, temperature=0.6, ignore_eos=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, p, use_tqdm=False)
+            torch.cuda.synchronize()
+        times = defaultdict(lambda: [0.0, 0])
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                times[event.name][0] += event.time_range.elapsed_us()
+                times[event.name][1] += 1
+        return times
+
+    # Decode steps only: the kernels of a run with one token (the prefill) taken from a longer run.
+    prefill, full = kernel_times(1), kernel_times(args.steps)
+    kernels = {}
+    for name, (t, n) in full.items():
+        t0, n0 = prefill.get(name, (0.0, 0))
+        if n > n0 and t > t0:
+            kernels[name] = [t - t0, n - n0]
     total = sum(t for t, _ in kernels.values()) or 1.0
+    print(f"  rank 0's GPU kernel time per decode step: {total / (args.steps - 1) / 1e3:.2f} ms")
     groups = defaultdict(float)
     for name, (t, _) in kernels.items():
         groups[group_of(name)] += t
@@ -87,12 +105,17 @@ def run(args: argparse.Namespace, model: str, fused_ops: str) -> None:
     )
     for name, (t, n) in sorted(kernels.items(), key=lambda x: -x[1][0])[: args.top]:
         print(f"  {t / total:6.1%} {t / n:8.1f} us x {n:6d}  {name[:100]}")
+    llm.executor.close()  # stops the TP ranks, if any
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the W1 checkpoint, built)")
-    p.add_argument("--w1-dir", default="/tmp/tandem-w1-qwen3-0.6b")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument(
+        "--w1-dir", default=None, help="where the checkpoint is built (default: a temp dir per shape)"
+    )
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
@@ -102,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/profile_step.py needs a CUDA device")
-    model = args.model or str(build_w1_checkpoint(Path(args.w1_dir)))
+    w1_dir = Path(args.w1_dir or f"/tmp/tandem-w1-{args.shape}")
+    model = args.model or str(build_w1_checkpoint(w1_dir, args.shape))
     for fused_ops in ("on", "off") if args.fused_ops == "both" else (args.fused_ops,):
         run(args, model, fused_ops)
         gc.collect()  # the next engine sizes its KV cache from free memory

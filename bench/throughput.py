@@ -48,6 +48,17 @@ W1_CONFIG = dict(
     eos_token_id=151645,
     bos_token_id=None,
 )
+# Issue 8's larger shape: Qwen3-8B's architecture (untied head), random bf16 weights.
+QWEN3_8B_CONFIG = {
+    **W1_CONFIG,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+}
+SHAPES = {"qwen3-0.6b": W1_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}
 W1_TOTALS = (142_827, 133_966)  # prompt, output tokens
 W1_FLOOR_S = 3.7  # BENCH.md: the H200's floor for W1 (weights and KV cache read at copy bandwidth)
 
@@ -67,7 +78,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="random: the flags below; w1: BENCH.md W1 (256 requests, 100-1024 in and out, T=0.6)",
     )
     p.add_argument("--model", default=None, help="checkpoint directory (default: embedded model; w1: built)")
-    p.add_argument("--w1-dir", default=str(Path(tempfile.gettempdir()) / "tandem-w1-qwen3-0.6b"))
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen3-0.6b",
+        help="w1: the architecture of the built checkpoint (default qwen3-0.6b, BENCH.md's W1)",
+    )
+    p.add_argument(
+        "--w1-dir", default=None, help="where the w1 checkpoint is built (default: a temp dir per shape)"
+    )
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="the executor's TP size, both modes"
+    )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt-len", type=int, default=16)
     p.add_argument("--max-prompt-len", type=int, default=256)
@@ -110,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
     args = p.parse_args(argv)
+    if args.w1_dir is None:
+        args.w1_dir = str(Path(tempfile.gettempdir()) / f"tandem-w1-{args.shape}")
     if args.workload == "w1":
         args.num_requests = 256
         args.min_prompt_len, args.max_prompt_len = 100, 1024
@@ -121,19 +145,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_w1_checkpoint(out_dir: Path) -> Path:
-    """Qwen3-0.6B's architecture with random bf16 weights, saved through transformers."""
+def build_w1_checkpoint(out_dir: Path, shape: str = "qwen3-0.6b") -> Path:
+    """A Qwen3 architecture (SHAPES) with random bf16 weights, saved through transformers. The
+    8B shape is initialised on the GPU when there is one (on the CPU it needs ~32 GB and minutes)."""
     if (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")):
         return out_dir
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    print(f"building the W1 checkpoint in {out_dir} ...", flush=True)
+    print(f"building the {shape} checkpoint in {out_dir} ...", flush=True)
     torch.manual_seed(0)
-    config = Qwen3Config(**W1_CONFIG, torch_dtype="bfloat16")
-    with torch.device("cpu"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    config = Qwen3Config(**SHAPES[shape], dtype="bfloat16")
+    if shape == "qwen3-0.6b":
+        with torch.device("cpu"):
+            model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                model = Qwen3ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default)
     model.save_pretrained(out_dir, safe_serialization=True)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out_dir
 
 
@@ -161,6 +199,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         fused_ops=args.fused_ops,
+        tensor_parallel_size=args.tensor_parallel_size,
         **options,
     )
     warm = [r.prompt_token_ids for r in workload[:4]]
@@ -173,6 +212,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = sum(len(o.token_ids) for o in outputs)
+    llm.executor.close()  # stops the TP ranks, if any
     del llm, outputs
     gc.collect()
     if args.device.startswith("cuda"):  # the split's executor sizes its KV cache from free memory
@@ -196,6 +236,7 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     executor_argv += ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
     executor_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     executor_argv += ["--fused-ops", args.fused_ops]
+    executor_argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.dtype:
         executor_argv += ["--dtype", args.dtype]
     if args.num_kv_blocks:
@@ -318,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.model is None:
         args.model = (
-            str(build_w1_checkpoint(Path(args.w1_dir))) if args.workload == "w1" else str(DEFAULT_MODEL)
+            str(build_w1_checkpoint(Path(args.w1_dir), args.shape))
+            if args.workload == "w1"
+            else str(DEFAULT_MODEL)
         )
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     workload = make_workload(args, vocab_size)
@@ -337,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
 
     def floor(elapsed: float) -> str:
-        return (
-            f"; the {W1_FLOOR_S} s floor is {W1_FLOOR_S / elapsed:.0%} of it" if args.workload == "w1" else ""
-        )
+        if args.workload != "w1" or args.shape != "qwen3-0.6b" or args.tensor_parallel_size != 1:
+            return ""
+        return f"; the {W1_FLOOR_S} s floor is {W1_FLOOR_S / elapsed:.0%} of it"
 
     if args.mode in ("both", "in-process"):
         tokens, elapsed, cpu = run_in_process(args, args.model, workload)
@@ -371,8 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         label = "CPU" if args.device == "cpu" else "GPU"
         print(f"{label} split/in-process: {ratio:.3f}")
     if args.workload == "w1":
+        label = "W1"
+        if args.shape != "qwen3-0.6b" or args.tensor_parallel_size != 1:
+            label = f"W1 {args.shape} TP={args.tensor_parallel_size}"
         for mode, rate in results.items():
-            print(f"W1 {mode}: {rate:.0f} output tok/s")
+            print(f"{label} {mode}: {rate:.0f} output tok/s")
     if args.peer:
         peer = run_peer(args.peer)
         print(
