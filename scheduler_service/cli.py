@@ -8,15 +8,13 @@ import logging
 import sys
 from collections.abc import Callable
 
-from client.defaults import DEFAULT_MODEL
+from client.defaults import DEFAULT_MODEL, SCHEDULER_METRICS_PORT, SCHEDULER_PORT
 from client.defaults import env as _env
 from protos.plan import ExecutorInfo
 from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50051
-DEFAULT_METRICS_PORT = 9101
 DESCRIPTION = (
     "Serve tandem.v1.GenerationService: requests, continuous batching, streaming. The executor "
     "may start later; health is NOT_SERVING until it is connected. Every flag can also be set by "
@@ -49,14 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--port",
         type=int,
-        default=_env("SCHEDULER_PORT", DEFAULT_PORT),
-        help=f"gRPC port (default {DEFAULT_PORT}) [TANDEM_SCHEDULER_PORT]",
+        default=_env("SCHEDULER_PORT", SCHEDULER_PORT),
+        help=f"gRPC port (default {SCHEDULER_PORT}) [TANDEM_SCHEDULER_PORT]",
     )
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=_env("SCHEDULER_METRICS_PORT", DEFAULT_METRICS_PORT),
-        help=f"Prometheus /metrics port, 0 = off (default {DEFAULT_METRICS_PORT}) [TANDEM_SCHEDULER_METRICS_PORT]",
+        default=_env("SCHEDULER_METRICS_PORT", SCHEDULER_METRICS_PORT),
+        help=f"Prometheus /metrics port, 0 = off (default {SCHEDULER_METRICS_PORT}) [TANDEM_SCHEDULER_METRICS_PORT]",
     )
     p.add_argument(
         "--max-num-seqs",

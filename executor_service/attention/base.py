@@ -22,6 +22,14 @@ class AttentionBackend:
         building the context, and backends that need it also call it lazily on a new context."""
         return None
 
+    def prepared(self, context: Context):
+        """prepare()'s result for this step: computed by the first layer, reused by the others
+        (backends whose prepare() stores it in `self._plan`, with the context it was made for)."""
+        plan = getattr(self, "_plan", None)
+        if plan is None or plan.context is not context:
+            plan = self.prepare(context)
+        return plan
+
     def forward(
         self,
         q: torch.Tensor,

@@ -38,9 +38,7 @@ class FlashAttnBackend(TritonPagedBackend):
         context: Context,
         scale: float,
     ) -> torch.Tensor:
-        plan = self._plan
-        if plan is None or plan.context is not context:
-            plan = self.prepare(context)
+        plan = self.prepared(context)
         if plan.no_prefix and not plan.decode_only:
             if k_cache.numel():
                 kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping)

@@ -111,9 +111,7 @@ class TritonPagedBackend(AttentionBackend):
         context: Context,
         scale: float,
     ) -> torch.Tensor:
-        plan = self._plan
-        if plan is None or plan.context is not context:  # first layer of the step
-            plan = self.prepare(context)
+        plan = self.prepared(context)
         if k_cache.numel():
             kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping)
         if plan.no_prefix and not plan.decode_only:
