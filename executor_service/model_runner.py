@@ -1,32 +1,32 @@
-"""The model runner: owns the model, the KV cache and the attention backend; turns a scheduled
-batch into tensors, runs the forward and samples."""
+"""The model runner: owns the model, the KV cache and the attention backend; runs a scheduled
+batch (flattened into tensors by batch.py) through the forward and samples. The KV cache's size
+comes from kv_cache_sizing.py."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from executor_service import parallel
 from executor_service.attention import get_backend
+from executor_service.batch import PreparedBatch, prepare_batch
 from executor_service.block_tables import BlockTables
 from executor_service.config import ExecutorConfig
-from executor_service.context import Context, reset_context, set_context
+from executor_service.context import reset_context, set_context
 from executor_service.cuda_graph import DecodeGraphs
-from executor_service.kv_cache import KVCache, block_bytes, num_blocks_for_bytes
+from executor_service.kv_cache import KVCache, block_bytes
+from executor_service.kv_cache_sizing import determine_num_kv_blocks
 from executor_service.layers.attention import Attention
 from executor_service.loader import checkpoint_tensor_files, load_weights
 from executor_service.models import get_model_class
 from executor_service.sampler import Sampler, SamplerOutput
-from executor_service.sampling_metadata import SamplingMetadata
 from executor_service.sequence import SequenceState
-from protos.plan import StepSamplingParams, TokenLogprobs
+from protos.plan import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +39,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-@dataclass
-class PreparedBatch:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    context: Context
-    logits_indices: torch.Tensor  # [num_sampling_seqs], rows of the flattened batch that sample
-    sampling_seqs: list[SequenceState]  # the sequences that sample, in batch order
-    sampling: SamplingMetadata | None
-    decode_only: bool = False
 
 
 @dataclass
@@ -106,20 +95,7 @@ class ModelRunner:
         self.block_tables = BlockTables(self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self.num_graph_steps = self.num_eager_steps = 0
         self.graphs: DecodeGraphs | None = None
-        if config.num_kv_blocks:
-            num_blocks = config.num_kv_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self._num_blocks_from_free_memory(bytes_per_block)
-        else:
-            num_blocks = num_blocks_for_bytes(config.kv_cache_gb * 2**30, bytes_per_block)
-        if self.tp_size > 1:  # the scheduler sees one block count: every rank must hold it
-            num_blocks = parallel.min_over_ranks(num_blocks, self.device)
-        if num_blocks * self.block_size < config.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of "
-                f"{self.block_size}), fewer than max_model_len ({config.max_model_len}): raise "
-                "num_kv_blocks, kv_cache_gb or gpu_memory_utilization, or lower max_model_len"
-            )
+        num_blocks = determine_num_kv_blocks(self, bytes_per_block)
         self.kv_cache = KVCache(
             mc.num_hidden_layers,
             num_blocks,
@@ -149,79 +125,6 @@ class ModelRunner:
                 self.model, config.max_num_seqs, self.max_blocks_per_seq, mc.hidden_size
             )
 
-    def _num_blocks_from_free_memory(self, bytes_per_block: int) -> int:
-        """blocks = (total x gpu_memory_utilization - used - (peak - current)) / block bytes, with
-        `peak` measured over a warm-up forward and sampling at the largest batch."""
-        config = self.config
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self._warm_up()
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        peak = torch.cuda.max_memory_allocated(self.device)
-        current = torch.cuda.memory_allocated(self.device)
-        budget = total * config.gpu_memory_utilization - used - (peak - current)
-        num_blocks = int(budget // bytes_per_block)
-        logger.info(
-            "GPU memory: total %.1f GiB, used %.1f GiB, warm-up peak %.1f GiB over %.1f GiB current: "
-            "%d KV blocks at gpu_memory_utilization %.2f",
-            total / 2**30,
-            used / 2**30,
-            peak / 2**30,
-            current / 2**30,
-            num_blocks,
-            config.gpu_memory_utilization,
-        )
-        if num_blocks <= 0:
-            raise ValueError(
-                f"no GPU memory left for the KV cache at gpu_memory_utilization "
-                f"{config.gpu_memory_utilization}: raise it or lower max_num_batched_tokens"
-            )
-        return num_blocks
-
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """A prefill of max_num_batched_tokens tokens, then sampling for max_num_seqs rows, through a
-        temporary KV cache just large enough (its bytes are counted in the peak: conservative)."""
-        config, mc = self.config, self.config.model_config
-        seq_len = min(config.max_model_len, config.max_num_batched_tokens)
-        num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
-        blocks_per_seq = -(-seq_len // self.block_size)
-        cache = KVCache(
-            mc.num_hidden_layers,
-            num_seqs * blocks_per_seq,
-            self.block_size,
-            self.num_kv_heads,
-            mc.head_dim,
-            config.torch_dtype,
-            self.device,
-        )
-        cache.bind(self.model)
-        seqs = [
-            SequenceState(i, [0] * seq_len, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0,
-                          StepSamplingParams(), seq_len)
-            for i in range(num_seqs)
-        ]  # fmt: skip
-        for seq in seqs:
-            self.add_sequence(seq)
-        try:
-            self.execute_model(self.prepare(seqs, [seq_len] * num_seqs))
-        finally:
-            for seq in seqs:
-                self.remove_sequence(seq)
-            for module in self.model.modules():
-                if isinstance(module, Attention):
-                    module.k_cache = module.v_cache = torch.tensor([])
-        if not self.is_driver:
-            return
-        logits = torch.zeros(config.max_num_seqs, mc.vocab_size, dtype=config.torch_dtype, device=self.device)
-        params = [StepSamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * config.max_num_seqs
-        states = [SequenceState(i, [0], [], 0, p, 1) for i, p in enumerate(params)]
-        self.sampler(logits, SamplingMetadata.build(states, mc.vocab_size, self.device))
-        del cache, logits
-
     # -- sequences --------------------------------------------------------------------------
 
     def add_sequence(self, seq: SequenceState) -> None:
@@ -238,77 +141,15 @@ class ModelRunner:
     def prepare(self, seqs: list[SequenceState], num_scheduled_tokens: list[int]) -> PreparedBatch:
         """Flatten a mixed batch (prefill chunks and decodes): sequence i computes tokens
         [c, c + n) with c = its num_computed_tokens and n = num_scheduled_tokens[i]."""
-        bs = self.block_size
-        num_seqs = len(seqs)
-        q_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
-        ends = starts + q_lens
-        num_tokens = int(q_lens.sum())
-        if num_tokens == num_seqs:  # decode only: one token per sequence
-            positions = starts
-            input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, num_seqs)
-            token_seq = np.arange(num_seqs)
-        else:
-            positions = np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
-            input_ids = np.fromiter(
-                itertools.chain.from_iterable(
-                    s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
-                    for s, n in zip(seqs, num_scheduled_tokens)
-                ),
-                np.int64,
-                num_tokens,
-            )
-            token_seq = np.repeat(np.arange(num_seqs), q_lens)
-        rows = np.fromiter((s.row for s in seqs), np.int64, num_seqs)
-        width = int(-(-ends.max() // bs))
-        tables = self.block_tables.gather(rows, width)  # [num_seqs, width] int32
-        slot_mapping = tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
-        cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu_q[1:])
-        cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(ends, out=cu_k[1:])
-        samples = ends == np.fromiter((len(s.token_ids) for s in seqs), np.int64, num_seqs)
-        logits_indices = cu_q[1:][samples] - 1
-        sampling_seqs = [s for s, m in zip(seqs, samples.tolist()) if m]
-
-        # Two host-to-device copies per step: the int64 columns and the int32 ones.
-        longs = self._to_device(np.concatenate([input_ids, positions, slot_mapping, logits_indices]))
-        ints = self._to_device(np.concatenate([ends, cu_q, cu_k, tables.ravel()]).astype(np.int32))
-        input_ids_d, positions_d, slot_mapping_d, logits_indices_d = longs.split(
-            [num_tokens, num_tokens, num_tokens, len(logits_indices)]
+        return prepare_batch(
+            seqs,
+            num_scheduled_tokens,
+            self.block_tables,
+            self.block_size,
+            self.vocab_size,
+            self.device,
+            self.is_driver,
         )
-        context_lens_d, cu_q_d, cu_k_d, tables_d = ints.split(
-            [num_seqs, num_seqs + 1, num_seqs + 1, num_seqs * width]
-        )
-        context_lens_host = ends.tolist()
-        context = Context(
-            slot_mapping=slot_mapping_d,
-            block_tables=tables_d.view(num_seqs, width),
-            context_lens=context_lens_d,
-            cu_seqlens_q=cu_q_d,
-            cu_seqlens_k=cu_k_d,
-            max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=max(context_lens_host),
-            query_lens_host=list(num_scheduled_tokens),
-            context_lens_host=context_lens_host,
-        )
-        return PreparedBatch(
-            input_ids=input_ids_d,
-            positions=positions_d,
-            context=context,
-            logits_indices=logits_indices_d,
-            sampling_seqs=sampling_seqs,
-            sampling=SamplingMetadata.build(sampling_seqs, self.vocab_size, self.device)
-            if sampling_seqs and self.is_driver
-            else None,
-            decode_only=num_tokens == num_seqs,
-        )
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute_model(self, batch: PreparedBatch, all_logits: bool = False) -> torch.Tensor | None:
