@@ -1,0 +1,133 @@
+"""CPU cost of the executor per decode step, the model left out: plan validation, applying the
+plan, batch preparation (numpy, host-to-device copies), greedy sampling of zero logits and the
+result. On the GPU all of it runs on the host between the device's steps.
+
+256 sequences with 300-token prompts are admitted and prefilled (the model call is replaced by
+zero logits), then every step decodes one token for each. Prints mean / p50 / p99 per step in
+milliseconds, split into validate+apply+result, prepare and sample.
+
+    python bench/executor_overhead.py [--num-seqs 256] [--steps 1000] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from client.defaults import DEFAULT_MODEL
+from executor_service.config import ExecutorConfig
+from executor_service.executor import LocalExecutor
+from protos.plan import NewSequence, StepPlan, StepSamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    n, bs = args.num_seqs, args.block_size
+    max_len = args.prompt_len + args.steps + 1
+    blocks_per_seq = -(-max_len // bs)
+    executor = LocalExecutor(
+        ExecutorConfig(
+            model=str(DEFAULT_MODEL),
+            block_size=bs,
+            num_kv_blocks=n * blocks_per_seq,
+            max_num_seqs=n,
+            max_num_batched_tokens=max(8192, n * args.prompt_len),
+            max_model_len=blocks_per_seq * bs,
+        )
+    )
+    runner = executor.runner
+    vocab = runner.vocab_size
+    zeros = torch.zeros(n, vocab)
+    runner.execute_model = lambda batch, all_logits=False: zeros[: len(batch.logits_indices)]
+
+    rng = random.Random(0)
+    params = StepSamplingParams(temperature=0.0)
+    new = [
+        NewSequence(
+            seq_id=i,
+            token_ids=[rng.randrange(2, vocab) for _ in range(args.prompt_len)],
+            block_table=list(range(i * blocks_per_seq, i * blocks_per_seq + -(-args.prompt_len // bs))),
+            num_computed_tokens=0,
+            sampling_params=params,
+        )
+        for i in range(n)
+    ]
+    step_id = 1
+    executor.step(
+        StepPlan(
+            step_id=step_id,
+            new_seqs=new,
+            seq_ids=list(range(n)),
+            num_scheduled_tokens=[args.prompt_len] * n,
+            num_computed_tokens=[0] * n,
+            num_new_blocks=[0] * n,
+        )
+    )
+    lengths = [args.prompt_len + 1] * n  # tokens known to the executor
+    tables = [len(s.block_table) for s in new]
+
+    def decode_plan() -> StepPlan:
+        nonlocal step_id
+        step_id += 1
+        plan = StepPlan(step_id=step_id, seq_ids=list(range(n)), num_scheduled_tokens=[1] * n)
+        for i in range(n):
+            computed = lengths[i] - 1
+            plan.num_computed_tokens.append(computed)
+            if computed + 1 > tables[i] * bs:  # the new token starts a block
+                plan.new_block_ids.append(i * blocks_per_seq + tables[i])
+                plan.num_new_blocks.append(1)
+                tables[i] += 1
+            else:
+                plan.num_new_blocks.append(0)
+            lengths[i] += 1
+        return plan
+
+    plans = [decode_plan() for _ in range(args.steps)]
+    totals, prepares, samples = [], [], []
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    for plan in plans:
+        t0 = time.perf_counter()
+        result = executor.step(plan)
+        totals.append(time.perf_counter() - t0)
+        prepares.append(result.prepare_seconds)
+        samples.append(result.sample_seconds)
+    if profiler:
+        profiler.disable()
+
+    def ms(values: list[float]) -> str:
+        values = sorted(values)
+        p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
+        return f"mean {statistics.mean(values) * 1e3:.3f}, p50 {values[len(values) // 2] * 1e3:.3f}, p99 {p99 * 1e3:.3f}"
+
+    rest = [t - p - s for t, p, s in zip(totals, prepares, samples, strict=True)]
+    print(f"executor step, {n} decode sequences, no model ({args.steps} steps), ms:")
+    print(f"  total                   {ms(totals)}")
+    print(f"  prepare                 {ms(prepares)}")
+    print(f"  sample (greedy)         {ms(samples)}")
+    print(f"  validate, apply, result {ms(rest)}")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
