@@ -249,6 +249,9 @@ def test_cancelling_half_leaves_the_others_correct_and_frees_everything(services
 
 
 def test_executor_counted_every_step(services):
+    # Traffic of its own: under xdist this test may get a fresh `services` with none before it.
+    with TandemClient(services.address) as client:
+        assert len(client.complete([5, 6, 7], max_tokens=6, ignore_eos=True).token_ids) == 6
     scheduler, executor = services.metrics("scheduler"), services.metrics("executor")
     steps = executor["tandem_executor_step_duration_seconds_count"]
     assert steps > 0 and executor["tandem_executor_step_duration_seconds_sum"] > 0
