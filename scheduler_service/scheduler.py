@@ -10,7 +10,8 @@ Two plans may be in flight (DESIGN.md §3): step N+1 is scheduled before step N'
 counting on one more token for every sequence N samples (`num_pending_tokens`); the executor
 feeds what it sampled into N+1 itself. Stop checks lag by one step: a sequence that stops at N
 computes one token in N+1 whose result is dropped. A sequence whose pending tokens reach its
-length limit is not scheduled again.
+length limit is not scheduled again. Blocks enter the prefix cache only once the step that wrote
+their last position has returned (`num_kv_written`): a step in flight may still fail.
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ class Scheduler:
             seq.status = _RUNNING
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_cached
-            seq.num_computed_tokens = num_cached
+            seq.num_computed_tokens = seq.num_kv_written = num_cached
             plan.new_seqs.append(seq.to_new_sequence())
             seq.sent = True
             plan.seq_ids.append(seq.seq_id)
@@ -241,7 +242,7 @@ class Scheduler:
         """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_kv_written = 0
         seq.num_pending_tokens = 0  # a token a plan in flight samples for it is dropped
         self.waiting.appendleft(seq)
         if seq.sent:
@@ -275,6 +276,14 @@ class Scheduler:
                 f"step {plan.step_id}: executor sampled {len(result.seq_ids)} sequences, expected {len(sampling)}"
             )
         expected = {s.seq_id: s for s in sampling}
+        # This step's KV is written: its blocks may now enter the prefix cache.
+        in_plan = {**expected, **{s.seq_id: s for s in partial}}
+        for seq_id, c, n in zip(
+            plan.seq_ids, plan.num_computed_tokens, plan.num_scheduled_tokens, strict=True
+        ):
+            seq = in_plan.get(seq_id)
+            if seq is not None and seq.status is _RUNNING and self.seqs.get(seq_id) is seq:
+                seq.num_kv_written = c + n
         out = self._failed
         self._failed = []
         seqs = self.seqs
@@ -320,8 +329,8 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq, reason)
                 any_finished = True
-            elif caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:
-                bm.cache_full_blocks(seq)
+            elif caching and seq.num_kv_written // bs > seq.num_registered_blocks:
+                bm.cache_full_blocks(seq, seq.num_kv_written)
             out.append(seq)
         stats.num_generation_tokens += num_generated
         if any_finished:
@@ -329,7 +338,7 @@ class Scheduler:
         if caching:
             for seq in partial:
                 if seq.status is _RUNNING:
-                    bm.cache_full_blocks(seq)
+                    bm.cache_full_blocks(seq, seq.num_kv_written)
         self._refresh_gauges()
         return out
 
@@ -340,7 +349,7 @@ class Scheduler:
         by_reason = self.stats.finished_by_reason
         by_reason[reason] = by_reason.get(reason, 0) + 1
         # Keep the prompt + output blocks in the prefix cache for later requests.
-        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.cache_full_blocks(seq, seq.num_kv_written)
         self.block_manager.free(seq)
         del self.seqs[seq.seq_id]
         if seq.sent:

@@ -35,6 +35,7 @@ class Sequence:
         "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_kv_written",
         "num_new_tokens",
         "num_pending_tokens",
         "num_prompt_tokens",
@@ -66,8 +67,11 @@ class Sequence:
         self.error: str | None = None
         # One entry per output token when the request asked for logprobs, else None.
         self.logprobs: list[TokenLogprob] | None = [] if sampling_params.logprobs > 0 else None
-        # Tokens whose KV is in the cache (or will be once the step in flight completes).
+        # Tokens whose KV is in the cache (or will be once the steps in flight complete).
         self.num_computed_tokens = 0
+        # Of those, the ones written by steps whose results are back: only these blocks may be
+        # registered in the prefix cache (a step in flight may still fail).
+        self.num_kv_written = 0
         # Prefix-cache hit at first schedule; -1 until then.
         self.num_cached_tokens = -1
         self.block_table: list[int] = []
@@ -131,6 +135,7 @@ class Sequence:
         included, are kept and recomputed by the next executor from scratch."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_kv_written = 0
         self.block_table = []
         self.block_hashes = []
         self.num_registered_blocks = 0

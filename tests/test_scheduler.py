@@ -605,3 +605,27 @@ def test_a_failed_plan_abandons_the_one_behind_it():
     rb = ref_engine.add_request(prompt(9, seed=4), greedy(5))
     assert run(ref_engine)[rb].token_ids == finished[b].token_ids
     assert not executor.seqs and engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_failed_plan_leaves_no_unwritten_block_in_the_prefix_cache():
+    """With two plans in flight, step 1's result arrives while step 2 computes the KV of the token
+    step 1 sampled. If step 2 then fails, the block holding that position must not be served from
+    the prefix cache (the fake executor checks every KV it reads)."""
+    ref_engine, _ = make_engine()
+    r = ref_engine.add_request(prompt(7), greedy(4))
+    generated = run(ref_engine)[r].token_ids
+
+    executor = FakeExecutor()  # blocks of 4: prompt 0..6, the first sampled token at position 7
+    engine = LLMEngine(CountingPipe(executor, fail_step=2))
+    a = engine.add_request(prompt(7), greedy(4))
+    engine.step()  # steps 1 and 2 out; step 1's result in
+    with pytest.raises(ValueError, match="step 2 rejected"):
+        engine.step()
+    engine.fail_requests(engine.last_plan.seq_ids, "rejected")
+    b = engine.add_request([*prompt(7), generated[0], 9, 10], greedy(3))
+    finished = run(engine)
+    assert finished[b].num_cached_tokens == 4, "only the block whose KV was written is a hit"
+    ref_engine, _ = make_engine()
+    rb = ref_engine.add_request([*prompt(7), generated[0], 9, 10], greedy(3))
+    assert run(ref_engine)[rb].token_ids == finished[b].token_ids
+    assert a not in finished
