@@ -214,8 +214,8 @@ class LLMEngine:
         """Undo the bookkeeping of every plan in flight, newest first; the executor forgets them."""
         if self._in_flight:
             self.last_plan = self._in_flight[0][0]
-        while self._in_flight:
-            self.scheduler.abandon(self._in_flight.pop()[0])
+        self.scheduler.abandon([plan for plan, _ in self._in_flight])
+        self._in_flight.clear()
         self._pipe.discard()
 
     def fail_requests(self, request_ids: Iter[int], error: str) -> list[RequestOutput]:

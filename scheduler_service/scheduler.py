@@ -79,24 +79,51 @@ class Scheduler:
         self._refresh_gauges()
         return True
 
-    def abandon(self, plan: StepPlan) -> None:
-        """Undo schedule()'s bookkeeping for a plan the executor did not run (a rejected plan
-        changes no executor state), so that failing the plan's requests leaves all consistent."""
-        entry = self._in_flight.pop(plan.step_id, None)
-        for seq in entry[0] if entry is not None else ():
-            seq.num_pending_tokens = max(0, seq.num_pending_tokens - 1)
-        # The executor still holds these: drop them with the next plan.
-        self._finished_ids.extend(plan.finished_seq_ids)
-        self._finished_ids.extend(plan.preempted_seq_ids)
-        new_ids = {s.seq_id for s in plan.new_seqs}
-        for seq_id, computed in zip(plan.seq_ids, plan.num_computed_tokens):
+    def abandon(self, plans: list[StepPlan]) -> None:
+        """Undo schedule()'s bookkeeping for plans the executor did not run (oldest first: a
+        refused plan and the one sent behind it; a refused plan changes no executor state), so
+        that failing the first plan's requests leaves all consistent. Sequences the plans admitted
+        go back to the front of the queue; the executor is told to drop exactly the sequences it
+        still holds that are no longer running."""
+        # Whether the executor held each sequence before the oldest plan: not if that plan (or a
+        # later one, before any other mention) sent it as new.
+        held: dict[int, bool] = {}
+        for plan in plans:
+            new_ids = {s.seq_id for s in plan.new_seqs}
+            for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
+                held.setdefault(seq_id, True)
+            for seq_id in plan.seq_ids:
+                held.setdefault(seq_id, seq_id not in new_ids)
+        for plan in reversed(plans):
+            entry = self._in_flight.pop(plan.step_id, None)
+            for seq in entry[0] if entry is not None else ():
+                seq.num_pending_tokens = max(0, seq.num_pending_tokens - 1)
+            new_ids = {s.seq_id for s in plan.new_seqs}
+            for seq_id, computed in zip(plan.seq_ids, plan.num_computed_tokens, strict=True):
+                seq = self.seqs.get(seq_id)
+                if seq is not None and seq_id not in new_ids:
+                    seq.num_computed_tokens = computed
+            for new in reversed(plan.new_seqs):
+                seq = self.seqs.get(new.seq_id)
+                if seq is None or seq.status is not _RUNNING:
+                    continue
+                self.running.remove(seq)
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.num_computed_tokens = seq.num_kv_written = seq.num_pending_tokens = 0
+                self.waiting.appendleft(seq)
+        to_drop = set(self._finished_ids)
+        for seq_id, was_held in held.items():
             seq = self.seqs.get(seq_id)
-            if seq is None:
-                continue
-            # Never register blocks in the prefix cache whose KV was not computed.
-            seq.num_computed_tokens = computed
-            if seq_id in new_ids:
-                seq.sent = False
+            running = seq is not None and seq.status is _RUNNING
+            if seq is not None:
+                seq.sent = was_held and running
+            if was_held and not running:
+                to_drop.add(seq_id)
+            else:
+                to_drop.discard(seq_id)
+        self._finished_ids = sorted(to_drop)
+        self._refresh_gauges()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

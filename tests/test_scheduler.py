@@ -493,9 +493,9 @@ def test_random_workloads_match_unconstrained_run(
 class CountingPipe:
     """The fake executor behind send / receive, counting how many plans were out at once."""
 
-    def __init__(self, executor: FakeExecutor, fail_step: int | None = None) -> None:
+    def __init__(self, executor: FakeExecutor, fail_step: int | None = None, fail_steps=()) -> None:
         self.executor = executor
-        self.fail_step = fail_step
+        self.fail_steps = {fail_step, *fail_steps} - {None}
         self.pending: list[StepPlan] = []
         self.most_in_flight = 0
 
@@ -517,7 +517,7 @@ class CountingPipe:
         # Runs the oldest plan now, as a remote executor that ran it while the next one traveled.
         oldest = self.pending.pop(0)
         assert oldest is plan, "results are read in plan order"
-        if plan.step_id == self.fail_step:
+        if plan.step_id in self.fail_steps:
             self.pending.clear()  # a rejected plan closes the stream: the next one never runs
             raise ValueError(f"step {plan.step_id} rejected")
         return self.executor.step(plan)
@@ -629,3 +629,52 @@ def test_a_failed_plan_leaves_no_unwritten_block_in_the_prefix_cache():
     rb = ref_engine.add_request([*prompt(7), generated[0], 9, 10], greedy(3))
     assert run(ref_engine)[rb].token_ids == finished[b].token_ids
     assert a not in finished
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 30), st.integers(0, 2), st.integers(1, 12), st.integers(0, 6)),
+        min_size=2,
+        max_size=6,
+    ),
+    num_kv_blocks=st.integers(11, 22),
+    budget=st.integers(1, 40),
+    caching=st.booleans(),
+    fail_steps=st.sets(st.integers(1, 40), max_size=3),
+)
+def test_failed_plans_with_two_in_flight_fail_only_their_requests(
+    requests, num_kv_blocks, budget, caching, fail_steps
+):
+    """Steps refused at random while another is in flight: the requests of each refused step fail
+    (as the async engine fails them), every other request gets the tokens of an unconstrained run,
+    the fake executor never reads a KV position that was not written, nothing leaks."""
+
+    def generate(engine: LLMEngine) -> tuple[dict[int, list[int]], set[int]]:
+        finished, failed, ids, step = {}, set(), {}, 0
+        while step < 2000 and (
+            engine.has_unfinished_requests() or engine.scheduler.has_finished_to_send() or step <= 6
+        ):
+            for j, (n, seed, max_tokens, arrival) in enumerate(requests):
+                if arrival == step:
+                    ids[engine.add_request(prompt(n, seed), greedy(max_tokens))] = j
+            try:
+                outs = engine.step()
+            except ValueError:
+                outs = engine.fail_requests(engine.last_plan.seq_ids, "rejected")
+                failed |= {ids[o.request_id] for o in outs}
+            for o in outs:
+                if o.finished and o.error is None:
+                    finished[ids[o.request_id]] = o.token_ids
+            step += 1
+        assert not engine.has_unfinished_requests()
+        assert engine.scheduler.block_manager.num_used_blocks == 0
+        return finished, failed
+
+    ref, _ = generate(make_engine()[0])
+    executor = FakeExecutor(num_kv_blocks=num_kv_blocks)
+    config = SchedulerConfig(max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    got, failed = generate(LLMEngine(CountingPipe(executor, fail_steps=fail_steps), config))
+    assert set(got) | failed == set(range(len(requests))) and not set(got) & failed
+    assert all(got[j] == ref[j] for j in got)
+    assert not executor.seqs
