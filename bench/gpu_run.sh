@@ -31,7 +31,7 @@ stage() {
 
 for what in "$@"; do
     case $what in
-    tests) stage tests "$PY" -m pytest -q -x -m gpu tests/test_triton_ops.py tests/test_gpu_engine.py ;;
+    tests) stage tests "$PY" -m pytest -q -x tests/test_triton_ops.py tests/test_gpu_engine.py ;;
     kernels) stage kernels "$PY" -m pytest -q -x tests/test_triton_kernels.py ;;
     attention) stage attention "$PY" bench/attention.py ;;
     profile) TAIL=40 stage profile "$PY" bench/profile_step.py --steps 16 ;;

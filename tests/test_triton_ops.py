@@ -108,6 +108,7 @@ def check_qk_norm_rope(
     _close(out_k, ref_k, what + " (k)")
 
 
+pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
