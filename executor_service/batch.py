@@ -34,10 +34,15 @@ def prepare_batch(
     vocab_size: int,
     device: torch.device,
     is_driver: bool,
+    pending: torch.Tensor | None = None,
 ) -> PreparedBatch:
     """Flatten a mixed batch (prefill chunks and decodes): sequence i computes tokens
     [c, c + n) with c = its num_computed_tokens and n = num_scheduled_tokens[i]. Sampling
-    metadata is built only on the driver (rank 0), the one rank that samples."""
+    metadata is built only on the driver (rank 0), the one rank that samples.
+
+    `pending`: the token ids sampled by the step still in flight, on the device. An input token
+    still a -1 placeholder is taken from it (row `pending_row` of its sequence) by a device-side
+    copy, so this step is launched before that step's tokens reach the host."""
     bs = block_size
     num_seqs = len(seqs)
     q_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
@@ -71,12 +76,21 @@ def prepare_batch(
     logits_indices = cu_q[1:][samples] - 1
     sampling_seqs = [s for s, m in zip(seqs, samples.tolist()) if m]
 
+    holes = np.flatnonzero(input_ids < 0)
+    if holes.size and pending is None:
+        raise RuntimeError("an input token is sampled by a step in flight, but none is in flight")
+    sources = np.fromiter((seqs[i].pending_row for i in token_seq[holes].tolist()), np.int64, holes.size)
+
     # Two host-to-device copies per step: the int64 columns and the int32 ones.
-    longs = _to_device(np.concatenate([input_ids, positions, slot_mapping, logits_indices]), device)
-    ints = _to_device(np.concatenate([ends, cu_q, cu_k, tables.ravel()]).astype(np.int32), device)
-    input_ids_d, positions_d, slot_mapping_d, logits_indices_d = longs.split(
-        [num_tokens, num_tokens, num_tokens, len(logits_indices)]
+    longs = _to_device(
+        np.concatenate([input_ids, positions, slot_mapping, logits_indices, holes, sources]), device
     )
+    ints = _to_device(np.concatenate([ends, cu_q, cu_k, tables.ravel()]).astype(np.int32), device)
+    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, holes_d, sources_d = longs.split(
+        [num_tokens, num_tokens, num_tokens, len(logits_indices), holes.size, holes.size]
+    )
+    if holes.size:
+        input_ids_d[holes_d] = pending[sources_d]
     context_lens_d, cu_q_d, cu_k_d, tables_d = ints.split(
         [num_seqs, num_seqs + 1, num_seqs + 1, num_seqs * width]
     )

@@ -1,19 +1,28 @@
 """LocalExecutor: applies step plans to per-sequence state and runs them through the model runner.
 
+Two steps may be in flight (DESIGN.md §3): `send(plan)` launches a step on the device without
+waiting for it, `receive(plan)` waits and returns its result, in plan order. A step sent while
+the one before it still runs takes the tokens that one samples straight from the device: the
+executor keeps a -1 placeholder in their place until its result is received. So the host
+prepares step N+1 (and the scheduler's answer travels) while the device runs step N.
+
 With tensor_parallel_size N > 1 it is rank 0: it spawns ranks 1..N-1 (tp_worker.py) and
-broadcasts every valid plan to them before running it; only rank 0 samples and replies."""
+broadcasts every valid plan to them before running it; only rank 0 samples and replies. Those
+steps run one at a time (the other ranks need the sampled tokens on the host)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from executor_service import parallel
 from executor_service.config import ExecutorConfig
-from executor_service.model_runner import ModelRunner
+from executor_service.model_runner import Launch, ModelRunner
 from executor_service.plan_validation import PlanError, PlanLimits, validate_plan
 from executor_service.sequence import SequenceState
 from executor_service.tp_worker import WorkerProcesses
@@ -24,9 +33,21 @@ logger = logging.getLogger(__name__)
 __all__ = ["LocalExecutor", "PlanError"]
 
 
+@dataclass
+class _InFlight:
+    """A step sent and not yet received: its result, its error, or its launch on the device."""
+
+    plan: StepPlan
+    result: StepResult | None = None
+    error: BaseException | None = None
+    launch: Launch | None = None
+    # Where this step's sampled tokens go: (sequence, index of its -1 placeholder).
+    placeholders: list[tuple[SequenceState, int]] = field(default_factory=list)
+
+
 class LocalExecutor:
-    """The executor in-process: `describe()`, `step(plan)`, `reset()`; `close()` stops the
-    tensor-parallel ranks."""
+    """The executor in-process: `describe()`, `step(plan)` (or `send(plan)` then
+    `receive(plan)`, two steps in flight), `reset()`; `close()` stops the tensor-parallel ranks."""
 
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
@@ -47,6 +68,7 @@ class LocalExecutor:
         else:
             self.runner = ModelRunner(config)
         self.seqs: dict[int, SequenceState] = {}
+        self._in_flight: deque[_InFlight] = deque()
         mc = config.model_config
         self.limits = PlanLimits(
             block_size=config.block_size,
@@ -78,7 +100,50 @@ class LocalExecutor:
         )
 
     def step(self, plan: StepPlan) -> StepResult:
-        return self._step(plan, all_logits=False)[0]
+        self.send(plan)
+        return self.receive(plan)
+
+    def send(self, plan: StepPlan) -> None:
+        """Validate, apply and launch a step. A plan the executor refuses (PlanError) changes
+        nothing; its error, like any other, is raised by receive(), and plans sent after a
+        failed one are not run."""
+        if len(self._in_flight) >= 2:
+            raise RuntimeError(f"step {plan.step_id} sent with two steps in flight: receive one first")
+        if self._in_flight and self._in_flight[-1].error is not None:
+            error = RuntimeError(
+                f"step {plan.step_id} not run: step {self._in_flight[-1].plan.step_id} failed"
+            )
+            self._in_flight.append(_InFlight(plan, error=error))
+            return
+        try:
+            self._in_flight.append(self._launch(plan))
+        except Exception as e:
+            self._in_flight.append(_InFlight(plan, error=e))
+
+    def ready(self) -> bool:
+        """Whether receive() of the oldest step in flight would return without waiting."""
+        if not self._in_flight:
+            return True
+        step = self._in_flight[0]
+        return step.launch is None or step.result is not None or step.launch.ready()
+
+    def receive(self, plan: StepPlan) -> StepResult:
+        """The result of the oldest step in flight, which must be `plan`; raises its error."""
+        if not self._in_flight or self._in_flight[0].plan.step_id != plan.step_id:
+            raise RuntimeError(f"receive of step {plan.step_id}, which is not the oldest in flight")
+        step = self._in_flight.popleft()
+        if step.error is not None:
+            raise step.error
+        if step.result is None:
+            self._collect(step)
+        return step.result
+
+    def discard(self) -> None:
+        """Forget the steps in flight (their device work completes; their tokens are kept)."""
+        for step in self._in_flight:
+            if step.launch is not None and step.result is None:
+                self._collect(step)
+        self._in_flight.clear()
 
     def step_with_logits(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor | None]:
         """Like step(), also returning logits for every scheduled token, [num_tokens, vocab_size]
@@ -88,6 +153,7 @@ class LocalExecutor:
 
     def reset(self) -> int:
         """Drop every sequence; returns how many were held."""
+        self.discard()
         if self.workers is not None:
             self._broadcast(parallel.TPMessage("reset"))
         self._unsent_token_ids = []
@@ -111,6 +177,47 @@ class LocalExecutor:
     def _broadcast(self, message: parallel.TPMessage) -> None:
         message.sampled_token_ids, self._unsent_token_ids = self._unsent_token_ids, []
         self.workers.send(message)
+
+    def _launch(self, plan: StepPlan) -> _InFlight:
+        if self.workers is not None:  # the other ranks need the sampled tokens on the host
+            return _InFlight(plan, result=self._step(plan, all_logits=False)[0])
+        validate_plan(plan, self.seqs, self.limits)
+        prev = self._in_flight[-1] if self._in_flight else None
+        batch = apply_plan(self.runner, self.seqs, plan)
+        if not batch:
+            return _InFlight(plan, result=StepResult(step_id=plan.step_id))
+        pending = None
+        if prev is not None and prev.result is None and prev.launch is not None and prev.placeholders:
+            if any(_needs_history(s.sampling_params) for s in batch):
+                self._collect(prev)  # penalties read the generated tokens on the host
+            else:
+                pending = prev.launch.sampled.sampled_token_ids
+        launch = self.runner.launch(batch, plan.num_scheduled_tokens, pending)
+        for seq, n in zip(batch, plan.num_scheduled_tokens, strict=True):
+            seq.num_computed_tokens += n
+        step = _InFlight(plan, launch=launch)
+        for row, seq in enumerate(launch.batch.sampling_seqs):
+            step.placeholders.append((seq, len(seq.token_ids)))
+            seq.token_ids.append(-1)
+            seq.pending_row = row
+        return step
+
+    def _collect(self, step: _InFlight) -> None:
+        """Wait for a launched step; its tokens replace their placeholders; its result is set."""
+        out = self.runner.collect(step.launch)
+        for (seq, index), token_id in zip(step.placeholders, out.sampled_token_ids, strict=True):
+            seq.token_ids[index] = token_id
+        step.result = StepResult(
+            step_id=step.plan.step_id,
+            seq_ids=[seq.seq_id for seq, _ in step.placeholders],
+            token_ids=out.sampled_token_ids,
+            num_tokens=[1] * len(out.sampled_token_ids),
+            logprobs=out.logprobs,
+            prepare_seconds=out.prepare_seconds,
+            forward_seconds=out.forward_seconds,
+            sample_seconds=out.sample_seconds,
+        )
+        step.launch = None
 
     def _step(self, plan: StepPlan, all_logits: bool) -> tuple[StepResult, torch.Tensor | None]:
         validate_plan(plan, self.seqs, self.limits)
@@ -181,6 +288,10 @@ def advance(
 def append_tokens(sampling_seqs: list[SequenceState], sampled_token_ids: list[int]) -> None:
     for seq, token_id in zip(sampling_seqs, sampled_token_ids, strict=True):
         seq.token_ids.append(token_id)
+
+
+def _needs_history(params) -> bool:
+    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
 
 
 def drop_all(runner: ModelRunner, seqs: dict[int, SequenceState]) -> int:

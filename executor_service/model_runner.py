@@ -42,6 +42,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @dataclass
+class Launch:
+    """A step whose forward and sampling are queued on the device: `ModelRunner.collect` waits
+    for it. On CUDA the sampled ids are copied to pinned host memory behind the sampler, and
+    `done` records the copy, so that waiting for this step does not wait for one queued after."""
+
+    batch: PreparedBatch
+    logits: torch.Tensor | None
+    sampled: SamplerOutput | None
+    host_token_ids: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+    prepare_seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+
+@dataclass
 class RunOutput:
     sampled_token_ids: list[int]  # one per sampling sequence
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -138,9 +156,15 @@ class ModelRunner:
         seq.block_table.extend(block_ids)
         self.block_tables.extend(seq.row, block_ids)
 
-    def prepare(self, seqs: list[SequenceState], num_scheduled_tokens: list[int]) -> PreparedBatch:
+    def prepare(
+        self,
+        seqs: list[SequenceState],
+        num_scheduled_tokens: list[int],
+        pending: torch.Tensor | None = None,
+    ) -> PreparedBatch:
         """Flatten a mixed batch (prefill chunks and decodes): sequence i computes tokens
-        [c, c + n) with c = its num_computed_tokens and n = num_scheduled_tokens[i]."""
+        [c, c + n) with c = its num_computed_tokens and n = num_scheduled_tokens[i]; placeholder
+        input tokens come from `pending`, the ids sampled by the step in flight."""
         return prepare_batch(
             seqs,
             num_scheduled_tokens,
@@ -149,6 +173,7 @@ class ModelRunner:
             self.vocab_size,
             self.device,
             self.is_driver,
+            pending,
         )
 
     @torch.inference_mode()
@@ -172,25 +197,54 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
+    def launch(
+        self,
+        seqs: list[SequenceState],
+        num_scheduled_tokens: list[int],
+        pending: torch.Tensor | None = None,
+        all_logits: bool = False,
+    ) -> Launch:
+        """Prepare, forward and sample without waiting for the device (see Launch)."""
+        t0 = time.perf_counter()
+        batch = self.prepare(seqs, num_scheduled_tokens, pending)
+        t1 = time.perf_counter()
+        logits = self.execute_model(batch, all_logits)
+        sampled = None
+        if batch.sampling is not None:
+            sampled = self.sampler(logits[batch.logits_indices] if all_logits else logits, batch.sampling)
+        launch = Launch(batch, logits, sampled, prepare_seconds=t1 - t0)
+        if sampled is not None and self.device.type == "cuda":
+            ids = sampled.sampled_token_ids
+            launch.host_token_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            launch.host_token_ids.copy_(ids, non_blocking=True)
+            launch.done = torch.cuda.Event()
+            launch.done.record()
+        # On CUDA this measures launch time; collect() waits for the device work.
+        launch.forward_seconds = time.perf_counter() - t1
+        return launch
+
+    def collect(self, launch: Launch, all_logits: bool = False) -> RunOutput:
+        """Wait for a launched step; its sampled ids (and logprobs) on the host."""
+        t0 = time.perf_counter()
+        out = RunOutput(sampled_token_ids=[], logits=launch.logits if all_logits else None)
+        if launch.sampled is not None:
+            if launch.done is not None:
+                launch.done.synchronize()
+                out.sampled_token_ids = launch.host_token_ids.tolist()
+            else:
+                out.sampled_token_ids = launch.sampled.sampled_token_ids.tolist()
+            if launch.sampled.sampled_logprobs is not None:
+                out.logprobs = _logprobs(launch.batch, launch.sampled)
+        out.prepare_seconds, out.forward_seconds = launch.prepare_seconds, launch.forward_seconds
+        out.sample_seconds = time.perf_counter() - t0
+        return out
+
     def run(
         self, seqs: list[SequenceState], num_scheduled_tokens: list[int], all_logits: bool = False
     ) -> tuple[PreparedBatch, RunOutput]:
-        t0 = time.perf_counter()
-        batch = self.prepare(seqs, num_scheduled_tokens)
-        t1 = time.perf_counter()
-        logits = self.execute_model(batch, all_logits)
-        # On CUDA this measures launch time; the device work is waited for by the copy below.
-        t2 = time.perf_counter()
-        out = RunOutput(sampled_token_ids=[], logits=logits if all_logits else None)
-        if batch.sampling is not None:
-            sample_logits = logits[batch.logits_indices] if all_logits else logits
-            sampled = self.sampler(sample_logits, batch.sampling)
-            out.sampled_token_ids = sampled.sampled_token_ids.tolist()
-            if sampled.sampled_logprobs is not None:
-                out.logprobs = _logprobs(batch, sampled)
-        t3 = time.perf_counter()
-        out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
-        return batch, out
+        """launch() then collect(): one step, waited for."""
+        launch = self.launch(seqs, num_scheduled_tokens, all_logits=all_logits)
+        return launch.batch, self.collect(launch, all_logits)
 
 
 def _logprobs(batch: PreparedBatch, sampled: SamplerOutput) -> list[TokenLogprobs]:

@@ -18,6 +18,9 @@ class SequenceState:
     num_prompt_tokens: int
     # The model runner's row for this sequence's block table (set while the executor holds it).
     row: int = -1
+    # While a step in flight samples this sequence's last token: token_ids ends with a -1
+    # placeholder, and this is its row in that step's sampled ids (on the device).
+    pending_row: int = -1
 
     @classmethod
     def from_new(cls, new: NewSequence) -> SequenceState:

@@ -4,8 +4,10 @@ handlers, whose request deserializers turn undecodable bytes into INVALID_ARGUME
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -15,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from executor_service.metrics import ExecutorMetrics
 from executor_service.plan_validation import PlanError
-from protos.plan import info_to_proto, plan_from_proto, result_to_proto
+from protos.plan import StepPlan, info_to_proto, plan_from_proto, result_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 
@@ -48,6 +50,75 @@ def _deserializer(message_type):
     return parse
 
 
+_END = object()  # the Step stream's requests are over
+# How often the Step handler, with a step in flight, checks whether it completed while it waits
+# for the next plan.
+_POLL_S = 0.0002
+
+
+class _PlanReader:
+    """The Step stream's requests, read on a thread of their own, so that the handler can wait
+    for the next plan or for the step in flight, whichever comes first."""
+
+    def __init__(self, requests: Iterator) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(requests,), name="step-plans", daemon=True).start()
+
+    def _read(self, requests: Iterator) -> None:
+        try:
+            for msg in requests:
+                self._queue.put(msg)
+        except Exception:  # the RPC ended (cancelled, or aborted by the handler)
+            pass
+        self._queue.put(_END)
+
+    def get(self):
+        return self._queue.get()
+
+    def get_unless(self, ready) -> object | None:
+        """The next request, or None as soon as ready() holds."""
+        while not ready():
+            try:
+                return self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class _StreamSteps:
+    """A Step stream's steps in flight, oldest first. While there are any, the stream holds
+    `lock`: the executor keeps one stream's steps in flight at a time."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._steps: deque[tuple[StepPlan, float, int]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __getitem__(self, i: int) -> tuple[StepPlan, float, int]:
+        return self._steps[i]
+
+    def append(self, step: tuple[StepPlan, float, int]) -> None:
+        if not self._steps:
+            self._lock.acquire()
+        self._steps.append(step)
+
+    def popleft(self) -> tuple[StepPlan, float, int]:
+        step = self._steps.popleft()
+        if not self._steps:
+            self._lock.release()
+        return step
+
+    def clear(self) -> None:
+        if self._steps:
+            self._steps.clear()
+            self._lock.release()
+
+
 def _refuse_malformed(message: object, context: grpc.ServicerContext) -> None:
     if isinstance(message, MalformedMessage):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.error)
@@ -65,6 +136,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self.executor: LocalExecutor | None = None
         self.metrics = metrics
         self._lock = threading.Lock()
+        # Held by the Step stream that has steps in flight: another waits until they are answered.
+        self._in_flight_lock = threading.Lock()
         self._closed = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="executor-step")
 
@@ -93,6 +166,71 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return info_to_proto(self.run_on_worker(self._executor(context).describe))
 
     def Step(
+        self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext
+    ) -> Iterator[pb.StepResult]:
+        """Plans in, results out in plan order. A plan is launched as it arrives, while the step
+        before it may still run on the device (two in flight, LocalExecutor.send/receive)."""
+        executor = self._executor(context)
+        if not hasattr(executor, "send"):
+            yield from self._step_one_at_a_time(request_iterator, context)
+            return
+        reader = _PlanReader(request_iterator)
+        in_flight = _StreamSteps(self._in_flight_lock)
+        try:
+            while True:
+                if not in_flight:
+                    msg = reader.get()
+                elif len(in_flight) == 1:
+                    msg = reader.get_unless(executor.ready)
+                else:
+                    msg = None
+                if msg is None:  # the oldest step is done, or two are out
+                    yield self._receive(executor, in_flight, context)
+                    continue
+                if msg is _END:
+                    break
+                if isinstance(msg, MalformedMessage):
+                    while in_flight:  # answer what ran, then refuse
+                        yield self._receive(executor, in_flight, context)
+                    self.metrics.step_failed("INVALID_ARGUMENT")
+                    _refuse_malformed(msg, context)
+                plan = plan_from_proto(msg)
+                # Waits, outside the executor lock, while another stream has steps in flight.
+                in_flight.append((plan, time.perf_counter(), _num_graph_steps(executor)))
+                with self._lock:
+                    if self._closed:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
+                    self.run_on_worker(executor.send, plan)
+            while in_flight:
+                yield self._receive(executor, in_flight, context)
+        finally:
+            if in_flight:  # the stream broke or a step failed: forget what was not answered
+                with self._lock:
+                    self.run_on_worker(executor.discard)
+                in_flight.clear()
+
+    def _receive(
+        self, executor: LocalExecutor, in_flight: _StreamSteps, context: grpc.ServicerContext
+    ) -> pb.StepResult:
+        plan, t0, graph_steps = in_flight[0]
+        with self._lock:
+            try:
+                result = self.run_on_worker(executor.receive, plan)
+            except PlanError as e:
+                self.metrics.step_failed("INVALID_ARGUMENT")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except Exception as e:
+                logger.exception("step %d failed", plan.step_id)
+                self.metrics.step_failed("INTERNAL")
+                context.abort(
+                    grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}"
+                )
+        in_flight.popleft()
+        # With two in flight this includes the wait behind the step before.
+        self.metrics.observe_step(plan, time.perf_counter() - t0, _num_graph_steps(executor) > graph_steps)
+        return result_to_proto(result)
+
+    def _step_one_at_a_time(
         self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext
     ) -> Iterator[pb.StepResult]:
         for msg in request_iterator:

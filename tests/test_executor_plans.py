@@ -216,3 +216,68 @@ def test_config_errors_say_what_to_change(qwen3_tied, kwargs, message):
 def test_kv_cache_smaller_than_max_model_len_is_refused(qwen3_tied):
     with pytest.raises(ValueError, match=r"fewer than max_model_len \(1024\)"):
         LocalExecutor(ExecutorConfig(model=str(qwen3_tied), num_kv_blocks=10))
+
+
+def _two_seqs_then_decodes(**params) -> list[StepPlan]:
+    """Prefill of two sequences (one with a prefill chunk left), then decodes that read the
+    tokens the step before samples; step ids 1..4."""
+    a, b = prompt_ids(9, seed=3), prompt_ids(20, seed=4)
+    plans = [
+        _new_plan(_new(1, a, [0], **params), _new(2, b, [1, 2], **params), n=None, step_id=1),
+        StepPlan(step_id=2, seq_ids=[1, 2], num_scheduled_tokens=[1, 4], num_computed_tokens=[9, 16],
+                 num_new_blocks=[0, 0]),
+        StepPlan(step_id=3, seq_ids=[1, 2], num_scheduled_tokens=[1, 1], num_computed_tokens=[10, 20],
+                 num_new_blocks=[0, 0]),
+        StepPlan(step_id=4, seq_ids=[1, 2], num_scheduled_tokens=[1, 1], num_computed_tokens=[11, 21],
+                 num_new_blocks=[0, 0]),
+    ]  # fmt: skip
+    plans[0].num_scheduled_tokens = [9, 16]  # seq 2: a 16-token chunk, its last 4 in step 2
+    return plans
+
+
+@pytest.mark.parametrize("params", [{}, {"repetition_penalty": 1.3}, {"temperature": 0.8, "seed": 5}])
+def test_two_steps_in_flight_give_the_tokens_of_one_at_a_time(qwen3_tied, params):
+    """send(N+1) before receive(N): N+1's decode rows take N's sampled tokens on the device (with
+    penalties, N is waited for first); results and state equal those of step() one at a time."""
+    options = dict(num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    one = make_executor(qwen3_tied, **options)
+    expected = [one.step(plan) for plan in _two_seqs_then_decodes(**params)]
+    two = make_executor(qwen3_tied, **options)
+    plans = _two_seqs_then_decodes(**params)
+    two.send(plans[0])
+    got = []
+    for i in range(1, len(plans)):
+        two.send(plans[i])
+        assert -1 in two.seqs[1].token_ids, "the token in flight is a placeholder on the host"
+        got.append(two.receive(plans[i - 1]))
+    got.append(two.receive(plans[-1]))
+    assert [(r.seq_ids, r.token_ids) for r in got] == [(r.seq_ids, r.token_ids) for r in expected]
+    assert {i: s.token_ids for i, s in two.seqs.items()} == {i: s.token_ids for i, s in one.seqs.items()}
+
+
+def test_a_refused_step_in_flight_fails_in_order_and_stops_the_next(executor):
+    good = _new_plan(_new(2, [5, 6, 7], [3]), step_id=1)
+    bad = _decode(seq_id=9, step_id=2)
+    executor.send(good)
+    executor.send(bad)
+    with pytest.raises(RuntimeError, match="two steps in flight"):
+        executor.send(_decode(step_id=3))
+    assert len(executor.receive(good).token_ids) == 1
+    with pytest.raises(PlanError, match="unknown seq id 9"):
+        executor.receive(bad)
+    # A plan sent behind a refused one is not run; the refusal changed nothing.
+    executor.send(_decode(seq_id=9, step_id=4))
+    decode = StepPlan(
+        step_id=5, seq_ids=[2], num_scheduled_tokens=[1], num_computed_tokens=[3], num_new_blocks=[0]
+    )
+    executor.send(decode)
+    with pytest.raises(PlanError):
+        executor.receive(_decode(seq_id=9, step_id=4))
+    with pytest.raises(RuntimeError, match="step 5 not run: step 4 failed"):
+        executor.receive(decode)
+    executor.step(
+        StepPlan(
+            step_id=6, seq_ids=[2], num_scheduled_tokens=[1], num_computed_tokens=[3], num_new_blocks=[0]
+        )
+    )
+    assert len(executor.seqs[2].token_ids) == 5 and -1 not in executor.seqs[2].token_ids
