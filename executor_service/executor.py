@@ -69,6 +69,9 @@ class LocalExecutor:
             self.runner = ModelRunner(config)
         self.seqs: dict[int, SequenceState] = {}
         self._in_flight: deque[_InFlight] = deque()
+        # Whether a step sent behind a running one overlaps it: on CUDA with one rank. On the
+        # CPU a step is done when send() returns; the Step handler then runs one at a time.
+        self.overlaps_steps = self.runner.device.type == "cuda" and self.workers is None
         mc = config.model_config
         self.limits = PlanLimits(
             block_size=config.block_size,

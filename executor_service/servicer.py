@@ -171,7 +171,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         """Plans in, results out in plan order. A plan is launched as it arrives, while the step
         before it may still run on the device (two in flight, LocalExecutor.send/receive)."""
         executor = self._executor(context)
-        if not hasattr(executor, "send"):
+        if not getattr(executor, "overlaps_steps", False):
             yield from self._step_one_at_a_time(request_iterator, context)
             return
         reader = _PlanReader(request_iterator)

@@ -530,3 +530,30 @@ def test_cli_rejects_bad_configuration(capsys):
     assert main(["executor", "--gpu-memory-utilization", "1.5"]) == 2
     err = capsys.readouterr().err
     assert "no-such-model" in err and "gpu_memory_utilization (1.5) must be in (0, 1]" in err
+
+
+def test_two_steps_in_flight_through_the_service_match_local(qwen3_tied, local):
+    """The Step handler's overlapped loop (on CUDA: each plan launched as it arrives, the oldest
+    step answered when done), forced on the CPU: the same tokens as in-process, then a refused
+    plan fails alone and the stream that follows works."""
+    executor = make_executor(qwen3_tied, **EXECUTOR_OPTIONS)
+    executor.overlaps_steps = True
+    server = ExecutorServer("127.0.0.1", 0)
+    server.start()
+    server.set_executor(executor)
+    try:
+        local.reset()
+        expected, expected_lp, _ = generate(local)
+        with RemoteExecutor(server.address) as remote:
+            got, got_lp, engine = generate(remote)
+            assert engine.max_plans_in_flight == 2
+            assert (got, got_lp) == (expected, expected_lp)
+            bad = StepPlan(engine.scheduler.next_step_id + 5, seq_ids=[424242], num_scheduled_tokens=[1],
+                           num_computed_tokens=[0], num_new_blocks=[0])  # fmt: skip
+            with pytest.raises(PlanRejected, match="unknown seq id 424242"):
+                remote.step(bad)
+            remote.reset()
+            again, _, _ = generate(remote)
+            assert again == expected
+    finally:
+        server.stop(1)
