@@ -380,10 +380,12 @@ def test_not_serving_while_loading_then_serving_then_sigterm(qwen3_tied, tmp_pat
             while SERVING not in statuses and time.monotonic() < deadline:
                 assert ep.proc.poll() is None, ep.output()
                 try:
+                    # The server's overall status first: if the service still loads after it, the
+                    # overall status read before must not have been SERVING (no race with the load).
+                    overall = stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
                     response = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
                     statuses.append(response.status)
                     if response.status == NOT_SERVING:
-                        overall = stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
                         assert overall == NOT_SERVING
                 except grpc.RpcError as e:  # not listening yet
                     assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), e
