@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 from executor_fixtures import MiniScheduler, make_executor, prompt_ids
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor, PlanError
@@ -281,3 +283,91 @@ def test_a_refused_step_in_flight_fails_in_order_and_stops_the_next(executor):
         )
     )
     assert len(executor.seqs[2].token_ids) == 5 and -1 not in executor.seqs[2].token_ids
+
+
+class _Recorder:
+    """A LocalExecutor run one step at a time, keeping every plan and result."""
+
+    def __init__(self, executor: LocalExecutor) -> None:
+        self.executor = executor
+        self.plans: list[StepPlan] = []
+        self.results = []
+
+    def describe(self):
+        return self.executor.describe()
+
+    def reset(self) -> int:
+        return self.executor.reset()
+
+    def step(self, plan: StepPlan):
+        result = self.executor.step(plan)
+        self.plans.append(copy.deepcopy(plan))
+        self.results.append(result)
+        return result
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(1, 40),  # prompt length
+            st.integers(1, 12),  # max tokens
+            st.sampled_from(["greedy", "temperature", "seeded", "penalties", "logprobs"]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    budget=st.sampled_from([8, 24, 64]),
+    num_kv_blocks=st.sampled_from([16, 64]),
+)
+def test_replayed_plans_with_two_steps_in_flight_give_the_same_results(
+    qwen3_untied, requests, budget, num_kv_blocks
+):
+    """The real scheduler's plans (chunked prefill, prefix hits, preemption, stops, every kind of
+    sampling) recorded one step at a time, then replayed on a fresh executor with each plan sent
+    before the previous result is read: the same results, step by step."""
+    from scheduler_service.config import SchedulerConfig
+    from scheduler_service.engine import LLMEngine
+    from scheduler_service.sampling_params import SamplingParams
+
+    kinds = {
+        "greedy": {},
+        "temperature": {"temperature": 0.9, "top_p": 0.9},
+        "seeded": {"temperature": 0.7, "seed": 11},
+        "penalties": {"repetition_penalty": 1.2, "presence_penalty": 0.5},
+        "logprobs": {"logprobs": 2},
+    }
+    options = dict(
+        num_kv_blocks=num_kv_blocks, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64
+    )
+    recorder = _Recorder(make_executor(qwen3_untied, **options))
+    engine = LLMEngine(recorder, SchedulerConfig(max_num_batched_tokens=budget, max_plans_in_flight=1))
+    shared = prompt_ids(8, seed=99)
+    for i, (n, max_tokens, kind) in enumerate(requests):
+        tokens = (shared + prompt_ids(n, seed=i))[: max(n, 1) + 8] if i % 2 else prompt_ids(n, seed=i)
+        engine.add_request(tokens[:40], SamplingParams(max_tokens=max_tokens, **kinds[kind]))
+    while engine.has_unfinished_requests() or engine.scheduler.has_finished_to_send():
+        engine.step()
+
+    replay = make_executor(qwen3_untied, **options)
+    plans = recorder.plans
+    got = []
+    replay.send(plans[0])
+    for i in range(1, len(plans)):
+        replay.send(plans[i])
+        got.append(replay.receive(plans[i - 1]))
+    got.append(replay.receive(plans[-1]))
+    for expected, result in zip(recorder.results, got, strict=True):
+        assert (result.step_id, result.seq_ids, result.token_ids) == (
+            expected.step_id,
+            expected.seq_ids,
+            expected.token_ids,
+        )
+        assert result.logprobs == expected.logprobs
+    assert {i: s.token_ids for i, s in replay.seqs.items()} == {
+        i: s.token_ids for i, s in recorder.executor.seqs.items()
+    }
