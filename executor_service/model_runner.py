@@ -212,7 +212,8 @@ class ModelRunner:
         sampled = None
         if batch.sampling is not None:
             sampled = self.sampler(logits[batch.logits_indices] if all_logits else logits, batch.sampling)
-        launch = Launch(batch, logits, sampled, prepare_seconds=t1 - t0)
+        # Logits are kept only when asked for: with two steps in flight, each would hold [n, vocab].
+        launch = Launch(batch, logits if all_logits else None, sampled, prepare_seconds=t1 - t0)
         if sampled is not None and self.device.type == "cuda":
             ids = sampled.sampled_token_ids
             launch.host_token_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
