@@ -125,10 +125,12 @@ class LocalExecutor:
 
     def ready(self) -> bool:
         """Whether receive() of the oldest step in flight would return without waiting."""
-        if not self._in_flight:
+        try:  # read once: a Reset on the worker thread may empty the queue meanwhile
+            step = self._in_flight[0]
+        except IndexError:
             return True
-        step = self._in_flight[0]
-        return step.launch is None or step.result is not None or step.launch.ready()
+        launch = step.launch
+        return launch is None or step.result is not None or launch.ready()
 
     def receive(self, plan: StepPlan) -> StepResult:
         """The result of the oldest step in flight, which must be `plan`; raises its error."""
@@ -143,10 +145,12 @@ class LocalExecutor:
 
     def discard(self) -> None:
         """Forget the steps in flight (their device work completes; their tokens are kept)."""
-        for step in self._in_flight:
-            if step.launch is not None and step.result is None:
-                self._collect(step)
-        self._in_flight.clear()
+        try:
+            for step in self._in_flight:
+                if step.launch is not None and step.result is None:
+                    self._collect(step)
+        finally:
+            self._in_flight.clear()
 
     def step_with_logits(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor | None]:
         """Like step(), also returning logits for every scheduled token, [num_tokens, vocab_size]

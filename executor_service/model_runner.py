@@ -51,6 +51,8 @@ class Launch:
     logits: torch.Tensor | None
     sampled: SamplerOutput | None
     host_token_ids: torch.Tensor | None = None
+    # Logprobs copied to the host behind the sampler, when a row asked for them (CUDA).
+    host_logprobs: SamplerOutput | None = None
     done: torch.cuda.Event | None = None
     prepare_seconds: float = 0.0
     forward_seconds: float = 0.0
@@ -215,9 +217,14 @@ class ModelRunner:
         # Logits are kept only when asked for: with two steps in flight, each would hold [n, vocab].
         launch = Launch(batch, logits if all_logits else None, sampled, prepare_seconds=t1 - t0)
         if sampled is not None and self.device.type == "cuda":
-            ids = sampled.sampled_token_ids
-            launch.host_token_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            launch.host_token_ids.copy_(ids, non_blocking=True)
+            launch.host_token_ids = _to_host(sampled.sampled_token_ids)
+            if sampled.sampled_logprobs is not None:
+                launch.host_logprobs = SamplerOutput(
+                    launch.host_token_ids,
+                    _to_host(sampled.sampled_logprobs),
+                    _to_host(sampled.top_token_ids),
+                    _to_host(sampled.top_logprobs),
+                )
             launch.done = torch.cuda.Event()
             launch.done.record()
         # On CUDA this measures launch time; collect() waits for the device work.
@@ -235,7 +242,7 @@ class ModelRunner:
             else:
                 out.sampled_token_ids = launch.sampled.sampled_token_ids.tolist()
             if launch.sampled.sampled_logprobs is not None:
-                out.logprobs = _logprobs(launch.batch, launch.sampled)
+                out.logprobs = _logprobs(launch.batch, launch.host_logprobs or launch.sampled)
         out.prepare_seconds, out.forward_seconds = launch.prepare_seconds, launch.forward_seconds
         out.sample_seconds = time.perf_counter() - t0
         return out
@@ -246,6 +253,13 @@ class ModelRunner:
         """launch() then collect(): one step, waited for."""
         launch = self.launch(seqs, num_scheduled_tokens, all_logits=all_logits)
         return launch.batch, self.collect(launch, all_logits)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy, made behind the work queued so far (read it after an event)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def _logprobs(batch: PreparedBatch, sampled: SamplerOutput) -> list[TokenLogprobs]:

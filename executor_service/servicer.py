@@ -194,6 +194,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                         yield self._receive(executor, in_flight, context)
                     self.metrics.step_failed("INVALID_ARGUMENT")
                     _refuse_malformed(msg, context)
+                if not context.is_active():  # cancelled: a plan read ahead is not launched
+                    break
                 plan = plan_from_proto(msg)
                 # Waits, outside the executor lock, while another stream has steps in flight.
                 in_flight.append((plan, time.perf_counter(), _num_graph_steps(executor)))
@@ -205,9 +207,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 yield self._receive(executor, in_flight, context)
         finally:
             if in_flight:  # the stream broke or a step failed: forget what was not answered
-                with self._lock:
-                    self.run_on_worker(executor.discard)
-                in_flight.clear()
+                try:
+                    with self._lock:
+                        self.run_on_worker(executor.discard)
+                finally:
+                    in_flight.clear()
 
     def _receive(
         self, executor: LocalExecutor, in_flight: _StreamSteps, context: grpc.ServicerContext

@@ -168,6 +168,15 @@ class BlockManager:
         seq.block_table.extend(new)
         return new
 
+    def release_tail(self, seq: Sequence, num_blocks: int) -> None:
+        """Give back the last num_blocks of seq's table, appended by a plan that never ran."""
+        for _ in range(num_blocks):
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block.block_id] = None
+        seq.num_registered_blocks = min(seq.num_registered_blocks, len(seq.block_table))
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Tail blocks are freed first so they are reused before the
         shared prefix blocks that precede them."""

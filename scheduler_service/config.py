@@ -19,7 +19,7 @@ class SchedulerConfig:
     max_model_len: int | None = None
     # Plans sent before the oldest result is read: 2 hides the scheduler and the network behind
     # the executor's step (DESIGN.md §3); None = 2 for an executor that takes a plan ahead
-    # (the gRPC one), 1 in-process.
+    # (send/receive: the gRPC one and LocalExecutor), else 1.
     max_plans_in_flight: int | None = None
 
     def __post_init__(self) -> None:

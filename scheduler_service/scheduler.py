@@ -99,10 +99,15 @@ class Scheduler:
             for seq in entry[0] if entry is not None else ():
                 seq.num_pending_tokens = max(0, seq.num_pending_tokens - 1)
             new_ids = {s.seq_id for s in plan.new_seqs}
-            for seq_id, computed in zip(plan.seq_ids, plan.num_computed_tokens, strict=True):
+            for seq_id, computed, num_new in zip(
+                plan.seq_ids, plan.num_computed_tokens, plan.num_new_blocks, strict=True
+            ):
                 seq = self.seqs.get(seq_id)
-                if seq is not None and seq_id not in new_ids:
-                    seq.num_computed_tokens = computed
+                if seq is None or seq_id in new_ids:
+                    continue
+                seq.num_computed_tokens = computed
+                if num_new and seq.status is _RUNNING:  # the executor never got these blocks
+                    self.block_manager.release_tail(seq, num_new)
             for new in reversed(plan.new_seqs):
                 seq = self.seqs.get(new.seq_id)
                 if seq is None or seq.status is not _RUNNING:
@@ -188,6 +193,11 @@ class Scheduler:
             n = remaining if remaining <= budget else budget
             if c + n > len(seq.block_table) * bs:
                 needed = -(-(c + n) // bs) - len(seq.block_table)
+                if needed > len(free_ids) and seq.num_pending_tokens:
+                    # Its token in flight may stop it: wait for that result rather than preempt
+                    # a live request for a token that could be thrown away.
+                    i += 1
+                    continue
                 while needed > len(free_ids) and running[-1] is not seq:
                     self._preempt(running.pop(), plan)
                     preempted = True
