@@ -9,8 +9,14 @@
 #
 # Multi-GPU stages (tp-*) need a machine with 2 GPUs. NVLink multicast stays off (the device
 # machines' rule; the TP ranks inherit this environment).
+# Wheels the GPU machine lacks (grpcio >= the stubs' version, health checking, reflection) are
+# installed from .whl/ when the call carries that git-excluded folder.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
