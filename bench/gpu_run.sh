@@ -43,6 +43,7 @@ for what in "$@"; do
     profile) TAIL=40 stage profile "$PY" bench/profile_step.py --steps 16 ;;
     w1) TAIL=12 stage w1 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process ;;
     w1-off) TAIL=12 stage w1-off "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --fused-ops off ;;
+    w1-one) TAIL=12 stage w1-one "$PY" bench/throughput.py --workload w1 --device cuda --max-plans-in-flight 1 ;;
     w1-split) TAIL=12 stage w1-split "$PY" bench/throughput.py --workload w1 --device cuda ;;
     peer) TAIL=12 stage peer "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --peer "${PEER:-.peers/hf_continuous_batching.py}" ;;
     tp-tests) stage tp-tests "$PY" -m pytest -q -x -m gpu tests/test_tensor_parallel.py ;;

@@ -124,6 +124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the executor's Triton-fused norm/rotary/SiLU kernels, in both modes (default auto: on CUDA)",
     )
     p.add_argument(
+        "--max-plans-in-flight",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="plans sent before the oldest result is read, both modes (default 2; 1: no overlap)",
+    )
+    p.add_argument(
         "--peer",
         default=None,
         metavar="SCRIPT",
@@ -200,6 +207,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         max_num_batched_tokens=args.max_num_batched_tokens,
         fused_ops=args.fused_ops,
         tensor_parallel_size=args.tensor_parallel_size,
+        max_plans_in_flight=args.max_plans_in_flight,
         **options,
     )
     warm = [r.prompt_token_ids for r in workload[:4]]
@@ -254,6 +262,7 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     scheduler_argv += ["--max-num-seqs", str(args.max_num_seqs)]
     scheduler_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     scheduler_argv += ["--stream-interval", str(args.stream_interval)]
+    scheduler_argv += ["--max-plans-in-flight", str(args.max_plans_in_flight)]
     scheduler_argv += args.scheduler_arg
     executor = Service("executor", executor_argv, log_dir / "executor.log")
     scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log")

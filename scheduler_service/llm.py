@@ -45,6 +45,7 @@ class LLM:
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        max_plans_in_flight: int | None = None,
         **executor_options,
     ):
         # Imported here so that scheduler_service imports without torch.
@@ -67,6 +68,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
+                max_plans_in_flight=max_plans_in_flight,
             ),
         )
         tokenizer_path = tokenizer or model
