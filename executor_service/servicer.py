@@ -95,6 +95,9 @@ class _StreamSteps:
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
         self._steps: deque[tuple[StepPlan, float, int]] = deque()
+        # When the last step was answered: a step's time runs from its send or from then,
+        # whichever is later, so that overlapped steps are not counted twice.
+        self.last_answered = 0.0
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -230,8 +233,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}"
                 )
         in_flight.popleft()
-        # With two in flight this includes the wait behind the step before.
-        self.metrics.observe_step(plan, time.perf_counter() - t0, _num_graph_steps(executor) > graph_steps)
+        now = time.perf_counter()
+        seconds = now - max(t0, in_flight.last_answered)
+        in_flight.last_answered = now
+        self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > graph_steps)
         return result_to_proto(result)
 
     def _step_one_at_a_time(
