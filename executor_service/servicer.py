@@ -221,23 +221,26 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     ) -> pb.StepResult:
         plan, t0, graph_steps = in_flight[0]
         with self._lock:
-            try:
-                result = self.run_on_worker(executor.receive, plan)
-            except PlanError as e:
-                self.metrics.step_failed("INVALID_ARGUMENT")
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except Exception as e:
-                logger.exception("step %d failed", plan.step_id)
-                self.metrics.step_failed("INTERNAL")
-                context.abort(
-                    grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}"
-                )
+            result = self._run_step(executor.receive, plan, context)
         in_flight.popleft()
         now = time.perf_counter()
         seconds = now - max(t0, in_flight.last_answered)
         in_flight.last_answered = now
         self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > graph_steps)
         return result_to_proto(result)
+
+    def _run_step(self, fn, plan: StepPlan, context: grpc.ServicerContext):
+        """fn(plan) on the worker; a refused plan aborts the stream with INVALID_ARGUMENT, any
+        other failure with INTERNAL."""
+        try:
+            return self.run_on_worker(fn, plan)
+        except PlanError as e:
+            self.metrics.step_failed("INVALID_ARGUMENT")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            logger.exception("step %d failed", plan.step_id)
+            self.metrics.step_failed("INTERNAL")
+            context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}")
 
     def _step_one_at_a_time(
         self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext
@@ -251,17 +254,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 executor = self._executor(context)
                 graph_steps = _num_graph_steps(executor)
                 t0 = time.perf_counter()
-                try:
-                    result = self.run_on_worker(executor.step, plan)
-                except PlanError as e:
-                    self.metrics.step_failed("INVALID_ARGUMENT")
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                except Exception as e:
-                    logger.exception("step %d failed", plan.step_id)
-                    self.metrics.step_failed("INTERNAL")
-                    context.abort(
-                        grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}"
-                    )
+                result = self._run_step(executor.step, plan, context)
                 seconds = time.perf_counter() - t0
                 self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > graph_steps)
             yield result_to_proto(result)
