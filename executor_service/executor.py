@@ -22,8 +22,9 @@ import torch
 
 from executor_service import parallel
 from executor_service.config import ExecutorConfig
-from executor_service.model_runner import Launch, ModelRunner
+from executor_service.model_runner import Launch, ModelRunner, RunOutput
 from executor_service.plan_validation import PlanError, PlanLimits, validate_plan
+from executor_service.sampling_metadata import uses_penalties
 from executor_service.sequence import SequenceState
 from executor_service.tp_worker import WorkerProcesses
 from protos.plan import ExecutorInfo, StepPlan, StepResult
@@ -195,7 +196,7 @@ class LocalExecutor:
             return _InFlight(plan, result=StepResult(step_id=plan.step_id))
         pending = None
         if prev is not None and prev.result is None and prev.launch is not None and prev.placeholders:
-            if any(_needs_history(s.sampling_params) for s in batch):
+            if any(uses_penalties(s.sampling_params) for s in batch):
                 self._collect(prev)  # penalties read the generated tokens on the host
             else:
                 pending = prev.launch.sampled.sampled_token_ids
@@ -214,16 +215,7 @@ class LocalExecutor:
         out = self.runner.collect(step.launch)
         for (seq, index), token_id in zip(step.placeholders, out.sampled_token_ids, strict=True):
             seq.token_ids[index] = token_id
-        step.result = StepResult(
-            step_id=step.plan.step_id,
-            seq_ids=[seq.seq_id for seq, _ in step.placeholders],
-            token_ids=out.sampled_token_ids,
-            num_tokens=[1] * len(out.sampled_token_ids),
-            logprobs=out.logprobs,
-            prepare_seconds=out.prepare_seconds,
-            forward_seconds=out.forward_seconds,
-            sample_seconds=out.sample_seconds,
-        )
+        step.result = _result(step.plan, [seq for seq, _ in step.placeholders], out)
         step.launch = None
 
     def _step(self, plan: StepPlan, all_logits: bool) -> tuple[StepResult, torch.Tensor | None]:
@@ -247,17 +239,20 @@ class LocalExecutor:
             return StepResult(step_id=plan.step_id), None
         prepared, out = self.runner.run(batch, plan.num_scheduled_tokens, all_logits)
         advance(batch, plan.num_scheduled_tokens, prepared.sampling_seqs, out.sampled_token_ids)
-        result = StepResult(
-            step_id=plan.step_id,
-            seq_ids=[s.seq_id for s in prepared.sampling_seqs],
-            token_ids=out.sampled_token_ids,
-            num_tokens=[1] * len(out.sampled_token_ids),
-            logprobs=out.logprobs,
-            prepare_seconds=out.prepare_seconds,
-            forward_seconds=out.forward_seconds,
-            sample_seconds=out.sample_seconds,
-        )
-        return result, out.logits
+        return _result(plan, prepared.sampling_seqs, out), out.logits
+
+
+def _result(plan: StepPlan, sampling_seqs: list[SequenceState], out: RunOutput) -> StepResult:
+    return StepResult(
+        step_id=plan.step_id,
+        seq_ids=[s.seq_id for s in sampling_seqs],
+        token_ids=out.sampled_token_ids,
+        num_tokens=[1] * len(out.sampled_token_ids),
+        logprobs=out.logprobs,
+        prepare_seconds=out.prepare_seconds,
+        forward_seconds=out.forward_seconds,
+        sample_seconds=out.sample_seconds,
+    )
 
 
 def apply_plan(runner: ModelRunner, seqs: dict[int, SequenceState], plan: StepPlan) -> list[SequenceState]:
@@ -295,10 +290,6 @@ def advance(
 def append_tokens(sampling_seqs: list[SequenceState], sampled_token_ids: list[int]) -> None:
     for seq, token_id in zip(sampling_seqs, sampled_token_ids, strict=True):
         seq.token_ids.append(token_id)
-
-
-def _needs_history(params) -> bool:
-    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
 
 
 def drop_all(runner: ModelRunner, seqs: dict[int, SequenceState]) -> int:

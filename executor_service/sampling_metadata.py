@@ -7,11 +7,18 @@ from dataclasses import dataclass
 import torch
 
 from executor_service.sequence import SequenceState
+from protos.plan import StepSamplingParams
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     pin = device.type == "cuda"
     return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+
+def uses_penalties(params: StepSamplingParams) -> bool:
+    """Whether sampling reads the sequence's generated tokens (repetition / presence /
+    frequency penalties)."""
+    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -68,7 +75,7 @@ class SamplingMetadata:
             max_num_logprobs=max(num_logprobs, default=0),
             num_logprobs=num_logprobs,
         )
-        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+        if any(uses_penalties(p) for p in params):
             meta.repetition_penalties = _to_device(
                 [p.repetition_penalty for p in params], torch.float32, device
             )
