@@ -1,7 +1,7 @@
 """The synchronous engine: requests in, schedule -> execute -> update, outputs out.
 
-With an executor that can take a plan before answering the last one (RemoteExecutor's `send` /
-`receive`), two plans are in flight: step N+1 is scheduled and sent before step N's result is
+With an executor that can take a plan before answering the last one (`send` / `receive`:
+RemoteExecutor and LocalExecutor), two plans are in flight: step N+1 is scheduled and sent before step N's result is
 read, so the executor never waits for the scheduler or the network between steps."""
 
 from __future__ import annotations
@@ -116,11 +116,12 @@ class LLMEngine:
         self.info = executor.describe()
         self.scheduler = Scheduler(self.config, self.info, first_step_id)
         self.limits = self.scheduler.limits
+        takes_plans_ahead = hasattr(executor, "send")
         depth = self.config.max_plans_in_flight
         if depth is None:  # two where the executor works while the next plan travels
-            depth = 2 if hasattr(executor, "send") else 1
+            depth = 2 if takes_plans_ahead else 1
         self.max_plans_in_flight = depth
-        self._pipe = executor if hasattr(executor, "send") else RunOnSend(executor)
+        self._pipe = executor if takes_plans_ahead else RunOnSend(executor)
         # (plan, when it was sent; None for a plan with nothing for the executor), oldest first.
         self._in_flight: deque[tuple[StepPlan, float | None]] = deque()
         self._next_request_id = 0
