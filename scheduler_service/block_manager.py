@@ -103,16 +103,13 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def cache_full_blocks(self, seq: Sequence, num_written: int | None = None) -> None:
-        """Register seq's full blocks whose tokens are all known and whose KV is written: the first
-        `num_written` positions (default num_computed_tokens; the scheduler passes the positions of
-        steps whose results are back, never those of a step still in flight)."""
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's full blocks whose tokens are all known and whose KV is written by a
+        step whose result is back (seq.num_kv_written, never a step still in flight)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        if num_written is None:
-            num_written = seq.num_computed_tokens
-        num_full = min(num_written, len(seq.token_ids)) // bs
+        num_full = min(seq.num_kv_written, len(seq.token_ids)) // bs
         for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             h = self.block_hash(seq, i)

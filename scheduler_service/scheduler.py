@@ -367,7 +367,7 @@ class Scheduler:
                 self._finish(seq, reason)
                 any_finished = True
             elif caching and seq.num_kv_written // bs > seq.num_registered_blocks:
-                bm.cache_full_blocks(seq, seq.num_kv_written)
+                bm.cache_full_blocks(seq)
             out.append(seq)
         stats.num_generation_tokens += num_generated
         if any_finished:
@@ -375,7 +375,7 @@ class Scheduler:
         if caching:
             for seq in partial:
                 if seq.status is _RUNNING:
-                    bm.cache_full_blocks(seq, seq.num_kv_written)
+                    bm.cache_full_blocks(seq)
         self._refresh_gauges()
         return out
 
@@ -386,7 +386,7 @@ class Scheduler:
         by_reason = self.stats.finished_by_reason
         by_reason[reason] = by_reason.get(reason, 0) + 1
         # Keep the prompt + output blocks in the prefix cache for later requests.
-        self.block_manager.cache_full_blocks(seq, seq.num_kv_written)
+        self.block_manager.cache_full_blocks(seq)
         self.block_manager.free(seq)
         del self.seqs[seq.seq_id]
         if seq.sent:

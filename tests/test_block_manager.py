@@ -31,6 +31,7 @@ def compute(bm: BlockManager, seq: Sequence, n: int, kv: dict[int, tuple[int, ..
     for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
         kv[seq.block_table[p // bs] * bs + p % bs] = tuple(seq.token_ids[: p + 1])
     seq.num_computed_tokens += n
+    seq.num_kv_written = seq.num_computed_tokens  # and its step returned
     bm.cache_full_blocks(seq)
 
 
