@@ -47,8 +47,9 @@ class Scheduler:
         self._next_step_id = first_step_id
         # Sequences the executor holds that finished since the last plan.
         self._finished_ids: list[int] = []
-        # step id -> (the scheduled sequences that sample, those that do not: prefill chunks).
-        self._in_flight: dict[int, tuple[list[Sequence], list[Sequence]]] = {}
+        # step id -> (the scheduled sequences that sample, and those that do not: prefill chunks,
+        # each with the number of positions whose KV the step writes).
+        self._in_flight: dict[int, tuple[list[Sequence], list[tuple[Sequence, int]]]] = {}
         # Sequences failed inside schedule(), returned by the next update().
         self._failed: list[Sequence] = []
         self.stats = SchedulerStats(num_total_blocks=limits.num_kv_blocks)
@@ -177,7 +178,7 @@ class Scheduler:
         running = self.running
         # Scheduled sequences that sample this step, and those that do not (a prefill chunk).
         sampling: list[Sequence] = []
-        partial: list[Sequence] = []
+        partial: list[tuple[Sequence, int]] = []
         preempted = False
 
         i = 0
@@ -213,7 +214,7 @@ class Scheduler:
             else:
                 num_new_blocks.append(0)
             if n < remaining:
-                partial.append(seq)
+                partial.append((seq, c + n))
             else:
                 sampling.append(seq)
                 seq.num_pending_tokens += 1
@@ -234,7 +235,7 @@ class Scheduler:
         return plan
 
     def _schedule_waiting(
-        self, plan: StepPlan, budget: int, sampling: list[Sequence], partial: list[Sequence]
+        self, plan: StepPlan, budget: int, sampling: list[Sequence], partial: list[tuple[Sequence, int]]
     ) -> None:
         """Admit waiting sequences in arrival order into plan, sampling or partial."""
         bm = self.block_manager
@@ -269,7 +270,7 @@ class Scheduler:
             plan.num_new_blocks.append(0)
             seq.num_computed_tokens = num_cached + n
             if seq.num_computed_tokens < len(seq.token_ids):
-                partial.append(seq)
+                partial.append((seq, seq.num_computed_tokens))
             else:
                 sampling.append(seq)
                 seq.num_pending_tokens += 1
@@ -313,14 +314,6 @@ class Scheduler:
                 f"step {plan.step_id}: executor sampled {len(result.seq_ids)} sequences, expected {len(sampling)}"
             )
         expected = {s.seq_id: s for s in sampling}
-        # This step's KV is written: its blocks may now enter the prefix cache.
-        in_plan = {**expected, **{s.seq_id: s for s in partial}}
-        for seq_id, c, n in zip(
-            plan.seq_ids, plan.num_computed_tokens, plan.num_scheduled_tokens, strict=True
-        ):
-            seq = in_plan.get(seq_id)
-            if seq is not None and seq.status is _RUNNING and self.seqs.get(seq_id) is seq:
-                seq.num_kv_written = c + n
         out = self._failed
         self._failed = []
         seqs = self.seqs
@@ -347,6 +340,9 @@ class Scheduler:
             num_before = len(tokens)
             if seq.num_computed_tokens != num_before + seq.num_pending_tokens:
                 raise RuntimeError(f"executor sampled a token for sequence {seq_id} in mid-prefill")
+            # This step wrote the KV of every token known before its result: those blocks may
+            # now enter the prefix cache.
+            seq.num_kv_written = num_before
             if num_before == seq.num_prompt_tokens:
                 stats.num_prompt_tokens += num_before
             reason = None
@@ -372,9 +368,10 @@ class Scheduler:
         stats.num_generation_tokens += num_generated
         if any_finished:
             self.running = [s for s in self.running if s.status is _RUNNING]
-        if caching:
-            for seq in partial:
-                if seq.status is _RUNNING:
+        for seq, written in partial:
+            if seq.status is _RUNNING and seqs.get(seq.seq_id) is seq:
+                seq.num_kv_written = written
+                if caching:
                     bm.cache_full_blocks(seq)
         self._refresh_gauges()
         return out
