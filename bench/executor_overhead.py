@@ -4,7 +4,8 @@ result. On the GPU all of it runs on the host between the device's steps.
 
 256 sequences with 300-token prompts are admitted and prefilled (the model call is replaced by
 zero logits), then every step decodes one token for each. Prints mean / p50 / p99 per step in
-milliseconds, split into validate+apply+result, prepare and sample.
+milliseconds, split into prepare, the (stubbed) model call with the greedy sampler, the wait for
+the sampled ids, and the rest: validation, applying the plan, the result.
 
     python bench/executor_overhead.py [--num-seqs 256] [--steps 1000] [--profile]
 """
@@ -101,7 +102,7 @@ def main() -> None:
         return plan
 
     plans = [decode_plan() for _ in range(args.steps)]
-    totals, prepares, samples = [], [], []
+    totals, prepares, launches, samples = [], [], [], []
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
@@ -110,6 +111,7 @@ def main() -> None:
         result = executor.step(plan)
         totals.append(time.perf_counter() - t0)
         prepares.append(result.prepare_seconds)
+        launches.append(result.forward_seconds)
         samples.append(result.sample_seconds)
     if profiler:
         profiler.disable()
@@ -119,11 +121,12 @@ def main() -> None:
         p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
         return f"mean {statistics.mean(values) * 1e3:.3f}, p50 {values[len(values) // 2] * 1e3:.3f}, p99 {p99 * 1e3:.3f}"
 
-    rest = [t - p - s for t, p, s in zip(totals, prepares, samples, strict=True)]
+    rest = [t - p - f - s for t, p, f, s in zip(totals, prepares, launches, samples, strict=True)]
     print(f"executor step, {n} decode sequences, no model ({args.steps} steps), ms:")
     print(f"  total                   {ms(totals)}")
     print(f"  prepare                 {ms(prepares)}")
-    print(f"  sample (greedy)         {ms(samples)}")
+    print(f"  model stub + sampler    {ms(launches)}")
+    print(f"  wait + sampled ids out  {ms(samples)}")
     print(f"  validate, apply, result {ms(rest)}")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
