@@ -51,12 +51,16 @@ def run(args: argparse.Namespace, model: str, fused_ops: str) -> None:
         device="cuda",
         fused_ops=fused_ops,
         max_num_seqs=args.batch,
+        # The whole prefill in one step, so that every later step is a pure decode step of the batch
+        # (in chunks, the first sequences would decode beside later prompts' chunks).
+        max_num_batched_tokens=args.batch * args.context,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
-    llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    # Warm-up at the measured shapes: kernel compilation and autotuning stay out of the timings.
+    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
     def generate(max_tokens: int) -> float:
         torch.cuda.synchronize()
