@@ -54,7 +54,9 @@ def _close_rotated(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
     pair = torch.cat([pair, pair], dim=-1)
     eps = torch.finfo(actual.dtype).eps * (8 if INTERPRETED and actual.dtype == torch.bfloat16 else 2)
     excess = (actual.float() - e).abs() - eps * pair - 1e-5
-    assert (excess <= 0).all(), f"{what}: {int((excess > 0).sum())} elements off by more than {eps:g} of their pair"
+    assert (excess <= 0).all(), (
+        f"{what}: {int((excess > 0).sum())} elements off by more than {eps:g} of their pair"
+    )
     if not INTERPRETED:
         mismatched = (actual != expected).float().mean().item()
         assert mismatched < 0.02, f"{what}: {mismatched:.1%} of elements differ from the reference"
