@@ -19,6 +19,7 @@ from executor_service.block_tables import BlockTables
 from executor_service.config import ExecutorConfig
 from executor_service.context import reset_context, set_context
 from executor_service.cuda_graph import DecodeGraphs
+from executor_service.kernel_warmup import warm_up_kernels
 from executor_service.kv_cache import KVCache, block_bytes
 from executor_service.kv_cache_sizing import determine_num_kv_blocks
 from executor_service.layers.attention import Attention
@@ -144,6 +145,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, config.max_num_seqs, self.max_blocks_per_seq, mc.hidden_size
             )
+        if self.device.type == "cuda":
+            warm_up_kernels(self, num_blocks)
+            self.num_eager_steps = 0
 
     # -- sequences --------------------------------------------------------------------------
 

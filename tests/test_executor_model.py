@@ -149,3 +149,36 @@ def test_older_config_format_with_top_level_rope_theta(qwen3_untied, tmp_path):
     sched.add(1, prompt)
     _, logits = sched.step({1: 40})
     torch.testing.assert_close(logits, hf_logits(_hf(qwen3_untied), prompt), atol=ATOL, rtol=0)
+
+
+def test_kernel_warm_up_leaves_no_trace(qwen3_untied):
+    """The start-up warm-up (run on CUDA; here through the torch backend) writes garbage K/V into
+    cache blocks that serving then hands out: a request on those blocks still matches transformers,
+    and the runner holds no warm-up sequence afterwards."""
+    from executor_service.kernel_warmup import warm_up_kernels, warm_up_steps
+
+    steps = warm_up_steps(16, [1, 2, 5], decode_only=True)
+    chunk_alone, mixed_at_2, mixed_at_5 = steps[0], steps[2], steps[4]
+    assert len(chunk_alone) == 1 and 1 < chunk_alone[0][1] < chunk_alone[0][0] - 1, "a chunk after a prefix"
+    assert [length - done for length, done in mixed_at_5] == [
+        1,
+        1,
+        1,
+        1,
+        chunk_alone[0][0] - chunk_alone[0][1],
+    ]
+    assert len(mixed_at_2) == 2 and [len(s) for s in steps if all(n - d == 1 for n, d in s)] == [1, 2, 5]
+
+    hf = _hf(qwen3_untied)
+    executor = make_executor(qwen3_untied, num_kv_blocks=64)
+    runner = executor.runner
+    assert warm_up_kernels(runner, 64) == len(warm_up_steps(runner.block_size, [2], decode_only=True))
+    assert (runner.block_tables.lengths == 0).all(), "a warm-up sequence kept its block-table row"
+    sched = MiniScheduler(executor)
+    sched.add(1, prompt_ids(40, seed=4))  # blocks 0-2 of the cache: all written by the warm-up
+    _, logits = sched.step({1: 40})
+    torch.testing.assert_close(logits, hf_logits(hf, sched.seqs[1].token_ids[:40]), atol=ATOL, rtol=0)
+    for _ in range(4):
+        known = list(sched.seqs[1].token_ids)
+        _, logits = sched.step(sched.decode_all())
+        torch.testing.assert_close(logits, hf_logits(hf, known)[-1:], atol=ATOL, rtol=0)

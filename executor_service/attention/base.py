@@ -16,6 +16,11 @@ class AttentionBackend:
     def supports(device: torch.device) -> bool:
         raise NotImplementedError
 
+    def variant_batch_sizes(self, max_num_seqs: int, num_kv_heads: int, device: torch.device) -> list[int]:
+        """Batch sizes (sequences per step) that between them reach every kernel variant the backend
+        can launch: the start-up warm-up runs a step of each, so nothing compiles while serving."""
+        return [min(2, max_num_seqs)]
+
     def prepare(self, context: Context) -> object:
         """Once per step, before the first layer: derive per-step metadata (routing, split counts)
         from the context. Backends that need none keep this no-op; the model runner may call it after

@@ -101,6 +101,13 @@ class TritonPagedBackend(AttentionBackend):
         )
         return self._plan
 
+    def variant_batch_sizes(self, max_num_seqs: int, num_kv_heads: int, device: torch.device) -> list[int]:
+        # The split count is a compile-time constant of the decode and reduce kernels.
+        first: dict[int, int] = {}
+        for n in range(1, max_num_seqs + 1):
+            first.setdefault(kernels.choose_num_splits(n, num_kv_heads, _num_sms(device)), n)
+        return sorted({*first.values(), min(2, max_num_seqs)})
+
     def forward(
         self,
         q: torch.Tensor,

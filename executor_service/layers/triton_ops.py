@@ -146,7 +146,8 @@ def _qk_norm_rope_kernel(
     n1 = ((f1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
     n2 = ((f2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # Rotary, neox halves, as layers/rotary.py: x * cos + rotate_half(x) * sin, cos and sin in the
-    # model dtype, each product and the sum rounded.
+    # model dtype, each product and the sum rounded. (Bitwise equality with the unfused layers is not
+    # kept on the GPU: tests/test_triton_ops.py holds the result to a rounding step of the terms.)
     pos = tl.load(positions_ptr + t)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + d).to(dtype).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM + d).to(dtype).to(tl.float32)
