@@ -42,6 +42,7 @@ for what in "$@"; do
     attention) stage attention "$PY" bench/attention.py ;;
     profile) TAIL=40 stage profile "$PY" bench/profile_step.py --steps 16 ;;
     w1) TAIL=12 stage w1 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process ;;
+    w1-trace) TAIL=40 stage w1-trace "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --trace-compiles ;;
     w1-off) TAIL=12 stage w1-off "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --fused-ops off ;;
     w1-one) TAIL=12 stage w1-one "$PY" bench/throughput.py --workload w1 --device cuda --max-plans-in-flight 1 ;;
     w1-split) TAIL=12 stage w1-split "$PY" bench/throughput.py --workload w1 --device cuda ;;

@@ -131,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="plans sent before the oldest result is read, both modes (default 2; 1: no overlap)",
     )
     p.add_argument(
+        "--trace-compiles",
+        action="store_true",
+        help="in-process: list the Triton kernel variants first launched during the timed run "
+        "(each a compile, or a load from Triton's disk cache)",
+    )
+    p.add_argument(
         "--peer",
         default=None,
         metavar="SCRIPT",
@@ -216,9 +222,22 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         SamplingParams(max_tokens=r.max_tokens, temperature=args.temperature, ignore_eos=True)
         for r in workload
     ]
+    compiles: list[tuple[float, str]] = []
+    if args.trace_compiles:
+        from triton import knobs
+
+        def on_compile(**kwargs) -> None:  # Triton's hook at each in-memory cache miss
+            compiles.append((time.perf_counter(), kwargs["repr"]))
+
+        knobs.runtime.jit_cache_hook = on_compile
     t0, cpu0 = time.perf_counter(), time.process_time()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    if args.trace_compiles:
+        knobs.runtime.jit_cache_hook = None
+        print(f"kernel variants first launched in the timed run: {len(compiles)}")
+        for at, what in compiles:
+            print(f"  {at - t0:7.2f} s  {what[:400]}")
     tokens = sum(len(o.token_ids) for o in outputs)
     llm.executor.close()  # stops the TP ranks, if any
     del llm, outputs

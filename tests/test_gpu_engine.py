@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_generate_vs_hf import MAX_NEW, assert_matches_hf, make_prompts
 
+from client.defaults import DEFAULT_MODEL
 from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
@@ -43,12 +44,23 @@ def test_triton_fp32_chunked_prefill_and_prefix_hits_match_transformers(qwen3_un
     assert_matches_hf(qwen3_untied, [shared + [5], *prompts], warm + outputs)
 
 
-def test_bf16_triton_matches_torch_backend(qwen3_tied):
-    """In bf16 both backends round differently; with clear logit margins the first 32 tokens agree."""
-    prompts = make_prompts(seed=21)
-    _, triton_tokens = _generate(qwen3_tied, prompts, 32, dtype="bfloat16", attention_backend="triton",
+def test_bf16_triton_matches_torch_backend():
+    """In bf16 the backends round differently; with clear logit margins the first 32 tokens agree.
+    The shipped checkpoint is trained (a random one has near-ties everywhere, which rounding flips)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    texts = [
+        "The list type",
+        "An exception is raised when",
+        "The with statement is used to wrap the execution of a block with methods defined by a context manager.",
+        "Names refer to objects. Names are introduced by name binding operations. " * 4,
+        "class",
+    ]
+    prompts = [tokenizer.encode(text).ids for text in texts]
+    _, triton_tokens = _generate(DEFAULT_MODEL, prompts, 32, dtype="bfloat16", attention_backend="triton",
                                  num_kv_blocks=64)  # fmt: skip
-    _, torch_tokens = _generate(qwen3_tied, prompts, 32, dtype="bfloat16", attention_backend="torch",
+    _, torch_tokens = _generate(DEFAULT_MODEL, prompts, 32, dtype="bfloat16", attention_backend="torch",
                                 num_kv_blocks=64)  # fmt: skip
     assert triton_tokens == torch_tokens
 
