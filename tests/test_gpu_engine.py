@@ -59,9 +59,9 @@ def test_bf16_triton_matches_torch_backend():
     ]
     prompts = [tokenizer.encode(text).ids for text in texts]
     _, triton_tokens = _generate(DEFAULT_MODEL, prompts, 32, dtype="bfloat16", attention_backend="triton",
-                                 num_kv_blocks=64)  # fmt: skip
+                                 num_kv_blocks=128)  # fmt: skip
     _, torch_tokens = _generate(DEFAULT_MODEL, prompts, 32, dtype="bfloat16", attention_backend="torch",
-                                num_kv_blocks=64)  # fmt: skip
+                                num_kv_blocks=128)  # fmt: skip
     assert triton_tokens == torch_tokens
 
 

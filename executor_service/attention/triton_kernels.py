@@ -55,7 +55,9 @@ def store_kv_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-@triton.jit
+# The block tables' row stride is the widest table of the step: not specialised (Triton would
+# compile a variant for 1, for multiples of 16 and for the rest, each in the middle of serving).
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
