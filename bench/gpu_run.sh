@@ -29,7 +29,7 @@ stage() {
     shift
     local t0=$SECONDS
     echo "== $name: $*" | tee -a "$OUT/summary.txt"
-    "$@" >"$OUT/$name.log" 2>&1
+    timeout "${STAGE_TIMEOUT:-300}" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "   rc=$rc in $((SECONDS - t0)) s; last lines:" | tee -a "$OUT/summary.txt"
     tail -n "${TAIL:-8}" "$OUT/$name.log" | sed 's/^/   /' | tee -a "$OUT/summary.txt"
@@ -49,8 +49,8 @@ for what in "$@"; do
     peer) TAIL=12 stage peer "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --peer "${PEER:-.peers/hf_continuous_batching.py}" ;;
     tp-tests) stage tp-tests "$PY" -m pytest -q -x -m gpu tests/test_tensor_parallel.py ;;
     tp-w1) TAIL=12 stage tp-w1 "$PY" bench/throughput.py --workload w1 --device cuda -tp 2 ;;
-    8b-tp1) TAIL=12 stage 8b-tp1 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda -tp 1 ;;
-    8b-tp2) TAIL=12 stage 8b-tp2 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda -tp 2 ;;
+    8b-tp1) TAIL=12 stage 8b-tp1 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process -tp 1 ;;
+    8b-tp2) TAIL=12 stage 8b-tp2 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process -tp 2 ;;
     tp-profile) TAIL=40 stage tp-profile "$PY" bench/profile_step.py --shape qwen3-8b -tp 2 --fused-ops on --steps 16 ;;
     tp-broadcast) stage tp-broadcast "$PY" bench/tp_broadcast.py --tp 2 ;;
     *) echo "unknown stage $what" | tee -a "$OUT/summary.txt" ;;
