@@ -35,6 +35,13 @@ stage() {
     tail -n "${TAIL:-8}" "$OUT/$name.log" | sed 's/^/   /' | tee -a "$OUT/summary.txt"
 }
 
+# Tensor-parallel stages: NCCL's start-up log, and every process's stacks each 60 s (a hang shows
+# where it waits before the stage's time limit).
+tp_debug() {
+    NCCL_DEBUG=${NCCL_DEBUG:-INFO} NCCL_DEBUG_SUBSYS=${NCCL_DEBUG_SUBSYS:-INIT} TANDEM_STACK_DUMP_S=60 \
+        PYTHONPATH=$PWD/bench/hangdump${PYTHONPATH:+:$PYTHONPATH} "$@"
+}
+
 for what in "$@"; do
     case $what in
     tests) stage tests "$PY" -m pytest -q -x tests/test_triton_ops.py tests/test_gpu_engine.py ;;
@@ -47,11 +54,12 @@ for what in "$@"; do
     w1-one) TAIL=12 stage w1-one "$PY" bench/throughput.py --workload w1 --device cuda --max-plans-in-flight 1 ;;
     w1-split) TAIL=12 stage w1-split "$PY" bench/throughput.py --workload w1 --device cuda ;;
     peer) TAIL=12 stage peer "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --peer "${PEER:-.peers/hf_continuous_batching.py}" ;;
-    tp-tests) stage tp-tests "$PY" -m pytest -q -x -m gpu tests/test_tensor_parallel.py ;;
-    tp-w1) TAIL=12 stage tp-w1 "$PY" bench/throughput.py --workload w1 --device cuda -tp 2 ;;
+    tp-smoke) TAIL=30 tp_debug stage tp-smoke "$PY" bench/tp_smoke.py ;;
+    tp-tests) TAIL=30 tp_debug stage tp-tests "$PY" -m pytest -q -x -s -m gpu tests/test_tensor_parallel.py ;;
+    tp-w1) TAIL=12 tp_debug stage tp-w1 "$PY" bench/throughput.py --workload w1 --device cuda -tp 2 ;;
     8b-tp1) TAIL=12 stage 8b-tp1 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process -tp 1 ;;
-    8b-tp2) TAIL=12 stage 8b-tp2 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process -tp 2 ;;
-    tp-profile) TAIL=40 stage tp-profile "$PY" bench/profile_step.py --shape qwen3-8b -tp 2 --fused-ops on --steps 16 ;;
+    8b-tp2) TAIL=12 tp_debug stage 8b-tp2 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process -tp 2 ;;
+    tp-profile) TAIL=40 tp_debug stage tp-profile "$PY" bench/profile_step.py --shape qwen3-8b -tp 2 --fused-ops on --steps 16 ;;
     tp-broadcast) stage tp-broadcast "$PY" bench/tp_broadcast.py --tp 2 ;;
     *) echo "unknown stage $what" | tee -a "$OUT/summary.txt" ;;
     esac

@@ -82,17 +82,13 @@ def prepare_batch(
     sources = np.fromiter((seqs[i].pending_row for i in token_seq[holes].tolist()), np.int64, holes.size)
 
     # Two host-to-device copies per step: the int64 columns and the int32 ones.
-    longs = _to_device(
-        np.concatenate([input_ids, positions, slot_mapping, logits_indices, holes, sources]), device
-    )
-    ints = _to_device(np.concatenate([ends, cu_q, cu_k, tables.ravel()]).astype(np.int32), device)
-    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, holes_d, sources_d = longs.split(
-        [num_tokens, num_tokens, num_tokens, len(logits_indices), holes.size, holes.size]
+    input_ids_d, positions_d, slot_mapping_d, logits_indices_d, holes_d, sources_d = _packed_to_device(
+        [input_ids, positions, slot_mapping, logits_indices, holes, sources], np.int64, device
     )
     if holes.size:
         input_ids_d[holes_d] = pending[sources_d]
-    context_lens_d, cu_q_d, cu_k_d, tables_d = ints.split(
-        [num_seqs, num_seqs + 1, num_seqs + 1, num_seqs * width]
+    context_lens_d, cu_q_d, cu_k_d, tables_d = _packed_to_device(
+        [ends, cu_q, cu_k, tables.ravel()], np.int32, device
     )
     context_lens_host = ends.tolist()
     context = Context(
@@ -117,6 +113,21 @@ def prepare_batch(
         else None,
         decode_only=num_tokens == num_seqs,
     )
+
+
+def _packed_to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
+    """The arrays in one host-to-device copy, each view starting on a 16-byte boundary: Triton
+    compiles a kernel variant for each alignment of its pointer arguments, and a view whose offset
+    followed the batch size would compile new variants mid-serving."""
+    per_16_bytes = 16 // np.dtype(dtype).itemsize
+    sizes = [a.size for a in arrays]
+    starts = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([-(-n // per_16_bytes) * per_16_bytes for n in sizes], out=starts[1:])
+    packed = np.zeros(int(starts[-1]), dtype=dtype)
+    for array, start in zip(arrays, starts[:-1].tolist(), strict=True):
+        packed[start : start + array.size] = array.ravel()
+    on_device = _to_device(packed, device)
+    return [on_device[start : start + n] for start, n in zip(starts[:-1].tolist(), sizes, strict=True)]
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

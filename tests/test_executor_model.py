@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -182,3 +183,49 @@ def test_kernel_warm_up_leaves_no_trace(qwen3_untied):
         known = list(sched.seqs[1].token_ids)
         _, logits = sched.step(sched.decode_all())
         torch.testing.assert_close(logits, hf_logits(hf, known)[-1:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 5, 6])
+def test_step_tensors_start_on_16_byte_boundaries(qwen3_tied, num_seqs):
+    """Triton compiles a kernel variant per alignment of each pointer argument: the per-step tensors,
+    views of one host-to-device copy, must all be aligned whatever the batch size, and hold their
+    own values (not a neighbour's, shifted by the padding)."""
+    from executor_service.sequence import SequenceState
+    from protos.plan import StepSamplingParams
+
+    runner = make_executor(qwen3_tied).runner
+    lengths = [3 + 7 * i for i in range(num_seqs)]
+    seqs, next_block = [], 0
+    for i, length in enumerate(lengths):
+        table = list(range(next_block, next_block + -(-length // runner.block_size)))
+        next_block += len(table)
+        computed = length - 1 if i % 2 else 0  # decode rows between prompts
+        seqs.append(
+            SequenceState(i, list(range(1, length + 1)), table, computed, StepSamplingParams(), length)
+        )
+        runner.add_sequence(seqs[-1])
+    scheduled = [length - s.num_computed_tokens for length, s in zip(lengths, seqs, strict=True)]
+    batch = runner.prepare(seqs, scheduled)
+    ctx = batch.context
+    named = {
+        "input_ids": batch.input_ids,
+        "positions": batch.positions,
+        "logits_indices": batch.logits_indices,
+        "slot_mapping": ctx.slot_mapping,
+        "context_lens": ctx.context_lens,
+        "cu_seqlens_q": ctx.cu_seqlens_q,
+        "cu_seqlens_k": ctx.cu_seqlens_k,
+        "block_tables": ctx.block_tables,
+    }
+    for name, tensor in named.items():
+        assert tensor.storage_offset() * tensor.element_size() % 16 == 0, f"{name} is not 16-byte aligned"
+    assert ctx.context_lens.tolist() == lengths
+    assert ctx.cu_seqlens_q.tolist() == [0, *itertools.accumulate(scheduled)]
+    assert ctx.cu_seqlens_k.tolist() == [0, *itertools.accumulate(lengths)]
+    assert batch.logits_indices.tolist() == [end - 1 for end in itertools.accumulate(scheduled)]
+    for row, seq in zip(ctx.block_tables.tolist(), seqs, strict=True):
+        assert row[: len(seq.block_table)] == seq.block_table
+    expected_ids = [
+        t for s, n in zip(seqs, scheduled, strict=True) for t in s.token_ids[s.num_computed_tokens :][:n]
+    ]
+    assert batch.input_ids.tolist() == expected_ids
