@@ -78,8 +78,17 @@ class DecodeGraphs:
             time.perf_counter() - t0,
         )
 
+    def release(self) -> None:
+        """Free every captured graph. Needed before the tensor-parallel group is destroyed: NCCL's
+        communicator, as it is destroyed (or aborted), waits for each graph that captured one of its
+        collectives to be freed first, so leaving the group with the graphs alive hangs."""
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.max_batch
+        return num_seqs <= self.max_batch and bool(self.graphs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """Replay the decode forward for len(input_ids) sequences; hidden states [n, hidden]."""

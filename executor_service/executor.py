@@ -172,14 +172,19 @@ class LocalExecutor:
         return self.workers.failed() if self.workers is not None else []
 
     def close(self) -> None:
-        """Stop ranks 1..N-1 and leave the process group (nothing to do with one rank)."""
+        """Stop ranks 1..N-1 and leave the process group (nothing to do with one rank). Every rank
+        frees its CUDA graphs and then leaves the group, all at once: NCCL may finalize a
+        communicator collectively, and waits for the graphs that captured its collectives."""
         if self.workers is None:
             return
-        if not self.workers.failed():
+        if self.workers.failed():  # no rank to leave with: stop the others first
+            self.workers.kill()
+        else:
             with contextlib.suppress(Exception):
                 self._broadcast(parallel.TPMessage("close"))
-        self.workers.join()
+        self.runner.release_cuda_graphs()
         parallel.destroy_group()
+        self.workers.join()
         self.workers = None
 
     def _broadcast(self, message: parallel.TPMessage) -> None:

@@ -149,6 +149,13 @@ class ModelRunner:
             warm_up_kernels(self, num_blocks)
             self.num_eager_steps = 0
 
+    def release_cuda_graphs(self) -> None:
+        """Before leaving the tensor-parallel group (DecodeGraphs.release says why); later decode
+        steps run eagerly."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     # -- sequences --------------------------------------------------------------------------
 
     def add_sequence(self, seq: SequenceState) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import pickle
 import struct
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import BinaryIO
@@ -99,9 +100,18 @@ def init_group(device: str, master_addr: str, master_port: int, tp_rank: int, tp
     )
 
 
-def destroy_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_group(timeout: float = 60.0) -> None:
+    """Leave the group; a rank that cannot (a peer gone mid-collective) logs it and goes on after
+    `timeout` seconds rather than hanging its process's shutdown."""
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)
+    done.start()
+    done.join(timeout)
+    if done.is_alive():
+        logger.error(
+            "leaving the tensor-parallel group did not finish in %.0f s: going on without it", timeout
+        )
 
 
 def encode_message(message: TPMessage) -> bytes:

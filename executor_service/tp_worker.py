@@ -156,6 +156,7 @@ def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
             advance(batch, plan.num_scheduled_tokens, [], [])
             sampling_seqs = prepared.sampling_seqs
     logger.info("rank %d: closing", tp_rank)
+    runner.release_cuda_graphs()
     parallel.destroy_group()
 
 

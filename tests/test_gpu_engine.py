@@ -104,3 +104,20 @@ def test_fused_ops_match_the_unfused_layers(qwen3_tied, qwen3_untied):
         )
         assert fused.executor.config.fused_ops == "on" and plain.executor.config.fused_ops == "off"
         assert fused_tokens == plain_tokens, dtype
+
+
+def test_released_graphs_fall_back_to_eager(qwen3_tied):
+    """Leaving a tensor-parallel group frees the CUDA graphs first; decoding afterwards runs eagerly
+    and gives the same tokens."""
+    prompts = make_prompts([5, 17, 40], seed=3)
+    llm, before = _generate(
+        qwen3_tied, prompts, dtype="bfloat16", attention_backend="triton", num_kv_blocks=256
+    )
+    runner = llm.executor.runner
+    graph_steps = runner.num_graph_steps
+    assert graph_steps > 0
+    runner.release_cuda_graphs()
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    after = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert after == before
+    assert runner.num_graph_steps == graph_steps and runner.graphs is None
