@@ -1,8 +1,9 @@
 """The shortest tensor-parallel run on GPUs: the shipped tiny checkpoint at TP=2, eager and then with
-CUDA graphs, 4 prompts of 8 tokens, the tokens checked against TP=1. Each phase is logged with its
-time, so a hang shows where it is (with bench/hangdump/ on PYTHONPATH, also the stacks).
+CUDA graphs, 4 prompts, 8 tokens each in fp32, the tokens checked against TP=1, then each engine
+closed (leaving the process group). Each phase is printed with its time, so a hang shows where it
+is (with bench/hangdump/ on PYTHONPATH, also every process's stacks).
 
-    python bench/tp_smoke.py [--tp 2] [--model DIR]
+    python bench/tp_smoke.py [--tp 2] [--model DIR] [--device cpu] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         results[tp, eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         print(f"TP={tp} enforce_eager={eager}: generated in {time.perf_counter() - t1:.2f} s", flush=True)
+        t2 = time.perf_counter()
         llm.executor.close()
+        print(f"TP={tp} enforce_eager={eager}: closed in {time.perf_counter() - t2:.2f} s", flush=True)
         del llm
         gc.collect()
     reference = results[1, False]
