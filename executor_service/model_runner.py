@@ -111,7 +111,9 @@ class ModelRunner:
                 module.backend = backend
             if hasattr(module, "fused"):  # the layers with a Triton-fused path
                 module.fused = config.fused_ops == "on"
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(
+            config.seed, self.device, fused=config.fused_ops == "on" and self.device.type == "cuda"
+        )
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.block_tables = BlockTables(self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self.num_graph_steps = self.num_eager_steps = 0

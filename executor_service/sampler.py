@@ -6,6 +6,7 @@ min-p, top-k and top-p. Logprobs are computed from the model's raw logits."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +24,19 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, fused: bool = False) -> None:
         self.device = device
         # One generator for every row without a request seed.
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # fused: greedy and plain temperature rows in one Triton pass (sampling_kernel.py), with
+        # Philox seeds for the rows without a request seed drawn here on the host.
+        self.fused = fused
+        self.host_rng = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [n, vocab_size]
+        if self.fused and meta.temperature_only:
+            return SamplerOutput(self._sample_fused(logits, meta))
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs > 0 else None
         if meta.repetition_penalties is not None:
@@ -44,6 +51,15 @@ class Sampler:
             out.sampled_logprobs = raw_logprobs.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
             out.top_logprobs, out.top_token_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
         return out
+
+    def _sample_fused(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        from executor_service.sampling_kernel import sample_from_logits
+
+        seeds = [self.host_rng.getrandbits(63) for _ in range(logits.shape[0])]
+        for row, seed in meta.seeded_rows:
+            seeds[row] = seed & (2**63 - 1)
+        seeds_d = torch.tensor(seeds, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        return sample_from_logits(logits, meta.temperatures, seeds_d)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         temperatures = torch.where(meta.temperatures == 0, 1.0, meta.temperatures)

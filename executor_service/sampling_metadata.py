@@ -44,6 +44,17 @@ class SamplingMetadata:
     max_num_logprobs: int = 0
     num_logprobs: tuple[int, ...] = ()
 
+    @property
+    def temperature_only(self) -> bool:
+        """No row needs more than its temperature (the fused sampler's case)."""
+        return (
+            self.top_k is None
+            and self.top_p is None
+            and self.min_p is None
+            and self.repetition_penalties is None
+            and self.max_num_logprobs == 0
+        )
+
     @classmethod
     def build(cls, seqs: list[SequenceState], vocab_size: int, device: torch.device) -> SamplingMetadata:
         params = [s.sampling_params for s in seqs]

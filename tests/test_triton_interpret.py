@@ -71,6 +71,14 @@ for dtype in (torch.float32, torch.bfloat16, f16):
     check_qk_norm_rope(4, 4, 2, 32, dtype, "cpu")
     check_qk_norm_rope(3, 2, 1, 64, dtype, "cpu")
 """,
+    "sampling": """
+from test_sampling_kernel import check_distribution, check_greedy, check_seed_isolation
+check_greedy(5, 40, torch.float32, "cpu", block=16)  # 3 tiles, the last one partial
+check_greedy(3, 40, f16, "cpu", block=16)
+check_seed_isolation(24, "cpu", block=16)
+# 400 draws: a frequency's standard error is at most 0.025; 0.1 is 4 of them.
+check_distribution(400, 6, 0.6, "cpu", block=8, tol=0.1)
+""",
     "mixed": """
 # Prefill chunks and decode rows in one step, plus CUDA-graph padding rows.
 for splits in (1, 3):
