@@ -44,7 +44,7 @@ tp_debug() {
 
 for what in "$@"; do
     case $what in
-    tests) stage tests "$PY" -m pytest -q -x tests/test_triton_ops.py tests/test_gpu_engine.py ;;
+    tests) stage tests "$PY" -m pytest -q tests/test_triton_ops.py tests/test_sampling_kernel.py tests/test_gpu_engine.py ;;
     kernels) stage kernels "$PY" -m pytest -q -x tests/test_triton_kernels.py ;;
     attention) stage attention "$PY" bench/attention.py ;;
     profile) TAIL=40 stage profile "$PY" bench/profile_step.py --steps 16 ;;
