@@ -7,10 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
+from scheduler_service import block_manager
 from scheduler_service.block_manager import BlockManager, hash_block_tokens
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import Sequence
@@ -208,3 +210,29 @@ def test_block_hash_is_stable_across_processes():
     ).stdout.strip()
     assert here == there
     assert hash_block_tokens(bytes(16), [1, 2]) != hash_block_tokens(bytes(16), [2, 1])
+
+
+@pytest.mark.parametrize("collision", ["constant_hash", "planted_entry"])
+def test_hash_collision_is_not_a_hit(monkeypatch, collision):
+    """A hit is confirmed by the block's tokens: a block whose hash matches but whose tokens
+    differ is never handed out, and the hit counter does not count it."""
+    if collision == "constant_hash":
+        monkeypatch.setattr(block_manager, "hash_block_tokens", lambda parent, tokens: b"x" * 16)
+    bm, kv = BlockManager(8, 4), {}
+    a = make_seq(0, [1, 2, 3, 4, 5])
+    _full_prefill(bm, a, kv)
+    (cached,) = bm.cached_block_ids.values()
+    other = make_seq(1, [9, 8, 7, 6, 5])
+    if collision == "planted_entry":
+        # The other prompt's first-block hash now points at a's block (tokens 1 2 3 4).
+        bm.cached_block_ids[bm.block_hash(other, 0)] = cached
+    assert bm.block_hash(other, 0) in bm.cached_block_ids  # the hashes do collide
+    assert bm.find_cached_blocks(other) == []
+    _full_prefill(bm, other, kv)  # admit() also checks every slot of a hit holds the right KV
+    assert other.block_table[0] != cached
+    assert bm.num_prefix_hit_tokens == 0
+    # The same tokens still hit: the comparison rejects only real mismatches.
+    same = make_seq(2, [1, 2, 3, 4, 6])
+    assert bm.find_cached_blocks(same) == [cached]
+    _full_prefill(bm, same, kv)
+    assert bm.num_prefix_hit_tokens == 4

@@ -321,6 +321,9 @@ def test_stop_rules_and_finish_reasons():
     # eos stops and is kept in the output, like HF generate.
     assert generate(SamplingParams(max_tokens=12), eos_token_ids=[eos]) == ("stop", ref[: i + 1])
     assert generate(greedy(12), eos_token_ids=[eos]) == ("length", ref)
+    # Every eos id of the model stops generation, not only the first one listed.
+    other = next(t for t in range(2, VOCAB) if t not in ref)
+    assert generate(SamplingParams(max_tokens=12), eos_token_ids=[other, eos]) == ("stop", ref[: i + 1])
     stop_ids = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[eos])
     assert generate(stop_ids) == ("stop", ref[: i + 1])
     assert generate(greedy(5)) == ("length", ref[:5])
