@@ -10,9 +10,11 @@ Prometheus."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
+import posixpath
 import re
 import shlex
 import shutil
@@ -34,10 +36,30 @@ VERBS = ("executor", "scheduler")
 THIRD_PARTY_IMAGES = {"prom/prometheus", "grafana/grafana"}
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
-needs_promtool = pytest.mark.skipif(
-    shutil.which("promtool") is None,
-    reason="promtool not found (Debian package `prometheus`; .ci/run installs it)",
-)
+
+def prometheus_required() -> bool:
+    """.ci/run sets TANDEM_REQUIRE_PROMETHEUS=1: there the tests that need promtool or prometheus
+    fail when it is missing; elsewhere they skip."""
+    return os.environ.get("TANDEM_REQUIRE_PROMETHEUS", "").strip() not in {"", "0"}
+
+
+def require_tool(name: str) -> str:
+    """The path of `name` (promtool, prometheus); skip without it, or fail where it is required."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} not found (Debian package `prometheus`; .ci/run installs it)"
+        if prometheus_required():
+            pytest.fail(f"{message}, and TANDEM_REQUIRE_PROMETHEUS is set", pytrace=False)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture
+def promtool_installed() -> str:
+    return require_tool("promtool")
+
+
+needs_promtool = pytest.mark.usefixtures("promtool_installed")
 
 
 # --- Dockerfiles --------------------------------------------------------------------------------
@@ -127,17 +149,22 @@ class _RecordingEnviron(dict):
     def __init__(self, values: dict[str, str]) -> None:
         super().__init__(values)
         self.read: set[str] = set()
+        self.log: list[str] = []  # every lookup, in order
+
+    def _record(self, key) -> None:
+        self.read.add(key)
+        self.log.append(key)
 
     def get(self, key, default=None):
-        self.read.add(key)
+        self._record(key)
         return super().get(key, default)
 
     def __getitem__(self, key):
-        self.read.add(key)
+        self._record(key)
         return super().__getitem__(key)
 
     def __contains__(self, key):
-        self.read.add(key)
+        self._record(key)
         return super().__contains__(key)
 
 
@@ -171,6 +198,85 @@ def cli_env_names(verb: str) -> set[str]:
     _, everything = _with_environ({}, lambda: build_parser([verb]))
     global_names = {"TANDEM_LOG_LEVEL"} & everything
     return {n for n in own | global_names if n.startswith("TANDEM_")}
+
+
+def flag_environment(verb: str) -> dict[str, tuple[argparse.Action, list[str]]]:
+    """option string -> (its action, the TANDEM_* variables read for it), for every flag of
+    `tandem <verb>`: its own (`add_arguments`) and the global ones of `tandem`. A variable counts
+    for the flag whose add_argument call follows the lookup (a default is evaluated just before)."""
+    from client.cli import build_parser
+
+    reads: dict[argparse.Action, list[str]] = {}
+    original = argparse._ActionsContainer.add_argument
+    recording = _RecordingEnviron({})
+    consumed = 0
+
+    def add_argument(self, *args, **kwargs):
+        nonlocal consumed
+        action = original(self, *args, **kwargs)
+        reads[action] = [n for n in recording.log[consumed:] if n.startswith("TANDEM_")]
+        consumed = len(recording.log)
+        return action
+
+    saved = os.environ
+    argparse._ActionsContainer.add_argument = add_argument
+    os.environ = recording  # noqa: B003 (only lookups are replaced, nothing is exported)
+    try:
+        parser = build_parser([verb])
+    finally:
+        os.environ = saved  # noqa: B003
+        argparse._ActionsContainer.add_argument = original
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    actions = [a for a in parser._actions + subparsers.choices[verb]._actions if a.option_strings]
+    return {a.option_strings[0]: (a, reads[a]) for a in actions}
+
+
+def _env_value(action: argparse.Action, default):
+    """A value for the flag's variable that differs from its default: (text, parsed value)."""
+    if action.nargs == 0:  # store_true / store_false
+        return "1", not default
+    if action.choices:
+        choice = next(c for c in action.choices if c != default)
+        return str(choice), choice
+    if action.type is int:
+        return "7", 7
+    if action.type is float:
+        return "7.5", 7.5
+    assert action.type is None, f"{action.option_strings}: no test value for type {action.type}"
+    return "/srv/from-the-environment", "/srv/from-the-environment"
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_flag_has_an_environment_twin(verb):
+    """Each flag of the service can be set through a TANDEM_* variable (the only way a container
+    orchestrator sets most of them), and its help names the variable."""
+    # The scheduler cannot start without an executor address: the one flag given in every run.
+    base = {"TANDEM_EXECUTOR_ADDRESS": "executor:50052"} if verb == "scheduler" else {}
+    defaults = parse_service_args(verb, [], base)
+    flags = {
+        flag: found
+        for flag, found in flag_environment(verb).items()
+        if not isinstance(found[0], argparse._HelpAction)
+    }
+    assert {"--host", "--port", "--metrics-port", "--log-level"} <= set(flags)
+    for flag, (action, names) in flags.items():
+        assert names, f"tandem {verb} {flag} reads no TANDEM_* variable"
+        documented = set(re.findall(r"TANDEM_[A-Z0-9_]+", action.help or ""))
+        assert documented & set(names), f"{flag}: its help names none of {names}"
+        for name in names:
+            text, expected = _env_value(action, getattr(defaults, action.dest))
+            args = parse_service_args(verb, [], {**base, name: text})
+            assert getattr(args, action.dest) == expected, f"{name}={text} does not set {flag}"
+
+
+def test_flag_environment_finds_every_variable():
+    executor = flag_environment("executor")
+    assert executor["--model"][1] == ["TANDEM_MODEL"] and executor["--grace"][1] == ["TANDEM_EXECUTOR_GRACE"]
+    assert executor["--enforce-eager"][1] == ["TANDEM_ENFORCE_EAGER"]
+    assert executor["-h"][1] == [] and "--device" in executor and "--tls-ca" in executor
+    scheduler = flag_environment("scheduler")
+    assert scheduler["--executor"][1] == ["TANDEM_EXECUTOR_ADDRESS"]
+    assert scheduler["--log-level"][1] == ["TANDEM_LOG_LEVEL"]
 
 
 def test_cli_env_names_are_collected():
@@ -325,6 +431,24 @@ def test_probes_use_the_grpc_health_service(container):
             assert probe["grpc"]["port"] == args.port, (container.where, name)
 
 
+def test_compose_scheduler_waits_for_a_healthy_executor():
+    """The scheduler starts once the executor's health probe passes (model loaded, SERVING), not
+    merely once its container has started."""
+    services = load_compose()["services"]
+    (executor,) = [c for c in compose_containers() if c.verb == "executor"]
+    executor_name = executor.where.removeprefix("compose:")
+    for scheduler in (c for c in compose_containers() if c.verb == "scheduler"):
+        depends_on = scheduler.raw["depends_on"]
+        assert isinstance(depends_on, dict), f"{scheduler.where}: depends_on needs the long form"
+        assert depends_on[executor_name]["condition"] == "service_healthy", scheduler.where
+    healthcheck = services[executor_name]["healthcheck"]
+    assert healthcheck["test"] == ["CMD", *dockerfile("executor").healthcheck]
+    assert not healthcheck.get("disable", False)
+    # Loading a large checkpoint takes minutes: failed probes before then do not count.
+    start_period = healthcheck["start_period"]
+    assert start_period.endswith("s") and int(start_period[:-1]) >= 60
+
+
 def test_dockerfile_healthchecks_probe_the_service_port():
     for verb in VERBS:
         docker = dockerfile(verb)
@@ -469,6 +593,259 @@ def test_entrypoint_runs_as_written(verb):
     assert f"usage: tandem {verb}" in out.stdout.replace("\n", " ")
 
 
+# --- What each image holds -----------------------------------------------------------------------
+
+
+def compile_dockerignore(lines: list[str]) -> list[tuple[bool, re.Pattern]]:
+    """(re-included, regex) for each pattern of a .dockerignore, as Docker's patternmatcher reads
+    it: `**` any number of directories, `*` and `?` within one path element, `!` re-includes."""
+    patterns = []
+    for raw in lines:
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        line = posixpath.normpath(line.removeprefix("!").strip()).lstrip("/")
+        assert "[" not in line and "\\" not in line, f"character classes are not modelled: {line}"
+        regex = ""
+        for part in re.split(r"(\*\*/|\*\*|\*|\?)", line):
+            regex += {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}.get(part, re.escape(part))
+        patterns.append((negated, re.compile(regex)))
+    return patterns
+
+
+def dockerignore_patterns(verb: str) -> list[tuple[bool, re.Pattern]]:
+    """deploy/<verb>.Dockerfile.dockerignore, which BuildKit reads instead of the context's."""
+    return compile_dockerignore((DEPLOY / f"{verb}.Dockerfile.dockerignore").read_text().splitlines())
+
+
+def dockerignored(path: str, patterns: list[tuple[bool, re.Pattern]]) -> bool:
+    """Whether the build context leaves `path` out: Docker's rule, the last pattern that matches the
+    path or one of its parent directories decides."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for negated, regex in patterns:
+        if any(regex.fullmatch(prefix) for prefix in prefixes):
+            excluded = not negated
+    return excluded
+
+
+def test_dockerignore_matching():
+    patterns = dockerignore_patterns("scheduler")
+    assert not dockerignored("scheduler_service/cli.py", patterns)
+    assert not dockerignored("models/tandem-tiny-pydoc/tokenizer.json", patterns)
+    assert dockerignored("scheduler_service/__pycache__/cli.cpython-312.pyc", patterns)
+    assert dockerignored("bench/RESULTS.md", patterns) and dockerignored(".venv/bin/python", patterns)
+    assert dockerignored("deploy/scheduler.Dockerfile", patterns)
+    assert not dockerignored("deploy/healthcheck.py", patterns)
+    later_wins = compile_dockerignore(["# docs only", "*", "!docs", "docs/**/*.tmp", "/docs/keep.tmp"])
+    assert not dockerignored("docs/a.md", later_wins) and not dockerignored("docs/sub/b.md", later_wins)
+    assert dockerignored("docs/a.tmp", later_wins) and dockerignored("docs/sub/b.tmp", later_wins)
+    assert dockerignored("docsx/a.md", later_wins) and dockerignored("docs/keep.tmp", later_wins)
+
+
+def copy_instructions(verb: str) -> list[tuple[list[str], str, bool]]:
+    """(sources in the build context, absolute destination, destination is a directory) for each
+    COPY of deploy/<verb>.Dockerfile, with WORKDIR applied."""
+    workdir, copies = "/", []
+    for instruction, rest in dockerfile(verb).instructions:
+        if instruction == "WORKDIR":
+            workdir = posixpath.join(workdir, rest)
+        elif instruction == "COPY":
+            words = shlex.split(rest)
+            flags = [w for w in words if w.startswith("--")]
+            assert not [f for f in flags if f.startswith("--from")], f"{verb}: COPY --from is not modelled"
+            *sources, dest = [w for w in words if not w.startswith("--")]
+            is_dir = dest.endswith("/") or len(sources) > 1
+            copies.append((sources, posixpath.normpath(posixpath.join(workdir, dest)), is_dir))
+    return copies
+
+
+def image_files(verb: str) -> dict[str, Path]:
+    """Path in the image -> file of this checkout, for everything the Dockerfile's COPY lines put
+    in the image, after the Dockerfile's .dockerignore (what `docker build` would send)."""
+    patterns = dockerignore_patterns(verb)
+    files: dict[str, Path] = {}
+    for sources, dest, dest_is_dir in copy_instructions(verb):
+        for source in sources:
+            path = ROOT / source
+            assert path.exists(), f"{verb}.Dockerfile copies {source}, which does not exist"
+            if path.is_dir():  # its contents, into dest
+                for f in sorted(path.rglob("*")):
+                    relative = f.relative_to(ROOT).as_posix()
+                    if f.is_file() and not dockerignored(relative, patterns):
+                        files[posixpath.join(dest, f.relative_to(path).as_posix())] = f
+            else:
+                assert not dockerignored(source, patterns), f"{source}: left out of the context"
+                files[posixpath.join(dest, path.name) if dest_is_dir else dest] = path
+    return files
+
+
+def repository_files(source: str) -> list[str]:
+    """The files of the repository under `source` (git's list; without git, those on disk)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--", source], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        return [f for f in out.stdout.split("\0") if f]
+    except (OSError, subprocess.CalledProcessError):
+        path = ROOT / source
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+        return [f.relative_to(ROOT).as_posix() for f in files if f.is_file() and "__pycache__" not in f.parts]
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_copy_source_survives_the_dockerignore(verb):
+    """A COPY of a path the .dockerignore leaves out fails the build ("not found"), and one of a
+    directory silently loses the files left out: every tracked file of each source must get in."""
+    patterns = dockerignore_patterns(verb)
+    sources = [source for sources, _, _ in copy_instructions(verb) for source in sources]
+    assert sources
+    for source in sources:
+        assert not dockerignored(source, patterns), f"{verb}.Dockerfile.dockerignore leaves out {source}"
+        tracked = repository_files(source)
+        assert tracked, f"{source} is not in the repository"
+        left_out = [f for f in tracked if dockerignored(f, patterns)]
+        assert not left_out, f"{verb}.Dockerfile.dockerignore leaves out {left_out[:5]}"
+
+
+def image_distributions() -> set[str]:
+    """The distributions `pip install .` (no extras) puts in the scheduler image: pyproject's
+    dependencies and theirs, as installed here."""
+    import importlib.metadata as metadata
+
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pending = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    seen: set[str] = set()
+    while pending:
+        requirement = Requirement(pending.pop())
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        name = canonicalize_name(requirement.name)
+        if name not in seen:
+            seen.add(name)
+            pending.extend(metadata.requires(name) or [])
+    return seen
+
+
+def image_top_level_modules() -> set[str]:
+    import importlib.metadata as metadata
+
+    from packaging.utils import canonicalize_name
+
+    distributions = image_distributions()
+    return {
+        module
+        for module, dists in metadata.packages_distributions().items()
+        if any(canonicalize_name(d) in distributions for d in dists)
+    }
+
+
+IMAGE_SCRIPT = r"""
+import importlib, importlib.abc, json, pkgutil, sys
+from pathlib import Path
+
+allowed, packages, repository, code, argv = json.loads(sys.argv[1])
+allowed = set(allowed) | set(packages) | set(sys.stdlib_module_names)
+
+
+class OnlyTheImage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] not in allowed:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the image)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, OnlyTheImage())
+sys.argv = argv
+from client.cli import main
+
+try:
+    status = main()
+except SystemExit as e:
+    status = e.code
+assert status == 0, f"{argv} exited {status}"
+for package in packages:
+    module = importlib.import_module(package)
+    for info in pkgutil.walk_packages(module.__path__, package + "."):
+        if not info.name.endswith(".__main__"):
+            importlib.import_module(info.name)
+ours = {p.name for p in Path(repository).iterdir() if (p / "__init__.py").is_file()}
+outside = sorted(
+    name
+    for name, module in list(sys.modules.items())
+    if name.split(".")[0] in ours
+    and not Path(getattr(module, "__file__", None) or code).resolve().is_relative_to(code)
+)
+assert not outside, f"imported from outside the image's code: {outside}"
+assert "torch" not in sys.modules and "executor_service" not in sys.modules
+# The embedded model's tokenizer, which the scheduler uses when the executor serves that model.
+from client.defaults import DEFAULT_MODEL
+from scheduler_service.tokenizer import Tokenizer
+
+assert Path(DEFAULT_MODEL).resolve().is_relative_to(code), DEFAULT_MODEL
+assert Tokenizer(DEFAULT_MODEL).decode(Tokenizer(DEFAULT_MODEL).encode("The list type")) == "The list type"
+print("image ok")
+"""
+
+
+def test_scheduler_runs_from_the_files_of_its_image(tmp_path):
+    """Only what scheduler.Dockerfile copies, laid out as in the image, with only the scheduler's
+    dependencies importable (no torch, no numpy, no executor_service): the ENTRYPOINT's CLI
+    answers `--help`, every module of the copied packages imports, the embedded model's tokenizer
+    loads, and the health probe runs."""
+    docker = dockerfile("scheduler")
+    image = tmp_path / "image"
+    for destination, source in image_files("scheduler").items():
+        target = image / destination.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    # `pip install -e .` ran where pyproject.toml was copied: that directory is on sys.path.
+    (install,) = [d for d, s in image_files("scheduler").items() if s == ROOT / "pyproject.toml"]
+    code = image / posixpath.dirname(install).lstrip("/")
+    packages = sorted(p.name for p in code.iterdir() if (p / "__init__.py").is_file())
+    assert "scheduler_service" in packages and "executor_service" not in packages
+    home = image / docker.values("WORKDIR")[-1].lstrip("/")
+    home.mkdir(parents=True, exist_ok=True)
+    allowed = sorted(image_top_level_modules())
+    assert "grpc" in allowed and "torch" not in allowed and "numpy" not in allowed
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": str(code),
+        "PYTHONNOUSERSITE": "1",
+        **docker.env,
+    }
+    argv = [*docker.exec_form("ENTRYPOINT"), *docker.exec_form("CMD"), "--help"]
+    out = subprocess.run(
+        [sys.executable, "-c", IMAGE_SCRIPT, json.dumps([allowed, packages, str(ROOT), str(code), argv])],
+        env=env,
+        cwd=home,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "usage: tandem scheduler" in out.stdout.replace("\n", " ") and "image ok" in out.stdout
+    # The HEALTHCHECK's script, as copied: no service on the port, so it must answer UNAVAILABLE.
+    (probe,) = [d for d in image_files("scheduler") if d.endswith("/" + docker.healthcheck[0])]
+    from client.defaults import free_port
+
+    port = free_port()
+    out = subprocess.run(
+        [sys.executable, str(image / probe.lstrip("/")), "scheduler", "--timeout", "1"],
+        env={**env, "TANDEM_SCHEDULER_PORT": str(port)},
+        cwd=home,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and f"127.0.0.1:{port}: UNAVAILABLE" in out.stderr, out.stdout + out.stderr
+
+
 # --- Kubernetes Services, annotations, ServiceMonitor ---------------------------------------------
 
 
@@ -588,6 +965,14 @@ def test_promtool_test_rules_covers_every_alert():
         case["alertname"] for t in tests for case in t.get("alert_rule_test", []) if not case["exp_alerts"]
     }
     assert alerts <= firing and alerts <= quiet, "each alert needs a firing and a quiet case"
+    # An executor with no target left (no `up` series, so no instance label) is down too.
+    assert any(
+        "instance" not in alert["exp_labels"]
+        for t in tests
+        for case in t.get("alert_rule_test", [])
+        if case["alertname"] == "TandemExecutorDown"
+        for alert in case["exp_alerts"]
+    ), "TandemExecutorDown needs a case where the executor's target is gone"
     assert {
         "TandemKVCacheNearlyFull",
         "TandemWaitingQueueGrowing",
@@ -647,13 +1032,41 @@ def load_dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
 
-def dashboard_queries() -> list[tuple[str, str]]:
+def dashboard_panels(dashboard: dict | None = None) -> list[dict]:
+    """Every panel, with those nested in rows (a collapsed row holds its panels in `panels`)."""
+
+    def walk(panels: list[dict]) -> Iterator[dict]:
+        for panel in panels:
+            yield panel
+            yield from walk(panel.get("panels", []))
+
+    return list(walk((dashboard or load_dashboard())["panels"]))
+
+
+def dashboard_queries(dashboard: dict | None = None) -> list[tuple[str, str]]:
     """(panel title, PromQL) for every query of every panel."""
-    queries = []
-    for panel in load_dashboard()["panels"]:
-        for target in panel.get("targets", []):
-            queries.append((panel["title"], target["expr"]))
-    return queries
+    return [(p["title"], t["expr"]) for p in dashboard_panels(dashboard) for t in p.get("targets", [])]
+
+
+def test_dashboard_queries_include_collapsed_rows():
+    def panel(id_: int, title: str, expr: str) -> dict:
+        return {"id": id_, "type": "timeseries", "title": title, "targets": [{"expr": expr}]}
+
+    dashboard = {
+        "panels": [
+            panel(1, "open", "a_total"),
+            {"id": 2, "type": "row", "title": "open row", "collapsed": False, "panels": []},
+            {
+                "id": 3,
+                "type": "row",
+                "title": "folded",
+                "collapsed": True,
+                "panels": [panel(4, "inside", "b_total"), panel(5, "also inside", "c")],
+            },
+        ]
+    }
+    assert dashboard_queries(dashboard) == [("open", "a_total"), ("inside", "b_total"), ("also inside", "c")]
+    assert [p["id"] for p in dashboard_panels(dashboard)] == [1, 2, 3, 4, 5]
 
 
 def test_dashboard_is_valid_and_uses_the_provisioned_datasource():
@@ -662,9 +1075,9 @@ def test_dashboard_is_valid_and_uses_the_provisioned_datasource():
     datasources = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     (datasource,) = datasources["datasources"]
     assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
-    ids = [p["id"] for p in dashboard["panels"]]
+    ids = [p["id"] for p in dashboard_panels(dashboard)]
     assert len(ids) == len(set(ids))
-    for panel in dashboard["panels"]:
+    for panel in dashboard_panels(dashboard):
         if panel["type"] == "row":
             continue
         assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
@@ -695,6 +1108,95 @@ def test_dashboard_covers_what_operators_watch():
         "tandem_executor_device_memory_used_bytes",
     ):
         assert metric in exprs, metric
-    for q in ("0.5", "0.9", "0.99"):
-        assert f"histogram_quantile({q}, sum by (job, le) (rate(tandem_scheduler_time_to_first_token" in exprs
+    queries = dashboard_queries()
+    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        for q in ("0.5", "0.9", "0.99"):
+            expr = (
+                f"histogram_quantile({q}, sum by (job, le) "
+                f"(rate(tandem_scheduler_{histogram}_bucket[$__rate_interval])))"
+            )
+            assert expr in (e for _, e in queries), expr
     assert "sum by (kind, le) (rate(tandem_executor_step_duration_seconds_bucket" in exprs
+    # The prefix-cache hit rate: tokens served from the cache over tokens looked up in it.
+    (hit_rate,) = [e for _, e in queries if "tandem_scheduler_prefix_cache_hit_tokens_total" in e]
+    numerator, denominator = hit_rate.split(" / ")
+    assert promql_metric_names(numerator) == {"tandem_scheduler_prefix_cache_hit_tokens_total"}
+    assert promql_metric_names(denominator) == {"tandem_scheduler_prefix_cache_queried_tokens_total"}
+    assert numerator.replace("hit", "queried") == denominator, "rate the two counters alike"
+
+
+# --- Metric names, without Prometheus ---------------------------------------------------------------
+
+# Series Prometheus adds to every target itself.
+PROMETHEUS_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
+# The sample names a family of each type exposes (the text parser strips a counter's _total).
+_TYPE_SUFFIXES = {
+    "counter": ("_total",),
+    "gauge": ("",),
+    "untyped": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+}
+
+
+def exposed_names(text: str) -> set[str]:
+    """The sample names of a /metrics text exposition, parsed by prometheus_client. A labelled
+    family with no children yet (a counter of failures before the first one) has its # TYPE line
+    but no sample: it counts with the names its type gives."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        implied = {family.name + suffix for suffix in _TYPE_SUFFIXES[family.type]}
+        samples = {s.name for s in family.samples}
+        assert samples <= implied, (family.name, family.type, samples)  # what `implied` relies on
+        names |= samples or implied
+    return names
+
+
+@functools.cache
+def service_metric_names() -> dict[str, set[str]]:
+    """verb -> the sample names in the exposition of that service's metrics registry, built in
+    this process the way each server builds it (no server, no Prometheus)."""
+    from prometheus_client import generate_latest
+
+    from executor_service.metrics import ExecutorMetrics
+    from scheduler_service.metrics import SchedulerMetrics
+
+    return {
+        "scheduler": exposed_names(generate_latest(SchedulerMetrics().registry).decode()),
+        "executor": exposed_names(generate_latest(ExecutorMetrics().registry).decode()),
+    }
+
+
+def test_exposed_names():
+    text = (
+        "# HELP a_total A\n# TYPE a_total counter\na_total 1.0\n"
+        "# HELP b_total B\n# TYPE b_total counter\n"
+        '# HELP h H\n# TYPE h histogram\nh_bucket{le="+Inf"} 0.0\nh_count 0.0\nh_sum 0.0\n'
+        "# HELP g G\n# TYPE g gauge\n"
+    )
+    assert exposed_names(text) == {"a_total", "b_total", "h_bucket", "h_count", "h_sum", "g"}
+
+
+def alert_rule_exprs() -> list[tuple[str, str]]:
+    rules = yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())
+    return [(r.get("alert") or r["record"], r["expr"]) for g in rules["groups"] for r in g["rules"]]
+
+
+QUERIES = [pytest.param(e, id=f"panel {title}") for title, e in dashboard_queries()] + [
+    pytest.param(e, id=f"alert {name}") for name, e in alert_rule_exprs()
+]
+
+
+@pytest.mark.parametrize("expr", QUERIES)
+def test_queried_metrics_are_exported(expr):
+    """Every metric a dashboard panel or an alert rule queries is in the exposition of the service
+    its name belongs to (histograms through their _bucket / _sum / _count series)."""
+    exported = service_metric_names()
+    names = promql_metric_names(expr)
+    assert names, f"no metric in {expr}"
+    for name in names - PROMETHEUS_SERIES:
+        verb = name.split("_")[1] if name.startswith("tandem_") else None
+        assert verb in exported, f"{name}: not a metric of either service ({expr})"
+        assert name in exported[verb], f"{name} is not in the {verb}'s metrics ({expr})"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from test_deploy import (
     dockerfile,
     load_prometheus_config,
     promql_metric_names,
+    require_tool,
     tandem_command,
 )
 
@@ -39,10 +39,12 @@ from client import TandemClient, TandemError
 from client.defaults import DEFAULT_MODEL, free_port
 from client.up import Service
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("prometheus") is None,
-    reason="the prometheus server is not installed (Debian package `prometheus`; .ci/run installs it)",
-)
+
+@pytest.fixture(autouse=True)
+def prometheus_installed() -> str:
+    """Skips without the prometheus server, or fails where TANDEM_REQUIRE_PROMETHEUS is set (CI)."""
+    return require_tool("prometheus")
+
 
 STARTUP_TIMEOUT = 60.0
 QUERY_TIMEOUT = 45.0
