@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.plan import ExecutorInfo
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS, SchedulerConfig
 from scheduler_service.engine import Executor, LLMEngine, RequestOutput
 from scheduler_service.executor_client import ExecutorError, ExecutorUnavailable, PlanRejected
 from scheduler_service.executor_recovery import ExecutorRecovery
@@ -43,9 +43,10 @@ class EngineOptions:
     config: SchedulerConfig
     # Named in UNAVAILABLE messages.
     executor_address: str = "in-process"
-    max_queue: int | None = None
-    # Prompt tokens of admitted requests that have not produced a token yet.
-    max_queued_tokens: int | None = None
+    # Requests beyond the free batch slots that may wait (None or 0: no limit).
+    max_queue: int | None = DEFAULT_MAX_QUEUE
+    # Prompt tokens of admitted requests that have not produced a token yet (None or 0: no limit).
+    max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
     # Idle probe of the executor, and reconnect backoff (seconds).
     heartbeat_s: float = 2.0
     backoff_min_s: float = 0.1
@@ -57,7 +58,9 @@ class EngineOptions:
         for name in ("max_queue", "max_queued_tokens"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0 (or None for no limit), got {value}")
+                raise ValueError(f"{name} must be >= 0 (0 or None for no limit), got {value}")
+            if value == 0:
+                setattr(self, name, None)
 
 
 class AsyncEngine:

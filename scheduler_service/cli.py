@@ -11,6 +11,7 @@ from collections.abc import Callable
 from client.defaults import DEFAULT_MODEL, SCHEDULER_METRICS_PORT, SCHEDULER_PORT
 from client.defaults import env as _env
 from protos.plan import ExecutorInfo
+from scheduler_service.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
 from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-queue",
         type=int,
-        default=_env("MAX_QUEUE"),
-        help="most waiting requests before RESOURCE_EXHAUSTED (default: no limit) [TANDEM_MAX_QUEUE]",
+        default=_env("MAX_QUEUE", DEFAULT_MAX_QUEUE),
+        help="most requests waiting beyond the free batch slots; one more is refused with "
+        f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUE}; 0 = no limit) [TANDEM_MAX_QUEUE]",
     )
     p.add_argument(
         "--max-plans-in-flight",
@@ -85,9 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-queued-tokens",
         type=int,
-        default=_env("MAX_QUEUED_TOKENS"),
-        help="most prompt tokens waiting for their first output before RESOURCE_EXHAUSTED "
-        "(default: no limit) [TANDEM_MAX_QUEUED_TOKENS]",
+        default=_env("MAX_QUEUED_TOKENS", DEFAULT_MAX_QUEUED_TOKENS),
+        help="most prompt tokens of requests waiting for their first output; a request that would "
+        f"go over is refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUED_TOKENS}; "
+        "0 = no limit) [TANDEM_MAX_QUEUED_TOKENS]",
     )
     p.add_argument(
         "--stream-interval",
@@ -117,7 +120,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds accepted requests wait for a lost executor to come back before failing "
         "UNAVAILABLE (default 300) [TANDEM_EXECUTOR_RECOVERY_TIMEOUT]",
     )
-    security = p.add_argument_group("security")
+    security = p.add_argument_group(
+        "security",
+        "--api-key, --tls-cert and --tls-key guard the client-facing port. The scheduler's side of "
+        "mutual TLS with the executor (the executor's --tls-ca) is --executor-tls-ca with "
+        "--executor-tls-cert and --executor-tls-key: a client certificate signed by the CA that the "
+        "executor's --tls-ca names.",
+    )
     security.add_argument(
         "--api-key",
         default=_env("API_KEY"),
@@ -137,12 +146,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     security.add_argument(
         "--executor-tls-ca",
         default=_env("EXECUTOR_TLS_CA"),
-        help="talk TLS to the executor, trusting this CA (PEM) [TANDEM_EXECUTOR_TLS_CA]",
+        help="the scheduler's --tls-ca: talk TLS to the executor, trusting this CA (PEM) for the "
+        "executor's certificate; one CA may sign both sides [TANDEM_EXECUTOR_TLS_CA]",
     )
     security.add_argument(
         "--executor-tls-cert",
         default=_env("EXECUTOR_TLS_CERT"),
-        help="client certificate for mutual TLS with the executor, PEM [TANDEM_EXECUTOR_TLS_CERT]",
+        help="client certificate for mutual TLS with the executor (PEM), signed by the CA of the "
+        "executor's --tls-ca [TANDEM_EXECUTOR_TLS_CERT]",
     )
     security.add_argument(
         "--executor-tls-key",
@@ -188,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
         if args.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
         for flag, value in (("--max-queue", args.max_queue), ("--max-queued-tokens", args.max_queued_tokens)):
-            if value is not None and value < 0:
-                raise ValueError(f"{flag} must be >= 0, got {value}")
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0 (0 = no limit), got {value}")
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if (args.tls_cert is None) != (args.tls_key is None):

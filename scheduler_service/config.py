@@ -9,6 +9,16 @@ from protos.plan import ExecutorInfo
 
 logger = logging.getLogger(__name__)
 
+# Backpressure is on by default (--max-queue, --max-queued-tokens; 0 = no limit).
+# Requests that may wait beyond the free batch slots. TGI refuses past 128 concurrent requests
+# (max_concurrent_requests, "overloaded"); this counts only the waiting ones, on top of a batch of
+# up to 256 (max_num_seqs): four full batches of queue.
+DEFAULT_MAX_QUEUE = 1024
+# Prompt tokens of admitted requests without output yet: 2**20 is 128 full 8192-token steps of
+# prefill (many seconds of work before the newest request sees a token) and a few tens of MiB of
+# token ids in the scheduler, far from what threatens its memory.
+DEFAULT_MAX_QUEUED_TOKENS = 1 << 20
+
 
 @dataclass
 class SchedulerConfig:

@@ -2,7 +2,8 @@
 process): the scheduler's RemoteExecutor with a certificate of our CA gets in; a plaintext
 client, a TLS client without a certificate, one whose certificate another CA signed, and one
 that trusts another CA do not, health included. Message size limits: a plan over the limit is
-RESOURCE_EXHAUSTED and the executor serves the next good plan."""
+RESOURCE_EXHAUSTED and the executor serves the next good plan. Last, both services started from
+their command lines with every security flag, driven by the client."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_executor_service import EXECUTOR_OPTIONS, ROOT, ExecutorProcess, free_port, stop
 from test_security import CA
 
+from client import TandemClient, TandemError
+from client.defaults import DEFAULT_MODEL
+from client.up import Service
 from executor_service import cli
 from executor_service.server import MAX_MESSAGE_BYTES
 from protos.tandem.v1 import executor_pb2 as pb
@@ -265,3 +269,92 @@ def test_plaintext_beyond_loopback_is_logged(caplog):
         server = ExecutorServer(host, 0)
         server.stop(0)
         assert ("without TLS" in caplog.text) == warned, host
+
+
+# -- both services from the command line, every security flag --------------------------------------
+
+API_KEY = "cli-key-0123456789abcdef"
+
+
+def _serving(client: TandemClient) -> bool:
+    try:
+        return client.health(timeout=1.0) == "SERVING"
+    except TandemError:
+        return False
+
+
+def test_both_services_from_the_command_line_with_tls_mtls_and_an_api_key(pki, tmp_path):
+    """`python -m executor_service --tls-cert --tls-key --tls-ca` and `python -m scheduler_service
+    --tls-cert --tls-key --api-key-file --executor-tls-ca --executor-tls-cert --executor-tls-key`
+    on the embedded model: a client with the key that trusts the CA gets a generation; without the
+    key (or with a wrong one) UNAUTHENTICATED; without the CA it does not connect; a caller of the
+    executor without a client certificate is refused. Both exit 0 on SIGTERM."""
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"# one key a line\n{API_KEY}\n")
+    # Only the flags configure the services here, not TANDEM_* variables of the caller.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    executor_port, port = free_port(), free_port()
+    executor = Service(
+        "executor",
+        [
+            sys.executable,
+            "-m",
+            "executor_service",
+            "--model",
+            str(DEFAULT_MODEL),
+            "--port",
+            str(executor_port),
+        ]
+        + ["--metrics-port", "0", "--num-kv-blocks", "64", "--max-model-len", "256"]
+        + ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
+        + ["--tls-ca", str(pki["ca"])],
+        tmp_path / "executor.log",
+        env=env,
+        cwd=ROOT,
+    )
+    scheduler = Service(
+        "scheduler",
+        [sys.executable, "-m", "scheduler_service", "--executor", f"127.0.0.1:{executor_port}"]
+        + ["--port", str(port), "--metrics-port", "0", "--shutdown-timeout", "5"]
+        + ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
+        + ["--api-key-file", str(keys)]
+        + ["--executor-tls-ca", str(pki["ca"])]
+        + ["--executor-tls-cert", str(pki["client_cert"]), "--executor-tls-key", str(pki["client_key"])],
+        tmp_path / "scheduler.log",
+        env=env,
+        cwd=ROOT,
+    )
+    address = f"127.0.0.1:{port}"
+    logs = lambda: f"--- executor ---\n{executor.tail()}\n--- scheduler ---\n{scheduler.tail()}"  # noqa: E731
+    executor.start()
+    scheduler.start()
+    try:
+        with TandemClient(address, tls_ca=pki["ca"]) as client:
+            # Health needs no key; SERVING once the scheduler got through the executor's mTLS.
+            deadline = time.monotonic() + 60
+            while not _serving(client):
+                assert executor.alive() and scheduler.alive(), logs()
+                assert time.monotonic() < deadline, logs()
+                time.sleep(0.1)
+        with TandemClient(address, tls_ca=pki["ca"], api_key=API_KEY, timeout=30) as client:
+            out = client.complete("The list type", max_tokens=4, ignore_eos=True)
+        assert len(out.token_ids) == 4 and out.finish_reason == "length" and out.text, out
+        for key in (None, "wrong-key"):
+            client = TandemClient(address, tls_ca=pki["ca"], api_key=key, timeout=10)
+            with client, pytest.raises(TandemError) as err:
+                client.complete("The list type", max_tokens=4)
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED, (key, err.value)
+        with TandemClient(address, api_key=API_KEY, timeout=10) as client, pytest.raises(TandemError) as err:
+            client.complete("The list type", max_tokens=4)  # plaintext to a TLS port
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        # The executor's --tls-ca: a caller that trusts it but shows no client certificate is refused.
+        no_cert = scheduler_side(
+            f"127.0.0.1:{executor_port}", pki, tls_cert=None, tls_key=None, connect_timeout=3
+        )
+        with no_cert, pytest.raises(ExecutorUnavailable):
+            no_cert.describe()
+    finally:
+        scheduler.stop(15)
+        executor.stop(15)
+    assert (scheduler.process.returncode, executor.process.returncode) == (0, 0), logs()

@@ -176,13 +176,59 @@ def test_a_server_certificate_from_another_ca_is_refused_by_the_client(qwen3_tie
         assert len(_complete(address, tls_ca=pki["other_ca"]).token_ids) == 3
 
 
+def test_every_key_is_compared_with_compare_digest(monkeypatch):
+    """The key check runs in constant time: hmac.compare_digest against every configured key,
+    whether the caller's key is right, wrong, of another length or missing (no early exit)."""
+    import asyncio
+    import hmac
+    from types import SimpleNamespace
+
+    from scheduler_service import security
+
+    keys = ["k-short", KEY, "a-rather-longer-key-than-the-others-0123456789"]
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(security.hmac, "compare_digest", spy)
+    interceptor = security.ApiKeyInterceptor(keys)
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+
+    async def continuation(details):
+        return handler
+
+    def admitted(metadata) -> bool:
+        details = SimpleNamespace(
+            method="/tandem.v1.GenerationService/GetModelInfo", invocation_metadata=metadata
+        )
+        return asyncio.run(interceptor.intercept_service(continuation, details)) is handler
+
+    for token, right in (
+        (KEY, True),  # the second key: the third is still compared
+        ("k-short", True),
+        ("x" * len(KEY), False),  # wrong, same length as a key
+        ("wrong", False),  # wrong, another length than every key
+        (KEY + "-and-more", False),
+        (None, False),  # no header: compared as an empty token
+    ):
+        compared.clear()
+        metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+        assert admitted(metadata) is right, token
+        want = b"" if token is None else token.encode()
+        assert compared == [(want, key.encode()) for key in keys], token
+
+
 # -- mutual TLS from the scheduler to the executor ----------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def mtls_executor(qwen3_tied, pki):
-    """The executor's own servicer behind a gRPC server that requires client certificates of our CA
-    (the executor service's flags for this come later; its servicer is what answers)."""
+    """The executor's own servicer behind a gRPC server, built here, that requires client
+    certificates of our CA: the RemoteExecutor side in-process. The executor service's own flags
+    (`--tls-cert/--tls-key/--tls-ca`) are tested as a process in test_executor_security.py."""
     servicer = ExecutorServicer(ExecutorMetrics())
     servicer.executor = LocalExecutor(ExecutorConfig(model=str(qwen3_tied), num_kv_blocks=64))
     server = grpc.server(ThreadPoolExecutor(8))
@@ -282,3 +328,23 @@ def test_scheduler_cli_refuses_half_a_tls_config_and_a_missing_key_file(tmp_path
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     assert parser.parse_args(base).api_key_file == str(empty)
+
+
+def test_scheduler_help_names_its_side_of_the_executors_tls_ca():
+    """The issue's `--tls-ca` "on both sides": on the scheduler it is --executor-tls-ca (with
+    --executor-tls-cert/--executor-tls-key), and --help says so."""
+    import argparse
+
+    from scheduler_service import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    flags = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    assert {"--executor-tls-ca", "--executor-tls-cert", "--executor-tls-key"} <= flags.keys()
+    assert "the scheduler's --tls-ca" in flags["--executor-tls-ca"].help
+    assert "executor's --tls-ca" in flags["--executor-tls-cert"].help
+    text = " ".join(parser.format_help().split())
+    assert (
+        "The scheduler's side of mutual TLS with the executor (the executor's --tls-ca) is --executor-tls-ca"
+        in text
+    )
