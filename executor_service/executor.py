@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +51,11 @@ class LocalExecutor:
     """The executor in-process: `describe()`, `step(plan)` (or `send(plan)` then
     `receive(plan)`, two steps in flight), `reset()`; `close()` stops the tensor-parallel ranks."""
 
-    def __init__(self, config: ExecutorConfig) -> None:
+    def __init__(
+        self, config: ExecutorConfig, on_workers: Callable[[WorkerProcesses], None] | None = None
+    ) -> None:
+        """`on_workers` receives ranks 1..N-1 as soon as they are started, so that a caller can watch
+        them while the group forms and the model loads (both wait for every rank)."""
         self.config = config
         self.tp_size = config.tensor_parallel_size
         self.workers: WorkerProcesses | None = None
@@ -58,6 +63,8 @@ class LocalExecutor:
         self._unsent_token_ids: list[int] = []
         if self.tp_size > 1:
             self.workers = WorkerProcesses(config)
+            if on_workers is not None:
+                on_workers(self.workers)
             try:
                 parallel.init_group(
                     config.device, config.tp_master_addr, config.tp_master_port, 0, self.tp_size

@@ -23,6 +23,7 @@ from executor_service.servicer import SERVICE_NAME, ExecutorServicer, executor_h
 if TYPE_CHECKING:
     from executor_service.config import ExecutorConfig
     from executor_service.executor import LocalExecutor
+    from executor_service.tp_worker import WorkerProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -157,20 +158,36 @@ def serve(
     server.start()
     exit_code = 0
     executor = None
+    ranks: list[WorkerProcesses] = []
+    # Whether the executor thread may be stuck in a rendezvous or a collective whose peer is gone:
+    # then the process ends with os._exit (a normal exit would wait for that thread).
+    stuck = False
     try:
         if delay := float(os.environ.get(LOAD_DELAY_ENV, "0")):
             stop.wait(delay)
         if not stop.is_set():
-            executor = server.servicer.run_on_worker(LocalExecutor, config)
-            server.set_executor(executor)
-        while not stop.wait(RANK_POLL_SECONDS):
+            loading = server.servicer.submit_to_worker(LocalExecutor, config, ranks.append)
+            # The group forms and loads only when every rank does: watch them, and the signals.
+            while not loading.done() and not stop.wait(RANK_POLL_SECONDS):
+                if ranks and (failed := ranks[0].failed()):
+                    raise RuntimeError(
+                        f"tensor-parallel rank(s) died while loading (rank, exit code): {failed}"
+                    )
+            if not loading.done():
+                logger.info("signal received while loading, shutting down")
+                stuck = bool(ranks)
+            else:
+                executor = loading.result()
+                server.set_executor(executor)
+        while executor is not None and not stop.wait(RANK_POLL_SECONDS):
             if failed := executor.failed_ranks():
                 # A rank is gone: the group cannot step any more. NOT_SERVING, then exit non-zero.
                 logger.error("tensor-parallel rank(s) died (rank, exit code): %s; shutting down", failed)
                 exit_code = 1
                 break
         else:
-            logger.info("signal received, shutting down")
+            if executor is not None:
+                logger.info("signal received, shutting down")
     except Exception:
         logger.exception("the executor failed to load %s", config.model)
         exit_code = 1
@@ -180,6 +197,12 @@ def serve(
             metrics_http.shutdown()
         if executor is not None:
             _close(server, executor, exit_code)
+        elif ranks:
+            ranks[0].kill()
+        stuck = stuck or (exit_code != 0 and bool(ranks))
+    if stuck:
+        logging.shutdown()
+        os._exit(exit_code)
     return exit_code
 
 

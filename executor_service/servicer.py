@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
@@ -148,6 +148,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         """fn(*args) on the executor's own thread; returns its result or raises its exception."""
         return self._worker.submit(fn, *args).result()
 
+    def submit_to_worker(self, fn, *args) -> Future:
+        """fn(*args) on the executor's own thread, without waiting for it."""
+        return self._worker.submit(fn, *args)
+
     def close(self, timeout: float) -> None:
         """Let the running step finish (up to `timeout`), then refuse further steps."""
         acquired = self._lock.acquire(timeout=timeout)
@@ -238,9 +242,31 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             self.metrics.step_failed("INVALID_ARGUMENT")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:
+            if dead := self._dead_ranks():
+                # Not this plan's fault: the group lost a rank (the serve loop takes the executor
+                # down). UNAVAILABLE, so that the scheduler keeps the requests for the next executor.
+                logger.error(
+                    "step %d failed: tensor-parallel rank(s) died (rank, exit code): %s", plan.step_id, dead
+                )
+                self.metrics.step_failed("UNAVAILABLE")
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"step {plan.step_id} failed: tensor-parallel rank(s) {[r for r, _ in dead]} died; "
+                    "the executor is going down",
+                )
             logger.exception("step %d failed", plan.step_id)
             self.metrics.step_failed("INTERNAL")
             context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}")
+
+    def _dead_ranks(self, wait: float = 2.0) -> list[tuple[int, int | None]]:
+        """The ranks that exited; a collective can fail a moment before its peer's exit is seen."""
+        executor = self.executor
+        if executor is None or executor.workers is None:
+            return []
+        deadline = time.monotonic() + wait
+        while not (dead := executor.failed_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return dead
 
     def _step_one_at_a_time(
         self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext

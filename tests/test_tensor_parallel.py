@@ -23,7 +23,7 @@ from test_executor_service import ROOT, ExecutorProcess, free_port, stop, wait_r
 from executor_service.config import ExecutorConfig
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
-from scheduler_service.executor_client import RemoteExecutor
+from scheduler_service.executor_client import ExecutorUnavailable, RemoteExecutor
 from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
@@ -138,6 +138,70 @@ def test_killing_rank1_takes_the_executor_down_without_orphans(qwen3_tied, tmp_p
     finally:
         stop(ep)
     assert "rank(s) died" in ep.output()
+    assert not [pid for pid in children if alive(pid)]
+
+
+def test_rank_killed_mid_step_is_unavailable_not_a_failed_request(qwen3_tied, tmp_path):
+    """A rank that dies while steps run: the step in flight fails UNAVAILABLE (the scheduler keeps
+    its requests for the next executor, as for any executor failure), never INTERNAL (which would
+    fail them), and the executor exits 1 leaving no rank behind."""
+    ep = start_tp_executor(qwen3_tied, tmp_path / "executor.log")
+    try:
+        wait_ready(ep)
+        children = descendants(ep.proc.pid)
+        with RemoteExecutor(ep.address) as executor:
+            engine = LLMEngine(executor, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24))
+            for prompt in (prompt_ids(n, seed=n) for n in (3, 9, 30)):
+                engine.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+            for _ in range(6):  # prefills done, decoding
+                engine.step()
+            os.kill(children[0], signal.SIGKILL)
+            with pytest.raises(ExecutorUnavailable) as failure:
+                for _ in range(100):
+                    for out in engine.step():
+                        assert out.error is None, out.error
+        assert "rank(s) [1] died" in str(failure.value)
+        assert ep.proc.wait(30) == 1
+    finally:
+        stop(ep)
+    assert not [pid for pid in children if alive(pid)], ep.output()
+
+
+def _kill_rank1_while_loading(ep: ExecutorProcess, how) -> list[int]:
+    """Wait for rank 1's process, then `how(rank1_pid)` while the group forms."""
+    deadline = time.monotonic() + 60
+    while not (children := descendants(ep.proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert children, ep.output()
+    how(children[0])
+    return children
+
+
+def test_rank_dead_at_start_ends_the_executor_at_once(qwen3_tied, tmp_path):
+    """Rank 1 dies before the group forms: rank 0 does not wait in the rendezvous for the
+    collectives' 10-minute timeout; it exits 1 within seconds, naming the rank."""
+    ep = start_tp_executor(qwen3_tied, tmp_path / "executor.log")
+    try:
+        t0 = time.monotonic()
+        children = _kill_rank1_while_loading(ep, lambda pid: os.kill(pid, signal.SIGKILL))
+        assert ep.proc.wait(30) == 1, ep.output()
+        assert time.monotonic() - t0 < 30
+    finally:
+        stop(ep)
+    assert "died while loading" in ep.output()
+    assert not [pid for pid in descendants(ep.proc.pid) + children if alive(pid)]
+
+
+def test_sigterm_while_the_group_forms_exits_without_orphans(qwen3_tied, tmp_path):
+    ep = start_tp_executor(qwen3_tied, tmp_path / "executor.log")
+    try:
+        # Rank 1 stopped (SIGSTOP) keeps the group from forming: rank 0 waits in the rendezvous.
+        children = _kill_rank1_while_loading(ep, lambda pid: os.kill(pid, signal.SIGSTOP))
+        time.sleep(1.0)
+        ep.proc.send_signal(signal.SIGTERM)
+        assert ep.proc.wait(30) == 0, ep.output()
+    finally:
+        stop(ep)
     assert not [pid for pid in children if alive(pid)]
 
 
