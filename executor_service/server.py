@@ -150,8 +150,14 @@ def serve(
     from executor_service.executor import LocalExecutor
 
     stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        # The handler runs on the main thread, which may hold stop's lock inside stop.wait():
+        # setting it from here could deadlock (seen with two signals in quick succession).
+        threading.Thread(target=stop.set, name="signal").start()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, on_signal)
 
     server = ExecutorServer(host, port, credentials=credentials)
     metrics_http = start_metrics_server(server.metrics, host, metrics_port) if metrics_port else None
