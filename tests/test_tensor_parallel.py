@@ -220,6 +220,49 @@ def test_killing_rank0_ends_the_other_ranks(qwen3_tied, tmp_path):
         stop(ep)
 
 
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_a_rank_reads_only_its_shard_of_the_checkpoint(qwen3_untied, monkeypatch, tp_rank):
+    """No rank loads the full model: at TP=2 a rank reads half of each sharded tensor from the
+    checkpoint (the norms, a sliver of it, whole), and what it reads is its part. (A weight loader
+    that read a whole tensor and then narrowed it would count the whole tensor here.)"""
+    from executor_service.loader import (
+        CheckpointSlice,
+        checkpoint_tensor_files,
+        load_model_config,
+        load_weights,
+    )
+    from executor_service.models import get_model_class
+
+    read = []
+    narrow, whole = CheckpointSlice.narrow, CheckpointSlice.read
+    monkeypatch.setattr(CheckpointSlice, "narrow", lambda self, *a: read.append(narrow(self, *a)) or read[-1])
+    monkeypatch.setattr(CheckpointSlice, "read", lambda self: read.append(whole(self)) or read[-1])
+    mc = load_model_config(qwen3_untied)
+    tied = mc.tie_word_embeddings or "lm_head.weight" not in checkpoint_tensor_files(qwen3_untied)
+    model = get_model_class(mc.architecture)(mc, tie_word_embeddings=tied, tp_rank=tp_rank, tp_size=2)
+    load_weights(model, qwen3_untied)
+    total = sum(p.numel() for p in loader_full_tensors(qwen3_untied).values())
+    norms = sum(p.numel() for n, p in loader_full_tensors(qwen3_untied).items() if "norm" in n)
+    got = sum(t.numel() for t in read)
+    assert got <= total / 2 + norms, f"rank {tp_rank} read {got} of {total} checkpoint elements"
+    assert got >= total / 2, "a shard was not read"
+    full = loader_full_tensors(qwen3_untied)
+    rows = full["model.layers.0.mlp.down_proj.weight"].shape[1] // 2
+    down = dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+    torch.testing.assert_close(
+        down.data, full["model.layers.0.mlp.down_proj.weight"][:, tp_rank * rows : (tp_rank + 1) * rows]
+    )
+
+
+def loader_full_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
 def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1):
     expected = tp1_tokens(qwen3_kv1)
     llm = LLM(str(qwen3_kv1), tensor_parallel_size=2, tp_master_port=free_port(), **OPTIONS)
@@ -289,3 +332,45 @@ def test_gpu_tp2_bf16_first_32_tokens_match_tp1(qwen3_tied):
     expected = _greedy(qwen3_tied, prompts, 32, **options)
     got = _greedy(qwen3_tied, prompts, 32, tensor_parallel_size=2, tp_master_port=free_port(), **options)
     assert got == expected
+
+
+def _min_over_two_ranks(rank: int, port: int, values: list[int], out) -> None:
+    from executor_service import parallel
+
+    parallel.init_group("cpu", "127.0.0.1", port, rank, 2)
+    try:
+        out.put((rank, parallel.min_over_ranks(values[rank], torch.device("cpu"))))
+    finally:
+        parallel.destroy_group()
+
+
+def test_kv_block_count_is_the_minimum_over_ranks(monkeypatch):
+    """Ranks with different free memory hold as many blocks as the poorest one: the scheduler sees
+    one block count, and a block id must be valid on every rank."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from executor_service import kv_cache_sizing, parallel
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_min_over_two_ranks, args=(r, port, [700, 512], out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results == {0: 512, 1: 512}
+
+    # determine_num_kv_blocks takes that minimum with more than one rank, and checks it still
+    # holds max_model_len tokens.
+    seen = []
+    monkeypatch.setattr(parallel, "min_over_ranks", lambda n, device: seen.append(n) or n // 2)
+    config = SimpleNamespace(num_kv_blocks=100, max_model_len=200)
+    runner = SimpleNamespace(config=config, device=torch.device("cpu"), tp_size=2, block_size=4)
+    assert kv_cache_sizing.determine_num_kv_blocks(runner, bytes_per_block=1) == 50
+    assert seen == [100]
+    config.max_model_len = 201  # 50 blocks of 4 tokens hold 200
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        kv_cache_sizing.determine_num_kv_blocks(runner, bytes_per_block=1)
