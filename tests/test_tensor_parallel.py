@@ -276,6 +276,20 @@ def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1):
     assert not [pid for pid in pids if alive(pid)]
 
 
+def test_a_vocabulary_that_does_not_split_evenly(tmp_path):
+    """515 tokens over 2 ranks: shards of 258 and 257, the padding row never sampled; the tokens
+    equal TP=1's, untied and tied (where the padded embedding rows are also the LM head's)."""
+    for tied in (False, True):
+        model = build_qwen3(tmp_path / f"v515-{tied}", vocab_size=515, tie_word_embeddings=tied,
+                            seed=5, with_tokenizer=False)  # fmt: skip
+        expected = tp1_tokens(model)
+        llm = LLM(str(model), tensor_parallel_size=2, tp_master_port=free_port(), **OPTIONS)
+        try:
+            assert generate(llm.executor)[0] == expected
+        finally:
+            llm.executor.close()
+
+
 def test_config_rejects_layouts_that_do_not_split(qwen3_tied):
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must divide num_attention_heads \(4\)"):
         ExecutorConfig(model=str(qwen3_tied), tensor_parallel_size=3)
