@@ -141,8 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tp-master-port",
         type=int,
         default=_env("TP_MASTER_PORT", DEFAULT_TP_MASTER_PORT),
-        help=f"rendezvous port of the tensor-parallel ranks (default {DEFAULT_TP_MASTER_PORT}) "
-        "[TANDEM_TP_MASTER_PORT]",
+        help=f"rendezvous port of the tensor-parallel ranks (default {DEFAULT_TP_MASTER_PORT}, torch's own; "
+        "two TP executors on one host need different ports) [TANDEM_TP_MASTER_PORT]",
     )
     p.add_argument(
         "--grace",
