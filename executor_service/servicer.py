@@ -209,6 +209,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 with self._lock:
                     if self._closed:
                         context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
+                    if not context.is_active():  # cancelled while it waited (a Reset may have run)
+                        break  # not sent; `finally` discards what was
                     self.run_on_worker(executor.send, plan)
             while in_flight:
                 yield self._receive(executor, in_flight, context)
@@ -261,7 +263,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def _dead_ranks(self, wait: float = 2.0) -> list[tuple[int, int | None]]:
         """The ranks that exited; a collective can fail a moment before its peer's exit is seen."""
         executor = self.executor
-        if executor is None or executor.workers is None:
+        if getattr(executor, "workers", None) is None:
             return []
         deadline = time.monotonic() + wait
         while not (dead := executor.failed_ranks()) and time.monotonic() < deadline:
@@ -277,6 +279,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 _refuse_malformed(msg, context)
             plan = plan_from_proto(msg)
             with self._lock:
+                # A stream cancelled while this plan waited for the lock (the scheduler gave up on
+                # it, and may have called Reset since) must not run it on the reset state.
+                if not context.is_active():
+                    return
                 executor = self._executor(context)
                 graph_steps = _num_graph_steps(executor)
                 t0 = time.perf_counter()
