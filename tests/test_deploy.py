@@ -869,10 +869,8 @@ def test_k8s_services_reach_the_ports_the_containers_listen_on():
         for port in service["spec"]["ports"]:
             target = named.get(port["targetPort"], port["targetPort"])
             assert target in listening, (name, port)
-        if "prometheus.io/port" in service["metadata"].get("annotations", {}):
-            assert int(service["metadata"]["annotations"]["prometheus.io/port"]) in {
-                c.args().metrics_port for c in selected
-            }
+        # Scraped once: by its pods' annotations or its ServiceMonitor, never also by the Service's.
+        assert "prometheus.io/scrape" not in service["metadata"].get("annotations", {}), name
 
 
 def test_k8s_scrape_annotations_name_the_metrics_port():
