@@ -181,7 +181,7 @@ def serve(
                     )
             if not loading.done():
                 logger.info("signal received while loading, shutting down")
-                stuck = bool(ranks)
+                stuck = True  # the load may wait for the other ranks (or anything else) for long
             else:
                 executor = loading.result()
                 server.set_executor(executor)

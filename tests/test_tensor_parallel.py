@@ -167,14 +167,26 @@ def test_rank_killed_mid_step_is_unavailable_not_a_failed_request(qwen3_tied, tm
     assert not [pid for pid in children if alive(pid)], ep.output()
 
 
+def _rank_processes(pid: int) -> list[int]:
+    """The tensor-parallel ranks below `pid` (not whatever else a library may spawn meanwhile)."""
+    ranks = []
+    for child in descendants(pid):
+        try:
+            if b"executor_service.tp_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                ranks.append(child)
+        except OSError:
+            continue
+    return ranks
+
+
 def _kill_rank1_while_loading(ep: ExecutorProcess, how) -> list[int]:
     """Wait for rank 1's process, then `how(rank1_pid)` while the group forms."""
     deadline = time.monotonic() + 60
-    while not (children := descendants(ep.proc.pid)) and time.monotonic() < deadline:
+    while not (ranks := _rank_processes(ep.proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert children, ep.output()
-    how(children[0])
-    return children
+    assert ranks, ep.output()
+    how(ranks[0])
+    return ranks
 
 
 def test_rank_dead_at_start_ends_the_executor_at_once(qwen3_tied, tmp_path):
