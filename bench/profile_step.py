@@ -27,10 +27,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.throughput import SHAPES, build_w1_checkpoint
 
 GROUPS = (
+    ("all-reduce", ("nccl", "allreduce", "all_reduce", "gather")),
     ("attention", ("paged_attention", "store_kv", "reduce", "flash", "varlen", "fmha")),
     ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "matmul", "splitk")),
     ("fused ops", ("_rms_norm", "_silu_and_mul", "_qk_norm_rope")),
-    ("sampling", ("softmax", "sort", "topk", "multinomial", "argmax", "exponential", "gumbel", "cumsum")),
+    (
+        "sampling",
+        (
+            "softmax",
+            "sort",
+            "topk",
+            "multinomial",
+            "argmax",
+            "exponential",
+            "gumbel",
+            "cumsum",
+            "_sample_kernel",
+        ),
+    ),
 )
 
 
@@ -103,9 +117,13 @@ def run(args: argparse.Namespace, model: str, fused_ops: str) -> None:
     groups = defaultdict(float)
     for name, (t, _) in kernels.items():
         groups[group_of(name)] += t
+    steps = args.steps - 1
     print(
-        "  GPU time by group: "
-        + ", ".join(f"{g} {t / total:.0%}" for g, t in sorted(groups.items(), key=lambda x: -x[1]))
+        "  GPU time per decode step by group: "
+        + ", ".join(
+            f"{g} {t / steps / 1e3:.2f} ms ({t / total:.0%})"
+            for g, t in sorted(groups.items(), key=lambda x: -x[1])
+        )
     )
     for name, (t, n) in sorted(kernels.items(), key=lambda x: -x[1][0])[: args.top]:
         print(f"  {t / total:6.1%} {t / n:8.1f} us x {n:6d}  {name[:100]}")
