@@ -51,9 +51,15 @@ class WorkerProcesses:
                 torch.get_num_threads(),
                 logging.getLogger().getEffectiveLevel(),
             )
-            proc.stdin.write(pickle.dumps(args))
-            proc.stdin.flush()
             self.procs[rank] = proc
+            try:
+                proc.stdin.write(pickle.dumps(args))
+                proc.stdin.flush()
+            except BrokenPipeError:
+                self.kill()
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} died at start (exit code {proc.returncode})"
+                ) from None
         logger.info(
             "tensor parallel size %d: started ranks %s (pids %s)",
             config.tensor_parallel_size,
