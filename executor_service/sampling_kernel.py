@@ -20,24 +20,32 @@ def _sample_kernel(
     logits_ptr,
     temperatures_ptr,
     seeds_ptr,
-    out_ptr,
+    best_score_ptr,  # [rows, NUM_SPLITS] fp32
+    best_index_ptr,  # [rows, NUM_SPLITS] int64
     stride_row,
     vocab_size,
+    chunk,  # vocabulary entries per split, a multiple of BLOCK
+    NUM_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # grid: (rows,). Tracks, tile by tile, the best perturbed score (sampling) and the best raw
-    # logit (greedy, temperature 0), keeping the first index on ties as torch.argmax does.
+    # grid: (rows, NUM_SPLITS). A program scans one chunk of a row's vocabulary tile by tile,
+    # tracking the best perturbed score (sampling) or raw logit (greedy, temperature 0) and keeping
+    # the first index on ties, as torch.argmax does. The noise of a vocabulary entry depends on
+    # (seed, index) only, not on how the row is split.
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     seed = tl.load(seeds_ptr + row)
     cols = tl.arange(0, BLOCK)
     best_score = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab_size, BLOCK):
+    best_index = tl.full([BLOCK], 2147483647, tl.int32)
+    begin = split * chunk
+    end = tl.minimum(begin + chunk, vocab_size)
+    for start in range(begin, end, BLOCK):
         index = start + cols
-        mask = index < vocab_size
+        mask = index < end
         x = tl.load(logits_ptr + row * stride_row + index, mask=mask, other=float("-inf")).to(tl.float32)
         u = tl.rand(seed, index)  # uniform [0, 1); u = 0 gives -inf noise: never chosen
         gumbel = -tl.log(-tl.log(u))
@@ -47,22 +55,44 @@ def _sample_kernel(
         best_score = tl.where(better, score, best_score)
         best_index = tl.where(better, index, best_index)
     top = tl.max(best_score, axis=0)
-    # The first index among the lanes holding the maximum.
-    first = tl.min(tl.where(best_score == top, best_index, vocab_size), axis=0)
-    tl.store(out_ptr + row, first.to(tl.int64))
+    # The first index among the lanes holding the maximum (none: an empty or all -inf chunk).
+    first = tl.min(tl.where(best_score == top, best_index, 2147483647), axis=0)
+    tl.store(best_score_ptr + row * NUM_SPLITS + split, top)
+    tl.store(best_index_ptr + row * NUM_SPLITS + split, first.to(tl.int64))
+
+
+def num_splits_for(num_rows: int, vocab_size: int, block: int) -> int:
+    """Splits of each row's vocabulary so that about 1,024 programs run (a few per SM of an H200)
+    however few the rows; a power of two, and no split smaller than one tile."""
+    want = max(1, min(64, -(-1024 // max(num_rows, 1)), -(-vocab_size // block)))
+    return 1 << (want.bit_length() - 1)
 
 
 def sample_from_logits(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, block: int = 2048
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    block: int = 2048,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """logits [n, vocab] (any float dtype, last dim contiguous), temperatures [n] fp32 (0: greedy),
-    seeds [n] int64 -> token ids [n] int64. `block`: vocabulary entries per tile (a power of 2)."""
+    seeds [n] int64 -> token ids [n] int64. `block`: vocabulary entries per tile (a power of 2);
+    `num_splits`: programs per row (default: num_splits_for)."""
     n, vocab_size = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("sample_from_logits needs row-contiguous logits")
-    out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    if n:
-        _sample_kernel[(n,)](
-            logits, temperatures, seeds, out, logits.stride(0), vocab_size, BLOCK=block, num_warps=8
-        )
-    return out
+    if not n:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    splits = num_splits or num_splits_for(n, vocab_size, block)
+    chunk = -(-vocab_size // (splits * block)) * block
+    scores = torch.empty(n, splits, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(n, splits, dtype=torch.int64, device=logits.device)
+    _sample_kernel[(n, splits)](
+        logits, temperatures, seeds, scores, indices, logits.stride(0), vocab_size, chunk,
+        NUM_SPLITS=splits, BLOCK=block, num_warps=8,
+    )  # fmt: skip
+    if splits == 1:
+        return indices.view(n).clamp_(max=vocab_size - 1)
+    # The first split holding the row's best (argmax keeps the first): the lowest index on ties.
+    best = scores.argmax(dim=1, keepdim=True)
+    return indices.gather(1, best).view(n).clamp_(max=vocab_size - 1)

@@ -49,7 +49,8 @@ def check_distribution(
 
 def check_seed_isolation(vocab_size: int, device: str, block: int = 2048) -> None:
     """A row's token depends on its logits, temperature and seed only: moved to another position
-    in a batch of other rows, it draws the same token; another seed moves some draws."""
+    in a batch of other rows (which changes how many programs split its vocabulary), or split
+    differently, it draws the same token; another seed moves some draws."""
     from executor_service.sampling_kernel import sample_from_logits
 
     gen = torch.Generator().manual_seed(1)
@@ -63,6 +64,9 @@ def check_seed_isolation(vocab_size: int, device: str, block: int = 2048) -> Non
     alone = [sample_from_logits(logits[i : i + 1], temperatures[i : i + 1], seeds[i : i + 1], block=block).item()
              for i in range(6)]  # fmt: skip
     assert alone == batch
+    for splits in (1, 2, 4):  # however a row's vocabulary is split over programs
+        got = sample_from_logits(logits, temperatures, seeds, block=block, num_splits=splits).tolist()
+        assert got == batch, f"{splits} splits"
     flat = torch.zeros(64, vocab_size, device=device)  # uniform: the seed alone decides
     draws = sample_from_logits(
         flat, torch.ones(64, device=device), torch.arange(64, device=device), block=block
