@@ -67,6 +67,12 @@ def warm_up_kernels(runner: ModelRunner, num_blocks: int) -> int:
             for seq in seqs:
                 runner.remove_sequence(seq)
         ran += 1
+    if runner.sampler.fused:  # the one-pass sampler, on logits of the model's dtype
+        from executor_service.sampling_kernel import sample_from_logits
+
+        logits = torch.zeros(2, runner.vocab_size, dtype=runner.config.torch_dtype, device=runner.device)
+        seeds = torch.zeros(2, dtype=torch.int64, device=runner.device)
+        sample_from_logits(logits, torch.tensor([0.0, 1.0], device=runner.device), seeds)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info(

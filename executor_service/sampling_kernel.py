@@ -15,20 +15,22 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The split count and chunk follow the batch size: runtime values, not compile-time ones (a new
+# variant for each would compile in the middle of serving).
+@triton.jit(do_not_specialize=["chunk", "num_splits"])
 def _sample_kernel(
     logits_ptr,
     temperatures_ptr,
     seeds_ptr,
-    best_score_ptr,  # [rows, NUM_SPLITS] fp32
-    best_index_ptr,  # [rows, NUM_SPLITS] int64
+    best_score_ptr,  # [rows, num_splits] fp32
+    best_index_ptr,  # [rows, num_splits] int64
     stride_row,
     vocab_size,
     chunk,  # vocabulary entries per split, a multiple of BLOCK
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK: tl.constexpr,
 ):
-    # grid: (rows, NUM_SPLITS). A program scans one chunk of a row's vocabulary tile by tile,
+    # grid: (rows, num_splits). A program scans one chunk of a row's vocabulary tile by tile,
     # tracking the best perturbed score (sampling) or raw logit (greedy, temperature 0) and keeping
     # the first index on ties, as torch.argmax does. The noise of a vocabulary entry depends on
     # (seed, index) only, not on how the row is split.
@@ -57,8 +59,8 @@ def _sample_kernel(
     top = tl.max(best_score, axis=0)
     # The first index among the lanes holding the maximum (none: an empty or all -inf chunk).
     first = tl.min(tl.where(best_score == top, best_index, 2147483647), axis=0)
-    tl.store(best_score_ptr + row * NUM_SPLITS + split, top)
-    tl.store(best_index_ptr + row * NUM_SPLITS + split, first.to(tl.int64))
+    tl.store(best_score_ptr + row * num_splits + split, top)
+    tl.store(best_index_ptr + row * num_splits + split, first.to(tl.int64))
 
 
 def num_splits_for(num_rows: int, vocab_size: int, block: int) -> int:
@@ -88,8 +90,8 @@ def sample_from_logits(
     scores = torch.empty(n, splits, dtype=torch.float32, device=logits.device)
     indices = torch.empty(n, splits, dtype=torch.int64, device=logits.device)
     _sample_kernel[(n, splits)](
-        logits, temperatures, seeds, scores, indices, logits.stride(0), vocab_size, chunk,
-        NUM_SPLITS=splits, BLOCK=block, num_warps=8,
+        logits, temperatures, seeds, scores, indices, logits.stride(0), vocab_size, chunk, splits,
+        BLOCK=block, num_warps=8,
     )  # fmt: skip
     if splits == 1:
         return indices.view(n).clamp_(max=vocab_size - 1)
