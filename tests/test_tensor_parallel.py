@@ -401,3 +401,55 @@ def test_kv_block_count_is_the_minimum_over_ranks(monkeypatch):
     config.max_model_len = 201  # 50 blocks of 4 tokens hold 200
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         kv_cache_sizing.determine_num_kv_blocks(runner, bytes_per_block=1)
+
+
+def test_rank_killed_mid_decode_every_stream_finishes_on_the_next_executor(qwen3_tied, tmp_path):
+    """The whole path at TP=2, as for any executor failure: 16 greedy streams through the scheduler,
+    rank 1 SIGKILLed mid-decode, the executor goes down by itself, a new TP=2 executor starts on
+    the same port, and every stream finishes with exactly the undisturbed run's tokens."""
+    import asyncio
+
+    from test_reliability import Cluster, _check_identical, _stream, token_prompts
+
+    from client import AsyncTandemClient
+
+    prompts = token_prompts(16, seed=13)
+    max_tokens = 48
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    expected = LLM(str(qwen3_tied), num_kv_blocks=1024).generate(prompts, params, use_tqdm=False)
+    cluster = Cluster(qwen3_tied, tmp_path)
+
+    def tp_args() -> list[str]:
+        return ["--tensor-parallel-size", "2", "--tp-master-port", str(free_port())]
+
+    progress = [0] * len(prompts)
+    killed: list[int] = []
+
+    async def run():
+        async with AsyncTandemClient(cluster.address, timeout=180) as client:
+            tasks = [
+                asyncio.ensure_future(_stream(client, p, progress, i, max_tokens=max_tokens, ignore_eos=True))
+                for i, p in enumerate(prompts)
+            ]
+            deadline = time.monotonic() + 60
+            while min(progress) < 4:
+                assert time.monotonic() < deadline, f"never decoding: {progress}"
+                await asyncio.sleep(0.002)
+            assert max(progress) < max_tokens
+            killed.extend(_rank_processes(cluster.executor.process.pid))
+            os.kill(killed[0], signal.SIGKILL)
+            code = await asyncio.get_running_loop().run_in_executor(None, cluster.executor.process.wait, 30)
+            assert code == 1, cluster.logs()
+            cluster.start_executor(*tp_args())
+            return await asyncio.gather(*tasks)
+
+    try:
+        cluster.start(*tp_args())
+        results = asyncio.run(run())
+        assert _check_identical(results, expected) == len(prompts)
+        assert "rank(s) died" in cluster.executors[0].tail(200)
+    finally:
+        executors = [e.process.pid for e in cluster.executors]
+        cluster.stop()
+    assert not [pid for pid in killed if alive(pid)]
+    assert not [pid for pid in executors if alive(pid)]
