@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.throughput import SHAPES, build_w1_checkpoint
 
 GROUPS = (
-    ("all-reduce", ("nccl", "allreduce", "all_reduce", "gather")),
-    ("attention", ("paged_attention", "store_kv", "reduce", "flash", "varlen", "fmha")),
+    ("all-reduce", ("nccl", "allreduce", "all_reduce")),
+    ("attention", ("paged_attention", "store_kv", "split_kv_reduce", "flash", "varlen", "fmha")),
     ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "matmul", "splitk")),
     ("fused ops", ("_rms_norm", "_silu_and_mul", "_qk_norm_rope")),
     (

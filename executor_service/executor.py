@@ -178,21 +178,23 @@ class LocalExecutor:
         """(rank, exit code) of the ranks 1..N-1 that are no longer running."""
         return self.workers.failed() if self.workers is not None else []
 
-    def close(self) -> None:
-        """Stop ranks 1..N-1 and leave the process group (nothing to do with one rank). Every rank
-        frees its CUDA graphs and then leaves the group, all at once: NCCL may finalize a
-        communicator collectively, and waits for the graphs that captured its collectives."""
+    def close(self) -> bool:
+        """Stop ranks 1..N-1 and leave the process group (nothing to do with one rank); False when
+        leaving did not finish (parallel.destroy_group). Every rank frees its CUDA graphs and then
+        leaves the group, all at once: NCCL may finalize a communicator collectively, and waits for
+        the graphs that captured its collectives."""
         if self.workers is None:
-            return
+            return True
         if self.workers.failed():  # no rank to leave with: stop the others first
             self.workers.kill()
         else:
             with contextlib.suppress(Exception):
                 self._broadcast(parallel.TPMessage("close"))
         self.runner.release_cuda_graphs()
-        parallel.destroy_group()
+        left = parallel.destroy_group()
         self.workers.join()
         self.workers = None
+        return left
 
     def _broadcast(self, message: parallel.TPMessage) -> None:
         message.sampled_token_ids, self._unsent_token_ids = self._unsent_token_ids, []

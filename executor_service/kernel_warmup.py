@@ -50,22 +50,25 @@ def warm_up_kernels(runner: ModelRunner, num_blocks: int) -> int:
     t0, ran = time.perf_counter(), 0
     for step in steps:
         blocks_per_seq = [-(-length // runner.block_size) for length, _ in step]
-        if sum(blocks_per_seq) > num_blocks:
+        # A step no serving step could look like (longer than max_model_len, more blocks than the
+        # cache) is left out.
+        if sum(blocks_per_seq) > num_blocks or max(n for n, _ in step) > runner.config.max_model_len:
             continue
         seqs, next_block = [], 0
         for i, ((length, computed), nb) in enumerate(zip(step, blocks_per_seq, strict=True)):
             table = list(range(next_block, next_block + nb))
             next_block += nb
             seqs.append(SequenceState(i, [0] * length, table, computed, StepSamplingParams(), length))
-        for seq in seqs:
-            runner.add_sequence(seq)
         try:
+            for seq in seqs:
+                runner.add_sequence(seq)
             runner.execute_model(
                 runner.prepare(seqs, [len(s.token_ids) - s.num_computed_tokens for s in seqs])
             )
         finally:
             for seq in seqs:
-                runner.remove_sequence(seq)
+                if seq.row >= 0:
+                    runner.remove_sequence(seq)
         ran += 1
     if runner.sampler.fused:  # the one-pass sampler, on logits of the model's dtype
         from executor_service.sampling_kernel import sample_from_logits

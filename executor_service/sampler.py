@@ -35,7 +35,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [n, vocab_size]
-        if self.fused and meta.temperature_only:
+        # Seeded rows keep the unfused path's noise, so that a seeded request's tokens do not
+        # depend on which path the rest of its batch takes.
+        if self.fused and meta.temperature_only and not meta.seeded_rows:
             return SamplerOutput(self._sample_fused(logits, meta))
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs > 0 else None
@@ -56,8 +58,6 @@ class Sampler:
         from executor_service.sampling_kernel import sample_from_logits
 
         seeds = [self.host_rng.getrandbits(63) for _ in range(logits.shape[0])]
-        for row, seed in meta.seeded_rows:
-            seeds[row] = seed & (2**63 - 1)
         seeds_d = torch.tensor(seeds, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
         return sample_from_logits(logits, meta.temperatures, seeds_d)
 

@@ -5,6 +5,7 @@ scheduler can tell "loading" from "down"."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -176,6 +177,9 @@ def serve(
             # The group forms and loads only when every rank does: watch them, and the signals.
             while not loading.done() and not stop.wait(RANK_POLL_SECONDS):
                 if ranks and (failed := ranks[0].failed()):
+                    # A load that failed kills the ranks itself: its own error, if any, says why.
+                    with contextlib.suppress(TimeoutError):
+                        loading.result(timeout=2.0)
                     raise RuntimeError(
                         f"tensor-parallel rank(s) died while loading (rank, exit code): {failed}"
                     )
@@ -202,7 +206,7 @@ def serve(
         if metrics_http is not None:
             metrics_http.shutdown()
         if executor is not None:
-            _close(server, executor, exit_code)
+            stuck = not _close(server, executor, exit_code)
         elif ranks:
             ranks[0].kill()
         stuck = stuck or (exit_code != 0 and bool(ranks))
@@ -212,14 +216,15 @@ def serve(
     return exit_code
 
 
-def _close(server: ExecutorServer, executor: LocalExecutor, exit_code: int) -> None:
-    """Stop the other tensor-parallel ranks. After a failure the executor thread may still wait
-    in a collective: leave it (the ranks are killed) rather than wait for it."""
+def _close(server: ExecutorServer, executor: LocalExecutor, exit_code: int) -> bool:
+    """Stop the other tensor-parallel ranks; False when the executor thread may be stuck (after a
+    failure it may still wait in a collective: the ranks are killed rather than waited for)."""
     if exit_code:
         if executor.workers is not None:
             executor.workers.kill()
-        return
+        return executor.workers is None
     try:
-        server.servicer.run_on_worker(executor.close)
+        return server.servicer.run_on_worker(executor.close) is not False
     except Exception:
         logger.exception("closing the tensor-parallel ranks failed")
+        return False

@@ -210,7 +210,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     if self._closed:
                         context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                     if not context.is_active():  # cancelled while it waited (a Reset may have run)
-                        break  # not sent; `finally` discards what was
+                        return  # not sent, nothing more answered; `finally` discards what was
                     self.run_on_worker(executor.send, plan)
             while in_flight:
                 yield self._receive(executor, in_flight, context)

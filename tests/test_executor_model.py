@@ -170,6 +170,11 @@ def test_kernel_warm_up_leaves_no_trace(qwen3_untied):
     ]
     assert len(mixed_at_2) == 2 and [len(s) for s in steps if all(n - d == 1 for n, d in s)] == [1, 2, 5]
 
+    # A max_model_len shorter than the warm-up's chunk step: that step is left out, nothing fails.
+    short = make_executor(qwen3_untied, num_kv_blocks=64, max_model_len=32, block_size=16).runner
+    assert warm_up_kernels(short, 64) == len(warm_up_steps(16, [2], decode_only=True)) - 2
+    assert (short.block_tables.lengths == 0).all()
+
     hf = _hf(qwen3_untied)
     executor = make_executor(qwen3_untied, num_kv_blocks=64)
     runner = executor.runner
