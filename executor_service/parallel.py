@@ -100,11 +100,12 @@ def init_group(device: str, master_addr: str, master_port: int, tp_rank: int, tp
     )
 
 
-def destroy_group(timeout: float = 60.0) -> None:
+def destroy_group(timeout: float = 60.0) -> bool:
     """Leave the group; a rank that cannot (a peer gone mid-collective) logs it and goes on after
-    `timeout` seconds rather than hanging its process's shutdown."""
+    `timeout` seconds rather than hanging its process's shutdown. False then: the process should
+    end with os._exit (a normal exit could wait for the communicator again)."""
     if not dist.is_initialized():
-        return
+        return True
     done = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)
     done.start()
     done.join(timeout)
@@ -112,6 +113,8 @@ def destroy_group(timeout: float = 60.0) -> None:
         logger.error(
             "leaving the tensor-parallel group did not finish in %.0f s: going on without it", timeout
         )
+        return False
+    return True
 
 
 def encode_message(message: TPMessage) -> bytes:
