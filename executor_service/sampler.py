@@ -6,7 +6,6 @@ min-p, top-k and top-p. Logprobs are computed from the model's raw logits."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +27,8 @@ class Sampler:
         self.device = device
         # One generator for every row without a request seed.
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        # fused: greedy and plain temperature rows in one Triton pass (sampling_kernel.py), with
-        # Philox seeds for the rows without a request seed drawn here on the host.
+        # fused: greedy and plain temperature rows in one Triton pass (sampling_kernel.py).
         self.fused = fused
-        self.host_rng = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [n, vocab_size]
@@ -57,9 +54,9 @@ class Sampler:
     def _sample_fused(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         from executor_service.sampling_kernel import sample_from_logits
 
-        seeds = [self.host_rng.getrandbits(63) for _ in range(logits.shape[0])]
-        seeds_d = torch.tensor(seeds, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
-        return sample_from_logits(logits, meta.temperatures, seeds_d)
+        # A fresh Philox seed per row from the device generator: no host work, no copy.
+        seeds = torch.randint(2**62, (logits.shape[0],), generator=self.generator, device=self.device)
+        return sample_from_logits(logits, meta.temperatures, seeds)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         temperatures = torch.where(meta.temperatures == 0, 1.0, meta.temperatures)

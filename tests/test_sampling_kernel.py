@@ -74,6 +74,36 @@ def check_seed_isolation(vocab_size: int, device: str, block: int = 2048) -> Non
     assert len(set(draws.tolist())) > 1, "different seeds drew the same token every time"
 
 
+def check_sampler_routing(device: str) -> None:
+    """The engine's Sampler with fused=True: greedy rows give argmax through the kernel, and a batch
+    with a seeded row takes the unfused path whole (the seeded row's noise must not depend on
+    which path its batch takes), so it equals Sampler(fused=False) token for token."""
+    from executor_service.sampler import Sampler
+    from executor_service.sampling_metadata import SamplingMetadata
+    from executor_service.sequence import SequenceState
+    from protos.plan import StepSamplingParams
+
+    dev = torch.device(device)
+    vocab_size = 40
+    logits = torch.randn(4, vocab_size, generator=torch.Generator().manual_seed(7)).to(dev)
+
+    def meta(*params: StepSamplingParams) -> SamplingMetadata:
+        seqs = [SequenceState(i, [1, 2], [], 0, p, 2) for i, p in enumerate(params)]
+        return SamplingMetadata.build(seqs, vocab_size, dev)
+
+    greedy = meta(*[StepSamplingParams(temperature=0.0)] * 4)
+    assert greedy.temperature_only
+    fused = Sampler(0, dev, fused=True)
+    assert fused(logits, greedy).sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+    seeded = meta(
+        *[StepSamplingParams(temperature=0.9, seed=s) for s in (1, 2, 3)], StepSamplingParams(temperature=0.7)
+    )
+    assert seeded.seeded_rows
+    got = fused(logits, seeded).sampled_token_ids.tolist()
+    want = Sampler(0, dev, fused=False)(logits, seeded).sampled_token_ids.tolist()
+    assert got[:3] == want[:3], "a seeded row drew other noise on the fused sampler"
+
+
 pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -90,6 +120,11 @@ def test_greedy_matches_argmax(num_rows, vocab_size, dtype):
 def test_sampled_frequencies_follow_softmax(temperature):
     # 40,000 draws: the standard error of a frequency is at most 0.0025; 0.012 is ~5 of them.
     check_distribution(40_000, 50, temperature, "cuda", block=2048, tol=0.012)
+
+
+@cuda
+def test_sampler_routes_seeded_batches_to_the_unfused_path():
+    check_sampler_routing("cuda")
 
 
 @cuda

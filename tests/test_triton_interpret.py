@@ -72,7 +72,8 @@ for dtype in (torch.float32, torch.bfloat16, f16):
     check_qk_norm_rope(3, 2, 1, 64, dtype, "cpu")
 """,
     "sampling": """
-from test_sampling_kernel import check_distribution, check_greedy, check_seed_isolation
+from test_sampling_kernel import check_distribution, check_greedy, check_sampler_routing, check_seed_isolation
+check_sampler_routing("cpu")
 check_greedy(5, 40, torch.float32, "cpu", block=16)  # 3 tiles, the last one partial
 check_greedy(3, 40, f16, "cpu", block=16)
 check_seed_isolation(24, "cpu", block=16)
