@@ -122,8 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fused-ops",
         choices=("auto", "on", "off"),
         default=_env("FUSED_OPS", "auto"),
-        help="Triton kernels for residual + RMSNorm, SiLU-and-mul and q/k norm + rotary (default auto: "
-        "on with CUDA and triton) [TANDEM_FUSED_OPS]",
+        help="Triton kernels for residual + RMSNorm, SiLU-and-mul, q/k norm + rotary and temperature-only "
+        "sampling (default auto: on with CUDA and triton) [TANDEM_FUSED_OPS]",
     )
     p.add_argument(
         "--tensor-parallel-size",
