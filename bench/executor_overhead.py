@@ -7,13 +7,19 @@ zero logits), then every step decodes one token for each. Prints mean / p50 / p9
 milliseconds, split into prepare, the (stubbed) model call with the greedy sampler, the wait for
 the sampled ids, and the rest: validation, applying the plan, the result.
 
-    python bench/executor_overhead.py [--num-seqs 256] [--steps 1000] [--profile]
+With --grpc the same plans also go through the executor service (an in-process ExecutorServer on
+a loopback port, driven by the scheduler's RemoteExecutor), one at a time and then with two in
+flight: what the split adds per step (protobuf both ways, gRPC threads, the hop to the executor's
+own thread) on top of the executor's own work.
+
+    python bench/executor_overhead.py [--num-seqs 256] [--steps 1000] [--profile] [--grpc]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import random
 import statistics
@@ -38,11 +44,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
+    parser.add_argument("--grpc", action="store_true", help="also through the executor service (see above)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     n, bs = args.num_seqs, args.block_size
-    max_len = args.prompt_len + args.steps + 1
+    total_steps = args.steps * (3 if args.grpc else 1)  # direct, then one at a time and two in flight
+    max_len = args.prompt_len + total_steps + 1
     blocks_per_seq = -(-max_len // bs)
     executor = LocalExecutor(
         ExecutorConfig(
@@ -101,7 +109,8 @@ def main() -> None:
             lengths[i] += 1
         return plan
 
-    plans = [decode_plan() for _ in range(args.steps)]
+    plans = [decode_plan() for _ in range(total_steps)]
+    grpc_plans, plans = plans[args.steps :], plans[: args.steps]
     totals, prepares, launches, samples = [], [], [], []
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
@@ -130,6 +139,44 @@ def main() -> None:
     print(f"  validate, apply, result {ms(rest)}")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+    if args.grpc:
+        one, two = through_grpc(executor, grpc_plans[: args.steps], grpc_plans[args.steps :])
+        direct = statistics.mean(totals)
+        print(f"through the executor service, {args.steps} steps each, ms per step:")
+        print(
+            f"  one at a time           {ms(one)} (+{(statistics.mean(one) - direct) * 1e3:.3f} over direct)"
+        )
+        print(
+            f"  two in flight           mean {statistics.mean(two) * 1e3:.3f} (+{(statistics.mean(two) - direct) * 1e3:.3f})"
+        )
+
+
+def through_grpc(executor: LocalExecutor, one_plans: list[StepPlan], two_plans: list[StepPlan]):
+    """Per-step wall times through ExecutorServer + RemoteExecutor: one plan at a time, then with
+    the next plan sent before the previous result is read (the scheduler's default)."""
+    from executor_service.server import ExecutorServer
+    from scheduler_service.executor_client import RemoteExecutor
+
+    server = ExecutorServer("127.0.0.1", 0)
+    server.start()
+    server.set_executor(executor)
+    try:
+        with RemoteExecutor(server.address) as remote:
+            one = []
+            for plan in one_plans:
+                t0 = time.perf_counter()
+                remote.step(plan)
+                one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            remote.send(two_plans[0])
+            for prev, plan in itertools.pairwise(two_plans):
+                remote.send(plan)
+                remote.receive(prev)
+            remote.receive(two_plans[-1])
+            two = [(time.perf_counter() - t0) / len(two_plans)]
+    finally:
+        server.stop(1)
+    return one, two
 
 
 if __name__ == "__main__":
