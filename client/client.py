@@ -36,15 +36,23 @@ def call_metadata(api_key: str | None) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {api_key}")] if api_key else None
 
 
+def read_pem(source: str | Path | bytes, what: str = "") -> bytes:
+    """PEM bytes, given as bytes or as the path of a file that holds them (`what` names it in the
+    error). The services' TLS flags read their files through this too."""
+    if isinstance(source, bytes):
+        return source
+    try:
+        return Path(source).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {what + ' ' if what else ''}{source}: {e.strerror}") from None
+
+
 def channel_credentials(tls: bool, tls_ca: str | Path | bytes | None) -> grpc.ChannelCredentials | None:
     """None for plaintext; TLS trusting `tls_ca` (PEM bytes or a file), else the system's CAs."""
     if tls_ca is None and not tls:
         return None
-    if tls_ca is not None and not isinstance(tls_ca, bytes):
-        try:
-            tls_ca = Path(tls_ca).read_bytes()
-        except OSError as e:
-            raise ValueError(f"cannot read the CA certificate {tls_ca}: {e.strerror}") from None
+    if tls_ca is not None:
+        tls_ca = read_pem(tls_ca, "the CA certificate")
     return grpc.ssl_channel_credentials(root_certificates=tls_ca)
 
 

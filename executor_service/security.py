@@ -6,14 +6,7 @@ from pathlib import Path
 
 import grpc
 
-
-def _read_pem(source: str | Path | bytes, what: str) -> bytes:
-    if isinstance(source, bytes):
-        return source
-    try:
-        return Path(source).read_bytes()
-    except OSError as e:
-        raise ValueError(f"cannot read the {what} {source}: {e.strerror}") from None
+from client.client import read_pem
 
 
 def server_credentials(
@@ -22,9 +15,9 @@ def server_credentials(
     """TLS with this executor's certificate chain and private key (PEM, bytes or file paths).
     With `ca`, mutual TLS: only clients presenting a certificate signed by that CA (the
     scheduler) complete the handshake; every service, health included, sits behind it."""
-    pair = (_read_pem(key, "TLS key"), _read_pem(cert, "TLS certificate"))
+    pair = (read_pem(key, "the TLS key"), read_pem(cert, "the TLS certificate"))
     if ca is None:
         return grpc.ssl_server_credentials([pair])
     return grpc.ssl_server_credentials(
-        [pair], root_certificates=_read_pem(ca, "TLS CA"), require_client_auth=True
+        [pair], root_certificates=read_pem(ca, "the TLS CA"), require_client_auth=True
     )

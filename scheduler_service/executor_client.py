@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.client import read_pem
 from protos.plan import ExecutorInfo, StepPlan, StepResult, info_from_proto, plan_to_proto, result_from_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
@@ -38,16 +39,6 @@ _UNAVAILABLE_CODES = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
 _CLOSE = None  # ends the request iterator
-
-
-def read_pem(source: str | Path | bytes) -> bytes:
-    """PEM bytes, given as bytes or as the path of a file that holds them."""
-    if isinstance(source, bytes):
-        return source
-    try:
-        return Path(source).read_bytes()
-    except OSError as e:
-        raise ValueError(f"cannot read {source}: {e.strerror}") from None
 
 
 class ExecutorError(Exception):

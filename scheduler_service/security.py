@@ -14,7 +14,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2
 
-from scheduler_service.executor_client import read_pem
+from client.client import read_pem
 
 logger = logging.getLogger(__name__)
 
