@@ -178,10 +178,11 @@ async def _stream(client, prompt, progress: list[int], i: int, **sampling):
 
 
 def _kill_and_recover(
-    cluster: Cluster, prompts, max_tokens: int, ready, restart_args=()
+    cluster: Cluster, prompts, max_tokens: int, ready, restart_args=(), kill=None
 ) -> tuple[list, list[int]]:
-    """Start one greedy stream per prompt; once ready(progress) holds, SIGKILL the executor and
-    start a new one on the same port. Returns the results and each stream's progress at the kill."""
+    """Start one greedy stream per prompt; once ready(progress) holds, SIGKILL the executor (or
+    `kill()` it another way, returning once it is gone) and start a new one on the same port.
+    Returns the results and each stream's progress at the kill."""
     progress = [0] * len(prompts)
 
     async def run():
@@ -195,7 +196,7 @@ def _kill_and_recover(
                 assert time.monotonic() < deadline, f"never ready to kill: {progress}"
                 await asyncio.sleep(0.002)
             at_kill = list(progress)
-            cluster.kill_executor()
+            (kill or cluster.kill_executor)()
             cluster.start_executor(*restart_args)
             return await asyncio.gather(*tasks), at_kill
 

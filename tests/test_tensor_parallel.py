@@ -407,11 +407,7 @@ def test_rank_killed_mid_decode_every_stream_finishes_on_the_next_executor(qwen3
     """The whole path at TP=2, as for any executor failure: 16 greedy streams through the scheduler,
     rank 1 SIGKILLed mid-decode, the executor goes down by itself, a new TP=2 executor starts on
     the same port, and every stream finishes with exactly the undisturbed run's tokens."""
-    import asyncio
-
-    from test_reliability import Cluster, _check_identical, _stream, token_prompts
-
-    from client import AsyncTandemClient
+    from test_reliability import Cluster, _check_identical, _kill_and_recover, token_prompts
 
     prompts = token_prompts(16, seed=13)
     max_tokens = 48
@@ -422,30 +418,19 @@ def test_rank_killed_mid_decode_every_stream_finishes_on_the_next_executor(qwen3
     def tp_args() -> list[str]:
         return ["--tensor-parallel-size", "2", "--tp-master-port", str(free_port())]
 
-    progress = [0] * len(prompts)
     killed: list[int] = []
 
-    async def run():
-        async with AsyncTandemClient(cluster.address, timeout=180) as client:
-            tasks = [
-                asyncio.ensure_future(_stream(client, p, progress, i, max_tokens=max_tokens, ignore_eos=True))
-                for i, p in enumerate(prompts)
-            ]
-            deadline = time.monotonic() + 60
-            while min(progress) < 4:
-                assert time.monotonic() < deadline, f"never decoding: {progress}"
-                await asyncio.sleep(0.002)
-            assert max(progress) < max_tokens
-            killed.extend(_rank_processes(cluster.executor.process.pid))
-            os.kill(killed[0], signal.SIGKILL)
-            code = await asyncio.get_running_loop().run_in_executor(None, cluster.executor.process.wait, 30)
-            assert code == 1, cluster.logs()
-            cluster.start_executor(*tp_args())
-            return await asyncio.gather(*tasks)
+    def kill_rank1() -> None:
+        killed.extend(_rank_processes(cluster.executor.process.pid))
+        os.kill(killed[0], signal.SIGKILL)
+        assert cluster.executor.process.wait(30) == 1, cluster.logs()  # down by itself
 
     try:
         cluster.start(*tp_args())
-        results = asyncio.run(run())
+        results, at_kill = _kill_and_recover(
+            cluster, prompts, max_tokens, lambda p: min(p) >= 4, restart_args=tp_args(), kill=kill_rank1
+        )
+        assert max(at_kill) < max_tokens
         assert _check_identical(results, expected) == len(prompts)
         assert "rank(s) died" in cluster.executors[0].tail(200)
     finally:
