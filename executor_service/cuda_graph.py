@@ -88,7 +88,7 @@ class DecodeGraphs:
         self.graphs.clear()
 
     def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.max_batch and bool(self.graphs)
+        return num_seqs <= self.max_batch
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """Replay the decode forward for len(input_ids) sequences; hidden states [n, hidden]."""

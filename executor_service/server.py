@@ -224,7 +224,7 @@ def _close(server: ExecutorServer, executor: LocalExecutor, exit_code: int) -> b
             executor.workers.kill()
         return executor.workers is None
     try:
-        return server.servicer.run_on_worker(executor.close) is not False
+        return server.servicer.run_on_worker(executor.close)
     except Exception:
         logger.exception("closing the tensor-parallel ranks failed")
         return False
