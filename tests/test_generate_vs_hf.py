@@ -27,6 +27,8 @@ LOGPROB_ATOL = 1e-4
 # grows with the logits, so the margin-to-error ratio stays the same. At 2.5x the init,
 # test_executor_model's bf16 test also fails its tolerance.
 MIN_MARGIN = 10 * LOGPROB_ATOL
+# The prompt seed per block size for the greedy comparisons (chosen as above); the GPU tests reuse them.
+GREEDY_SEEDS = {16: 2, 256: 9}
 
 
 def make_prompts(lengths=PROMPT_LENGTHS, seed=0, prefix: list[int] | None = None) -> list[list[int]]:
@@ -85,7 +87,7 @@ def assert_matches_hf(path, prompts, outputs):
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_greedy_batch_matches_transformers(request, fixture, block_size):
     path = request.getfixturevalue(fixture)
-    prompts = make_prompts(seed={16: 2, 256: 9}[block_size])
+    prompts = make_prompts(seed=GREEDY_SEEDS[block_size])
     llm = LLM(str(path), block_size=block_size, num_kv_blocks=64)
     # logprobs=2: the sampled token's logprob and the top two are compared with HF's too.
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, logprobs=2), use_tqdm=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_generate_vs_hf import MAX_NEW, assert_matches_hf, make_prompts
+from test_generate_vs_hf import GREEDY_SEEDS, MAX_NEW, assert_matches_hf, make_prompts
 
 from client.defaults import DEFAULT_MODEL
 from scheduler_service.llm import LLM
@@ -25,7 +25,7 @@ def _generate(path, prompts, max_tokens=MAX_NEW, **options):
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_triton_fp32_matches_transformers(request, fixture, block_size):
     path = request.getfixturevalue(fixture)
-    prompts = make_prompts(seed=block_size)
+    prompts = make_prompts(seed=GREEDY_SEEDS[block_size])
     llm = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", block_size=block_size,
               num_kv_blocks=64)  # fmt: skip
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
@@ -44,9 +44,9 @@ def test_triton_fp32_chunked_prefill_and_prefix_hits_match_transformers(qwen3_un
     assert_matches_hf(qwen3_untied, [shared + [5], *prompts], warm + outputs)
 
 
-def test_bf16_triton_matches_torch_backend():
-    """In bf16 the backends round differently; with clear logit margins the first 32 tokens agree.
-    The shipped checkpoint is trained (a random one has near-ties everywhere, which rounding flips)."""
+def _trained_prompts() -> list[list[int]]:
+    """Prompts for bf16 comparisons, on the shipped checkpoint: it is trained, so its logit margins
+    are clear (a random checkpoint has near-ties everywhere, which bf16 rounding flips)."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
@@ -57,7 +57,12 @@ def test_bf16_triton_matches_torch_backend():
         "Names refer to objects. Names are introduced by name binding operations. " * 4,
         "class",
     ]
-    prompts = [tokenizer.encode(text).ids for text in texts]
+    return [tokenizer.encode(text).ids for text in texts]
+
+
+def test_bf16_triton_matches_torch_backend():
+    """In bf16 the backends round differently; with clear logit margins the first 32 tokens agree."""
+    prompts = _trained_prompts()
     _, triton_tokens = _generate(DEFAULT_MODEL, prompts, 32, dtype="bfloat16", attention_backend="triton",
                                  num_kv_blocks=128)  # fmt: skip
     _, torch_tokens = _generate(DEFAULT_MODEL, prompts, 32, dtype="bfloat16", attention_backend="torch",
@@ -91,16 +96,19 @@ def test_kv_cache_sized_from_free_memory(qwen3_tied):
     assert len(out[0].token_ids) == 8
 
 
-def test_fused_ops_match_the_unfused_layers(qwen3_tied, qwen3_untied):
+def test_fused_ops_match_the_unfused_layers(qwen3_untied):
     """fp32: fused and unfused give the same greedy tokens; bf16 (rounding alike up to exp/rsqrt):
-    the same first 32 tokens on a checkpoint with clear logit margins."""
-    prompts = make_prompts(seed=5)
-    for path, dtype, max_tokens in ((qwen3_untied, "float32", MAX_NEW), (qwen3_tied, "bfloat16", 32)):
+    the same first 32 tokens on the trained checkpoint, whose logit margins are clear."""
+    cases = (
+        (qwen3_untied, make_prompts(seed=5), "float32", MAX_NEW, 64),
+        (DEFAULT_MODEL, _trained_prompts(), "bfloat16", 32, 128),
+    )
+    for path, prompts, dtype, max_tokens, blocks in cases:
         fused, fused_tokens = _generate(
-            path, prompts, max_tokens, dtype=dtype, fused_ops="on", num_kv_blocks=64
+            path, prompts, max_tokens, dtype=dtype, fused_ops="on", num_kv_blocks=blocks
         )
         plain, plain_tokens = _generate(
-            path, prompts, max_tokens, dtype=dtype, fused_ops="off", num_kv_blocks=64
+            path, prompts, max_tokens, dtype=dtype, fused_ops="off", num_kv_blocks=blocks
         )
         assert fused.executor.config.fused_ops == "on" and plain.executor.config.fused_ops == "off"
         assert fused_tokens == plain_tokens, dtype
