@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
 import os
 import random
 import shlex
@@ -205,6 +206,8 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
     from scheduler_service.sampling_params import SamplingParams
 
     options = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+    if args.tensor_parallel_size > 1:  # the ranks take this level: each logs its plan broadcast latency
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     llm = LLM(
         model,
         device=args.device,
@@ -380,6 +383,9 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
             service.stop(10.0)
     if args.keep_logs:
         print(f"service logs: {log_dir}")
+    for line in (log_dir / "executor.log").read_text(errors="replace").splitlines():
+        if "plan broadcast over" in line:  # the TP ranks', at close
+            print(f"split executor: {line}")
     return tokens, elapsed, steps
 
 

@@ -41,6 +41,9 @@ class TPMessage:
     # The tokens rank 0 sampled in the previous step, one per sampling sequence, in batch order:
     # the other ranks append them to their state (one message per step instead of two).
     sampled_token_ids: list[int] = field(default_factory=list)
+    # time.monotonic_ns() when rank 0 sent it (one clock for every process of the host): the
+    # receiving rank measures the broadcast's latency, pickling and pipe included.
+    sent_ns: int = 0
 
 
 # -- head layout -------------------------------------------------------------------------------

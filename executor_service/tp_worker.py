@@ -69,6 +69,7 @@ class WorkerProcesses:
 
     def send(self, message: parallel.TPMessage) -> None:
         """The message to every rank (BrokenPipeError if one is gone)."""
+        message.sent_ns = time.monotonic_ns()
         data = parallel.encode_message(message)
         for proc in self.procs.values():
             proc.stdin.write(data)
@@ -100,6 +101,30 @@ class WorkerProcesses:
             proc.wait()
             with contextlib.suppress(OSError):
                 proc.stdin.close()
+
+
+class BroadcastLatency:
+    """What the plan broadcast costs this rank, over every message received: from rank 0's send to
+    the message unpickled here (queueing included when this rank was still busy), and the part of
+    it this rank waited for (from the later of the send and this rank's read to the unpickled
+    message): the broadcast's share of the step's critical path."""
+
+    def __init__(self) -> None:
+        self.count, self.latency_ns, self.waited_ns, self.max_waited_ns = 0, 0, 0, 0
+
+    def add(self, sent_ns: int, asked_ns: int, received_ns: int) -> None:
+        waited = received_ns - max(sent_ns, asked_ns)
+        self.count += 1
+        self.latency_ns += received_ns - sent_ns
+        self.waited_ns += waited
+        self.max_waited_ns = max(self.max_waited_ns, waited)
+
+    def __str__(self) -> str:
+        n = max(self.count, 1) * 1e3
+        return (
+            f"plan broadcast over {self.count} messages: waited for {self.waited_ns / n:.1f} us mean "
+            f"(max {self.max_waited_ns / 1e3:.1f} us), {self.latency_ns / n:.1f} us mean from send to unpickled"
+        )
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -146,8 +171,11 @@ def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
     runner = ModelRunner(config, tp_rank=tp_rank)
     seqs = {}
     sampling_seqs = []  # the last step's; rank 0's tokens for them come with the next message
+    latency = BroadcastLatency()
     while True:
+        asked = time.monotonic_ns()
         message = parallel.read_message(plans)
+        latency.add(message.sent_ns, asked, time.monotonic_ns())
         append_tokens(sampling_seqs, message.sampled_token_ids)
         sampling_seqs = []
         if message.kind == "close":
@@ -161,7 +189,7 @@ def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
             prepared, _ = runner.run(batch, plan.num_scheduled_tokens, message.all_logits)
             advance(batch, plan.num_scheduled_tokens, [], [])
             sampling_seqs = prepared.sampling_seqs
-    logger.info("rank %d: closing", tp_rank)
+    logger.info("rank %d: closing; %s", tp_rank, latency)
     runner.release_cuda_graphs()
     parallel.destroy_group()
 

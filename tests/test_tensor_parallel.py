@@ -5,7 +5,9 @@ a dead rank takes the whole group down. GPU variants at the end (they need 2 GPU
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -276,9 +278,18 @@ def loader_full_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1):
+def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1, capfd):
     expected = tp1_tokens(qwen3_kv1)
-    llm = LLM(str(qwen3_kv1), tensor_parallel_size=2, tp_master_port=free_port(), **OPTIONS)
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)  # the ranks take rank 0's level: rank 1 logs its broadcast latency
+    try:
+        llm = LLM(str(qwen3_kv1), tensor_parallel_size=2, tp_master_port=free_port(), **OPTIONS)
+    finally:
+        root.setLevel(level)
+    sent = []
+    send = llm.executor.workers.send
+    llm.executor.workers.send = lambda message: (sent.append(message.kind), send(message))
     try:
         assert generate(llm.executor)[0] == expected
         llm.executor.reset()
@@ -287,6 +298,13 @@ def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1):
         pids = llm.executor.workers.pids
         llm.executor.close()
     assert not [pid for pid in pids if alive(pid)]
+    # Every message rank 0 sent (the steps, the reset, the close) reached rank 1 and was timed.
+    log = capfd.readouterr().err
+    pattern = r"rank 1: closing; plan broadcast over (\d+) messages: waited for ([\d.]+) us mean .*, ([\d.]+) us mean"
+    found = re.search(pattern, log)
+    assert found, "rank 1 did not report its plan broadcast latency"
+    assert int(found[1]) == len(sent) and sent.count("step") > 2 and sent[-1] == "close"
+    assert 0 < float(found[2]) <= float(found[3]) < 1e6
 
 
 def test_a_vocabulary_that_does_not_split_evenly(tmp_path):
