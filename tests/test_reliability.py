@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from checkpoints import build_qwen3
 from grpc_health.v1 import health_pb2
 from test_e2e_services import CHILD_ENV, ROOT, scrape
 from test_scheduler_service import (
@@ -728,6 +729,51 @@ def test_executor_back_with_a_shorter_max_model_len_fails_only_what_no_longer_fi
             assert ids == want.token_ids and final.completion_tokens == short_tokens
         wait_idle(server)
         assert server.engine.engine.limits.max_model_len == max_model_len
+        channel.close()
+
+
+def test_executor_back_with_a_smaller_vocabulary_fails_only_the_prompts_outside_it(qwen3_tied, tmp_path):
+    """A held request with a prompt token the new executor's vocabulary lacks ends with UNAVAILABLE
+    ("came back with other limits", naming the vocabulary); the others run on the new model."""
+    small = build_qwen3(tmp_path / "vocab256", vocab_size=256, seed=4, with_tokenizer=False)
+    server, executor = _dying_server(qwen3_tied)
+    prompts = [[300, 5, 7], *token_prompts(3, seed=29, lo=3, hi=8, vocab=256)]
+    max_tokens = 12
+    expected = LLM(str(small), num_kv_blocks=64).generate(
+        prompts[1:], SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+    )
+    with ServerThread(server):
+        channel = _channel(server)
+        stub = pb_grpc.GenerationServiceStub(channel)
+        executor.go.clear()
+        executor.die_at_step = executor.steps + 1  # gone at the first step: no token generated yet
+        outside = stub.Generate(request(prompts[0], max_tokens, ignore_eos=True))
+        deadline = time.monotonic() + 20
+        while not server.engine.engine.scheduler.running:  # scheduled, its step waiting for `go`
+            assert time.monotonic() < deadline, "the first request was never scheduled"
+            time.sleep(0.01)
+        inside = [stub.Generate(request(p, max_tokens, ignore_eos=True)) for p in prompts[1:]]
+        while len(server.engine.streams) < len(prompts):
+            assert time.monotonic() < deadline, "the requests were never admitted"
+            time.sleep(0.01)
+        executor.go.set()
+        with ThreadPoolExecutor(len(inside)) as pool:
+            futures = [pool.submit(collect, call) for call in inside]
+            while server.engine.engine is not None or not server.engine._held:
+                assert time.monotonic() < deadline, "the executor's loss was never noticed"
+                time.sleep(0.01)
+            executor.replace(small, num_kv_blocks=64)
+            executor.up.set()
+            results = [f.result(60) for f in futures]
+        with pytest.raises(grpc.RpcError) as e:
+            list(outside)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        assert "came back with other limits" in e.value.details()
+        assert "token id 300 at position 0 is outside the vocabulary (size 256)" in e.value.details()
+        for (ids, _, final, _), want in zip(results, expected, strict=True):
+            assert ids == want.token_ids and final.completion_tokens == max_tokens
+        wait_idle(server)
+        assert server.engine.engine.limits.vocab_size == 256
         channel.close()
 
 
