@@ -7,15 +7,16 @@ executor keeps a -1 placeholder in their place until its result is received. So 
 prepares step N+1 (and the scheduler's answer travels) while the device runs step N.
 
 With tensor_parallel_size N > 1 it is rank 0: it spawns ranks 1..N-1 (tp_worker.py) and
-broadcasts every valid plan to them before running it; only rank 0 samples and replies. Those
-steps run one at a time (the other ranks need the sampled tokens on the host)."""
+broadcasts every valid plan to them before launching it; only rank 0 samples and replies. Its
+sampled ids reach the other ranks' devices by a broadcast in the step (ModelRunner.launch), so they
+run two steps in flight as well; the host copies follow with a later message."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,8 +60,9 @@ class LocalExecutor:
         self.config = config
         self.tp_size = config.tensor_parallel_size
         self.workers: WorkerProcesses | None = None
-        # Tokens sampled by the last step, sent to ranks 1..N-1 with the next message.
-        self._unsent_token_ids: list[int] = []
+        # Tokens of the steps collected since the last message, one list per launched step in
+        # order: ranks 1..N-1 fill their placeholders with them when the next message comes.
+        self._unsent_token_ids: list[list[int]] = []
         if self.tp_size > 1:
             self.workers = WorkerProcesses(config)
             if on_workers is not None:
@@ -77,9 +79,9 @@ class LocalExecutor:
             self.runner = ModelRunner(config)
         self.seqs: dict[int, SequenceState] = {}
         self._in_flight: deque[_InFlight] = deque()
-        # Whether a step sent behind a running one overlaps it: on CUDA with one rank. On the
-        # CPU a step is done when send() returns; the Step handler then runs one at a time.
-        self.overlaps_steps = self.runner.device.type == "cuda" and self.workers is None
+        # Whether a step sent behind a running one overlaps it: on CUDA. On the CPU a step is
+        # done when send() returns; the Step handler then runs one at a time.
+        self.overlaps_steps = self.runner.device.type == "cuda"
         mc = config.model_config
         self.limits = PlanLimits(
             block_size=config.block_size,
@@ -163,8 +165,14 @@ class LocalExecutor:
     def step_with_logits(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor | None]:
         """Like step(), also returning logits for every scheduled token, [num_tokens, vocab_size]
         (None when nothing was scheduled). For tests and debugging: it costs a full-vocab matmul
-        per token."""
-        return self._step(plan, all_logits=True)
+        per token. Nothing may be in flight."""
+        if self._in_flight:
+            raise RuntimeError(f"step_with_logits of step {plan.step_id} with steps in flight")
+        step = self._launch(plan, all_logits=True)
+        if step.launch is None:  # nothing scheduled
+            return step.result, None
+        out = self._collect(step, all_logits=True)
+        return step.result, out.logits
 
     def reset(self) -> int:
         """Drop every sequence; returns how many were held."""
@@ -200,60 +208,49 @@ class LocalExecutor:
         message.sampled_token_ids, self._unsent_token_ids = self._unsent_token_ids, []
         self.workers.send(message)
 
-    def _launch(self, plan: StepPlan) -> _InFlight:
-        if self.workers is not None:  # the other ranks need the sampled tokens on the host
-            return _InFlight(plan, result=self._step(plan, all_logits=False)[0])
+    @contextlib.contextmanager
+    def _ranks_fail_together(self, step_id: int) -> Iterator[None]:
+        """A failure here may leave the ranks disagreeing on the state or waiting in a collective:
+        the group ends (the caller gets the error; the serve loop sees the ranks gone)."""
+        try:
+            yield
+        except BaseException:
+            if self.workers is not None:
+                logger.error("step %d failed: stopping tensor-parallel ranks %s", step_id, self.workers.pids)
+                self.workers.kill()
+            raise
+
+    def _launch(self, plan: StepPlan, all_logits: bool = False) -> _InFlight:
         validate_plan(plan, self.seqs, self.limits)
         prev = self._in_flight[-1] if self._in_flight else None
         batch = apply_plan(self.runner, self.seqs, plan)
-        if not batch:
-            return _InFlight(plan, result=StepResult(step_id=plan.step_id))
         pending = None
-        if prev is not None and prev.result is None and prev.launch is not None and prev.placeholders:
+        in_flight = prev is not None and prev.launch is not None and prev.result is None
+        if batch and in_flight and prev.placeholders:
             if any(uses_penalties(s.sampling_params) for s in batch):
                 self._collect(prev)  # penalties read the generated tokens on the host
             else:
                 pending = prev.launch.sampled.sampled_token_ids
-        launch = self.runner.launch(batch, plan.num_scheduled_tokens, pending)
+        with self._ranks_fail_together(plan.step_id):
+            if self.workers is not None:
+                self._broadcast(parallel.TPMessage("step", plan, all_logits, pending=pending is not None))
+            if not batch:
+                return _InFlight(plan, result=StepResult(step_id=plan.step_id))
+            launch = self.runner.launch(batch, plan.num_scheduled_tokens, pending, all_logits)
         for seq, n in zip(batch, plan.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += n
-        step = _InFlight(plan, launch=launch)
-        for row, seq in enumerate(launch.batch.sampling_seqs):
-            step.placeholders.append((seq, len(seq.token_ids)))
-            seq.token_ids.append(-1)
-            seq.pending_row = row
-        return step
+        return _InFlight(plan, launch=launch, placeholders=add_placeholders(launch.batch.sampling_seqs))
 
-    def _collect(self, step: _InFlight) -> None:
+    def _collect(self, step: _InFlight, all_logits: bool = False) -> RunOutput:
         """Wait for a launched step; its tokens replace their placeholders; its result is set."""
-        out = self.runner.collect(step.launch)
-        for (seq, index), token_id in zip(step.placeholders, out.sampled_token_ids, strict=True):
-            seq.token_ids[index] = token_id
+        with self._ranks_fail_together(step.plan.step_id):
+            out = self.runner.collect(step.launch, all_logits)
+        fill_placeholders(step.placeholders, out.sampled_token_ids)
+        if self.workers is not None:
+            self._unsent_token_ids.append(out.sampled_token_ids)
         step.result = _result(step.plan, [seq for seq, _ in step.placeholders], out)
         step.launch = None
-
-    def _step(self, plan: StepPlan, all_logits: bool) -> tuple[StepResult, torch.Tensor | None]:
-        validate_plan(plan, self.seqs, self.limits)
-        if self.workers is None:
-            return self._run(plan, all_logits)
-        try:
-            self._broadcast(parallel.TPMessage("step", plan, all_logits))
-            result, logits = self._run(plan, all_logits)
-        except BaseException:
-            # The ranks may now disagree on the state or wait in a collective: end the group.
-            logger.error("step %d failed: stopping tensor-parallel ranks %s", plan.step_id, self.workers.pids)
-            self.workers.kill()
-            raise
-        self._unsent_token_ids = result.token_ids
-        return result, logits
-
-    def _run(self, plan: StepPlan, all_logits: bool) -> tuple[StepResult, torch.Tensor | None]:
-        batch = apply_plan(self.runner, self.seqs, plan)
-        if not batch:
-            return StepResult(step_id=plan.step_id), None
-        prepared, out = self.runner.run(batch, plan.num_scheduled_tokens, all_logits)
-        advance(batch, plan.num_scheduled_tokens, prepared.sampling_seqs, out.sampled_token_ids)
-        return _result(plan, prepared.sampling_seqs, out), out.logits
+        return out
 
 
 def _result(plan: StepPlan, sampling_seqs: list[SequenceState], out: RunOutput) -> StepResult:
@@ -290,20 +287,20 @@ def apply_plan(runner: ModelRunner, seqs: dict[int, SequenceState], plan: StepPl
     return batch
 
 
-def advance(
-    batch: list[SequenceState],
-    num_scheduled_tokens: list[int],
-    sampling_seqs: list[SequenceState],
-    sampled_token_ids: list[int],
-) -> None:
-    for seq, n in zip(batch, num_scheduled_tokens, strict=True):
-        seq.num_computed_tokens += n
-    append_tokens(sampling_seqs, sampled_token_ids)
+def add_placeholders(sampling_seqs: list[SequenceState]) -> list[tuple[SequenceState, int]]:
+    """A -1 in place of each sampling sequence's next token, until the step's tokens are on the
+    host; a step launched meanwhile takes it from the device (row `pending_row`)."""
+    placeholders = []
+    for row, seq in enumerate(sampling_seqs):
+        placeholders.append((seq, len(seq.token_ids)))
+        seq.token_ids.append(-1)
+        seq.pending_row = row
+    return placeholders
 
 
-def append_tokens(sampling_seqs: list[SequenceState], sampled_token_ids: list[int]) -> None:
-    for seq, token_id in zip(sampling_seqs, sampled_token_ids, strict=True):
-        seq.token_ids.append(token_id)
+def fill_placeholders(placeholders: list[tuple[SequenceState, int]], token_ids: list[int]) -> None:
+    for (seq, index), token_id in zip(placeholders, token_ids, strict=True):
+        seq.token_ids[index] = token_id
 
 
 def drop_all(runner: ModelRunner, seqs: dict[int, SequenceState]) -> int:

@@ -38,9 +38,13 @@ class TPMessage:
     kind: str  # "step", "reset" or "close"
     plan: StepPlan | None = None
     all_logits: bool = False
-    # The tokens rank 0 sampled in the previous step, one per sampling sequence, in batch order:
-    # the other ranks append them to their state (one message per step instead of two).
-    sampled_token_ids: list[int] = field(default_factory=list)
+    # The tokens rank 0 sampled in the launched steps it collected since its last message, one
+    # list per step in order, one token per sampling sequence in batch order: the other ranks put
+    # them in place of their placeholders (one message per step instead of two).
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Whether this step's inputs include tokens of the step launched before it that are not on the
+    # host yet: each rank takes them from that step's ids broadcast on the device.
+    pending: bool = False
     # time.monotonic_ns() when rank 0 sent it (one clock for every process of the host): the
     # receiving rank measures the broadcast's latency, pickling and pipe included.
     sent_ns: int = 0
@@ -151,6 +155,11 @@ def gather_to_rank0(x: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor
     parts = [torch.empty_like(x) for _ in range(tp_size)] if tp_rank == 0 else None
     dist.gather(x, parts, dst=0)
     return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def broadcast_from_rank0(x: torch.Tensor) -> None:
+    """Rank 0's tensor into `x` on every other rank (in place, queued on the current stream)."""
+    dist.broadcast(x, src=0)
 
 
 def min_over_ranks(value: int, device: torch.device) -> int:

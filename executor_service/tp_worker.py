@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import BinaryIO
 
@@ -161,7 +162,7 @@ def worker_main(
 
 def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
     # Imported here: executor.py imports this module.
-    from executor_service.executor import advance, append_tokens, apply_plan, drop_all
+    from executor_service.executor import add_placeholders, apply_plan, drop_all, fill_placeholders
     from executor_service.model_runner import ModelRunner
 
     device = parallel.rank_device(config.device, tp_rank)
@@ -170,25 +171,33 @@ def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
     )
     runner = ModelRunner(config, tp_rank=tp_rank)
     seqs = {}
-    sampling_seqs = []  # the last step's; rank 0's tokens for them come with the next message
+    # The placeholders of each launched step whose tokens rank 0 has not sent yet, oldest first,
+    # and the ids the last launched step received from rank 0 on the device.
+    unfilled: deque[list] = deque()
+    last_ids = None
     latency = BroadcastLatency()
     while True:
         asked = time.monotonic_ns()
         message = parallel.read_message(plans)
         latency.add(message.sent_ns, asked, time.monotonic_ns())
-        append_tokens(sampling_seqs, message.sampled_token_ids)
-        sampling_seqs = []
+        for token_ids in message.sampled_token_ids:
+            fill_placeholders(unfilled.popleft(), token_ids)
         if message.kind == "close":
             break
-        if message.kind == "reset":
+        if message.kind == "reset":  # rank 0 collected its steps in flight first: none unfilled
             drop_all(runner, seqs)
             continue
         plan = message.plan
         batch = apply_plan(runner, seqs, plan)
-        if batch:
-            prepared, _ = runner.run(batch, plan.num_scheduled_tokens, message.all_logits)
-            advance(batch, plan.num_scheduled_tokens, [], [])
-            sampling_seqs = prepared.sampling_seqs
+        if not batch:
+            continue
+        launch = runner.launch(
+            batch, plan.num_scheduled_tokens, last_ids if message.pending else None, message.all_logits
+        )
+        for seq, n in zip(batch, plan.num_scheduled_tokens, strict=True):
+            seq.num_computed_tokens += n
+        unfilled.append(add_placeholders(launch.batch.sampling_seqs))
+        last_ids = launch.sampled.sampled_token_ids if launch.sampled is not None else None
     logger.info("rank %d: closing; %s", tp_rank, latency)
     runner.release_cuda_graphs()
     parallel.destroy_group()

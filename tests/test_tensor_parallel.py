@@ -307,6 +307,29 @@ def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1, capfd):
     assert 0 < float(found[2]) <= float(found[3]) < 1e6
 
 
+def test_penalties_and_steps_without_samples_match_tp1(qwen3_tied):
+    """Two plans in flight at TP=2: a step whose batch has a penalty waits for the previous step's
+    tokens on the host (sent to rank 1 with the plan); the others take them from the device. Mixed
+    with requests that only prefill a chunk in some steps, every token equals TP=1's."""
+    prompts = [prompt_ids(n, seed=40 + n) for n in (4, 50, 11, 33)]
+    params = [
+        SamplingParams(max_tokens=14, ignore_eos=True),
+        SamplingParams(max_tokens=9, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=0.5, presence_penalty=0.2),
+        SamplingParams(max_tokens=10, ignore_eos=True),
+    ]
+
+    def run(**options) -> list[list[int]]:
+        llm = LLM(str(qwen3_tied), **{**OPTIONS, "max_num_batched_tokens": 16, "max_num_seqs": 4}, **options)
+        try:
+            return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.executor.close()
+
+    expected = run()
+    assert run(tensor_parallel_size=2, tp_master_port=free_port()) == expected
+
+
 def test_a_vocabulary_that_does_not_split_evenly(tmp_path):
     """515 tokens over 2 ranks: shards of 258 and 257, the padding row never sampled; the tokens
     equal TP=1's, untied and tied (where the padded embedding rows are also the LM head's)."""
