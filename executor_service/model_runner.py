@@ -227,14 +227,6 @@ class ModelRunner:
         sampled = None
         if batch.sampling is not None:
             sampled = self.sampler(logits[batch.logits_indices] if all_logits else logits, batch.sampling)
-        if self.tp_size > 1 and batch.sampling_seqs:
-            # Rank 0's sampled ids to every rank's device: a step launched before this one is
-            # collected takes its input tokens from them on each rank.
-            if sampled is None:
-                ids = torch.empty(len(batch.sampling_seqs), dtype=torch.int64, device=self.device)
-            else:
-                ids = sampled.sampled_token_ids
-            parallel.broadcast_from_rank0(ids)
         # Logits are kept only when asked for: with two steps in flight, each would hold [n, vocab].
         launch = Launch(batch, logits if all_logits else None, sampled, prepare_seconds=t1 - t0)
         if sampled is not None and self.device.type == "cuda":
@@ -248,8 +240,13 @@ class ModelRunner:
                 )
             launch.done = torch.cuda.Event()
             launch.done.record()
-        if self.tp_size > 1 and sampled is None and batch.sampling_seqs:
-            launch.sampled = SamplerOutput(ids)  # ranks other than 0: only the ids, from rank 0
+        if self.tp_size > 1 and batch.sampling_seqs:
+            # Rank 0's sampled ids to every rank's device (after the host copy, which need not wait
+            # for it): a step launched before this one is collected takes its inputs from them.
+            if sampled is None:  # ranks other than 0 keep only these ids
+                ids = torch.empty(len(batch.sampling_seqs), dtype=torch.int64, device=self.device)
+                launch.sampled = SamplerOutput(ids)
+            parallel.broadcast_from_rank0(launch.sampled.sampled_token_ids)
         # On CUDA this measures launch time; collect() waits for the device work.
         launch.forward_seconds = time.perf_counter() - t1
         return launch
