@@ -25,7 +25,7 @@ import torch
 from executor_service import parallel
 from executor_service.config import ExecutorConfig
 from executor_service.model_runner import Launch, ModelRunner, RunOutput
-from executor_service.plan_validation import PlanError, PlanLimits, validate_plan
+from executor_service.plan_validation import PlanError, PlanLimits, StepOrderError, validate_plan
 from executor_service.sampling_metadata import uses_penalties
 from executor_service.sequence import SequenceState
 from executor_service.tp_worker import WorkerProcesses
@@ -121,7 +121,7 @@ class LocalExecutor:
         nothing; its error, like any other, is raised by receive(), and plans sent after a
         failed one are not run."""
         if len(self._in_flight) >= 2:
-            raise RuntimeError(f"step {plan.step_id} sent with two steps in flight: receive one first")
+            raise StepOrderError(f"step {plan.step_id} sent with two steps in flight: receive one first")
         if self._in_flight and self._in_flight[-1].error is not None:
             error = RuntimeError(
                 f"step {plan.step_id} not run: step {self._in_flight[-1].plan.step_id} failed"
@@ -145,7 +145,7 @@ class LocalExecutor:
     def receive(self, plan: StepPlan) -> StepResult:
         """The result of the oldest step in flight, which must be `plan`; raises its error."""
         if not self._in_flight or self._in_flight[0].plan.step_id != plan.step_id:
-            raise RuntimeError(f"receive of step {plan.step_id}, which is not the oldest in flight")
+            raise StepOrderError(f"receive of step {plan.step_id}, which is not the oldest in flight")
         step = self._in_flight.popleft()
         if step.error is not None:
             raise step.error
@@ -167,7 +167,7 @@ class LocalExecutor:
         (None when nothing was scheduled). For tests and debugging: it costs a full-vocab matmul
         per token. Nothing may be in flight."""
         if self._in_flight:
-            raise RuntimeError(f"step_with_logits of step {plan.step_id} with steps in flight")
+            raise StepOrderError(f"step_with_logits of step {plan.step_id} with steps in flight")
         step = self._launch(plan, all_logits=True)
         if step.launch is None:  # nothing scheduled
             return step.result, None
@@ -223,15 +223,15 @@ class LocalExecutor:
     def _launch(self, plan: StepPlan, all_logits: bool = False) -> _InFlight:
         validate_plan(plan, self.seqs, self.limits)
         prev = self._in_flight[-1] if self._in_flight else None
-        batch = apply_plan(self.runner, self.seqs, plan)
-        pending = None
-        in_flight = prev is not None and prev.launch is not None and prev.result is None
-        if batch and in_flight and prev.placeholders:
-            if any(uses_penalties(s.sampling_params) for s in batch):
-                self._collect(prev)  # penalties read the generated tokens on the host
-            else:
-                pending = prev.launch.sampled.sampled_token_ids
-        with self._ranks_fail_together(plan.step_id):
+        with self._ranks_fail_together(plan.step_id):  # from here on the state changes
+            batch = apply_plan(self.runner, self.seqs, plan)
+            pending = None
+            in_flight = prev is not None and prev.launch is not None and prev.result is None
+            if batch and in_flight and prev.placeholders:
+                if any(uses_penalties(s.sampling_params) for s in batch):
+                    self._collect(prev)  # penalties read the generated tokens on the host
+                else:
+                    pending = prev.launch.sampled.sampled_token_ids
             if self.workers is not None:
                 self._broadcast(parallel.TPMessage("step", plan, all_logits, pending=pending is not None))
             if not batch:

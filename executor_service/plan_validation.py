@@ -14,6 +14,10 @@ class PlanError(ValueError):
     """A plan the executor cannot execute; no state was changed."""
 
 
+class StepOrderError(RuntimeError):
+    """A send or receive out of the executor's protocol order (no device work was involved)."""
+
+
 @dataclass(frozen=True)
 class PlanLimits:
     block_size: int

@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from executor_service.metrics import ExecutorMetrics
-from executor_service.plan_validation import PlanError
+from executor_service.plan_validation import PlanError, StepOrderError
 from protos.plan import StepPlan, info_to_proto, plan_from_proto, result_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
@@ -244,7 +244,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             self.metrics.step_failed("INVALID_ARGUMENT")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:
-            if dead := self._dead_ranks():
+            # (An out-of-order receive, as after a Reset between a stream's steps, is no rank's.)
+            if not isinstance(e, StepOrderError) and (dead := self._dead_ranks()):
                 # Not this plan's fault: the group lost a rank (the serve loop takes the executor
                 # down). UNAVAILABLE, so that the scheduler keeps the requests for the next executor.
                 logger.error(
