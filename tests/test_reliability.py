@@ -252,7 +252,12 @@ def test_executor_killed_during_prefill_restarted_smaller(qwen3_tied, reference,
     )
 
     def prefill_started(progress) -> bool:
-        return cluster.metrics("executor").get("tandem_executor_forward_tokens_total", 0) >= 128
+        # Every request admitted (a request that arrived after the kill would be refused), and
+        # the first prefill chunks run.
+        scheduler = cluster.metrics("scheduler")
+        admitted = sum(scheduler.get(f"tandem_scheduler_requests_{s}", 0) for s in ("running", "waiting"))
+        forwarded = cluster.metrics("executor").get("tandem_executor_forward_tokens_total", 0)
+        return admitted == len(prompts) and forwarded >= 128
 
     # The new executor is smaller: the scheduler rebuilds its block accounting from Describe.
     results, at_kill = _kill_and_recover(
