@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.random import uint_to_uniform_float
 
 
 # The split count and chunk follow the batch size: runtime values, not compile-time ones (a new
@@ -41,6 +42,7 @@ def _sample_kernel(
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     seed = tl.load(seeds_ptr + row)
     cols = tl.arange(0, BLOCK)
+    quads = tl.arange(0, BLOCK // 4)
     best_score = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.full([BLOCK], 2147483647, tl.int32)
     begin = split * chunk
@@ -49,7 +51,11 @@ def _sample_kernel(
         index = start + cols
         mask = index < end
         x = tl.load(logits_ptr + row * stride_row + index, mask=mask, other=float("-inf")).to(tl.float32)
-        u = tl.rand(seed, index)  # uniform [0, 1); u = 0 gives -inf noise: never chosen
+        # Four uniforms per Philox draw (the RNG, not the memory, bounded this kernel): entry i
+        # takes word i % 4 of the draw at counter i // 4 (`start` is a multiple of 4).
+        r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + quads)
+        u = uint_to_uniform_float(tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)))
+        # u in [0, 1); u = 0 gives -inf noise: never chosen
         gumbel = -tl.log(-tl.log(u))
         score = tl.where(greedy, x, x * inv_t + gumbel)
         score = tl.where(mask, score, float("-inf"))
