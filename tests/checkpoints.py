@@ -82,3 +82,21 @@ def build_qwen3(
     if with_tokenizer:
         train_tokenizer(out_dir, vocab_size=min(400, vocab_size))
     return out_dir
+
+
+def trained_prompts() -> list[list[int]]:
+    """Prompts for bf16 comparisons, on the shipped checkpoint: it is trained, so its logit margins
+    are clear (a random checkpoint has near-ties everywhere, which bf16 rounding flips)."""
+    from tokenizers import Tokenizer
+
+    from client.defaults import DEFAULT_MODEL
+
+    tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    texts = [
+        "The list type",
+        "An exception is raised when",
+        "The with statement is used to wrap the execution of a block with methods defined by a context manager.",
+        "Names refer to objects. Names are introduced by name binding operations. " * 4,
+        "class",
+    ]
+    return [tokenizer.encode(text).ids for text in texts]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoints import trained_prompts
 from test_generate_vs_hf import GREEDY_SEEDS, MAX_NEW, assert_matches_hf, make_prompts
 
 from client.defaults import DEFAULT_MODEL
@@ -44,25 +45,9 @@ def test_triton_fp32_chunked_prefill_and_prefix_hits_match_transformers(qwen3_un
     assert_matches_hf(qwen3_untied, [shared + [5], *prompts], warm + outputs)
 
 
-def _trained_prompts() -> list[list[int]]:
-    """Prompts for bf16 comparisons, on the shipped checkpoint: it is trained, so its logit margins
-    are clear (a random checkpoint has near-ties everywhere, which bf16 rounding flips)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
-    texts = [
-        "The list type",
-        "An exception is raised when",
-        "The with statement is used to wrap the execution of a block with methods defined by a context manager.",
-        "Names refer to objects. Names are introduced by name binding operations. " * 4,
-        "class",
-    ]
-    return [tokenizer.encode(text).ids for text in texts]
-
-
 def test_bf16_triton_matches_torch_backend():
     """In bf16 the backends round differently; with clear logit margins the first 32 tokens agree."""
-    prompts = _trained_prompts()
+    prompts = trained_prompts()
     _, triton_tokens = _generate(DEFAULT_MODEL, prompts, 32, dtype="bfloat16", attention_backend="triton",
                                  num_kv_blocks=128)  # fmt: skip
     _, torch_tokens = _generate(DEFAULT_MODEL, prompts, 32, dtype="bfloat16", attention_backend="torch",
@@ -101,7 +86,7 @@ def test_fused_ops_match_the_unfused_layers(qwen3_untied):
     the same first 32 tokens on the trained checkpoint, whose logit margins are clear."""
     cases = (
         (qwen3_untied, make_prompts(seed=5), "float32", MAX_NEW, 64),
-        (DEFAULT_MODEL, _trained_prompts(), "bfloat16", 32, 128),
+        (DEFAULT_MODEL, trained_prompts(), "bfloat16", 32, 128),
     )
     for path, prompts, dtype, max_tokens, blocks in cases:
         fused, fused_tokens = _generate(

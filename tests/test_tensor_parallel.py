@@ -17,11 +17,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from checkpoints import build_qwen3
+from checkpoints import build_qwen3, trained_prompts
 from executor_fixtures import prompt_ids
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_executor_service import ROOT, ExecutorProcess, free_port, stop, wait_ready
 
+from client.defaults import DEFAULT_MODEL
 from executor_service.config import ExecutorConfig
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
@@ -394,11 +395,13 @@ def test_gpu_tp2_fp32_greedy_identical_to_tp1(qwen3_untied):
 
 @pytest.mark.gpu
 @needs_2_gpus
-def test_gpu_tp2_bf16_first_32_tokens_match_tp1(qwen3_tied):
-    prompts = [prompt_ids(n, seed=n) for n in (5, 17, 64)]
+def test_gpu_tp2_bf16_first_32_tokens_match_tp1():
+    """On the shipped trained checkpoint: clear logit margins, which bf16 rounding cannot flip (a
+    random checkpoint's near-ties can: the sums of the all-reduce round differently)."""
+    prompts = trained_prompts()
     options = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2)
-    expected = _greedy(qwen3_tied, prompts, 32, **options)
-    got = _greedy(qwen3_tied, prompts, 32, tensor_parallel_size=2, tp_master_port=free_port(), **options)
+    expected = _greedy(DEFAULT_MODEL, prompts, 32, **options)
+    got = _greedy(DEFAULT_MODEL, prompts, 32, tensor_parallel_size=2, tp_master_port=free_port(), **options)
     assert got == expected
 
 
