@@ -56,8 +56,7 @@ def _sample_kernel(
         r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + quads)
         u = uint_to_uniform_float(tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)))
         # u in [0, 1); u = 0 gives -inf noise: never chosen
-        # x / T + Gumbel noise -log(-ln u), times log2(e) (the same argmax): base-2 logs, which
-        # compile to the fast hardware instruction.
+        # (x / T + Gumbel noise -ln(-ln u)) * log2(e), which has the same argmax, in base-2 logs.
         score = tl.where(greedy, x, x * scale - tl.log2(-tl.log2(u)))
         score = tl.where(mask, score, float("-inf"))
         better = score > best_score  # strictly: an earlier tile keeps a tie
