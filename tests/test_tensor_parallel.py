@@ -385,11 +385,13 @@ def _greedy(model: Path, prompts: list[list[int]], max_tokens: int, **options) -
 
 @pytest.mark.gpu
 @needs_2_gpus
-def test_gpu_tp2_fp32_greedy_identical_to_tp1(qwen3_untied):
+@pytest.mark.parametrize("fixture", ["qwen3_tied", "qwen3_untied"])
+def test_gpu_tp2_fp32_greedy_identical_to_tp1(request, fixture):
+    path = request.getfixturevalue(fixture)
     prompts = [prompt_ids(n, seed=n) for n in (5, 17, 64)]
     options = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.2)
-    expected = _greedy(qwen3_untied, prompts, 48, **options)
-    got = _greedy(qwen3_untied, prompts, 48, tensor_parallel_size=2, tp_master_port=free_port(), **options)
+    expected = _greedy(path, prompts, 48, **options)
+    got = _greedy(path, prompts, 48, tensor_parallel_size=2, tp_master_port=free_port(), **options)
     assert got == expected
 
 
