@@ -308,6 +308,20 @@ def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1, capfd):
     assert 0 < float(found[2]) <= float(found[3]) < 1e6
 
 
+def test_four_ranks_with_replicated_kv_heads_match_tp1(qwen3_tied):
+    """TP=4 over 2 KV heads: each rank holds one query head and a copy of its KV head; four ranks
+    take each step's plan and rank 0's sampled ids."""
+    expected = tp1_tokens(qwen3_tied)
+    llm = LLM(str(qwen3_tied), tensor_parallel_size=4, tp_master_port=free_port(), **OPTIONS)
+    try:
+        assert llm.executor.runner.num_kv_heads == 1
+        assert generate(llm.executor)[0] == expected
+    finally:
+        pids = llm.executor.workers.pids
+        llm.executor.close()
+    assert len(pids) == 3 and not [pid for pid in pids if alive(pid)]
+
+
 def test_penalties_and_steps_without_samples_match_tp1(qwen3_tied):
     """Two plans in flight at TP=2: a step whose batch has a penalty waits for the previous step's
     tokens on the host (sent to rank 1 with the plan); the others take them from the device. Mixed
