@@ -279,26 +279,31 @@ def loader_full_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1, capfd):
-    expected = tp1_tokens(qwen3_kv1)
+@pytest.mark.parametrize(("fixture", "tp_size"), [("qwen3_kv1", 2), ("qwen3_tied", 4)])
+def test_in_process_llm_with_tensor_parallel_size(request, fixture, tp_size, capfd):
+    """TP=2 over one KV head and TP=4 over two: either way each rank holds one KV head (a copy),
+    and every rank takes each step's plan and rank 0's sampled ids."""
+    path = request.getfixturevalue(fixture)
+    expected = tp1_tokens(path)
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.INFO)  # the ranks take rank 0's level: rank 1 logs its broadcast latency
     try:
-        llm = LLM(str(qwen3_kv1), tensor_parallel_size=2, tp_master_port=free_port(), **OPTIONS)
+        llm = LLM(str(path), tensor_parallel_size=tp_size, tp_master_port=free_port(), **OPTIONS)
     finally:
         root.setLevel(level)
     sent = []
     send = llm.executor.workers.send
     llm.executor.workers.send = lambda message: (sent.append(message.kind), send(message))
     try:
+        assert llm.executor.runner.num_kv_heads == 1
         assert generate(llm.executor)[0] == expected
         llm.executor.reset()
         assert generate(llm.executor)[0] == expected
     finally:
         pids = llm.executor.workers.pids
         llm.executor.close()
-    assert not [pid for pid in pids if alive(pid)]
+    assert len(pids) == tp_size - 1 and not [pid for pid in pids if alive(pid)]
     # Every message rank 0 sent (the steps, the reset, the close) reached rank 1 and was timed.
     log = capfd.readouterr().err
     pattern = r"rank 1: closing; plan broadcast over (\d+) messages: waited for ([\d.]+) us mean .*, ([\d.]+) us mean"
@@ -306,20 +311,6 @@ def test_in_process_llm_with_tensor_parallel_size(qwen3_kv1, capfd):
     assert found, "rank 1 did not report its plan broadcast latency"
     assert int(found[1]) == len(sent) and sent.count("step") > 2 and sent[-1] == "close"
     assert 0 < float(found[2]) <= float(found[3]) < 1e6
-
-
-def test_four_ranks_with_replicated_kv_heads_match_tp1(qwen3_tied):
-    """TP=4 over 2 KV heads: each rank holds one query head and a copy of its KV head; four ranks
-    take each step's plan and rank 0's sampled ids."""
-    expected = tp1_tokens(qwen3_tied)
-    llm = LLM(str(qwen3_tied), tensor_parallel_size=4, tp_master_port=free_port(), **OPTIONS)
-    try:
-        assert llm.executor.runner.num_kv_heads == 1
-        assert generate(llm.executor)[0] == expected
-    finally:
-        pids = llm.executor.workers.pids
-        llm.executor.close()
-    assert len(pids) == 3 and not [pid for pid in pids if alive(pid)]
 
 
 def test_penalties_and_steps_without_samples_match_tp1(qwen3_tied):
