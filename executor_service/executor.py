@@ -236,10 +236,8 @@ class LocalExecutor:
                 self._broadcast(parallel.TPMessage("step", plan, all_logits, pending=pending is not None))
             if not batch:
                 return _InFlight(plan, result=StepResult(step_id=plan.step_id))
-            launch = self.runner.launch(batch, plan.num_scheduled_tokens, pending, all_logits)
-        for seq, n in zip(batch, plan.num_scheduled_tokens, strict=True):
-            seq.num_computed_tokens += n
-        return _InFlight(plan, launch=launch, placeholders=add_placeholders(launch.batch.sampling_seqs))
+            launch, placeholders = launch_batch(self.runner, batch, plan, pending, all_logits)
+        return _InFlight(plan, launch=launch, placeholders=placeholders)
 
     def _collect(self, step: _InFlight, all_logits: bool = False) -> RunOutput:
         """Wait for a launched step; its tokens replace their placeholders; its result is set."""
@@ -287,15 +285,26 @@ def apply_plan(runner: ModelRunner, seqs: dict[int, SequenceState], plan: StepPl
     return batch
 
 
-def add_placeholders(sampling_seqs: list[SequenceState]) -> list[tuple[SequenceState, int]]:
-    """A -1 in place of each sampling sequence's next token, until the step's tokens are on the
-    host; a step launched meanwhile takes it from the device (row `pending_row`)."""
+def launch_batch(
+    runner: ModelRunner,
+    batch: list[SequenceState],
+    plan: StepPlan,
+    pending: torch.Tensor | None,
+    all_logits: bool,
+) -> tuple[Launch, list[tuple[SequenceState, int]]]:
+    """Steps 3-4 of StepPlan on every rank, from the compute on: launch the batch and advance its
+    sequences. Each sampling sequence gets a -1 in place of its next token until the step's tokens
+    are on the host (the returned placeholders); a step launched meanwhile takes it from the
+    device (row `pending_row` of `pending`)."""
+    launch = runner.launch(batch, plan.num_scheduled_tokens, pending, all_logits)
+    for seq, n in zip(batch, plan.num_scheduled_tokens, strict=True):
+        seq.num_computed_tokens += n
     placeholders = []
-    for row, seq in enumerate(sampling_seqs):
+    for row, seq in enumerate(launch.batch.sampling_seqs):
         placeholders.append((seq, len(seq.token_ids)))
         seq.token_ids.append(-1)
         seq.pending_row = row
-    return placeholders
+    return launch, placeholders
 
 
 def fill_placeholders(placeholders: list[tuple[SequenceState, int]], token_ids: list[int]) -> None:

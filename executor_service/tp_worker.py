@@ -162,7 +162,7 @@ def worker_main(
 
 def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
     # Imported here: executor.py imports this module.
-    from executor_service.executor import add_placeholders, apply_plan, drop_all, fill_placeholders
+    from executor_service.executor import apply_plan, drop_all, fill_placeholders, launch_batch
     from executor_service.model_runner import ModelRunner
 
     device = parallel.rank_device(config.device, tp_rank)
@@ -191,12 +191,10 @@ def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
         batch = apply_plan(runner, seqs, plan)
         if not batch:
             continue
-        launch = runner.launch(
-            batch, plan.num_scheduled_tokens, last_ids if message.pending else None, message.all_logits
+        launch, placeholders = launch_batch(
+            runner, batch, plan, last_ids if message.pending else None, message.all_logits
         )
-        for seq, n in zip(batch, plan.num_scheduled_tokens, strict=True):
-            seq.num_computed_tokens += n
-        unfilled.append(add_placeholders(launch.batch.sampling_seqs))
+        unfilled.append(placeholders)
         last_ids = launch.sampled.sampled_token_ids if launch.sampled is not None else None
     logger.info("rank %d: closing; %s", tp_rank, latency)
     runner.release_cuda_graphs()
