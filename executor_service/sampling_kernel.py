@@ -5,8 +5,8 @@ The unfused path casts the logits to fp32, divides by the temperature, takes a s
 exponential noise and divides again, with a full pass over [rows, vocab] for each: about 0.7 ms of
 a 6 ms decode step at 256 rows of Qwen3's 151,936-token vocabulary on an H200. Here each row is read
 once: the Gumbel-max trick, argmax(logits / T + Gumbel noise), draws from softmax(logits / T) as the
-exponential race does, with the noise made in registers by Philox from a per-row seed (a seeded
-request's seed mixed with its length, so its draw depends on nothing else in the batch)."""
+exponential race does, with the noise made in registers by Philox from a per-row seed (the Sampler
+draws the seeds on the device; rows with a request seed take the unfused path)."""
 
 from __future__ import annotations
 
