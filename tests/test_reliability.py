@@ -193,7 +193,9 @@ def _kill_and_recover(
                 for i, p in enumerate(prompts)
             ]
             deadline = time.monotonic() + 60
-            while not ready(progress):
+            # In a thread: `ready` may scrape metrics over HTTP, which would hold up the event loop
+            # and with it the streams' requests, so that some would reach the scheduler late.
+            while not await asyncio.to_thread(ready, progress):
                 assert time.monotonic() < deadline, f"never ready to kill: {progress}"
                 await asyncio.sleep(0.002)
             at_kill = list(progress)
@@ -252,10 +254,11 @@ def test_executor_killed_during_prefill_restarted_smaller(qwen3_tied, reference,
     )
 
     def prefill_started(progress) -> bool:
-        # Every request admitted (a request that arrived after the kill would be refused), and
-        # the first prefill chunks run.
+        # Every request admitted (a request that arrived after the kill would be refused): those
+        # waiting or running, and those already ended, and the first prefill chunks run.
         scheduler = cluster.metrics("scheduler")
-        admitted = sum(scheduler.get(f"tandem_scheduler_requests_{s}", 0) for s in ("running", "waiting"))
+        names = ("running", "waiting", "finished_total", "failed_total")
+        admitted = sum(scheduler.get(f"tandem_scheduler_requests_{n}", 0) for n in names)
         forwarded = cluster.metrics("executor").get("tandem_executor_forward_tokens_total", 0)
         return admitted == len(prompts) and forwarded >= 128
 
