@@ -12,6 +12,7 @@ from client.defaults import DEFAULT_MODEL, SCHEDULER_METRICS_PORT, SCHEDULER_POR
 from client.defaults import env as _env
 from protos.plan import ExecutorInfo
 from scheduler_service.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
+from scheduler_service.executor_client import DEFAULT_STEP_TIMEOUT_S
 from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds accepted requests wait for a lost executor to come back before failing "
         "UNAVAILABLE (default 300) [TANDEM_EXECUTOR_RECOVERY_TIMEOUT]",
     )
+    p.add_argument(
+        "--executor-step-timeout",
+        type=float,
+        default=_env("EXECUTOR_STEP_TIMEOUT", DEFAULT_STEP_TIMEOUT_S),
+        help="seconds a step's result may be awaited before the executor is taken for hung (a stopped "
+        "process, a wedged device): NOT_SERVING, then recovery as after a crash; raise it for models "
+        f"whose largest prefill step takes longer (default {DEFAULT_STEP_TIMEOUT_S:g}; 0 = no limit) "
+        "[TANDEM_EXECUTOR_STEP_TIMEOUT]",
+    )
     security = p.add_argument_group(
         "security",
         "--api-key, --tls-cert and --tls-key guard the client-facing port. The scheduler's side of "
@@ -203,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag} must be >= 0 (0 = no limit), got {value}")
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        if args.executor_step_timeout < 0:
+            raise ValueError(f"--executor-step-timeout must be >= 0 (0 = no limit), got {args.executor_step_timeout}")
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         config = SchedulerConfig(
@@ -226,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             tls_cert=args.executor_tls_cert,
             tls_key=args.executor_tls_key,
             tls_server_name=args.executor_tls_server_name,
+            step_timeout=args.executor_step_timeout or None,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

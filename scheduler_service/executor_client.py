@@ -39,6 +39,13 @@ _UNAVAILABLE_CODES = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
 _CLOSE = None  # ends the request iterator
+# The default of --executor-step-timeout: the longest a step's result may be awaited before the
+# executor is taken for hung. A decode step takes milliseconds and the largest prefill chunk well
+# under a second on a GPU; a stopped process (SIGSTOP) or a wedged device would otherwise be
+# noticed only by keepalive (about 40-60 s).
+DEFAULT_STEP_TIMEOUT_S = 10.0
+# How often the watchdog looks at the result awaited.
+_WATCHDOG_POLL_S = 0.1
 
 
 class ExecutorError(Exception):
@@ -58,12 +65,47 @@ class PlanRejected(ExecutorError):
         self.message = message
 
 
+class _StepWatchdog:
+    """Cancels the Step stream whose awaited result is overdue, so that `receive` fails with
+    ExecutorUnavailable and the engine recovers as from a crash (a hung executor's process may
+    come back later: the next connect resets it and recomputes). One thread polls a deadline that
+    `arm` sets with a plain assignment: nothing per step beyond it."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._armed: tuple[float, _StepStream] | None = None
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
+
+    def arm(self, stream: _StepStream) -> None:
+        self._armed = (time.monotonic() + self.timeout, stream)
+
+    def disarm(self) -> None:
+        self._armed = None
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(_WATCHDOG_POLL_S):
+            armed = self._armed
+            if armed is not None and time.monotonic() > armed[0]:
+                self._armed = None
+                armed[1].expire()
+
+
 class _StepStream:
     """One Step call: plans go in through a queue, results come out in order."""
 
     def __init__(self, stub: pb_grpc.ExecutorServiceStub) -> None:
         self._requests: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
         self._responses = stub.Step(iter(self._requests.get, _CLOSE))
+        # Set by the watchdog when it cancelled the stream: the result was overdue.
+        self.expired = False
+
+    def expire(self) -> None:
+        self.expired = True
+        self._responses.cancel()
 
     def send(self, msg: pb.StepPlan) -> None:
         self._requests.put(msg)
@@ -98,11 +140,17 @@ class RemoteExecutor:
         tls_cert: str | Path | bytes | None = None,
         tls_key: str | Path | bytes | None = None,
         tls_server_name: str | None = None,
+        step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S,
     ) -> None:
         """`tls_ca` turns on TLS (the executor's certificate must be signed by that CA);
-        `tls_cert` / `tls_key` add this scheduler's client certificate (mutual TLS)."""
+        `tls_cert` / `tls_key` add this scheduler's client certificate (mutual TLS).
+        `step_timeout`: seconds a step's result may be awaited before the executor is taken for
+        hung (None: no limit)."""
         self.address = address
         self.connect_timeout = connect_timeout
+        if step_timeout is not None and step_timeout <= 0:
+            raise ValueError(f"the step timeout must be > 0 seconds (or None: no limit), got {step_timeout}")
+        self._watchdog = _StepWatchdog(step_timeout) if step_timeout is not None else None
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("the executor TLS client certificate and key go together: give both or neither")
         if tls_ca is None and tls_cert is not None:
@@ -178,10 +226,18 @@ class RemoteExecutor:
                 raise ExecutorUnavailable(
                     f"executor at {self.address}: the step stream closed before the result of step {plan.step_id}"
                 )
+            stream = self._stream
+            if self._watchdog is not None:
+                self._watchdog.arm(stream)
             try:
-                out = self._stream.receive(plan.step_id)
+                out = stream.receive(plan.step_id)
             except grpc.RpcError as e:
                 self._close_stream()
+                if stream.expired:
+                    raise ExecutorUnavailable(
+                        f"executor at {self.address} did not answer step {plan.step_id} within "
+                        f"{self._watchdog.timeout:g} s (--executor-step-timeout): taking it for hung"
+                    ) from e
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise PlanRejected(self.address, plan.step_id, e.details()) from e
                 raise self._error(e, f"Step {plan.step_id}") from e
@@ -190,6 +246,9 @@ class RemoteExecutor:
                 raise ExecutorUnavailable(
                     f"executor at {self.address} closed the step stream at step {plan.step_id}"
                 ) from None
+            finally:
+                if self._watchdog is not None:
+                    self._watchdog.disarm()
             if out.step_id != plan.step_id:
                 self._close_stream()
                 raise ExecutorError(
@@ -200,6 +259,8 @@ class RemoteExecutor:
     def close(self) -> None:
         with self._lock:
             self._close_stream()
+        if self._watchdog is not None:
+            self._watchdog.close()
         self._channel.close()
 
     def __enter__(self) -> RemoteExecutor:

@@ -332,6 +332,53 @@ def test_sigterm_past_the_shutdown_timeout_fails_what_is_left(qwen3_tied, cluste
     assert time.monotonic() - t0 < 10
 
 
+def test_a_hung_executor_is_noticed_within_the_step_timeout_and_recovered_when_it_resumes(
+    qwen3_tied, reference, cluster_factory
+):
+    # SIGSTOP: the executor's process holds its port and connections but answers nothing; only
+    # keepalive would notice it, after about a minute. The step timeout notices it in seconds.
+    step_timeout = 2.0
+    cluster = cluster_factory(qwen3_tied, scheduler_args=["--executor-step-timeout", str(step_timeout)])
+    cluster.start()
+    prompts = token_prompts(8, seed=15)
+    max_tokens = 200
+    expected = reference.generate(
+        prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+    )
+    progress = [0] * len(prompts)
+
+    async def run():
+        async with AsyncTandemClient(cluster.address, timeout=120) as client:
+            tasks = [
+                asyncio.ensure_future(_stream(client, p, progress, i, max_tokens=max_tokens, ignore_eos=True))
+                for i, p in enumerate(prompts)
+            ]
+            while min(progress) < 4:
+                await asyncio.sleep(0.005)
+            cluster.executor.process.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            while await client.health(timeout=1.0) != "NOT_SERVING":
+                assert time.monotonic() - t0 < 30, "the hung executor was never noticed"
+                await asyncio.sleep(0.02)
+            noticed_s = time.monotonic() - t0
+            with pytest.raises(TandemError) as refused:
+                await client.complete([5, 6], max_tokens=2)
+            at_stop = list(progress)
+            cluster.executor.process.send_signal(signal.SIGCONT)
+            return await asyncio.gather(*tasks), noticed_s, refused.value, at_stop
+
+    results, noticed_s, refused, at_stop = asyncio.run(run())
+    assert noticed_s < step_timeout + 2.0, f"noticed after {noticed_s:.1f} s"
+    assert refused.code == grpc.StatusCode.UNAVAILABLE
+    assert max(at_stop) < max_tokens, "every stream had finished before the stop"
+    completed = _check_identical(results, expected)
+    print(
+        f"\nSIGSTOP: NOT_SERVING after {noticed_s:.1f} s (--executor-step-timeout {step_timeout:g}); "
+        f"{completed}/{len(prompts)} streams finished identically after SIGCONT"
+    )
+    assert "--executor-step-timeout" in cluster.scheduler.tail(200)
+
+
 # -- load: 500 streams on the embedded model ------------------------------------------------------
 
 
