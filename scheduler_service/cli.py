@@ -214,7 +214,9 @@ def run(args: argparse.Namespace) -> int:
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.executor_step_timeout < 0:
-            raise ValueError(f"--executor-step-timeout must be >= 0 (0 = no limit), got {args.executor_step_timeout}")
+            raise ValueError(
+                f"--executor-step-timeout must be >= 0 (0 = no limit), got {args.executor_step_timeout}"
+            )
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         config = SchedulerConfig(
