@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from pathlib import Path
@@ -22,7 +23,20 @@ CHANNEL_OPTIONS = [
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-tiny-pydoc"
+
+
+def _embedded_model(name: str = "tandem-tiny-pydoc") -> Path:
+    """models/NAME of the source tree; in a wheel install, the data package `tandem_models` (setup.py)."""
+    in_tree = REPO_ROOT / "models" / name
+    if in_tree.is_dir():
+        return in_tree
+    spec = importlib.util.find_spec("tandem_models")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations))) / name
+    return in_tree  # not installed: the commands that need it say so, naming this path
+
+
+DEFAULT_MODEL = _embedded_model()
 
 
 def env(name: str, default: str | None = None) -> str | None:

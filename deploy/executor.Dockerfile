@@ -37,7 +37,7 @@ RUN if [ -n "${FLASH_ATTN_VERSION}" ]; then \
 
 # The base image's torch satisfies `.[gpu]`; pip adds safetensors and the service's gRPC stack.
 WORKDIR /opt/tandem
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY protos protos
 COPY executor_service executor_service
 COPY scheduler_service scheduler_service

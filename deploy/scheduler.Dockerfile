@@ -22,7 +22,7 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin tandem
 # Editable install: the CLI finds the embedded model's tokenizer next to the code, as it does
 # in a checkout (the scheduler uses it when the executor serves tandem-tiny-pydoc).
 WORKDIR /opt/tandem
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY protos protos
 COPY scheduler_service scheduler_service
 COPY client client
