@@ -19,7 +19,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.client import call_metadata, open_channel
-from client.defaults import DEFAULT_SERVER
+from client.defaults import DEFAULT_RETRIES, DEFAULT_SERVER
 from client.messages import (
     Chunk,
     Completion,
@@ -93,11 +93,12 @@ class AsyncTandemClient:
         tls: bool = False,
         tls_ca: str | Path | bytes | None = None,
         tls_server_name: str | None = None,
+        retries: int = DEFAULT_RETRIES,
     ):
         self.address = address
         self.timeout = timeout
         self._metadata = call_metadata(api_key)
-        self._channel = open_channel(grpc.aio, address, tls, tls_ca, tls_server_name)
+        self._channel = open_channel(grpc.aio, address, tls, tls_ca, tls_server_name, retries)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from client.defaults import DEFAULT_SERVER, env
+from client.defaults import DEFAULT_RETRIES, DEFAULT_SERVER, env
 
 # The service verbs live with their services; they are imported only when used, so that
 # `tandem generate --server` needs neither torch (executor) nor the scheduler's internals.
@@ -75,6 +75,13 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=env("TIMEOUT"),
         help="deadline per request, seconds (env TANDEM_TIMEOUT)",
+    )
+    server.add_argument(
+        "--retries",
+        type=int,
+        default=int(env("RETRIES", str(DEFAULT_RETRIES))),
+        help=f"retries of a request refused UNAVAILABLE before its first token (0-4, jittered backoff; "
+        f"default {DEFAULT_RETRIES}; env TANDEM_RETRIES)",
     )
     server.add_argument(
         "--api-key", default=env("API_KEY"), help="sent as a bearer token (env TANDEM_API_KEY)"

@@ -9,6 +9,7 @@ with TandemClient("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.defaults import CHANNEL_OPTIONS, DEFAULT_SERVER
+from client.defaults import CHANNEL_OPTIONS, DEFAULT_RETRIES, DEFAULT_SERVER
 from client.messages import (
     Chunk,
     Completion,
@@ -56,17 +57,46 @@ def channel_credentials(tls: bool, tls_ca: str | Path | bytes | None) -> grpc.Ch
     return grpc.ssl_channel_credentials(root_certificates=tls_ca)
 
 
-def channel_options(tls_server_name: str | None) -> list[tuple[str, object]]:
+# Retries of a GenerationService call refused UNAVAILABLE (a scheduler restarting or draining, its
+# executor away) before the first response: gRPC's own retry policy, whose backoff is jittered
+# (each wait uniform in [0, backoff]). Once a response has arrived the call is never retried, so
+# no token is sent twice. 4 retries (DEFAULT_RETRIES) wait 3 s at most (0.2, 0.4, 0.8, 1.6 s
+# backoffs), 1.5 s on average.
+_MAX_RETRIES = 4  # gRPC caps maxAttempts at 5
+
+
+def retry_service_config(retries: int) -> str:
+    """The channel's service config: `retries` retries of UNAVAILABLE, with jittered backoff."""
+    if not 0 <= retries <= _MAX_RETRIES:
+        raise ValueError(f"retries must be between 0 and {_MAX_RETRIES} (gRPC's limit), got {retries}")
+    policy = {
+        "maxAttempts": retries + 1,
+        "initialBackoff": "0.2s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    config = {"name": [{"service": pb.DESCRIPTOR.services_by_name["GenerationService"].full_name}]}
+    if retries:
+        config["retryPolicy"] = policy
+    return json.dumps({"methodConfig": [config]})
+
+
+def channel_options(tls_server_name: str | None, retries: int = DEFAULT_RETRIES) -> list[tuple[str, object]]:
+    options = [*CHANNEL_OPTIONS, ("grpc.service_config", retry_service_config(retries))]
     if tls_server_name:
-        return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls_server_name)]
-    return list(CHANNEL_OPTIONS)
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return options
 
 
-def open_channel(grpc_module, address: str, tls: bool, tls_ca, tls_server_name: str | None):
+def open_channel(
+    grpc_module, address: str, tls: bool, tls_ca, tls_server_name: str | None, retries: int = DEFAULT_RETRIES
+):
     """A channel to `address` from `grpc` (sync) or `grpc.aio`: plaintext, or TLS as
-    channel_credentials() says."""
+    channel_credentials() says; GenerationService calls refused UNAVAILABLE before their first
+    response are retried `retries` times."""
     credentials = channel_credentials(tls, tls_ca)
-    options = channel_options(tls_server_name)
+    options = channel_options(tls_server_name, retries)
     if credentials is None:
         return grpc_module.insecure_channel(address, options=options)
     return grpc_module.secure_channel(address, credentials, options=options)
@@ -117,7 +147,9 @@ class GenerationStream:
 class TandemClient:
     """A connection to the scheduler service. `timeout` (seconds) is every call's deadline;
     `api_key` is sent as a bearer token; `tls_ca` (a PEM file or bytes) or `tls=True` (the
-    system's CAs) connect over TLS; `tls_server_name` overrides the name the certificate must carry."""
+    system's CAs) connect over TLS; `tls_server_name` overrides the name the certificate must carry;
+    `retries` (0-4) is how often a call refused UNAVAILABLE before its first response is retried,
+    after a jittered backoff."""
 
     def __init__(
         self,
@@ -128,11 +160,12 @@ class TandemClient:
         tls: bool = False,
         tls_ca: str | Path | bytes | None = None,
         tls_server_name: str | None = None,
+        retries: int = DEFAULT_RETRIES,
     ):
         self.address = address
         self.timeout = timeout
         self._metadata = call_metadata(api_key)
-        self._channel = open_channel(grpc, address, tls, tls_ca, tls_server_name)
+        self._channel = open_channel(grpc, address, tls, tls_ca, tls_server_name, retries)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -22,6 +22,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
+# Retries of a request refused UNAVAILABLE before its first response (client.client).
+DEFAULT_RETRIES = 4
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

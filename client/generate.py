@@ -53,6 +53,7 @@ def generate_remote(address: str, prompts: list, args: argparse.Namespace, sampl
             tls=args.tls,
             tls_ca=args.tls_ca,
             tls_server_name=args.tls_server_name,
+            retries=args.retries,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

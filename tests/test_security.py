@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -14,8 +17,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health, health_pb2_grpc
 
 from client import TandemClient, TandemError
+from client.defaults import REPO_ROOT
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
 from executor_service.metrics import ExecutorMetrics
@@ -233,6 +238,7 @@ def mtls_executor(qwen3_tied, pki):
     servicer.executor = LocalExecutor(ExecutorConfig(model=str(qwen3_tied), num_kv_blocks=64))
     server = grpc.server(ThreadPoolExecutor(8))
     epb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # "" is SERVING
     cert, key = pki["server"]
     credentials = grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=pki["ca"], require_client_auth=True
@@ -348,3 +354,52 @@ def test_scheduler_help_names_its_side_of_the_executors_tls_ca():
         "The scheduler's side of mutual TLS with the executor (the executor's --tls-ca) is --executor-tls-ca"
         in text
     )
+
+
+def _healthcheck(service: str, address: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """deploy/healthcheck.py (the images' probe) with the environment a container would give it."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "deploy" / "healthcheck.py"), service, "--address", address, *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_the_image_probe_checks_a_tls_scheduler(secured, pki, tmp_path):
+    cert, _ = pki["server"]
+    (tmp_path / "cert.pem").write_bytes(cert)
+    (tmp_path / "ca.pem").write_bytes(pki["ca"])
+    (tmp_path / "other.pem").write_bytes(pki["other_ca"])
+    # As before: plaintext against a TLS port fails.
+    assert _healthcheck("scheduler", secured, {}).returncode == 1
+    # The scheduler's own TLS variable turns TLS on; the CA comes from the probe's variable or flag.
+    tls = {"TANDEM_TLS_CERT": str(tmp_path / "cert.pem")}
+    ok = _healthcheck("scheduler", secured, {**tls, "TANDEM_HEALTHCHECK_TLS_CA": str(tmp_path / "ca.pem")})
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    assert _healthcheck("scheduler", secured, tls, "--tls-ca", str(tmp_path / "ca.pem")).returncode == 0
+    untrusted = _healthcheck("scheduler", secured, tls, "--tls-ca", str(tmp_path / "other.pem"))
+    assert untrusted.returncode == 1 and "TLS" in untrusted.stderr
+
+
+def test_the_image_probe_checks_a_mutual_tls_executor(mtls_executor, pki, tmp_path):
+    cert, _ = pki["server"]
+    client_cert, client_key = pki["client"]
+    for name, pem in (("cert", cert), ("ca", pki["ca"]), ("client", client_cert), ("client-key", client_key)):
+        (tmp_path / f"{name}.pem").write_bytes(pem)
+    env = {
+        "TANDEM_EXECUTOR_SERVER_TLS_CERT": str(tmp_path / "cert.pem"),
+        "TANDEM_EXECUTOR_SERVER_TLS_CA": str(tmp_path / "ca.pem"),  # trusted for the server too
+    }
+    # No client certificate: the executor refuses the handshake.
+    assert _healthcheck("executor", mtls_executor, env).returncode == 1
+    probe = {
+        "TANDEM_HEALTHCHECK_TLS_CERT": str(tmp_path / "client.pem"),
+        "TANDEM_HEALTHCHECK_TLS_KEY": str(tmp_path / "client-key.pem"),
+    }
+    ok = _healthcheck("executor", mtls_executor, {**env, **probe})
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    half = _healthcheck("executor", mtls_executor, env, "--tls-cert", str(tmp_path / "client.pem"))
+    assert half.returncode == 1 and "go together" in half.stderr
