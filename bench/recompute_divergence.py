@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.defaults import DEFAULT_MODEL  # noqa: E402
-from scheduler_service.llm import LLM  # noqa: E402
-from scheduler_service.sampling_params import SamplingParams  # noqa: E402
+from client.defaults import DEFAULT_MODEL
+from scheduler_service.llm import LLM
+from scheduler_service.sampling_params import SamplingParams
 
 
 @dataclass
@@ -66,7 +66,9 @@ def token_prompts(n: int, seed: int, vocab: int, lo: int, hi: int) -> list[list[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--dtype", default=None, help="default: the checkpoint's")
     parser.add_argument("--streams", type=int, default=64)
@@ -87,8 +89,10 @@ def main() -> None:
     )
     if divergences:
         margins = sorted(d.margin for d in divergences)
-        print(f"top-1/top-2 logprob margin at the first differing token: max {margins[-1]:.4f}, "
-              f"median {margins[len(margins) // 2]:.4f}")
+        print(
+            f"top-1/top-2 logprob margin at the first differing token: max {margins[-1]:.4f}, "
+            f"median {margins[len(margins) // 2]:.4f}"
+        )
         for d in divergences[:10]:
             print(f"  stream {d.stream} k {d.k}: differs at token {d.position}, margin {d.margin:.4f}")
 

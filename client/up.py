@@ -1,14 +1,16 @@
 """`tandem up`: the executor and the scheduler as two local subprocesses, stopped together.
 
 The children run in their own sessions so that Ctrl-C reaches only this process, which then
-stops them in order (scheduler first, so it drains; then the executor): SIGTERM, a grace
-period, SIGKILL. On Linux each child also gets SIGTERM if this process dies without cleanup.
+stops them in order (scheduler first, so it drains for --shutdown-timeout; then the executor):
+SIGTERM, a grace period, SIGKILL. A second Ctrl-C (or SIGTERM) kills both at once. On Linux each
+child also gets SIGTERM if this process dies without cleanup.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import os
 import signal
@@ -94,10 +96,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--startup-timeout", type=float, default=300.0, help="seconds each service may take to be SERVING"
     )
     p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="on Ctrl-C, seconds the scheduler lets requests in flight finish (default 5: this is a "
+        "terminal session; a second Ctrl-C stops at once)",
+    )
+    p.add_argument(
         "--grace",
         type=float,
-        default=40.0,
-        help="seconds between SIGTERM and SIGKILL on stop (default 40: longer than the scheduler's 30 s drain)",
+        default=None,
+        help="seconds between SIGTERM and SIGKILL on stop (default: the shutdown timeout + 10)",
     )
     p.add_argument("--log-dir", default=None, help="where the services' logs go (default: a new temp dir)")
     p.add_argument(
@@ -143,15 +152,19 @@ class Service:
         except OSError:
             return ""
 
-    def stop(self, grace: float) -> None:
+    def stop(self, grace: float, hurry: threading.Event | None = None) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds, or as soon as `hurry` is set."""
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                print(f"{self.name} did not stop within {grace:.0f} s: killing it", file=sys.stderr)
-                self.process.kill()
-                self.process.wait()
+            deadline = time.monotonic() + grace
+            while self.process.poll() is None:
+                if hurry is not None and hurry.is_set():
+                    self.process.kill()
+                elif time.monotonic() > deadline:
+                    print(f"{self.name} did not stop within {grace:.0f} s: killing it", file=sys.stderr)
+                    self.process.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(0.05)
         if self.log_file is not None:
             self.log_file.close()
             self.log_file = None
@@ -189,6 +202,7 @@ def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     scheduler = [sys.executable, "-m", "scheduler_service", "--executor", f"{args.host}:{args.executor_port}"]
     scheduler += ["--host", args.host, "--port", str(args.port), "--metrics-port", str(args.metrics_port)]
     scheduler += ["--tokenizer", args.tokenizer or args.model]
+    scheduler += ["--shutdown-timeout", f"{args.shutdown_timeout:g}"]
     if args.max_num_seqs:
         scheduler += ["--max-num-seqs", str(args.max_num_seqs)]
     scheduler += args.scheduler_arg
@@ -240,10 +254,13 @@ def run_up(args: argparse.Namespace) -> int:
     services = [scheduler, executor]
 
     stop = threading.Event()
+    hurry = threading.Event()  # a second signal: kill the services instead of draining
     received: list[int] = []
 
     def on_signal(signum, frame):
         received.append(signum)
+        if stop.is_set():
+            hurry.set()
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -267,11 +284,16 @@ def run_up(args: argparse.Namespace) -> int:
                 if not service.alive():
                     _report_failure(f"{service.name} exited with code {service.process.returncode}", service)
                     return 1
-        print("stopping...", flush=True)
+        print(
+            f"stopping: requests in flight have {args.shutdown_timeout:g} s to finish; Ctrl-C again "
+            "stops at once",
+            flush=True,
+        )
         return 0
     finally:
+        grace = args.grace if args.grace is not None else args.shutdown_timeout + 10.0
         for service in services:
-            service.stop(args.grace)
+            service.stop(grace, hurry)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -374,6 +374,60 @@ def test_tandem_up_generate_and_ctrl_c(tmp_path):
             up.wait()
 
 
+def _start_up(tmp_path, *args: str) -> tuple[subprocess.Popen, str, list[int]]:
+    """`tandem up` on free ports, once both services serve: (process, scheduler address, pids)."""
+    port, executor_port = free_port(), free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "up", "--port", str(port), "--executor-port", str(executor_port)]
+        + ["--metrics-port", "0", "--executor-metrics-port", "0", "--log-dir", str(tmp_path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=CHILD_ENV,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C stops both"):
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert ready.wait(STARTUP_TIMEOUT), "".join(lines)
+    return up, f"127.0.0.1:{port}", [int(p) for p in re.findall(r"pid (\d+)", "".join(lines))]
+
+
+@pytest.mark.parametrize("ctrl_c", ["once", "twice"])
+def test_tandem_up_ctrl_c_with_a_request_in_flight_stops_promptly(tmp_path, ctrl_c):
+    # Once: the scheduler drains for `tandem up`'s shutdown timeout (5 s), not 30 s. Twice: at once,
+    # even with a long drain asked for.
+    args = ["--shutdown-timeout", "60"] if ctrl_c == "twice" else []
+    up, address, pids = _start_up(tmp_path, *args)
+    try:
+        with TandemClient(address, timeout=120, retries=0) as client:
+            stream = client.generate([5, 6, 7], max_tokens=2000, ignore_eos=True)
+            next(stream)  # generating
+            t0 = time.monotonic()
+            up.send_signal(signal.SIGINT)
+            if ctrl_c == "twice":
+                time.sleep(0.5)
+                up.send_signal(signal.SIGINT)
+            with pytest.raises(TandemError) as err:
+                list(stream)
+            up.wait(60)
+            stopped_s = time.monotonic() - t0
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert stopped_s < (4.0 if ctrl_c == "twice" else 5.0 + 5.0), f"stopped after {stopped_s:.1f} s"
+        assert _pids_alive(pids) == [], "tandem up left child processes behind"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
 def test_tandem_up_reports_a_service_that_dies(tmp_path):
     """The executor cannot bind its port: `tandem up` exits non-zero with the executor's last log lines."""
     with socket.socket() as busy:
