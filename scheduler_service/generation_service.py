@@ -9,8 +9,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf.message import DecodeError
 
+from protos.parsing import MalformedMessage
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_service.async_engine import AsyncEngine, QueueFullError
@@ -38,24 +38,6 @@ MAX_STOP_STRING_CHARS = 1024
 TOKENIZE_INLINE_CHARS = 8192
 # It is echoed in every response.
 MAX_REQUEST_ID_CHARS = 256
-
-
-class MalformedRequest:
-    """What the Generate deserializer returns for bytes that are no valid GenerateRequest."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def parse_generate_request(data: bytes) -> pb.GenerateRequest | MalformedRequest:
-    """The Generate request deserializer: a parse error becomes INVALID_ARGUMENT in the handler
-    (gRPC would answer INTERNAL for an exception raised here)."""
-    try:
-        return pb.GenerateRequest.FromString(data)
-    except DecodeError as e:
-        return MalformedRequest(
-            f"the request is not a valid tandem.v1.GenerateRequest ({len(data)} bytes): {e}"
-        )
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -146,10 +128,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return self.engine.add_request(request_id, prompt, params, arrival, timeout)
 
     async def Generate(
-        self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | MalformedMessage, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.perf_counter()
-        if isinstance(request, MalformedRequest):
+        if isinstance(request, MalformedMessage):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
@@ -224,8 +206,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         )
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetModelInfoRequest | MalformedMessage, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
+        if isinstance(request, MalformedMessage):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         engine = self.engine.engine
         if engine is None:
             await self._fail(

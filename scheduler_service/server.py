@@ -20,12 +20,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos.parsing import deserializer
 from protos.plan import ExecutorInfo
 from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port, bind_address
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import AsyncEngine, EngineOptions
 from scheduler_service.engine import Executor
-from scheduler_service.generation_service import SERVICE_NAME, GenerationServicer, parse_generate_request
+from scheduler_service.generation_service import SERVICE_NAME, GenerationServicer
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request_stream import RequestFailure
 from scheduler_service.security import ApiKeyInterceptor
@@ -49,19 +50,19 @@ def _is_loopback(host: str) -> bool:
 
 
 def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
-    """GenerationService's methods, with a Generate deserializer that turns undecodable bytes
-    into INVALID_ARGUMENT (gRPC's own would answer INTERNAL)."""
+    """GenerationService's methods, with deserializers that turn undecodable bytes into
+    INVALID_ARGUMENT."""
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 servicer.Generate,
-                request_deserializer=parse_generate_request,
+                request_deserializer=deserializer(pb.GenerateRequest),
                 response_serializer=pb.GenerateResponse.SerializeToString,
             ),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 servicer.GetModelInfo,
-                request_deserializer=pb.GetModelInfoRequest.FromString,
+                request_deserializer=deserializer(pb.GetModelInfoRequest),
                 response_serializer=pb.GetModelInfoResponse.SerializeToString,
             ),
         },

@@ -195,6 +195,20 @@ def test_scheduler_catalog(scheduler, case, bad, code, message):
     good_request_works(channel)
 
 
+def test_get_model_info_refuses_undecodable_bytes_as_invalid_argument(scheduler):
+    _, channel = scheduler
+    info = channel.unary_unary(
+        "/tandem.v1.GenerationService/GetModelInfo",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.GetModelInfoResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        info(b"\xff\xff\xff\xff", timeout=30)
+    assert e.value.code() == IA, e.value.details()
+    assert "not a valid tandem.v1.GetModelInfoRequest (4 bytes)" in e.value.details()
+    assert info(b"", timeout=30).vocab_size == 512
+
+
 # -- executor Step stream ------------------------------------------------------------------------
 
 EXEC_BLOCKS = 64
