@@ -26,7 +26,7 @@ from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port, bind_address
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import AsyncEngine, EngineOptions
 from scheduler_service.engine import Executor
-from scheduler_service.generation_service import SERVICE_NAME, GenerationServicer
+from scheduler_service.generation_service import MAX_MESSAGE_BYTES, SERVICE_NAME, GenerationServicer
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request_stream import RequestFailure
 from scheduler_service.security import ApiKeyInterceptor
@@ -34,8 +34,6 @@ from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# A prompt of max_model_len token ids is a few hundred KiB; this leaves room for long contexts.
-MAX_MESSAGE_BYTES = 16 * 2**20
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -55,7 +53,8 @@ def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
-            "Generate": grpc.unary_stream_rpc_method_handler(
+            # A stream-request handler: see GenerationServicer.Generate.
+            "Generate": grpc.stream_stream_rpc_method_handler(
                 servicer.Generate,
                 request_deserializer=deserializer(pb.GenerateRequest),
                 response_serializer=pb.GenerateResponse.SerializeToString,

@@ -131,6 +131,12 @@ SCHEDULER_CATALOG: list[tuple[str, object, grpc.StatusCode, str]] = [
     ("frequency-penalty-inf", req([5], frequency_penalty=-INF), IA, "frequency_penalty must be a finite"),
     ("logprobs-negative", req([5], logprobs=-1), IA, "logprobs must be >= 0"),
     ("logprobs-above-vocab", req([5], logprobs=1_000_000), IA, "exceeds the vocabulary size (512)"),
+    (
+        "logprobs-above-max",
+        req([5], logprobs=21),
+        IA,
+        "exceeds max_logprobs (20; the scheduler's --max-logprobs)",
+    ),
     ("stop-token-id-vocab", req([5], stop_token_ids=[600]), IA, "outside the vocabulary"),
     ("stop-token-id-negative", req([5], stop_token_ids=[-3]), IA, "stop_token_ids[0] must be >= 0"),
     ("too-many-stop-strings", req([5], stop=["x"] * 65), IA, "at most 64 stop strings"),
