@@ -108,6 +108,8 @@ class ModelInfo:
     tensor_parallel_size: int
     dtype: str
     device: str
+    # The most top logprobs a request may ask for (0 from a server that does not say).
+    max_logprobs: int = 0
 
 
 def sampling_params(**kwargs) -> pb.SamplingParams:
@@ -195,6 +197,7 @@ def model_info_from_proto(info: pb.GetModelInfoResponse) -> ModelInfo:
         tensor_parallel_size=info.tensor_parallel_size,
         dtype=info.dtype,
         device=info.device,
+        max_logprobs=info.max_logprobs,
     )
 
 

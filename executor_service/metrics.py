@@ -8,8 +8,9 @@ import resource
 from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from protos import ports
 from protos.plan import ExecutorInfo, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,6 @@ class ExecutorMetrics:
 
 def start_metrics_server(metrics: ExecutorMetrics, host: str, port: int) -> WSGIServer:
     """Serve /metrics in a daemon thread; returns the HTTP server (call shutdown() to stop)."""
-    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    server = ports.start_metrics_server(metrics.registry, host, port)
     logger.info("metrics at http://%s:%d/metrics", host, server.server_port)
     return server

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from executor_service.metrics import ExecutorMetrics, start_metrics_server
 from executor_service.security import server_credentials
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer, executor_handler
+from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port
 
 if TYPE_CHECKING:
     from executor_service.config import ExecutorConfig
@@ -59,8 +60,7 @@ LOAD_DELAY_ENV = "TANDEM_TEST_LOAD_DELAY"
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A second executor on the same port must fail to bind, not share the port silently.
-    ("grpc.so_reuseport", 0),
+    EXCLUSIVE_PORT_OPTION,
     # The scheduler pings an idle Step stream every 30 s (executor_client.py); allow it.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
@@ -99,13 +99,7 @@ class ExecutorServer:
         )
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        try:
-            if credentials is None:
-                self.port = self._server.add_insecure_port(f"{host}:{port}")
-            else:
-                self.port = self._server.add_secure_port(f"{host}:{port}", credentials)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {host}:{port} (is the port in use?)") from e
+        self.port = add_grpc_port(self._server, host, port, credentials)
         self.address = f"{host}:{self.port}"
         self.tls = credentials is not None
         if not self.tls and not _is_loopback(host):

@@ -13,10 +13,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from executor_service.metrics import ExecutorMetrics
 from executor_service.plan_validation import PlanError, StepOrderError
+from protos.parsing import MalformedMessage, deserializer
 from protos.plan import StepPlan, info_to_proto, plan_from_proto, result_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
@@ -27,27 +27,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
-
-
-class MalformedMessage:
-    """What a request deserializer returns for bytes that are no valid message."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _deserializer(message_type):
-    """A request deserializer whose parse error becomes INVALID_ARGUMENT in the handler (gRPC
-    would answer INTERNAL for an exception raised in the deserializer)."""
-    name = message_type.DESCRIPTOR.full_name
-
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except DecodeError as e:
-            return MalformedMessage(f"the message is not a valid {name} ({len(data)} bytes): {e}")
-
-    return parse
 
 
 _END = object()  # the Step stream's requests are over
@@ -308,17 +287,17 @@ def executor_handler(servicer: ExecutorServicer) -> grpc.GenericRpcHandler:
         {
             "Describe": grpc.unary_unary_rpc_method_handler(
                 servicer.Describe,
-                request_deserializer=_deserializer(pb.DescribeRequest),
+                request_deserializer=deserializer(pb.DescribeRequest),
                 response_serializer=pb.DescribeResponse.SerializeToString,
             ),
             "Step": grpc.stream_stream_rpc_method_handler(
                 servicer.Step,
-                request_deserializer=_deserializer(pb.StepPlan),
+                request_deserializer=deserializer(pb.StepPlan),
                 response_serializer=pb.StepResult.SerializeToString,
             ),
             "Reset": grpc.unary_unary_rpc_method_handler(
                 servicer.Reset,
-                request_deserializer=_deserializer(pb.ResetRequest),
+                request_deserializer=deserializer(pb.ResetRequest),
                 response_serializer=pb.ResetResponse.SerializeToString,
             ),
         },

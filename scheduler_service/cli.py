@@ -11,7 +11,7 @@ from collections.abc import Callable
 from client.defaults import DEFAULT_MODEL, SCHEDULER_METRICS_PORT, SCHEDULER_PORT
 from client.defaults import env as _env
 from protos.plan import ExecutorInfo
-from scheduler_service.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
+from scheduler_service.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
 from scheduler_service.executor_client import DEFAULT_STEP_TIMEOUT_S
 from scheduler_service.tokenizer import Tokenizer
 
@@ -92,6 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="most prompt tokens of requests waiting for their first output; a request that would "
         f"go over is refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUED_TOKENS}; "
         "0 = no limit) [TANDEM_MAX_QUEUED_TOKENS]",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=_env("MAX_LOGPROBS", DEFAULT_MAX_LOGPROBS),
+        help="most top logprobs per token a request may ask for; more is refused with "
+        f"INVALID_ARGUMENT (default {DEFAULT_MAX_LOGPROBS}, as vLLM) [TANDEM_MAX_LOGPROBS]",
     )
     p.add_argument(
         "--stream-interval",
@@ -211,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
         for flag, value in (("--max-queue", args.max_queue), ("--max-queued-tokens", args.max_queued_tokens)):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0 (0 = no limit), got {value}")
+        if args.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.executor_step_timeout < 0:
@@ -223,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_plans_in_flight=args.max_plans_in_flight,
+            max_logprobs=args.max_logprobs,
         )
         options = EngineOptions(
             config,

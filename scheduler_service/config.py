@@ -18,6 +18,9 @@ DEFAULT_MAX_QUEUE = 1024
 # prefill (many seconds of work before the newest request sees a token) and a few tens of MiB of
 # token ids in the scheduler, far from what threatens its memory.
 DEFAULT_MAX_QUEUED_TOKENS = 1 << 20
+# vLLM's default. Each top logprob of each token is kept and sent: at 4096 (a whole vocabulary)
+# a 1,000-token request took 0.5 GB of scheduler memory.
+DEFAULT_MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -31,12 +34,16 @@ class SchedulerConfig:
     # the executor's step (DESIGN.md §3); None = 2 for an executor that takes a plan ahead
     # (send/receive: the gRPC one and LocalExecutor), else 1.
     max_plans_in_flight: int | None = None
+    # The most top logprobs per token a request may ask for.
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_plans_in_flight not in (None, 1, 2):
             raise ValueError(f"max_plans_in_flight must be 1 or 2, got {self.max_plans_in_flight}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -57,6 +64,7 @@ class SchedulerLimits:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     enable_prefix_caching: bool
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
 
 def resolve_limits(config: SchedulerConfig, info: ExecutorInfo) -> SchedulerLimits:
@@ -97,6 +105,7 @@ def resolve_limits(config: SchedulerConfig, info: ExecutorInfo) -> SchedulerLimi
         vocab_size=info.vocab_size,
         eos_token_ids=tuple(info.eos_token_ids),
         enable_prefix_caching=config.enable_prefix_caching,
+        max_logprobs=config.max_logprobs,
     )
 
 

@@ -154,9 +154,7 @@ class LLMEngine:
         """Take over a sequence from an engine whose executor was lost: it is recomputed from its
         prompt and the tokens it already generated. Raises InvalidRequestError when it no longer
         fits this executor's limits."""
-        verify_request(
-            seq.prompt_token_ids, seq.sampling_params, self.limits.vocab_size, self.limits.max_model_len
-        )
+        self._verify(seq.prompt_token_ids, seq.sampling_params)
         if any(not 0 <= t < self.limits.vocab_size for t in seq.output_token_ids):
             raise InvalidRequestError(
                 f"generated tokens fall outside the vocabulary ({self.limits.vocab_size})"
@@ -167,7 +165,13 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams) -> None:
         """The checks of add_request without admitting anything (to check a batch first)."""
         sampling_params.verify()
-        verify_request(prompt_token_ids, sampling_params, self.limits.vocab_size, self.limits.max_model_len)
+        self._verify(prompt_token_ids, sampling_params)
+
+    def _verify(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams) -> None:
+        limits = self.limits
+        verify_request(
+            prompt_token_ids, sampling_params, limits.vocab_size, limits.max_model_len, limits.max_logprobs
+        )
 
     def abort_request(self, request_id: int) -> bool:
         """Abort between steps; returns whether the request was still unfinished."""

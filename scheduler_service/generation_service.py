@@ -9,16 +9,16 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf.message import DecodeError
 
+from protos.parsing import MalformedMessage
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_service.async_engine import AsyncEngine, QueueFullError
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.executor_client import ExecutorUnavailable
 from scheduler_service.request_stream import RequestStream
-from scheduler_service.sampling_params import InvalidRequestError, SamplingParams
-from scheduler_service.sequence import TokenLogprob
+from scheduler_service.response_chunks import logprobs_to_proto, split_text, split_tokens
+from scheduler_service.sampling_params import InvalidRequestError, SamplingParams, verify_prompt_length
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _FINISH_REASONS = {
@@ -38,24 +38,9 @@ MAX_STOP_STRING_CHARS = 1024
 TOKENIZE_INLINE_CHARS = 8192
 # It is echoed in every response.
 MAX_REQUEST_ID_CHARS = 256
-
-
-class MalformedRequest:
-    """What the Generate deserializer returns for bytes that are no valid GenerateRequest."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def parse_generate_request(data: bytes) -> pb.GenerateRequest | MalformedRequest:
-    """The Generate request deserializer: a parse error becomes INVALID_ARGUMENT in the handler
-    (gRPC would answer INTERNAL for an exception raised here)."""
-    try:
-        return pb.GenerateRequest.FromString(data)
-    except DecodeError as e:
-        return MalformedRequest(
-            f"the request is not a valid tandem.v1.GenerateRequest ({len(data)} bytes): {e}"
-        )
+# Each way, per message (the server's gRPC limits). A prompt of max_model_len token ids is a few
+# hundred KiB; this leaves room for long contexts.
+MAX_MESSAGE_BYTES = 16 * 2**20
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -98,24 +83,20 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def _logprobs_to_proto(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
-    return [
-        pb.TokenLogprob(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top_logprobs=[pb.Logprob(token_id=t, logprob=v) for t, v in lp.top_logprobs],
-        )
-        for lp in logprobs
-    ]
-
-
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, engine: AsyncEngine, stream_interval: int = 1) -> None:
+    def __init__(
+        self, engine: AsyncEngine, stream_interval: int = 1, max_message_bytes: int = MAX_MESSAGE_BYTES
+    ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
         self.metrics = engine.metrics
         self.stream_interval = stream_interval
+        self.max_message_bytes = max_message_bytes
+        # A chunk: half of the message for token ids and logprobs, a quarter for text (UTF-8: at
+        # most 4 bytes a character), the rest for the request id and framing.
+        self._chunk_token_bytes = max_message_bytes // 2
+        self._chunk_text_chars = max_message_bytes // 16
 
     async def _fail(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.metrics.requests_failed.labels(code.name).inc()
@@ -135,21 +116,38 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if request.WhichOneof("prompt") == "text":
             if tokenizer is None and self.engine.engine is not None:
                 raise InvalidRequestError(NO_TOKENIZER)
+            text = request.text  # each read of the field decodes it anew
             if tokenizer is None:
                 prompt = []
-            elif len(request.text) > TOKENIZE_INLINE_CHARS:
-                prompt = await asyncio.to_thread(tokenizer.encode, request.text)
             else:
-                prompt = tokenizer.encode(request.text)
+                if (engine := self.engine.engine) is not None:  # refuse what cannot fit before the work
+                    verify_prompt_length(
+                        tokenizer.min_num_tokens(text), params, engine.limits.max_model_len, lower_bound=True
+                    )
+                if len(text) > TOKENIZE_INLINE_CHARS:
+                    prompt = await asyncio.to_thread(tokenizer.encode, text)
+                else:
+                    prompt = tokenizer.encode(text)
         else:
             prompt = list(request.token_ids.ids)
         return self.engine.add_request(request_id, prompt, params, arrival, timeout)
 
     async def Generate(
-        self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
+        self,
+        requests: AsyncIterator[pb.GenerateRequest | MalformedMessage],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Served as a stream-request handler (the same on the wire for unary clients), so that a
+        request that gRPC refused for its size still comes here, as no message, and is counted."""
         arrival = time.perf_counter()
-        if isinstance(request, MalformedRequest):
+        request = await context.read()
+        if request is grpc.aio.EOF:
+            await self._fail(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no GenerateRequest arrived: requests are limited to {self.max_message_bytes} bytes",
+            )
+        if isinstance(request, MalformedMessage):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
@@ -162,12 +160,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         tokenizer = self.engine.tokenizer
         detokenizer = IncrementalDetokenizer(tokenizer, stream.params.stop) if tokenizer else None
+        final = None
         try:
             async for response in self._responses(stream, detokenizer, context):
-                yield response
+                yield response  # returns once gRPC has taken the message
+                final = response.final if response.WhichOneof("payload") == "final" else None
         finally:
             if not stream.finished:  # the client cancelled, or its deadline passed
                 self.engine.abort(stream)
+            if final is not None:
+                reason = next(k for k, v in _FINISH_REASONS.items() if v == final.finish_reason)
+                self.metrics.requests_finished.labels(reason).inc()
+            elif stream.failure is None:  # (a failure was counted by _fail)
+                # Cancelled, past its deadline, or a message that could not be sent.
                 remaining = context.time_remaining()
                 expired = remaining is not None and remaining <= DEADLINE_SLACK_S
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
@@ -184,24 +189,34 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await stream.wait(self.stream_interval)
             if stream.failure is not None:
                 await self._fail(context, stream.failure.code, stream.failure.message)
-            # Read together with the tokens: more may arrive while the chunk is written.
+            # Read together with the tokens: more may arrive while the chunks are written.
             finished = stream.finished
             ids, logprobs = stream.take()
-            text, stop = "", None
-            if detokenizer is not None:
-                update = detokenizer.add(ids)
-                text = update.text
-                if update.stop_string is not None:
-                    stop = update.stop_string
-                    ids, logprobs = ids[: update.num_tokens], logprobs[: update.num_tokens]
-                    self.engine.abort(stream)
-                    stream.finished = finished = True
-                elif finished:
-                    text += detokenizer.flush()
-            num_sent += len(ids)
-            if ids or text:
-                chunk = pb.GenerateChunk(token_ids=ids, text=text, logprobs=_logprobs_to_proto(logprobs))
-                yield pb.GenerateResponse(request_id=stream.request_id, chunk=chunk)
+            stop = None
+            pieces = list(split_tokens(ids, logprobs_to_proto(logprobs), self._chunk_token_bytes))
+            for i, (ids, logprobs) in enumerate(pieces):
+                text = ""
+                if detokenizer is not None:
+                    update = detokenizer.add(ids)
+                    text = update.text
+                    if update.stop_string is not None:
+                        stop = update.stop_string
+                        ids, logprobs = ids[: update.num_tokens], logprobs[: update.num_tokens]
+                        self.engine.abort(stream)
+                        stream.finished = finished = True
+                    elif finished and i == len(pieces) - 1:
+                        text += detokenizer.flush()
+                num_sent += len(ids)
+                if ids or text:
+                    texts = split_text(text, self._chunk_text_chars)
+                    chunk = pb.GenerateChunk(token_ids=ids, text=texts[0], logprobs=logprobs)
+                    yield pb.GenerateResponse(request_id=stream.request_id, chunk=chunk)
+                    for more in texts[1:]:
+                        yield pb.GenerateResponse(
+                            request_id=stream.request_id, chunk=pb.GenerateChunk(text=more)
+                        )
+                if stop is not None:
+                    break
             if finished:
                 yield pb.GenerateResponse(
                     request_id=stream.request_id, final=self._final(stream, num_sent, stop)
@@ -213,7 +228,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         stop_reason = stop or ""
         if stop is None and reason == "stop" and stream.last_token_id in stream.params.stop_token_ids:
             stop_reason = str(stream.last_token_id)
-        self.metrics.requests_finished.labels(reason).inc()
         self.metrics.e2e.observe(time.perf_counter() - stream.arrival)
         return pb.GenerateFinal(
             finish_reason=_FINISH_REASONS[reason],
@@ -224,8 +238,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         )
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetModelInfoRequest | MalformedMessage, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
+        if isinstance(request, MalformedMessage):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         engine = self.engine.engine
         if engine is None:
             await self._fail(
@@ -244,4 +260,5 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             tensor_parallel_size=info.tensor_parallel_size,
             dtype=info.dtype,
             device=info.device,
+            max_logprobs=engine.limits.max_logprobs,
         )

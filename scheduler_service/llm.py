@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
@@ -46,6 +46,7 @@ class LLM:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         max_plans_in_flight: int | None = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         **executor_options,
     ):
         # Imported here so that scheduler_service imports without torch.
@@ -69,6 +70,7 @@ class LLM:
                 max_model_len=max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
                 max_plans_in_flight=max_plans_in_flight,
+                max_logprobs=max_logprobs,
             ),
         )
         tokenizer_path = tokenizer or model

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from protos.ports import start_metrics_server
 from scheduler_service.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class SchedulerMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP in a daemon thread; returns the bound port (port 0 picks one)."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._http = start_metrics_server(self.registry, host, port)
         bound = self._http.server_port
         logger.info("metrics on http://%s:%d/metrics", host, bound)
         return bound

@@ -67,27 +67,43 @@ class SamplingParams:
 
 
 def verify_request(
-    prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    max_logprobs: int | None = None,
 ) -> None:
-    """Checks that need the executor's limits; raise InvalidRequestError."""
+    """Checks that need the executor's limits (and the scheduler's `max_logprobs`, None: none);
+    raise InvalidRequestError."""
     if len(prompt_token_ids) == 0:
         _fail("prompt is empty: at least one token is required")
     for i, t in enumerate(prompt_token_ids):
         if not 0 <= t < vocab_size:
             _fail(f"token id {t} at position {i} is outside the vocabulary (size {vocab_size})")
-    n = len(prompt_token_ids)
-    if params.max_tokens is None:
-        if n >= max_model_len:
-            _fail(f"prompt ({n} tokens) leaves no room to generate within max_model_len ({max_model_len})")
-    elif n + params.max_tokens > max_model_len:
-        _fail(
-            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})"
-        )
+    verify_prompt_length(len(prompt_token_ids), params, max_model_len)
     if params.logprobs > vocab_size:
         _fail(f"logprobs ({params.logprobs}) exceeds the vocabulary size ({vocab_size})")
+    if max_logprobs is not None and params.logprobs > max_logprobs:
+        _fail(
+            f"logprobs ({params.logprobs}) exceeds max_logprobs ({max_logprobs}; the scheduler's --max-logprobs)"
+        )
     for i, t in enumerate(params.stop_token_ids):
         if t >= vocab_size:
             _fail(f"stop_token_ids[{i}] = {t} is outside the vocabulary (size {vocab_size})")
+
+
+def verify_prompt_length(
+    num_tokens: int, params: SamplingParams, max_model_len: int, *, lower_bound: bool = False
+) -> None:
+    """Raise InvalidRequestError when a prompt of `num_tokens` leaves no room to generate;
+    `lower_bound`: the prompt has at least that many (counted from a text's size, before it is
+    tokenized)."""
+    n = f"at least {num_tokens} tokens, from its size" if lower_bound else f"{num_tokens} tokens"
+    if params.max_tokens is None:
+        if num_tokens >= max_model_len:
+            _fail(f"prompt ({n}) leaves no room to generate within max_model_len ({max_model_len})")
+    elif num_tokens + params.max_tokens > max_model_len:
+        _fail(f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})")
 
 
 def _fail(message: str) -> None:

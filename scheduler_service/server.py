@@ -20,11 +20,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos.parsing import deserializer
 from protos.plan import ExecutorInfo
+from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port, bind_address
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import AsyncEngine, EngineOptions
 from scheduler_service.engine import Executor
-from scheduler_service.generation_service import SERVICE_NAME, GenerationServicer, parse_generate_request
+from scheduler_service.generation_service import MAX_MESSAGE_BYTES, SERVICE_NAME, GenerationServicer
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request_stream import RequestFailure
 from scheduler_service.security import ApiKeyInterceptor
@@ -32,18 +34,13 @@ from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# A prompt of max_model_len token ids is a few hundred KiB; this leaves room for long contexts.
-MAX_MESSAGE_BYTES = 16 * 2**20
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    EXCLUSIVE_PORT_OPTION,
 ]
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def _bind_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -51,19 +48,20 @@ def _is_loopback(host: str) -> bool:
 
 
 def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
-    """GenerationService's methods, with a Generate deserializer that turns undecodable bytes
-    into INVALID_ARGUMENT (gRPC's own would answer INTERNAL)."""
+    """GenerationService's methods, with deserializers that turn undecodable bytes into
+    INVALID_ARGUMENT."""
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
-            "Generate": grpc.unary_stream_rpc_method_handler(
+            # A stream-request handler: see GenerationServicer.Generate.
+            "Generate": grpc.stream_stream_rpc_method_handler(
                 servicer.Generate,
-                request_deserializer=parse_generate_request,
+                request_deserializer=deserializer(pb.GenerateRequest),
                 response_serializer=pb.GenerateResponse.SerializeToString,
             ),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 servicer.GetModelInfo,
-                request_deserializer=pb.GetModelInfoRequest.FromString,
+                request_deserializer=deserializer(pb.GetModelInfoRequest),
                 response_serializer=pb.GetModelInfoResponse.SerializeToString,
             ),
         },
@@ -116,11 +114,9 @@ class SchedulerServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, server)
-        address = _bind_address(self.host, self.port)
-        if self.tls_credentials is not None:
-            self.port = server.add_secure_port(address, self.tls_credentials)
-        else:
-            self.port = server.add_insecure_port(address)
+        self.port = add_grpc_port(server, self.host, self.port, self.tls_credentials)
+        if self.metrics_port is not None:  # bound before serving: a port in use fails the start
+            self.metrics_port = self.metrics.serve(self.metrics_port, self.host)
         if not _is_loopback(self.host) and (self.tls_credentials is None or not self.api_keys):
             logger.warning(
                 "listening on %s without %s: anyone who reaches this address can use it",
@@ -133,12 +129,10 @@ class SchedulerServer:
             )
         await server.start()
         self._server = server
-        if self.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.metrics_port, self.host)
         self.engine.start(asyncio.get_running_loop())
         logger.info(
             "scheduler serving on %s (%s%s)",
-            _bind_address(self.host, self.port),
+            bind_address(self.host, self.port),
             "TLS" if self.tls_credentials is not None else "plaintext",
             ", API key required" if self.api_keys else "",
         )

@@ -131,6 +131,12 @@ SCHEDULER_CATALOG: list[tuple[str, object, grpc.StatusCode, str]] = [
     ("frequency-penalty-inf", req([5], frequency_penalty=-INF), IA, "frequency_penalty must be a finite"),
     ("logprobs-negative", req([5], logprobs=-1), IA, "logprobs must be >= 0"),
     ("logprobs-above-vocab", req([5], logprobs=1_000_000), IA, "exceeds the vocabulary size (512)"),
+    (
+        "logprobs-above-max",
+        req([5], logprobs=21),
+        IA,
+        "exceeds max_logprobs (20; the scheduler's --max-logprobs)",
+    ),
     ("stop-token-id-vocab", req([5], stop_token_ids=[600]), IA, "outside the vocabulary"),
     ("stop-token-id-negative", req([5], stop_token_ids=[-3]), IA, "stop_token_ids[0] must be >= 0"),
     ("too-many-stop-strings", req([5], stop=["x"] * 65), IA, "at most 64 stop strings"),
@@ -193,6 +199,20 @@ def test_scheduler_catalog(scheduler, case, bad, code, message):
     assert e.value.code() == code, f"{case}: {e.value.code()} {e.value.details()}"
     assert message in (e.value.details() or ""), e.value.details()
     good_request_works(channel)
+
+
+def test_get_model_info_refuses_undecodable_bytes_as_invalid_argument(scheduler):
+    _, channel = scheduler
+    info = channel.unary_unary(
+        "/tandem.v1.GenerationService/GetModelInfo",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.GetModelInfoResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        info(b"\xff\xff\xff\xff", timeout=30)
+    assert e.value.code() == IA, e.value.details()
+    assert "not a valid tandem.v1.GetModelInfoRequest (4 bytes)" in e.value.details()
+    assert info(b"", timeout=30).vocab_size == 512
 
 
 # -- executor Step stream ------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""Listening ports that belong to one process, for every server of both services (gRPC and
+/metrics): a port in use fails the start with one line naming the port and, where /proc tells,
+the process that holds it ("port 50051 is already in use (pid 123: tandem scheduler ...)")."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+# gRPC sets SO_REUSEPORT by default: a second server on the port would start and the kernel would
+# split the connections between the two. Every gRPC server's options must include this.
+EXCLUSIVE_PORT_OPTION = ("grpc.so_reuseport", 0)
+_LISTEN = "0A"  # TCP state in /proc/net/tcp
+_MAX_COMMAND_CHARS = 120
+
+
+class PortInUseError(OSError):
+    """The port is already bound by another socket (another process, or this one)."""
+
+
+def bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def add_grpc_port(
+    server: grpc.Server | grpc.aio.Server,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Bind `server` (built with EXCLUSIVE_PORT_OPTION) to host:port; returns the bound port
+    (port 0 picks one). Raises PortInUseError or OSError naming the address."""
+    address = bind_address(host, port)
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as e:  # gRPC says only "Failed to bind to address"
+        raise listen_error(host, port, str(e)) from None
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
+    """prometheus_client's /metrics server in a daemon thread, on a port of its own (the stdlib
+    server sets SO_REUSEADDR only, which on Linux lets no second socket listen on the port)."""
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise listen_error(host, port, e.strerror or str(e)) from None
+    return server
+
+
+def listen_error(host: str, port: int, detail: str) -> OSError:
+    """The error for a failed bind: PortInUseError when the port is taken, naming its holder."""
+    holder = port_holder(port)
+    if holder is not None or (port and _is_bound(host, port)):
+        return PortInUseError(f"port {port} is already in use ({holder or 'by another process'})")
+    return OSError(f"cannot listen on {bind_address(host, port)}: {detail}")
+
+
+def port_holder(port: int) -> str | None:
+    """'pid N: command line' of a process of ours listening on TCP `port`, from /proc (Linux);
+    None where unknown (no /proc, or another user's process)."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    return f"pid {proc.name}: {_command(proc)}"
+        except OSError:  # gone, or not ours to read
+            continue
+    return "by a process of another user"
+
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    return inodes
+
+
+def _command(proc: Path) -> str:
+    command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    return command if len(command) <= _MAX_COMMAND_CHARS else command[: _MAX_COMMAND_CHARS - 3] + "..."
+
+
+def _is_bound(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False

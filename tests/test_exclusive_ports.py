@@ -1,0 +1,89 @@
+"""Every listening port of both services is its own: a second scheduler or executor on a port in
+use (gRPC or /metrics) exits non-zero at start with one line naming the port and its holder, and
+the first one keeps serving (issue 13, item 2: gRPC's default SO_REUSEPORT let two schedulers
+share a port and split its traffic)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from test_e2e_services import CHILD_ENV, ROOT, _first_health
+
+from client import TandemClient
+from client.defaults import free_port
+from client.up import Service
+
+START_TIMEOUT = 60.0
+
+
+def _scheduler(port: int, metrics_port: int, log: Path) -> Service:
+    argv = [sys.executable, "-m", "scheduler_service", "--executor", f"127.0.0.1:{free_port()}"]
+    argv += ["--port", str(port), "--metrics-port", str(metrics_port)]
+    return Service("scheduler", argv, log, env=CHILD_ENV, cwd=ROOT)
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *argv],
+        env=CHILD_ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+    )
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    """A scheduler holding a gRPC port and a metrics port (its executor never comes: it listens
+    NOT_SERVING, which is all these tests need)."""
+    port, metrics_port = free_port(), free_port()
+    scheduler = _scheduler(port, metrics_port, tmp_path_factory.mktemp("ports") / "first.log")
+    scheduler.start()
+    with TandemClient(f"127.0.0.1:{port}") as client:
+        _first_health(client, scheduler)
+    yield scheduler, port, metrics_port
+    scheduler.stop(5.0)
+
+
+def _assert_still_serving(first) -> None:
+    scheduler, port, metrics_port = first
+    assert scheduler.alive(), scheduler.tail()
+    with TandemClient(f"127.0.0.1:{port}") as client:
+        for _ in range(10):  # with a shared port, the kernel sent some of these to the second one
+            assert client.health(timeout=2.0) == "NOT_SERVING"
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        assert b"tandem_scheduler_executor_up" in response.read()
+
+
+def _assert_refused(done: subprocess.CompletedProcess, port: int, holder_pid: int) -> None:
+    assert done.returncode != 0, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert f"port {port} is already in use (pid {holder_pid}: " in errors[0], done.stderr
+
+
+@pytest.mark.parametrize("which", ["grpc", "metrics"])
+def test_a_second_scheduler_on_a_port_in_use_exits_naming_it(first, which):
+    scheduler, port, metrics_port = first
+    taken = port if which == "grpc" else metrics_port
+    ports = (taken, free_port()) if which == "grpc" else (free_port(), taken)
+    argv = ["scheduler_service", "--executor", f"127.0.0.1:{free_port()}"]
+    done = _run(argv + ["--port", str(ports[0]), "--metrics-port", str(ports[1])])
+    _assert_refused(done, taken, scheduler.process.pid)
+    _assert_still_serving(first)
+
+
+@pytest.mark.parametrize("which", ["grpc", "metrics"])
+def test_an_executor_on_a_port_in_use_exits_naming_it(first, which, qwen3_tied):
+    scheduler, port, metrics_port = first
+    taken = port if which == "grpc" else metrics_port
+    ports = (taken, free_port()) if which == "grpc" else (free_port(), taken)
+    argv = ["executor_service", "--model", str(qwen3_tied), "--num-kv-blocks", "16"]
+    done = _run(argv + ["--port", str(ports[0]), "--metrics-port", str(ports[1])])
+    _assert_refused(done, taken, scheduler.process.pid)
+    _assert_still_serving(first)
