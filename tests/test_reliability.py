@@ -289,7 +289,9 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(qwen3_tied, refe
     progress = [0] * len(prompts)
 
     async def run():
-        async with AsyncTandemClient(cluster.address, timeout=120, retries=0) as client:  # the server's own refusal
+        async with AsyncTandemClient(
+            cluster.address, timeout=120, retries=0
+        ) as client:  # the server's own refusal
             tasks = [
                 asyncio.ensure_future(_stream(client, p, progress, i, max_tokens=max_tokens, ignore_eos=True))
                 for i, p in enumerate(prompts)
