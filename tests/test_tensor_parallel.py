@@ -241,12 +241,8 @@ def test_a_rank_reads_only_its_shard_of_the_checkpoint(qwen3_untied, monkeypatch
     """No rank loads the full model: at TP=2 a rank reads half of each sharded tensor from the
     checkpoint (the norms, a sliver of it, whole), and what it reads is its part. (A weight loader
     that read a whole tensor and then narrowed it would count the whole tensor here.)"""
-    from executor_service.loader import (
-        CheckpointSlice,
-        checkpoint_tensor_files,
-        load_model_config,
-        load_weights,
-    )
+    from executor_service.loader import CheckpointSlice, checkpoint_tensor_files, load_weights
+    from executor_service.model_config import load_model_config
     from executor_service.models import get_model_class
 
     read = []

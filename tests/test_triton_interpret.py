@@ -70,6 +70,8 @@ for dtype in (torch.float32, torch.bfloat16, f16):
     check_silu_and_mul(3, 200, dtype, "cpu")
     check_qk_norm_rope(4, 4, 2, 32, dtype, "cpu")
     check_qk_norm_rope(3, 2, 1, 64, dtype, "cpu")
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024}
+    check_qk_norm_rope(5, 4, 2, 32, dtype, "cpu", with_norm=False, rope=yarn)
 """,
     "sampling": """
 from test_sampling_kernel import check_distribution, check_greedy, check_sampler_routing, check_seed_isolation
