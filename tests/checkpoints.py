@@ -130,7 +130,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             "decoder_sparse_step": 1,
             "mlp_only_layers": [2],
         },
-    ),  # fmt: skip
+    ),
 }
 
 
