@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from executor_service.attention import BACKENDS
+from executor_service.hub import resolve_model
 from executor_service.model_config import ModelConfig, load_model_config
 from executor_service.models import get_model_class
 from executor_service.parallel import check_tp_layout, rank_device
@@ -27,8 +28,11 @@ DTYPES = {
 
 @dataclass
 class ExecutorConfig:
+    # A checkpoint directory, or a Hugging Face hub id already in the local cache (hub.py).
     model: str
     device: str = "cpu"
+    # The hub id's branch, tag or commit (with a directory: ignored).
+    revision: str | None = None
     dtype: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -53,9 +57,17 @@ class ExecutorConfig:
     model_config: ModelConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     model_class: type = field(init=False, repr=False)
+    model_name: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        given = self.model
+        try:
+            self.model = resolve_model(self.model, self.revision)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
         path = Path(self.model)
+        # What Describe and the metrics call the model: the hub id, or the directory's name.
+        self.model_name = given if self.model != given else path.resolve().name
         if not (path / "config.json").is_file():
             raise ValueError(f"model {self.model!r} must be a checkpoint directory with a config.json")
         self.model_config = load_model_config(path)

@@ -34,7 +34,8 @@ class GenerationOutput:
 
 
 class LLM:
-    """A checkpoint directory served in-process. Executor options are `ExecutorConfig` fields."""
+    """A checkpoint directory (or a hub id in the local cache) served in-process. Executor options
+    are `ExecutorConfig` fields."""
 
     def __init__(
         self,
@@ -71,7 +72,8 @@ class LLM:
                 max_plans_in_flight=max_plans_in_flight,
             ),
         )
-        tokenizer_path = tokenizer or model
+        # The executor resolved a hub id to its cached snapshot.
+        tokenizer_path = tokenizer or self.executor.config.model
         self.tokenizer = Tokenizer(tokenizer_path) if Tokenizer.exists(tokenizer_path) else None
 
     def _encode(self, prompt: Prompt) -> list[int]:
