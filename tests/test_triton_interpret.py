@@ -82,6 +82,16 @@ check_seed_isolation(24, "cpu", block=16)
 # 400 draws: a frequency's standard error is at most 0.025; 0.1 is 4 of them.
 check_distribution(400, 6, 0.6, "cpu", block=8, tol=0.1)
 """,
+    "fused_moe": """
+from test_fused_moe import LOADS, check_fused_moe
+from executor_service.layers.fused_moe_triton import MoEConfig
+small = MoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)  # several N and K tiles
+for num_tokens, used in LOADS:
+    for dtype in (torch.float32, f16):
+        check_fused_moe(num_tokens, 8, 2, 64, 48, dtype, "cpu", used=used)
+    check_fused_moe(num_tokens, 8, 2, 40, 24, torch.float32, "cpu", used=used, config=small)
+check_fused_moe(9, 4, 4, 32, 32, torch.float32, "cpu", config=MoEConfig(32, 32, 32, 4, 1))  # top_k = experts
+""",
     "mixed": """
 # Prefill chunks and decode rows in one step, plus CUDA-graph padding rows.
 for splits in (1, 3):
