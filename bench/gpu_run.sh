@@ -47,6 +47,11 @@ tp_debug() {
 for what in "$@"; do
     case $what in
     tests) stage tests "$PY" -m pytest -q tests/test_triton_ops.py tests/test_sampling_kernel.py tests/test_gpu_engine.py ;;
+    moe-tests) TAIL=20 stage moe-tests "$PY" -m pytest -q -m gpu tests/test_fused_moe.py tests/test_triton_ops.py tests/test_gpu_engine.py -k "moe or rope or famil" ;;
+    moe) TAIL=20 stage moe "$PY" bench/moe.py ;;
+    moe-sweep) TAIL=40 STAGE_TIMEOUT=1200 stage moe-sweep "$PY" bench/moe.py --sweep --num-tokens 64 256 2048 8192 ;;
+    w3) TAIL=12 STAGE_TIMEOUT=1500 stage w3 "$PY" bench/throughput.py --workload w3 --device cuda ;;
+    llama-1b) TAIL=12 stage llama-1b "$PY" bench/throughput.py --workload w1 --shape llama-3.2-1b --device cuda --mode in-process ;;
     kernels) stage kernels "$PY" -m pytest -q -x tests/test_triton_kernels.py ;;
     attention) stage attention "$PY" bench/attention.py ;;
     profile) TAIL=40 stage profile "$PY" bench/profile_step.py --steps 16 ;;
