@@ -47,6 +47,15 @@ tp_debug() {
 for what in "$@"; do
     case $what in
     tests) stage tests "$PY" -m pytest -q tests/test_triton_ops.py tests/test_sampling_kernel.py tests/test_gpu_engine.py ;;
+    moe-tests) TAIL=20 stage moe-tests "$PY" -m pytest -q -m gpu tests/test_fused_moe.py tests/test_triton_ops.py tests/test_gpu_engine.py -k "moe or rope or famil" ;;
+    moe) TAIL=20 stage moe "$PY" bench/moe.py ;;
+    moe-sweep) TAIL=40 STAGE_TIMEOUT=1200 stage moe-sweep "$PY" bench/moe.py --sweep --num-tokens 64 256 2048 8192 ;;
+    # W3 in three calls (each well under the device tool's 10 minutes): the 61 GB checkpoint into
+    # /dev/shm (it stays while the machine is held), then each mode.
+    w3-build) stage w3-build "$PY" bench/random_checkpoint.py --shape qwen3-30b-a3b --out "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" ;;
+    w3) TAIL=12 STAGE_TIMEOUT=580 stage w3 "$PY" bench/throughput.py --workload w3 --device cuda --mode in-process --w1-dir "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" ;;
+    w3-split) TAIL=12 STAGE_TIMEOUT=580 stage w3-split "$PY" bench/throughput.py --workload w3 --device cuda --mode split --w1-dir "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" ;;
+    llama-1b) TAIL=12 stage llama-1b "$PY" bench/throughput.py --workload w1 --shape llama-3.2-1b --device cuda --mode in-process ;;
     kernels) stage kernels "$PY" -m pytest -q -x tests/test_triton_kernels.py ;;
     attention) stage attention "$PY" bench/attention.py ;;
     profile) TAIL=40 stage profile "$PY" bench/profile_step.py --steps 16 ;;

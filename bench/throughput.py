@@ -4,6 +4,8 @@ each and their ratio.
 
     python bench/throughput.py                      # CPU: the embedded model, 64 requests
     python bench/throughput.py --workload w1 --device cuda     # BENCH.md W1 (Qwen3-0.6B shape)
+    python bench/throughput.py --workload w3 --device cuda     # BENCH.md W3 (Qwen3-30B-A3B shape)
+    python bench/throughput.py --workload w1 --shape llama-3.2-1b --device cuda
 
 Requests have token-id prompts, random (seeded) prompt and output lengths and ignore_eos, so
 every run generates exactly the same number of tokens. Time runs from submitting the first
@@ -60,6 +62,10 @@ QWEN3_8B_CONFIG = {
     "tie_word_embeddings": False,
 }
 SHAPES = {"qwen3-0.6b": W1_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}
+# Shapes written as random tensors without a model init (bench/random_checkpoint.py): W3's MoE and
+# Llama 3.2 1B's.
+RANDOM_SHAPES = ("qwen3-30b-a3b", "llama-3.2-1b")
+W3_FLOOR_TOK_S = 7500  # BENCH.md: W3's floor on the H200 (61 GB of experts read per decode step)
 W1_TOTALS = (142_827, 133_966)  # prompt, output tokens
 W1_FLOOR_S = 3.7  # BENCH.md: the H200's floor for W1 (weights and KV cache read at copy bandwidth)
 
@@ -74,14 +80,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--workload",
-        choices=["random", "w1"],
+        choices=["random", "w1", "w3"],
         default="random",
-        help="random: the flags below; w1: BENCH.md W1 (256 requests, 100-1024 in and out, T=0.6)",
+        help="random: the flags below; w1: BENCH.md W1 (256 requests, 100-1024 in and out, T=0.6); "
+        "w3: W1's requests on the Qwen3-30B-A3B shape (61 GB, built in /dev/shm unless --w1-dir)",
     )
     p.add_argument("--model", default=None, help="checkpoint directory (default: embedded model; w1: built)")
     p.add_argument(
         "--shape",
-        choices=sorted(SHAPES),
+        choices=sorted([*SHAPES, *RANDOM_SHAPES]),
         default="qwen3-0.6b",
         help="w1: the architecture of the built checkpoint (default qwen3-0.6b, BENCH.md's W1)",
     )
@@ -146,9 +153,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
     args = p.parse_args(argv)
+    if args.workload == "w3":
+        args.shape = "qwen3-30b-a3b"
     if args.w1_dir is None:
-        args.w1_dir = str(Path(tempfile.gettempdir()) / f"tandem-w1-{args.shape}")
-    if args.workload == "w1":
+        # 61 GB: memory-backed /dev/shm where there is one (the GPU machine's disk is 64 GiB).
+        big = args.shape == "qwen3-30b-a3b" and Path("/dev/shm").is_dir()
+        args.w1_dir = str(Path("/dev/shm" if big else tempfile.gettempdir()) / f"tandem-w1-{args.shape}")
+    if args.workload in ("w1", "w3"):
         args.num_requests = 256
         args.min_prompt_len, args.max_prompt_len = 100, 1024
         args.min_output_len, args.max_output_len = 100, 1024
@@ -161,9 +172,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_w1_checkpoint(out_dir: Path, shape: str = "qwen3-0.6b") -> Path:
     """A Qwen3 architecture (SHAPES) with random bf16 weights, saved through transformers. The
-    8B shape is initialised on the GPU when there is one (on the CPU it needs ~32 GB and minutes)."""
+    8B shape is initialised on the GPU when there is one (on the CPU it needs ~32 GB and minutes).
+    RANDOM_SHAPES are written as random tensors (bench/random_checkpoint.py)."""
     if (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")):
         return out_dir
+    if shape in RANDOM_SHAPES:
+        from random_checkpoint import build_random_checkpoint
+
+        return build_random_checkpoint(out_dir, shape)
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -394,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         args.model = (
             str(build_w1_checkpoint(Path(args.w1_dir), args.shape))
-            if args.workload == "w1"
+            if args.workload in ("w1", "w3")
             else str(DEFAULT_MODEL)
         )
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
@@ -408,12 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model}, device {args.device}, max_num_seqs {args.max_num_seqs}, "
         f"split stream interval {args.stream_interval}"
     )
-    if args.workload == "w1" and (num_prompt, num_output) != W1_TOTALS:
+    if args.workload in ("w1", "w3") and (num_prompt, num_output) != W1_TOTALS:
         print(f"warning: W1 expects {W1_TOTALS} prompt/output tokens", file=sys.stderr)
 
     results = {}
 
     def floor(elapsed: float) -> str:
+        if args.workload == "w3" and args.tensor_parallel_size == 1:
+            return f"; {num_output / elapsed / W3_FLOOR_TOK_S:.0%} of the ~{W3_FLOOR_TOK_S} tok/s floor"
         if args.workload != "w1" or args.shape != "qwen3-0.6b" or args.tensor_parallel_size != 1:
             return ""
         return f"; the {W1_FLOOR_S} s floor is {W1_FLOOR_S / elapsed:.0%} of it"
@@ -447,10 +465,12 @@ def main(argv: list[str] | None = None) -> int:
         ratio = results["split"] / results["in-process"]
         label = "CPU" if args.device == "cpu" else "GPU"
         print(f"{label} split/in-process: {ratio:.3f}")
-    if args.workload == "w1":
-        label = "W1"
-        if args.shape != "qwen3-0.6b" or args.tensor_parallel_size != 1:
-            label = f"W1 {args.shape} TP={args.tensor_parallel_size}"
+    if args.workload in ("w1", "w3"):
+        label = "W1" if args.workload == "w1" else "W3"
+        if args.workload == "w1" and args.shape != "qwen3-0.6b":
+            label += f" {args.shape}"
+        if args.tensor_parallel_size != 1 or args.shape == "qwen3-8b":
+            label += f" TP={args.tensor_parallel_size}"
         for mode, rate in results.items():
             print(f"{label} {mode}: {rate:.0f} output tok/s")
     if args.peer:

@@ -41,7 +41,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"scheduler address HOST:PORT (default {DEFAULT_SERVER}; env TANDEM_SERVER)",
     )
-    where.add_argument("--model", default=None, help="checkpoint directory: run in-process, no server")
+    where.add_argument(
+        "--model", default=None, help="checkpoint directory or cached ORG/NAME: run in-process, no server"
+    )
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for several prompts)")
     p.add_argument(
         "--prompt-ids", type=_token_ids, action="append", default=[], help="prompt as token ids: 1,2,3"
@@ -103,6 +105,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     local = p.add_argument_group("with --model (in-process)")
     local.add_argument(
         "--tokenizer", default=None, help="tokenizer.json or its directory (default: the model's)"
+    )
+    local.add_argument(
+        "--revision", default=env("REVISION"), help="of an ORG/NAME --model (env TANDEM_REVISION)"
     )
     local.add_argument("--device", default=env("DEVICE", "cpu"), help="cpu or cuda (env TANDEM_DEVICE)")
     local.add_argument("--dtype", default=env("DTYPE"), help="weights dtype (default: the checkpoint's)")
@@ -170,6 +175,7 @@ def _generate_in_process(args: argparse.Namespace, prompts) -> int:
         llm = LLM(
             args.model,
             tokenizer=args.tokenizer,
+            revision=args.revision,
             device=args.device,
             dtype=args.dtype,
             max_model_len=args.max_model_len,

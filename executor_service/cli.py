@@ -41,7 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=_env("MODEL", str(DEFAULT_MODEL)),
-        help="checkpoint directory (HF format, safetensors) [TANDEM_MODEL; default: the embedded tandem-tiny-pydoc]",
+        help="checkpoint directory (HF format, safetensors), or ORG/NAME already in the Hugging Face cache "
+        "[TANDEM_MODEL; default: the embedded tandem-tiny-pydoc]",
+    )
+    p.add_argument(
+        "--revision",
+        default=_env("REVISION"),
+        help="branch, tag or commit of an ORG/NAME --model in the cache (default main) [TANDEM_REVISION]",
     )
     p.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda or cuda:N [TANDEM_DEVICE]")
     p.add_argument(
@@ -194,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = ExecutorConfig(
             model=args.model,
+            revision=args.revision,
             device=args.device,
             dtype=args.dtype,
             block_size=args.block_size,

@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 
 from executor_service.attention import BACKENDS
-from executor_service.loader import ModelConfig, load_model_config
+from executor_service.hub import resolve_model
+from executor_service.model_config import ModelConfig, load_model_config
+from executor_service.models import get_model_class
 from executor_service.parallel import check_tp_layout, rank_device
 
 DTYPES = {
@@ -26,8 +28,11 @@ DTYPES = {
 
 @dataclass
 class ExecutorConfig:
+    # A checkpoint directory, or a Hugging Face hub id already in the local cache (hub.py).
     model: str
     device: str = "cpu"
+    # The hub id's branch, tag or commit (with a directory: ignored).
+    revision: str | None = None
     dtype: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -51,12 +56,22 @@ class ExecutorConfig:
     # Resolved at construction.
     model_config: ModelConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
+    model_class: type = field(init=False, repr=False)
+    model_name: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        given = self.model
+        try:
+            self.model = resolve_model(self.model, self.revision)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
         path = Path(self.model)
+        # What Describe and the metrics call the model: the hub id, or the directory's name.
+        self.model_name = given if self.model != given else path.resolve().name
         if not (path / "config.json").is_file():
             raise ValueError(f"model {self.model!r} must be a checkpoint directory with a config.json")
         self.model_config = load_model_config(path)
+        self.model_class = get_model_class(self.model_config.architecture)
         self._check_device()
         dtype = self.dtype or self.model_config.dtype or "float32"
         if dtype not in DTYPES:
@@ -79,14 +94,18 @@ class ExecutorConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence needs at least one token per step"
             )
-        limit = self.model_config.max_position_embeddings
+        limit = self.model_config.max_context_len
+        window = self.model_config.sliding_window
         if self.max_model_len is None:
-            self.max_model_len = limit
+            # A sliding window caps the default: no request may cross it (CausalLM.check_serving).
+            self.max_model_len = min(limit, window) if window else limit
         elif not 0 < self.max_model_len <= limit:
             raise ValueError(
-                f"max_model_len ({self.max_model_len}) must be in [1, {limit}], "
-                "the model's max_position_embeddings"
-            )
+                f"max_model_len ({self.max_model_len}) must be in [1, {limit}], the model's "
+                + ("context with its rope scaling" if limit > self.model_config.max_position_embeddings
+                   else "max_position_embeddings")
+            )  # fmt: skip
+        self.model_class.check_serving(self.model_config, self.max_model_len)
         self._check_backend()
         self._check_fused_ops()
         self._check_tensor_parallel()
@@ -106,7 +125,9 @@ class ExecutorConfig:
         if tp == 1:
             return
         mc = self.model_config
-        check_tp_layout(mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size, tp)
+        check_tp_layout(
+            mc.num_attention_heads, mc.num_key_value_heads, self.model_class.tensor_parallel_sizes(mc), tp
+        )
         if self.device.startswith("cuda"):
             last = rank_device(self.device, tp - 1)
             if int(last.partition(":")[2]) >= torch.cuda.device_count():

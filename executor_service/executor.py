@@ -18,7 +18,6 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -95,7 +94,7 @@ class LocalExecutor:
     def describe(self) -> ExecutorInfo:
         mc = self.config.model_config
         return ExecutorInfo(
-            model=Path(self.config.model).resolve().name,
+            model=self.config.model_name,
             architecture=mc.architecture,
             block_size=self.config.block_size,
             num_kv_blocks=self.runner.kv_cache.num_blocks,

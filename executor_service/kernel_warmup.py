@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor_service.layers.attention import Attention
+from executor_service.layers.moe import FusedMoE
 from executor_service.sequence import SequenceState
 from protos.plan import StepSamplingParams
 
@@ -70,6 +71,12 @@ def warm_up_kernels(runner: ModelRunner, num_blocks: int) -> int:
                 if seq.row >= 0:
                     runner.remove_sequence(seq)
         ran += 1
+    moe = next((m for m in runner.model.modules() if isinstance(m, FusedMoE) and m.fused), None)
+    if moe is not None:  # every tile configuration of the fused experts (one layer's: all are alike)
+        from executor_service.layers.fused_moe_triton import warm_up as warm_up_moe
+
+        w13, w2 = moe.w13_weight, moe.w2_weight
+        warm_up_moe(w13.shape[2], w13, w2, moe.top_k, runner.config.max_num_batched_tokens)
     if runner.sampler.fused:  # the one-pass sampler, on logits of the model's dtype
         from executor_service.sampling_kernel import sample_from_logits
 

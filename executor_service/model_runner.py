@@ -23,8 +23,8 @@ from executor_service.kernel_warmup import warm_up_kernels
 from executor_service.kv_cache import KVCache, block_bytes
 from executor_service.kv_cache_sizing import determine_num_kv_blocks
 from executor_service.layers.attention import Attention
+from executor_service.layers.fusable import Fusable
 from executor_service.loader import checkpoint_tensor_files, load_weights
-from executor_service.models import get_model_class
 from executor_service.sampler import Sampler, SamplerOutput
 from executor_service.sequence import SequenceState
 from protos.plan import TokenLogprobs
@@ -96,7 +96,7 @@ class ModelRunner:
         names = checkpoint_tensor_files(config.model)
         tied = mc.tie_word_embeddings or "lm_head.weight" not in names
         with _default_dtype(config.torch_dtype), torch.device(self.device):
-            self.model = get_model_class(mc.architecture)(
+            self.model = config.model_class(
                 mc, tie_word_embeddings=tied, tp_rank=tp_rank, tp_size=self.tp_size
             )
         load_weights(self.model, config.model, skip=frozenset({"lm_head.weight"}) if tied else frozenset())
@@ -109,8 +109,8 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = backend
-            if hasattr(module, "fused"):  # the layers with a Triton-fused path
-                module.fused = config.fused_ops == "on"
+            if isinstance(module, Fusable):  # on where the model declares the layer's fused op
+                module.fused = config.fused_ops == "on" and module.fused_op in self.model.fused_ops
         self.sampler = Sampler(
             config.seed, self.device, fused=config.fused_ops == "on" and self.device.type == "cuda"
         )
@@ -143,7 +143,8 @@ class ModelRunner:
             self.block_size,
             num_blocks * bytes_per_block / 2**30,
         )
-        if self.device.type == "cuda" and not config.enforce_eager and backend.graph_safe:
+        graph_safe = backend.graph_safe and self.model.cuda_graph_safe()
+        if self.device.type == "cuda" and not config.enforce_eager and graph_safe:
             self.graphs = DecodeGraphs(
                 self.model, config.max_num_seqs, self.max_blocks_per_seq, mc.hidden_size
             )

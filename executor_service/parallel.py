@@ -65,13 +65,13 @@ def kv_head_shard(tp_rank: int, num_kv_heads: int, tp_size: int) -> int:
     return tp_rank * num_kv_heads // tp_size
 
 
-def check_tp_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> None:
+def check_tp_layout(num_heads: int, num_kv_heads: int, sharded_sizes: dict[str, int], tp_size: int) -> None:
+    """`sharded_sizes`: the other config sizes the model splits over ranks (its declaration)."""
     if num_heads % tp_size:
         raise ValueError(f"tensor_parallel_size ({tp_size}) must divide num_attention_heads ({num_heads})")
-    if intermediate_size % tp_size:
-        raise ValueError(
-            f"tensor_parallel_size ({tp_size}) must divide intermediate_size ({intermediate_size})"
-        )
+    for name, size in sharded_sizes.items():
+        if size % tp_size:
+            raise ValueError(f"tensor_parallel_size ({tp_size}) must divide {name} ({size})")
     if (num_kv_heads % tp_size) if tp_size <= num_kv_heads else (tp_size % num_kv_heads):
         raise ValueError(
             f"tensor_parallel_size ({tp_size}) and num_key_value_heads ({num_kv_heads}) must divide "

@@ -34,7 +34,8 @@ class GenerationOutput:
 
 
 class LLM:
-    """A checkpoint directory served in-process. Executor options are `ExecutorConfig` fields."""
+    """A checkpoint directory (or a hub id in the local cache) served in-process. Executor options
+    are `ExecutorConfig` fields."""
 
     def __init__(
         self,
@@ -73,7 +74,8 @@ class LLM:
                 max_logprobs=max_logprobs,
             ),
         )
-        tokenizer_path = tokenizer or model
+        # The executor resolved a hub id to its cached snapshot.
+        tokenizer_path = tokenizer or self.executor.config.model
         self.tokenizer = Tokenizer(tokenizer_path) if Tokenizer.exists(tokenizer_path) else None
 
     def _encode(self, prompt: Prompt) -> list[int]:

@@ -100,3 +100,80 @@ def trained_prompts() -> list[list[int]]:
         "class",
     ]
     return [tokenizer.encode(text).ids for text in texts]
+
+
+# Tiny checkpoints of every supported family, built through transformers' own config classes:
+# family -> (config class, model class, the family's own config keys).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 256}
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "qwen3_bias": ("Qwen3Config", "Qwen3ForCausalLM", {"attention_bias": True}),
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_parameters": YARN_ROPE}),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}},
+    ),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        # Layers 0, 1 and 3 sparse, 2 dense; top 2 of 8 experts, renormalised.
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [2],
+        },
+    ),
+}
+
+
+def build_checkpoint(
+    out_dir: Path, family: str, *, seed: int = 0, with_tokenizer: bool = True, **overrides
+) -> Path:
+    """A random checkpoint of `family` (FAMILIES) with clear logit margins, saved in HF format: the
+    shape of build_qwen3's, biases drawn like the weights (transformers initialises them to zero,
+    which would leave a bias path untested)."""
+    import torch
+    import transformers
+
+    config_name, model_name, own = FAMILIES[family]
+    kwargs = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    kwargs.update(own)
+    kwargs.update(overrides)
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if with_tokenizer:
+        train_tokenizer(out_dir, vocab_size=400)
+    return out_dir
+
+
+FAMILY_SEEDS: dict[str, int] = {}

@@ -44,3 +44,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """family name -> its tiny checkpoint (tests/checkpoints.py FAMILIES), built once per session."""
+    from checkpoints import FAMILY_SEEDS, build_checkpoint
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            path = tmp_path_factory.mktemp(family)
+            built[family] = build_checkpoint(path, family, seed=FAMILY_SEEDS.get(family, 0))
+        return built[family]
+
+    return get

@@ -236,17 +236,18 @@ def test_killing_rank0_ends_the_other_ranks(qwen3_tied, tmp_path):
         stop(ep)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("tp_rank", [0, 1])
-def test_a_rank_reads_only_its_shard_of_the_checkpoint(qwen3_untied, monkeypatch, tp_rank):
+def test_a_rank_reads_only_its_shard_of_the_checkpoint(
+    request, family_checkpoint, monkeypatch, tp_rank, family
+):
     """No rank loads the full model: at TP=2 a rank reads half of each sharded tensor from the
-    checkpoint (the norms, a sliver of it, whole), and what it reads is its part. (A weight loader
-    that read a whole tensor and then narrowed it would count the whole tensor here.)"""
-    from executor_service.loader import (
-        CheckpointSlice,
-        checkpoint_tensor_files,
-        load_model_config,
-        load_weights,
-    )
+    checkpoint (the norms and the MoE routers, a sliver of it, whole), and what it reads is its part
+    (each expert's half of its intermediate dimension). (A weight loader that read a whole tensor and
+    then narrowed it would count the whole tensor here.)"""
+    qwen3_untied = request.getfixturevalue("qwen3_untied") if family == "qwen3" else family_checkpoint(family)
+    from executor_service.loader import CheckpointSlice, checkpoint_tensor_files, load_weights
+    from executor_service.model_config import load_model_config
     from executor_service.models import get_model_class
 
     read = []
@@ -258,13 +259,33 @@ def test_a_rank_reads_only_its_shard_of_the_checkpoint(qwen3_untied, monkeypatch
     model = get_model_class(mc.architecture)(mc, tie_word_embeddings=tied, tp_rank=tp_rank, tp_size=2)
     load_weights(model, qwen3_untied)
     total = sum(p.numel() for p in loader_full_tensors(qwen3_untied).values())
-    norms = sum(p.numel() for n, p in loader_full_tensors(qwen3_untied).items() if "norm" in n)
+    norms = sum(
+        p.numel() for n, p in loader_full_tensors(qwen3_untied).items() if "norm" in n or ".mlp.gate." in n
+    )
     got = sum(t.numel() for t in read)
     assert got <= total / 2 + norms, f"rank {tp_rank} read {got} of {total} checkpoint elements"
     assert got >= total / 2, "a shard was not read"
     full = loader_full_tensors(qwen3_untied)
+    params = dict(model.named_parameters())
+    if family == "qwen3_moe":
+        rows = full["model.layers.0.mlp.experts.5.down_proj.weight"].shape[1] // 2
+        shard = slice(tp_rank * rows, (tp_rank + 1) * rows)
+        w13, w2 = (
+            params["model.layers.0.mlp.experts.w13_weight"],
+            params["model.layers.0.mlp.experts.w2_weight"],
+        )
+        torch.testing.assert_close(
+            w2.data[5], full["model.layers.0.mlp.experts.5.down_proj.weight"][:, shard]
+        )
+        torch.testing.assert_close(
+            w13.data[5, :rows], full["model.layers.0.mlp.experts.5.gate_proj.weight"][shard]
+        )
+        torch.testing.assert_close(
+            w13.data[5, rows:], full["model.layers.0.mlp.experts.5.up_proj.weight"][shard]
+        )
+        return
     rows = full["model.layers.0.mlp.down_proj.weight"].shape[1] // 2
-    down = dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+    down = params["model.layers.0.mlp.down_proj.weight"]
     torch.testing.assert_close(
         down.data, full["model.layers.0.mlp.down_proj.weight"][:, tp_rank * rows : (tp_rank + 1) * rows]
     )
@@ -311,6 +332,19 @@ def test_in_process_llm_with_tensor_parallel_size(request, fixture, tp_size, cap
     assert found, "rank 1 did not report its plan broadcast latency"
     assert int(found[1]) == len(sent) and sent.count("step") > 2 and sent[-1] == "close"
     assert 0 < float(found[2]) <= float(found[3]) < 1e6
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2", "llama3_rope"])
+def test_families_at_tp2_identical_to_tp1(family_checkpoint, family):
+    """Each family in-process at TP=2 over gloo (MoE: every expert's intermediate dimension split,
+    the partial outputs all-reduced; Qwen2: the q/k/v biases split with their heads)."""
+    path = family_checkpoint(family)
+    expected = tp1_tokens(path)
+    llm = LLM(str(path), tensor_parallel_size=2, tp_master_port=free_port(), **OPTIONS)
+    try:
+        assert generate(llm.executor)[0] == expected
+    finally:
+        llm.executor.close()
 
 
 def test_penalties_and_steps_without_samples_match_tp1(qwen3_tied):

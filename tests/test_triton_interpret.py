@@ -70,6 +70,8 @@ for dtype in (torch.float32, torch.bfloat16, f16):
     check_silu_and_mul(3, 200, dtype, "cpu")
     check_qk_norm_rope(4, 4, 2, 32, dtype, "cpu")
     check_qk_norm_rope(3, 2, 1, 64, dtype, "cpu")
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024}
+    check_qk_norm_rope(5, 4, 2, 32, dtype, "cpu", with_norm=False, rope=yarn)
 """,
     "sampling": """
 from test_sampling_kernel import check_distribution, check_greedy, check_sampler_routing, check_seed_isolation
@@ -79,6 +81,16 @@ check_greedy(3, 40, f16, "cpu", block=16)
 check_seed_isolation(24, "cpu", block=16)
 # 400 draws: a frequency's standard error is at most 0.025; 0.1 is 4 of them.
 check_distribution(400, 6, 0.6, "cpu", block=8, tol=0.1)
+""",
+    "fused_moe": """
+from test_fused_moe import LOADS, check_fused_moe
+from executor_service.layers.fused_moe_triton import MoEConfig
+small = MoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)  # several N and K tiles
+for num_tokens, used in LOADS:
+    for dtype in (torch.float32, f16):
+        check_fused_moe(num_tokens, 8, 2, 64, 48, dtype, "cpu", used=used)
+    check_fused_moe(num_tokens, 8, 2, 40, 24, torch.float32, "cpu", used=used, config=small)
+check_fused_moe(9, 4, 4, 32, 32, torch.float32, "cpu", config=MoEConfig(32, 32, 32, 4, 1))  # top_k = experts
 """,
     "mixed": """
 # Prefill chunks and decode rows in one step, plus CUDA-graph padding rows.

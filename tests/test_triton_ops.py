@@ -96,7 +96,10 @@ def check_qk_norm_rope(
     dtype: torch.dtype,
     device: str,
     seed: int = 0,
+    with_norm: bool = True,
+    rope: dict | float = 1_000_000.0,
 ) -> None:
+    """Without the norm: rotary alone (Llama, Qwen2, Mistral); `rope` may carry a scaling."""
     from executor_service.layers.triton_ops import qk_norm_rope
 
     gen = torch.Generator().manual_seed(seed)
@@ -107,24 +110,23 @@ def check_qk_norm_rope(
     for norm in (q_norm, k_norm):
         norm.weight.data = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype)
         norm.to(device)
-    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(device)
+    rotary = RotaryEmbedding(head_dim, 4096, rope).to(device)
 
     q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    ref_q, ref_k = rotary(
-        positions, q_norm(q.view(-1, num_heads, head_dim)), k_norm(k.view(-1, num_kv_heads, head_dim))
-    )
+    q, k = q.reshape(-1, num_heads, head_dim), k.reshape(-1, num_kv_heads, head_dim)
+    ref_q, ref_k = rotary(positions, q_norm(q), k_norm(k)) if with_norm else rotary(positions, q, k)
     out_q, out_k = qk_norm_rope(
         qkv,
         positions,
-        q_norm.weight,
-        k_norm.weight,
+        q_norm.weight if with_norm else None,
+        k_norm.weight if with_norm else None,
         rotary.cos_sin_cache,
         1e-6,
         num_heads,
         num_kv_heads,
         head_dim,
     )
-    what = f"qk_norm_rope {dtype} {num_tokens} tokens, {num_heads}/{num_kv_heads} heads of {head_dim}"
+    what = f"qk_norm_rope (norm {with_norm}) {dtype} {num_tokens} tokens, {num_heads}/{num_kv_heads} heads of {head_dim}"
     assert out_q.is_contiguous() and out_k.is_contiguous(), "the attention backends get dense q and k"
     _close_rotated(out_q, ref_q, what + " (q)")
     _close_rotated(out_k, ref_k, what + " (k)")
@@ -157,3 +159,17 @@ def test_silu_and_mul(num_tokens, size, dtype):
 )
 def test_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
     check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype, "cuda")
+
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}  # fmt: skip
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", [(1, 32, 8, 64), (300, 14, 2, 64)])
+def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
+    """The rotary-only variant (Llama, Qwen2, Mistral), with a scaled cos/sin table."""
+    check_qk_norm_rope(
+        num_tokens, num_heads, num_kv_heads, head_dim, dtype, "cuda", with_norm=False, rope=LLAMA3
+    )

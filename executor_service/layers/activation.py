@@ -6,10 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor_service.layers.fusable import Fusable
 
-class SiluAndMul(nn.Module):
-    # Set by the model runner (CUDA with triton): one Triton kernel instead of three ops.
-    fused = False
+
+class SiluAndMul(Fusable, nn.Module):
+    # Fused: one Triton kernel instead of three ops.
+    fused_op = "silu_and_mul"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:

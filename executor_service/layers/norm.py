@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from executor_service.layers.fusable import Fusable
 
-class RMSNorm(nn.Module):
-    # Set by the model runner (CUDA with triton): one Triton kernel instead of the ops below.
-    fused = False
+
+class RMSNorm(Fusable, nn.Module):
+    # Fused: one Triton kernel instead of the ops below.
+    fused_op = "rms_norm"
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

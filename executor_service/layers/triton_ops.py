@@ -1,5 +1,5 @@
 """Fused elementwise Triton kernels for the GPU path: residual add + RMSNorm, SiLU-and-mul, and the
-per-head q/k RMSNorm followed by rotary embedding.
+per-head q/k RMSNorm (where the family has it) followed by rotary embedding.
 
 Each reproduces the rounding of the PyTorch layers it replaces (executor_service/layers/norm.py,
 activation.py, rotary.py), which follow Hugging Face's Qwen3: statistics in fp32, every
@@ -125,8 +125,9 @@ def _qk_norm_rope_kernel(
     NUM_QK_HEADS: tl.constexpr,  # query heads then key heads, contiguous in a qkv row
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
-    # grid: (num_tokens,); a program normalises and rotates every query and key head of one token.
+    # grid: (num_tokens,); a program normalises (HAS_NORM) and rotates every query and key head of one token.
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -136,15 +137,18 @@ def _qk_norm_rope_kernel(
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
-    # Per-head RMSNorm, as layers/norm.py: fp32 statistics, normed rounded, times the weight rounded.
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
-    inv_rms = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)
     is_q = h < NUM_HEADS
-    w1 = tl.where(is_q, tl.load(q_weight_ptr + d), tl.load(k_weight_ptr + d)).to(tl.float32)
-    w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + d), tl.load(k_weight_ptr + HALF + d)).to(tl.float32)
-    n1 = ((f1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((f2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    if HAS_NORM:
+        # Per-head RMSNorm, as layers/norm.py: fp32 statistics, normed rounded, times the weight rounded.
+        inv_rms = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + d), tl.load(k_weight_ptr + d)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + d), tl.load(k_weight_ptr + HALF + d)).to(tl.float32)
+        n1 = ((f1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        n2 = ((f2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    else:
+        n1, n2 = f1, f2
     # Rotary, neox halves, as layers/rotary.py: x * cos + rotate_half(x) * sin, cos and sin in the
     # model dtype, each product and the sum rounded. (Bitwise equality with the unfused layers is not
     # kept on the GPU: tests/test_triton_ops.py holds the result to a rounding step of the terms.)
@@ -163,8 +167,8 @@ def _qk_norm_rope_kernel(
 def qk_norm_rope(
     qkv: torch.Tensor,
     positions: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
     eps: float,
     num_heads: int,
@@ -174,7 +178,7 @@ def qk_norm_rope(
     """qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] -> rotary(norm(q)) [num_tokens,
     num_heads, head_dim] and rotary(norm(k)) [num_tokens, num_kv_heads, head_dim], new contiguous
     tensors. cos_sin_cache: [max_position, head_dim], the cos of each frequency twice, then its sin
-    twice."""
+    twice. Without q/k weights (families with no q/k norm) it only rotates."""
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError("qk_norm_rope needs row-contiguous inputs and a power-of-two head_dim")
     num_tokens = qkv.shape[0]
@@ -185,8 +189,8 @@ def qk_norm_rope(
         _qk_norm_rope_kernel[(num_tokens,)](
             qkv,
             positions,
-            q_weight,
-            k_weight,
+            q_weight if q_weight is not None else qkv,
+            k_weight if k_weight is not None else qkv,
             cos_sin_cache,
             q,
             k,
@@ -197,5 +201,6 @@ def qk_norm_rope(
             NUM_QK_HEADS=qk_heads,
             HEAD_DIM=head_dim,
             BLOCK_H=triton.next_power_of_2(qk_heads),
+            HAS_NORM=q_weight is not None,
         )
     return q, k

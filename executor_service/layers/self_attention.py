@@ -1,0 +1,94 @@
+"""Self-attention of the dense decoder families: packed q/k/v projection (with or without bias),
+optional per-head q/k RMSNorm (Qwen3), rotary, paged attention, output projection. Heads are split
+over tensor-parallel ranks (q/k/v column-parallel, o row-parallel)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from executor_service.layers.attention import Attention
+from executor_service.layers.fusable import Fusable
+from executor_service.layers.linear import QKVParallelLinear, RowParallelLinear
+from executor_service.layers.norm import RMSNorm
+from executor_service.layers.rotary import RotaryEmbedding
+from executor_service.model_config import ModelConfig
+from executor_service.parallel import num_kv_heads_per_rank
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What differs between the families' attention blocks."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3)
+
+
+class SelfAttention(Fusable, nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        options: AttentionOptions,
+        rotary_emb: RotaryEmbedding,
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
+        super().__init__()
+        # Fused: q/k norm (where the family has it) and rotary in one Triton kernel.
+        self.fused_op = "qk_norm_rope" if options.qk_norm else "rope"
+        # This rank's heads.
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = num_kv_heads_per_rank(config.num_key_value_heads, tp_size)
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=options.qkv_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, options.o_bias, tp_rank, tp_size
+        )
+        # One table shared by every layer of the model (its cos/sin cache is the biggest buffer).
+        self.rotary_emb = rotary_emb
+        self.q_norm = self.k_norm = None
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # [num_tokens, heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            from executor_service.layers import triton_ops
+
+            q, k = triton_ops.qk_norm_rope(
+                qkv,
+                positions,
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.rotary_emb.cos_sin_cache,
+                self.q_norm.eps if self.q_norm is not None else 0.0,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
+        else:
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v)
+        return self.o_proj(o.flatten(1))

@@ -1,0 +1,64 @@
+"""`--model ORG/NAME` from the local Hugging Face cache (executor_service/hub.py): resolved by
+revision, never downloaded, and a one-line error naming where it looked when the snapshot is absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from executor_service.hub import resolve_model
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, qwen3_tied, monkeypatch):
+    """A cache holding tiny/qwen3 at one commit, reached by `main` and by the tag `v1`."""
+    repo = tmp_path / "hub" / "models--tiny--qwen3"
+    shutil.copytree(qwen3_tied, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    for ref in ("main", "v1"):
+        (repo / "refs" / ref).write_text(COMMIT)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    return repo
+
+
+def test_hub_id_resolves_to_the_cached_snapshot(hub_cache, monkeypatch, tmp_path):
+    snapshot = str(hub_cache / "snapshots" / COMMIT)
+    assert resolve_model("tiny/qwen3") == snapshot
+    assert resolve_model("tiny/qwen3", "v1") == snapshot
+    assert resolve_model("tiny/qwen3", COMMIT) == snapshot
+    # HF_HOME/hub when HF_HUB_CACHE is unset.
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert resolve_model("tiny/qwen3") == snapshot
+    # A directory is itself, whatever its name looks like.
+    assert resolve_model(str(hub_cache)) == str(hub_cache)
+
+
+@pytest.mark.parametrize(("model", "revision"), [("tiny/absent", None), ("tiny/qwen3", "v2")])
+def test_missing_snapshot_names_where_it_looked(hub_cache, model, revision):
+    with pytest.raises(
+        FileNotFoundError, match=r"not in the Hugging Face cache: looked for .*models--tiny--"
+    ):
+        resolve_model(model, revision)
+
+
+def test_cli_generate_from_the_cache(hub_cache, qwen3_tied):
+    from test_generate_vs_hf import hf_greedy
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, "-m", "client.cli", "generate", "--model", "tiny/qwen3", "--json"]
+    args += ["--prompt-ids", "5,6,7,8", "--max-tokens", "8"]
+    proc = subprocess.run(args + ["--revision", "v1"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == hf_greedy(qwen3_tied, [5, 6, 7, 8], 8)[0]
+    proc = subprocess.run(args + ["--revision", "v9"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "looked for" in lines[0] and "models--tiny--qwen3" in lines[0], proc.stderr

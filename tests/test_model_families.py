@@ -1,0 +1,137 @@
+"""Every supported family against transformers, on tiny checkpoints built through transformers' own
+config classes (tests/checkpoints.py FAMILIES): greedy fp32 generation token-identical, through
+chunked prefill, prefix-cache hits and preemption in one run; logits step by step; the CLI; and
+what is refused, refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from checkpoints import FAMILIES
+from executor_fixtures import MiniScheduler, hf_logits, make_executor, prompt_ids
+from test_generate_vs_hf import MAX_NEW, _hf_model, assert_matches_hf, make_prompts
+
+from scheduler_service.llm import LLM
+from scheduler_service.sampling_params import SamplingParams
+
+# The prompt seed per family: every compared step has a clear top-1 margin (test_generate_vs_hf).
+PROMPT_SEEDS = {family: 0 for family in FAMILIES}
+ATOL = 1e-4
+
+
+def waves(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts of many lengths; the second wave shares a 32-token prefix with the first."""
+    shared = make_prompts([32], seed=seed + 100)[0]
+    first = make_prompts([1, 7, 17, 40, 100], seed=seed) + [shared + [5, 6, 7]]
+    second = make_prompts([2, 9, 20], seed=seed + 1, prefix=shared)
+    return first, second
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_transformers(family_checkpoint, family):
+    """A 32-token budget chunks the long prompts, 10 blocks of 16 are too few for the first wave
+    (preemption), and the second wave finds the shared prefix in the cache."""
+    path = family_checkpoint(family)
+    first, second = waves(PROMPT_SEEDS[family])
+    llm = LLM(
+        str(path),
+        block_size=16,
+        num_kv_blocks=10,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=128,
+    )
+    params = SamplingParams(max_tokens=MAX_NEW)
+    outputs = llm.generate(first, params, use_tqdm=False)
+    outputs += llm.generate(second, params, use_tqdm=False)
+    stats = llm.engine.scheduler.stats
+    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
+    assert [o.num_cached_tokens for o in outputs[-3:]] == [32] * 3
+    assert_matches_hf(path, first + second, outputs)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3_rope", "qwen3_moe"])
+def test_prefill_and_mixed_decode_logits_match_transformers(family_checkpoint, family):
+    """A prefills then decodes; B's prefill joins A's decode: every token's logits match."""
+    path = family_checkpoint(family)
+    hf = _hf_model(str(path))
+    sched = MiniScheduler(make_executor(path, block_size=16, num_kv_blocks=64))
+    sched.add(1, prompt_ids(37, seed=1))
+    sched.add(2, prompt_ids(21, seed=2))
+    _, logits = sched.step({1: 37})
+    torch.testing.assert_close(logits, hf_logits(hf, sched.seqs[1].token_ids[:37]), atol=ATOL, rtol=0)
+    for step in range(6):
+        schedule = sched.decode_all()
+        if step == 2:
+            schedule[2] = 21
+        known = {i: list(sched.seqs[i].token_ids) for i in schedule}
+        _, logits = sched.step(schedule)
+        for (seq_id, n), row in zip(schedule.items(), logits.split(list(schedule.values())), strict=True):
+            torch.testing.assert_close(row, hf_logits(hf, known[seq_id])[-n:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama_tied"])
+def test_cli_generate_matches_transformers(family_checkpoint, family):
+    path = family_checkpoint(family)
+    prompts = make_prompts([4, 11], seed=PROMPT_SEEDS[family])
+    args = [sys.executable, "-m", "client.cli", "generate", "--model", str(path), "--json"]
+    args += ["--max-tokens", str(MAX_NEW)]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    outputs = [json.loads(line) for line in proc.stdout.splitlines()]
+    for prompt, out in zip(prompts, outputs, strict=True):
+        model = _hf_model(str(path))
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW)
+        assert out["token_ids"] == ref[0, len(prompt) :].tolist()
+
+
+def _edited_copy(src, dst, **changes):
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            "architecture 'GPT2LMHeadModel' is not supported; supported: ",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+            "rope_type 'longrope' in .*config.json is not supported; supported: default, linear",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
+def test_cli_refuses_in_one_line(family_checkpoint, tmp_path, changes, message):
+    path = _edited_copy(family_checkpoint("llama_tied"), tmp_path, **changes)
+    args = [sys.executable, "-m", "client.cli", "generate", "--model", str(path), "--prompt-ids", "1,2"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert __import__("re").search(message, lines[0]), lines[0]
+
+
+def test_sliding_window_caps_max_model_len_and_refuses_beyond(family_checkpoint, tmp_path):
+    from executor_service.config import ExecutorConfig
+
+    path = _edited_copy(family_checkpoint("mistral"), tmp_path, sliding_window=64)
+    assert ExecutorConfig(model=str(path), num_kv_blocks=16).max_model_len == 64
+    with pytest.raises(
+        ValueError, match=r"sliding window of 64 .*max_model_len \(128\) must be <= sliding_window"
+    ):
+        ExecutorConfig(model=str(path), num_kv_blocks=16, max_model_len=128)
