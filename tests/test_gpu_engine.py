@@ -136,12 +136,22 @@ def test_families_triton_fp32_match_transformers(family_checkpoint, family):
 
 
 def test_moe_bf16_fused_matches_reference_path(family_checkpoint):
-    """bf16 on the GPU: the fused MoE kernels against the reference expert loop (fused ops off, eager),
-    on prompts whose greedy margins in bf16 are clear enough: at least the first 8 tokens agree."""
+    """bf16 on the GPU: the fused MoE kernels against the reference expert loop (fused ops off, eager).
+    The checkpoint is random, so greedy steps can be near-ties that bf16 rounding flips (and a router
+    near-tie picks another expert): only prompts whose first 8 greedy steps have a top-1/top-2 margin
+    over 0.25 in the reference run are compared, and at least three of the twelve must qualify."""
     path = family_checkpoint("qwen3_moe")
-    prompts = make_prompts([5, 17, 40], seed=0)
-    _, fused = _generate(path, prompts, 16, dtype="bfloat16", num_kv_blocks=64)
-    _, loop = _generate(
-        path, prompts, 16, dtype="bfloat16", num_kv_blocks=64, fused_ops="off", enforce_eager=True
+    prompts = make_prompts([5, 17, 40, 9, 23, 31, 12, 28, 7, 35, 19, 44], seed=0)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    loop_llm = LLM(
+        str(path), device="cuda", dtype="bfloat16", num_kv_blocks=128, fused_ops="off", enforce_eager=True
     )
-    assert [t[:8] for t in fused] == [t[:8] for t in loop]
+    loop = loop_llm.generate(prompts, params, use_tqdm=False)
+    del loop_llm
+    clear = [
+        i for i, out in enumerate(loop)
+        if min(lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in out.logprobs) > 0.25
+    ]  # fmt: skip
+    assert len(clear) >= 3, f"only {len(clear)} prompts with clear margins"
+    _, fused = _generate(path, [prompts[i] for i in clear], 8, dtype="bfloat16", num_kv_blocks=128)
+    assert fused == [loop[i].token_ids for i in clear]

@@ -17,6 +17,7 @@ activation and the weighted products are rounded to the model dtype where the re
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,23 @@ CONFIGS: list[tuple[int, MoEConfig]] = [
 ]
 
 
-def get_config(num_tokens: int) -> MoEConfig:
-    return next(config for limit, config in CONFIGS if num_tokens <= limit)
+# Shared memory the pipelined tiles of one program may take: the H200's 227 KiB per block.
+_SHARED_MEMORY_BYTES = 227 * 1024
+
+
+def get_config(num_tokens: int, element_size: int = 2) -> MoEConfig:
+    """The tiles for a step of num_tokens tokens; for wider elements (fp32, the tests' dtype) BLOCK_K
+    and then the stages shrink until the A tile and the gate and up tiles of every stage fit."""
+    config = next(config for limit, config in CONFIGS if num_tokens <= limit)
+
+    def shared(c: MoEConfig) -> int:
+        return c.num_stages * (c.BLOCK_M + 2 * c.BLOCK_N) * c.BLOCK_K * element_size
+
+    while shared(config) > _SHARED_MEMORY_BYTES and config.BLOCK_K > 16:
+        config = dataclasses.replace(config, BLOCK_K=config.BLOCK_K // 2)
+    while shared(config) > _SHARED_MEMORY_BYTES and config.num_stages > 2:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return config
 
 
 def align_block_size(
@@ -187,7 +203,7 @@ def fused_experts(
         raise ValueError("fused_experts needs row-contiguous activations and weights")
     if num_tokens == 0:
         return torch.empty_like(x)
-    config = config or get_config(num_tokens)
+    config = config or get_config(num_tokens, x.element_size())
     num_pairs = num_tokens * top_k
     aligned = align_block_size(topk_ids, num_experts, config.BLOCK_M)
     weights = topk_weights.reshape(-1).contiguous()
