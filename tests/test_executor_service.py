@@ -26,6 +26,7 @@ from executor_service.metrics import step_kind
 from executor_service.plan_validation import PlanError
 from executor_service.server import ExecutorServer
 from protos.plan import ExecutorInfo, NewSequence, StepPlan, StepResult, StepSamplingParams, plan_to_proto
+from protos.session import session_metadata
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
@@ -337,8 +338,12 @@ def test_bad_plan_rejected_then_new_stream_works(remote, executor_proc, bad, pro
     assert plan.seq_ids == [1] and plan.num_computed_tokens == [5]
     assert remote.step(plan).seq_ids == [1]
 
+    # The same plan from a raw stub of the owner's session (a stray caller would be refused).
+    owner = session_metadata(remote.session_id, remote.owner_name)
     with grpc.insecure_channel(executor_proc.address) as channel:
-        responses = pb_grpc.ExecutorServiceStub(channel).Step(iter([plan_to_proto(bad)]), timeout=10)
+        responses = pb_grpc.ExecutorServiceStub(channel).Step(
+            iter([plan_to_proto(bad)]), timeout=10, metadata=owner
+        )
         with pytest.raises(grpc.RpcError) as raw:
             list(responses)
     assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
