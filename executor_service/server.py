@@ -154,6 +154,7 @@ class ExecutorServer:
     def set_executor(self, executor: LocalExecutor) -> None:
         self.servicer.executor = executor
         self.metrics.set_executor(executor.describe())
+        self.metrics.sequences.set_function(lambda: len(executor.seqs))
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving on %s", self.address)
