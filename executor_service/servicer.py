@@ -164,6 +164,14 @@ class _StreamAdmission:
         self._last_step_id = msg.step_id
         return plan_from_proto(msg)
 
+    def recheck(self, step_id: int) -> None:
+        """Under the executor lock, just before the plan runs: the owner may have changed while it
+        waited (a Reset that took the executor over runs between the two)."""
+        try:
+            self._ownership.check_plan(self._session, step_id)
+        except NotOwner as e:
+            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     """ExecutorService over one executor; steps from any number of streams are serialised.
@@ -273,6 +281,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                         context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                     if not context.is_active():  # cancelled while it waited (a Reset may have run)
                         return  # not sent, nothing more answered; `finally` discards what was
+                    try:
+                        admission.recheck(plan.step_id)
+                    except _Refusal as refusal:  # `finally` discards what was not answered
+                        self._refuse(refusal, context)
                     self.run_on_worker(executor.send, plan)
             while in_flight:
                 yield self._receive(executor, in_flight, context)
@@ -349,6 +361,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 # it, and may have called Reset since) must not run it on the reset state.
                 if not context.is_active():
                     return
+                try:
+                    admission.recheck(plan.step_id)
+                except _Refusal as refusal:
+                    self._refuse(refusal, context)
                 executor = self._executor(context)
                 graph_steps = _num_graph_steps(executor)
                 t0 = time.perf_counter()

@@ -419,3 +419,37 @@ def test_a_rogue_reset_is_refused_while_the_owner_streams(server):
             thread.join()
     assert codes == {"FAILED_PRECONDITION"}
     assert mini.seqs[1].num_computed_tokens == 4 + 19
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--owner-lease-seconds", "-1"], "--owner-lease-seconds must be >= 0, got -1.0"),
+        (["--api-key-file", "/no/such/keys"], "cannot read the API key file /no/such/keys"),
+    ],
+)
+def test_executor_cli_refuses_bad_owner_and_key_flags(capsys, flags, message):
+    from client.cli import main
+
+    assert main(["executor", "--metrics-port", "0", "--port", str(free_port()), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_scheduler_sends_the_first_key_of_its_file(tmp_path, monkeypatch):
+    """--executor-api-key-file (TANDEM_EXECUTOR_API_KEY_FILE, the executor's variable too): a file
+    of keys being rotated serves both sides; the scheduler sends its first key."""
+    keys = tmp_path / "executor-keys"
+    keys.write_text(f"# new key first\n{KEY}\nold-key\n")
+    monkeypatch.setenv("TANDEM_EXECUTOR_API_KEY_FILE", str(keys))
+    sent: dict = {}
+
+    class Recorded(RemoteExecutor):
+        def __init__(self, address, **kwargs):
+            sent.update(kwargs)
+            raise ValueError("recorded")
+
+    monkeypatch.setattr("scheduler_service.executor_client.RemoteExecutor", Recorded)
+    from client.cli import main
+
+    assert main(["scheduler", "--executor", "127.0.0.1:1", "--metrics-port", "0"]) == 2
+    assert sent["api_key"] == KEY and sent["owner_name"].startswith("scheduler 127.0.0.1:")
