@@ -453,3 +453,32 @@ def test_scheduler_sends_the_first_key_of_its_file(tmp_path, monkeypatch):
 
     assert main(["scheduler", "--executor", "127.0.0.1:1", "--metrics-port", "0"]) == 2
     assert sent["api_key"] == KEY and sent["owner_name"].startswith("scheduler 127.0.0.1:")
+
+
+def test_the_overlapped_step_loop_refuses_the_same(server, local_executor, monkeypatch):
+    """The Step loop of CUDA executors (two plans in flight), forced on the CPU: a stray Step is
+    refused while the owner streams, and a repeated step id ends the owner's stream after the
+    steps before it were answered."""
+    monkeypatch.setattr(local_executor, "overlaps_steps", True)
+    owner = session_metadata("o" * 32, "scheduler A")
+    _raw(server.address, "Reset", metadata=owner)
+    results: list[int] = []
+
+    def plans():
+        yield plan_to_proto(_prefill(1, 1, 0))
+        error = _refused(lambda: _raw(server.address, "Step", _prefill(7, 2, 1)))
+        assert (
+            error.code() == grpc.StatusCode.FAILED_PRECONDITION and "owned by scheduler A" in error.details()
+        )
+        yield plan_to_proto(
+            StepPlan(2, seq_ids=[1], num_scheduled_tokens=[1], num_computed_tokens=[3], num_new_blocks=[0])
+        )
+        yield plan_to_proto(StepPlan(2))
+
+    with grpc.insecure_channel(server.address) as channel:
+        stream = pb_grpc.ExecutorServiceStub(channel).Step(plans(), timeout=30, metadata=owner)
+        with pytest.raises(grpc.RpcError) as e:
+            for result in stream:
+                results.append(result.step_id)
+    assert results == [1, 2]
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be 3 or above" in e.value.details()

@@ -437,6 +437,9 @@ def test_loading_executor_answers_unavailable(qwen3_tied, tmp_path):
 class FakeExecutor:
     """Echoes each scheduled seq id as its token; step 1 fails, step 2 answers the wrong step id."""
 
+    def __init__(self) -> None:
+        self.seqs: dict = {}  # the sequences held, as LocalExecutor's (the server's gauge counts them)
+
     def describe(self) -> ExecutorInfo:
         return ExecutorInfo("fake", "Fake", 4, 8, 64, 512, [0], 1, "float32", "cpu", 8, 64, "none", 1, 16)
 
