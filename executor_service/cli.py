@@ -9,6 +9,7 @@ import sys
 
 from client.defaults import DEFAULT_MODEL
 from client.defaults import env as _env
+from executor_service.ownership import DEFAULT_OWNER_LEASE_SECONDS
 from executor_service.server import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT, GRACE_SECONDS
 
 logger = logging.getLogger(__name__)
@@ -157,8 +158,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"seconds a running step may take to finish on SIGTERM (default {GRACE_SECONDS:g}) "
         "[TANDEM_EXECUTOR_GRACE]",
     )
-    # Not TANDEM_EXECUTOR_TLS_*: the scheduler reads those for its client certificate.
-    security = p.add_argument_group("security (mutual TLS with the scheduler)")
+    p.add_argument(
+        "--owner-lease-seconds",
+        type=float,
+        default=_env("EXECUTOR_OWNER_LEASE_SECONDS", DEFAULT_OWNER_LEASE_SECONDS),
+        help="the scheduler that called Reset owns the executor while its Step stream is open and for "
+        "this long after its last call; until then Reset and Step from anyone else are refused "
+        f"(default {DEFAULT_OWNER_LEASE_SECONDS:g}) [TANDEM_EXECUTOR_OWNER_LEASE_SECONDS]",
+    )
+    # Not TANDEM_EXECUTOR_TLS_*: the scheduler reads those for its client certificate. The API key
+    # variables are the scheduler's too, on purpose: the same secret on both sides.
+    security = p.add_argument_group(
+        "security (who may drive the executor)",
+        "Beyond loopback, require mutual TLS (--tls-ca) or an API key: anyone else who reaches the "
+        "port could reset the executor or step it.",
+    )
+    security.add_argument(
+        "--api-key",
+        default=_env("EXECUTOR_API_KEY"),
+        help="Describe, Step and Reset need 'authorization: Bearer <key>' (the scheduler's "
+        "--executor-api-key; health and reflection excepted); prefer --api-key-file or the "
+        "environment, which other users cannot read from the process list [TANDEM_EXECUTOR_API_KEY]",
+    )
+    security.add_argument(
+        "--api-key-file",
+        default=_env("EXECUTOR_API_KEY_FILE"),
+        help="file of accepted API keys, one a line [TANDEM_EXECUTOR_API_KEY_FILE]",
+    )
     security.add_argument(
         "--tls-cert",
         default=_env("EXECUTOR_SERVER_TLS_CERT"),
@@ -196,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate the configuration, then serve until SIGTERM / SIGINT."""
     from executor_service.config import ExecutorConfig
     from executor_service.server import serve
+    from protos.api_keys import load_api_keys
 
     try:
         config = ExecutorConfig(
@@ -218,11 +245,24 @@ def run(args: argparse.Namespace) -> int:
             tp_master_port=args.tp_master_port,
         )
         credentials = tls_credentials(args)
+        api_keys = load_api_keys(args.api_key, args.api_key_file)
+        if args.owner_lease_seconds < 0:
+            raise ValueError(f"--owner-lease-seconds must be >= 0, got {args.owner_lease_seconds}")
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        return serve(config, args.host, args.port, args.metrics_port, args.grace, credentials)
+        return serve(
+            config,
+            args.host,
+            args.port,
+            args.metrics_port,
+            args.grace,
+            credentials,
+            mutual_tls=args.tls_ca is not None,
+            api_keys=api_keys,
+            owner_lease_s=args.owner_lease_seconds,
+        )
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

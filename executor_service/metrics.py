@@ -104,6 +104,11 @@ class ExecutorMetrics:
             "Device memory allocated by torch on CUDA; the process's resident set size on CPU",
             registry=r,
         )
+        self.sequences = Gauge(
+            "tandem_executor_sequences",
+            "Sequences the executor holds (at most 2 x max_num_seqs)",
+            registry=r,
+        )
         self.info = Info("tandem_executor", "The served model and how it runs", registry=r)
         # Pre-create label values so dashboards see zeros before the first step.
         for kind in ("prefill", "decode", "mixed"):

@@ -1,4 +1,9 @@
-"""Checks a StepPlan against the executor's state and limits before anything is applied."""
+"""Checks a StepPlan against the executor's state and limits before anything is applied.
+
+The executor holds at most `max_held_seqs` sequences (HELD_SEQS_PER_BATCH_SEQ x max_num_seqs):
+a scheduler drops what it does not run (finished_seq_ids, preempted_seq_ids), so more than that
+is a client that registers sequences and never schedules them, whose memory would grow without
+bound."""
 
 from __future__ import annotations
 
@@ -8,6 +13,10 @@ from dataclasses import dataclass
 
 from executor_service.sequence import SequenceState
 from protos.plan import NewSequence, StepPlan, StepSamplingParams
+
+# Headroom over max_num_seqs for the sequences the scheduler holds: the batch, and those whose
+# end or preemption reaches the executor with the next plan (two in flight).
+HELD_SEQS_PER_BATCH_SEQ = 2
 
 
 class PlanError(ValueError):
@@ -26,6 +35,19 @@ class PlanLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+
+    @property
+    def max_held_seqs(self) -> int:
+        return HELD_SEQS_PER_BATCH_SEQ * self.max_num_seqs
+
+
+def check_step_order(step_id: int, last_step_id: int | None) -> None:
+    """Step ids on one stream must increase: PlanError for a repeated or an older one."""
+    if last_step_id is not None and step_id <= last_step_id:
+        raise PlanError(
+            f"step {step_id} is out of order on this stream: the last step was {last_step_id}, so the "
+            f"next step id must be {last_step_id + 1} or above"
+        )
 
 
 def _first(values: list, is_bad) -> tuple[int, object] | None:
@@ -81,6 +103,14 @@ def validate_plan(plan: StepPlan, seqs: dict[int, SequenceState], limits: PlanLi
             fail(f"new seq {new.seq_id} is already held by the executor")
         _check_new_seq(new, limits, fail)
         new_seqs[new.seq_id] = new
+    if new_seqs:
+        held = len(seqs) - len(dropped.intersection(seqs)) + len(new_seqs)
+        if held > limits.max_held_seqs:
+            fail(
+                f"{len(new_seqs)} new seqs would make the executor hold {held} sequences, more than "
+                f"{HELD_SEQS_PER_BATCH_SEQ} x max_num_seqs ({limits.max_held_seqs}): finish or preempt "
+                "the sequences that are not scheduled"
+            )
 
     offset = 0
     for i, seq_id in enumerate(plan.seq_ids):

@@ -1,7 +1,9 @@
 """The executor's gRPC server: ExecutorService (Describe, the Step stream, Reset; servicer.py),
 grpc.health.v1 and server reflection, in plaintext on loopback by default or behind (mutual) TLS
-(security.py). It listens before the model is loaded (health NOT_SERVING) so that probes and the
-scheduler can tell "loading" from "down"."""
+and an API key (security.py); Reset and Step are its owner's alone (ownership.py). It listens
+before the model is loaded (health NOT_SERVING) so that probes and the scheduler can tell
+"loading" from "down". It warns when anyone who reaches it could drive it: beyond loopback with
+neither mutual TLS nor a key, or with TLS that accepts clients without a certificate."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from executor_service.metrics import ExecutorMetrics, start_metrics_server
-from executor_service.security import server_credentials
+from executor_service.ownership import DEFAULT_OWNER_LEASE_SECONDS, Ownership
+from executor_service.security import ApiKeyInterceptor, server_credentials
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer, executor_handler
 from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port
 
@@ -64,6 +67,11 @@ SERVER_OPTIONS = [
     # The scheduler pings an idle Step stream every 30 s (executor_client.py); allow it.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    # And we ping it: the stream of a scheduler whose host vanished closes within ~30 s, so that
+    # its ownership (held while a stream is open) ends and another scheduler can take over.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 
@@ -82,14 +90,24 @@ class ExecutorServer:
         metrics: ExecutorMetrics | None = None,
         max_workers: int = 16,
         credentials: grpc.ServerCredentials | None = None,
+        *,
+        mutual_tls: bool = False,
+        api_keys: list[str] | None = None,
+        owner_lease_s: float = DEFAULT_OWNER_LEASE_SECONDS,
     ) -> None:
-        """`credentials` (see `server_credentials`) serves TLS; without them the port is plaintext."""
+        """`credentials` (see `server_credentials`) serves TLS, `mutual_tls` says that they require
+        a client certificate; without them the port is plaintext. `api_keys`: Describe, Step and
+        Reset need one of them. `owner_lease_s`: how long the owner keeps the executor after its
+        last call with no Step stream open (ownership.py)."""
         self.metrics = metrics if metrics is not None else ExecutorMetrics()
-        self.servicer = ExecutorServicer(self.metrics)
+        self.servicer = ExecutorServicer(self.metrics, Ownership(owner_lease_s))
         # Health Watch streams must not hold the workers that Step streams need.
         self.health = health.HealthServicer(experimental_non_blocking=True)
+        interceptors = [ApiKeyInterceptor(api_keys, self._refused)] if api_keys else []
         self._server = grpc.server(
-            ThreadPoolExecutor(max_workers, thread_name_prefix="executor-grpc"), options=SERVER_OPTIONS
+            ThreadPoolExecutor(max_workers, thread_name_prefix="executor-grpc"),
+            options=SERVER_OPTIONS,
+            interceptors=interceptors,
         )
         self._server.add_generic_rpc_handlers((executor_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -102,12 +120,22 @@ class ExecutorServer:
         self.port = add_grpc_port(self._server, host, port, credentials)
         self.address = f"{host}:{self.port}"
         self.tls = credentials is not None
-        if not self.tls and not _is_loopback(host):
-            logger.warning(
-                "listening on %s without TLS: anyone who reaches this address can drive the executor "
-                "(--tls-cert, --tls-key and --tls-ca turn on mutual TLS)",
-                self.address,
-            )
+        if not mutual_tls and not api_keys:
+            if self.tls:
+                logger.warning(
+                    "TLS without --tls-ca on %s: clients without a certificate are accepted, and with no "
+                    "--api-key anyone who reaches this address can drive the executor",
+                    self.address,
+                )
+            elif not _is_loopback(host):
+                logger.warning(
+                    "listening on %s without TLS or an API key: anyone who reaches this address can "
+                    "drive the executor (--api-key-file, or --tls-cert, --tls-key and --tls-ca for mutual TLS)",
+                    self.address,
+                )
+
+    def _refused(self, method: str) -> None:
+        logger.warning("refused %s: missing or invalid API key", method)
 
     def start(self) -> None:
         self._server.start()
@@ -120,6 +148,7 @@ class ExecutorServer:
     def set_executor(self, executor: LocalExecutor) -> None:
         self.servicer.executor = executor
         self.metrics.set_executor(executor.describe())
+        self.metrics.sequences.set_function(lambda: len(executor.seqs))
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving on %s", self.address)
@@ -139,9 +168,13 @@ def serve(
     metrics_port: int = DEFAULT_METRICS_PORT,
     grace: float = GRACE_SECONDS,
     credentials: grpc.ServerCredentials | None = None,
+    *,
+    mutual_tls: bool = False,
+    api_keys: list[str] | None = None,
+    owner_lease_s: float = DEFAULT_OWNER_LEASE_SECONDS,
 ) -> int:
     """Run the executor service until SIGTERM or SIGINT; returns the process exit code.
-    `metrics_port` 0 serves no /metrics; `credentials` serve (mutual) TLS."""
+    `metrics_port` 0 serves no /metrics; the rest as ExecutorServer's."""
     from executor_service.executor import LocalExecutor
 
     stop = threading.Event()
@@ -154,7 +187,14 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
 
-    server = ExecutorServer(host, port, credentials=credentials)
+    server = ExecutorServer(
+        host,
+        port,
+        credentials=credentials,
+        mutual_tls=mutual_tls,
+        api_keys=api_keys,
+        owner_lease_s=owner_lease_s,
+    )
     metrics_http = start_metrics_server(server.metrics, host, metrics_port) if metrics_port else None
     server.start()
     exit_code = 0

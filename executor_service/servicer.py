@@ -1,5 +1,9 @@
 """ExecutorService's RPCs (Describe, the Step stream, Reset) over one executor, and their method
-handlers, whose request deserializers turn undecodable bytes into INVALID_ARGUMENT."""
+handlers, whose request deserializers turn undecodable bytes into INVALID_ARGUMENT.
+
+Reset and Step belong to the executor's owner (ownership.py: FAILED_PRECONDITION for anyone
+else); Describe is open. On a Step stream step ids must increase (INVALID_ARGUMENT otherwise):
+a repeated or older plan is a replay or a second writer, never the scheduler's."""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from executor_service.metrics import ExecutorMetrics
-from executor_service.plan_validation import PlanError, StepOrderError
+from executor_service.ownership import NotOwner, Ownership, Session, session_of
+from executor_service.plan_validation import PlanError, StepOrderError, check_step_order
 from protos.parsing import MalformedMessage, deserializer
 from protos.plan import StepPlan, info_to_proto, plan_from_proto, result_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
@@ -106,6 +111,47 @@ def _refuse_malformed(message: object, context: grpc.ServicerContext) -> None:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.error)
 
 
+class _Refusal(Exception):
+    """A plan the stream refuses before it reaches the executor: the status to end the stream with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _StreamAdmission:
+    """What a Step stream lets through to the executor: well-formed plans of the executor's owner,
+    with step ids that increase (they continue across reconnects, so only within a stream)."""
+
+    def __init__(self, ownership: Ownership, session: Session) -> None:
+        self._ownership = ownership
+        self._session = session
+        self._last_step_id: int | None = None
+
+    def admit(self, msg: object) -> StepPlan:
+        """The plan in `msg`, or _Refusal."""
+        if isinstance(msg, MalformedMessage):
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, msg.error)
+        try:
+            check_step_order(msg.step_id, self._last_step_id)
+            self._ownership.check_plan(self._session, msg.step_id)
+        except PlanError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except NotOwner as e:
+            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        self._last_step_id = msg.step_id
+        return plan_from_proto(msg)
+
+    def recheck(self, step_id: int) -> None:
+        """Under the executor lock, just before the plan runs: the owner may have changed while it
+        waited (a Reset that took the executor over runs between the two)."""
+        try:
+            self._ownership.check_plan(self._session, step_id)
+        except NotOwner as e:
+            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+
+
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     """ExecutorService over one executor; steps from any number of streams are serialised.
 
@@ -114,9 +160,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     would each start a team of their own, all spinning on the same cores (a 5x slower step on
     2 cores, measured with bench/throughput.py)."""
 
-    def __init__(self, metrics: ExecutorMetrics) -> None:
+    def __init__(self, metrics: ExecutorMetrics, ownership: Ownership | None = None) -> None:
         self.executor: LocalExecutor | None = None
         self.metrics = metrics
+        self.ownership = ownership if ownership is not None else Ownership()
         self._lock = threading.Lock()
         # Held by the Step stream that has steps in flight: another waits until they are answered.
         self._in_flight_lock = threading.Lock()
@@ -149,6 +196,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeResponse:
         _refuse_malformed(request, context)
+        self.ownership.touch(session_of(context))
         return info_to_proto(self.run_on_worker(self._executor(context).describe))
 
     def Step(
@@ -157,9 +205,31 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         """Plans in, results out in plan order. A plan is launched as it arrives, while the step
         before it may still run on the device (two in flight, LocalExecutor.send/receive)."""
         executor = self._executor(context)
-        if not getattr(executor, "overlaps_steps", False):
-            yield from self._step_one_at_a_time(request_iterator, context)
-            return
+        session = session_of(context)
+        try:
+            self.ownership.open_stream(session)
+        except NotOwner as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        admission = _StreamAdmission(self.ownership, session)
+        try:
+            if getattr(executor, "overlaps_steps", False):
+                yield from self._step_overlapped(executor, request_iterator, admission, context)
+            else:
+                yield from self._step_one_at_a_time(request_iterator, admission, context)
+        finally:
+            self.ownership.close_stream(session)
+
+    def _refuse(self, refusal: _Refusal, context: grpc.ServicerContext) -> None:
+        self.metrics.step_failed(refusal.code.name)
+        context.abort(refusal.code, refusal.message)
+
+    def _step_overlapped(
+        self,
+        executor: LocalExecutor,
+        request_iterator: Iterator[pb.StepPlan],
+        admission: _StreamAdmission,
+        context: grpc.ServicerContext,
+    ) -> Iterator[pb.StepResult]:
         reader = _PlanReader(request_iterator)
         in_flight = _StreamSteps(self._in_flight_lock)
         try:
@@ -175,14 +245,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     continue
                 if msg is _END:
                     break
-                if isinstance(msg, MalformedMessage):
+                try:
+                    plan = admission.admit(msg)
+                except _Refusal as refusal:
                     while in_flight:  # answer what ran, then refuse
                         yield self._receive(executor, in_flight, context)
-                    self.metrics.step_failed("INVALID_ARGUMENT")
-                    _refuse_malformed(msg, context)
+                    self._refuse(refusal, context)
                 if not context.is_active():  # cancelled: a plan read ahead is not launched
                     break
-                plan = plan_from_proto(msg)
                 # Waits, outside the executor lock, while another stream has steps in flight.
                 in_flight.append((plan, time.perf_counter(), _num_graph_steps(executor)))
                 with self._lock:
@@ -190,6 +260,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                         context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                     if not context.is_active():  # cancelled while it waited (a Reset may have run)
                         return  # not sent, nothing more answered; `finally` discards what was
+                    try:
+                        admission.recheck(plan.step_id)
+                    except _Refusal as refusal:  # `finally` discards what was not answered
+                        self._refuse(refusal, context)
                     self.run_on_worker(executor.send, plan)
             while in_flight:
                 yield self._receive(executor, in_flight, context)
@@ -251,18 +325,25 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return dead
 
     def _step_one_at_a_time(
-        self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext
+        self,
+        request_iterator: Iterator[pb.StepPlan],
+        admission: _StreamAdmission,
+        context: grpc.ServicerContext,
     ) -> Iterator[pb.StepResult]:
         for msg in request_iterator:
-            if isinstance(msg, MalformedMessage):
-                self.metrics.step_failed("INVALID_ARGUMENT")
-                _refuse_malformed(msg, context)
-            plan = plan_from_proto(msg)
+            try:
+                plan = admission.admit(msg)
+            except _Refusal as refusal:
+                self._refuse(refusal, context)
             with self._lock:
                 # A stream cancelled while this plan waited for the lock (the scheduler gave up on
                 # it, and may have called Reset since) must not run it on the reset state.
                 if not context.is_active():
                     return
+                try:
+                    admission.recheck(plan.step_id)
+                except _Refusal as refusal:
+                    self._refuse(refusal, context)
                 executor = self._executor(context)
                 graph_steps = _num_graph_steps(executor)
                 t0 = time.perf_counter()
@@ -273,10 +354,29 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
         _refuse_malformed(request, context)
+        executor = self._executor(context)
+        session = session_of(context)
+        try:
+            self.ownership.claim(session)
+        except NotOwner as e:
+            logger.warning("%s", e)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         with self._lock:
-            dropped = self.run_on_worker(self._executor(context).reset)
-        logger.info("reset: dropped %d sequences", dropped)
+            dropped = self.run_on_worker(executor.reset)
+        logger.info("reset by %s: dropped %d sequences", session, dropped)
         return pb.ResetResponse(num_dropped_seqs=dropped)
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        _refuse_malformed(request, context)
+        executor = self._executor(context)
+        session = session_of(context)
+        if not self.ownership.release(session):
+            return pb.ReleaseResponse(released=False)
+        # What the owner left behind is dropped: the next owner starts from an empty executor.
+        with self._lock:
+            dropped = self.run_on_worker(executor.reset)
+        logger.info("released by %s: dropped %d sequences", session, dropped)
+        return pb.ReleaseResponse(released=True)
 
 
 def executor_handler(servicer: ExecutorServicer) -> grpc.GenericRpcHandler:
@@ -299,6 +399,11 @@ def executor_handler(servicer: ExecutorServicer) -> grpc.GenericRpcHandler:
                 servicer.Reset,
                 request_deserializer=deserializer(pb.ResetRequest),
                 response_serializer=pb.ResetResponse.SerializeToString,
+            ),
+            "Release": grpc.unary_unary_rpc_method_handler(
+                servicer.Release,
+                request_deserializer=deserializer(pb.ReleaseRequest),
+                response_serializer=pb.ReleaseResponse.SerializeToString,
             ),
         },
     )

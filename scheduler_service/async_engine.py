@@ -106,6 +106,9 @@ class AsyncEngine:
         self._loop = loop
         self._thread.start()
 
+    def not_connected_message(self) -> str:
+        return self._recovery.not_connected_message()
+
     def stop_admitting(self) -> None:
         self._admitting = False
 
@@ -127,7 +130,7 @@ class AsyncEngine:
         if not self._admitting:
             raise ExecutorUnavailable("the scheduler is shutting down: send the request to another replica")
         if engine is None:
-            raise ExecutorUnavailable(f"executor at {self.options.executor_address} is not connected")
+            raise ExecutorUnavailable(self.not_connected_message())
         engine.validate_request(prompt_token_ids, params)
         self._check_queue(engine, len(prompt_token_ids))
         deadline = time.monotonic() + timeout if timeout is not None else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import socket
 import sys
 from collections.abc import Callable
 
@@ -178,6 +180,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="its private key, PEM [TANDEM_EXECUTOR_TLS_KEY]",
     )
     security.add_argument(
+        "--executor-api-key",
+        default=_env("EXECUTOR_API_KEY"),
+        help="the executor's --api-key: sent to it on every call [TANDEM_EXECUTOR_API_KEY, the "
+        "executor's variable too]",
+    )
+    security.add_argument(
+        "--executor-api-key-file",
+        default=_env("EXECUTOR_API_KEY_FILE"),
+        help="file holding the executor's API key; the first key in it is sent, so that a file of "
+        "keys being rotated serves both services [TANDEM_EXECUTOR_API_KEY_FILE]",
+    )
+    security.add_argument(
         "--executor-tls-server-name",
         default=_env("EXECUTOR_TLS_SERVER_NAME"),
         help="name to expect in the executor's certificate (default: the host of --executor) "
@@ -244,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
         api_keys = load_api_keys(args.api_key, args.api_key_file)
         tls = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
+        executor_keys = load_api_keys(args.executor_api_key, args.executor_api_key_file)
         executor = RemoteExecutor(
             args.executor,
             tls_ca=args.executor_tls_ca,
@@ -251,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
             tls_key=args.executor_tls_key,
             tls_server_name=args.executor_tls_server_name,
             step_timeout=args.executor_step_timeout or None,
+            api_key=executor_keys[0] if executor_keys else None,
+            owner_name=f"scheduler {args.host}:{args.port} on {socket.gethostname()} pid {os.getpid()}",
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,4 +1,10 @@
-"""RemoteExecutor: the Executor protocol over gRPC, one long-lived Step stream (torch-free)."""
+"""RemoteExecutor: the Executor protocol over gRPC, one long-lived Step stream (torch-free).
+
+Every call carries this scheduler's session (protos/session.py: a random id drawn per
+RemoteExecutor, and a name such as `scheduler 0.0.0.0:50051 on host-1 pid 42`), by which the
+executor knows its owner, and the executor's API key when one is given. An executor that
+another session owns answers FAILED_PRECONDITION naming it: ExecutorOwned, an
+ExecutorUnavailable, so that the engine keeps its requests and retries as for an executor away."""
 
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.client import read_pem
+from protos.api_keys import bearer_metadata
 from protos.plan import ExecutorInfo, StepPlan, StepResult, info_from_proto, plan_to_proto, result_from_proto
+from protos.session import default_owner_name, new_session_id, session_metadata
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 
@@ -56,6 +64,10 @@ class ExecutorUnavailable(ExecutorError):
     """The executor cannot be reached, is not ready, or the stream broke."""
 
 
+class ExecutorOwned(ExecutorUnavailable):
+    """Another scheduler owns the executor (FAILED_PRECONDITION); the message names it."""
+
+
 class PlanRejected(ExecutorError):
     """The executor refused a plan (INVALID_ARGUMENT); its state is unchanged."""
 
@@ -97,9 +109,9 @@ class _StepWatchdog:
 class _StepStream:
     """One Step call: plans go in through a queue, results come out in order."""
 
-    def __init__(self, stub: pb_grpc.ExecutorServiceStub) -> None:
+    def __init__(self, stub: pb_grpc.ExecutorServiceStub, metadata: list[tuple[str, str]]) -> None:
         self._requests: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
-        self._responses = stub.Step(iter(self._requests.get, _CLOSE))
+        self._responses = stub.Step(iter(self._requests.get, _CLOSE), metadata=metadata)
         # Set by the watchdog when it cancelled the stream: the result was overdue.
         self.expired = False
 
@@ -141,16 +153,25 @@ class RemoteExecutor:
         tls_key: str | Path | bytes | None = None,
         tls_server_name: str | None = None,
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S,
+        api_key: str | None = None,
+        owner_name: str | None = None,
     ) -> None:
         """`tls_ca` turns on TLS (the executor's certificate must be signed by that CA);
         `tls_cert` / `tls_key` add this scheduler's client certificate (mutual TLS).
         `step_timeout`: seconds a step's result may be awaited before the executor is taken for
-        hung (None: no limit)."""
+        hung (None: no limit). `api_key` is sent on every ExecutorService call; `owner_name` is how
+        the executor names this session to the others it refuses (default: `scheduler on <host> pid
+        <pid>`)."""
         self.address = address
         self.connect_timeout = connect_timeout
         if step_timeout is not None and step_timeout <= 0:
             raise ValueError(f"the step timeout must be > 0 seconds (or None: no limit), got {step_timeout}")
         self._watchdog = _StepWatchdog(step_timeout) if step_timeout is not None else None
+        self.session_id = new_session_id()
+        self.owner_name = owner_name or default_owner_name()
+        self._metadata = session_metadata(self.session_id, self.owner_name)
+        if api_key:
+            self._metadata.append(bearer_metadata(api_key))
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("the executor TLS client certificate and key go together: give both or neither")
         if tls_ca is None and tls_cert is not None:
@@ -194,13 +215,20 @@ class RemoteExecutor:
 
     def describe(self) -> ExecutorInfo:
         try:
-            return info_from_proto(self._stub.Describe(pb.DescribeRequest(), timeout=self.connect_timeout))
+            return info_from_proto(
+                self._stub.Describe(
+                    pb.DescribeRequest(), timeout=self.connect_timeout, metadata=self._metadata
+                )
+            )
         except grpc.RpcError as e:
             raise self._error(e, "Describe") from e
 
     def reset(self) -> int:
         try:
-            return self._stub.Reset(pb.ResetRequest(), timeout=self.connect_timeout).num_dropped_seqs
+            response = self._stub.Reset(
+                pb.ResetRequest(), timeout=self.connect_timeout, metadata=self._metadata
+            )
+            return response.num_dropped_seqs
         except grpc.RpcError as e:
             raise self._error(e, "Reset") from e
 
@@ -212,7 +240,7 @@ class RemoteExecutor:
         msg = plan_to_proto(plan)
         with self._lock:
             if self._stream is None:
-                self._stream = _StepStream(self._stub)
+                self._stream = _StepStream(self._stub, self._metadata)
             self._stream.send(msg)
 
     def discard(self) -> None:
@@ -256,9 +284,25 @@ class RemoteExecutor:
                 )
         return result_from_proto(out)
 
+    def release(self, timeout: float | None = None) -> bool:
+        """Give the executor up, so that another scheduler may take over at once; whether this
+        session owned it."""
+        try:
+            timeout = self.connect_timeout if timeout is None else timeout
+            response = self._stub.Release(pb.ReleaseRequest(), timeout=timeout, metadata=self._metadata)
+            return response.released
+        except grpc.RpcError as e:
+            raise self._error(e, "Release") from e
+
     def close(self) -> None:
+        """Close the Step stream and release the executor (best effort: an executor that is away
+        lets the lease run out instead)."""
         with self._lock:
             self._close_stream()
+        try:
+            self.release(timeout=min(2.0, self.connect_timeout))
+        except ExecutorError as e:
+            logger.debug("release on close: %s", e)
         if self._watchdog is not None:
             self._watchdog.close()
         self._channel.close()
@@ -276,6 +320,8 @@ class RemoteExecutor:
 
     def _error(self, e: grpc.RpcError, what: str) -> ExecutorError:
         code = e.code()
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return ExecutorOwned(f"executor at {self.address} refused {what}: {e.details()}")
         if code in _UNAVAILABLE_CODES:
             return ExecutorUnavailable(f"executor at {self.address} is unavailable ({what}): {e.details()}")
         return ExecutorError(f"executor at {self.address} failed {what}: {code.name}: {e.details()}")

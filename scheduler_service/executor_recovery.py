@@ -7,6 +7,12 @@ capacity and re-runs the kept requests by recompute (prompt + tokens already str
 one NewSequence). Their streams carry on where they stopped; no token is sent twice. A kept
 request ends with DEADLINE_EXCEEDED at its deadline, or with UNAVAILABLE after
 `recovery_timeout_s` without an executor.
+
+An executor that another scheduler owns (FAILED_PRECONDITION on Reset, naming the owner;
+executor_service/ownership.py) is treated as one that is away: this scheduler stays NOT_SERVING,
+logs the owner, and retries with backoff until the owner is gone, at start as after a loss. So
+two schedulers pointed at one executor never both serve, and a replacement scheduler takes over
+as soon as the old one's stream has closed and its lease has run out.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import grpc
 
 from protos.plan import ExecutorInfo
 from scheduler_service.engine import Executor, LLMEngine
+from scheduler_service.executor_client import ExecutorOwned
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request_stream import RequestFailure
 from scheduler_service.request_tracker import Failures, RequestTracker
@@ -68,7 +75,10 @@ class ExecutorRecovery:
             # Once per distinct error: retries every few seconds would flood the log.
             log = logger.debug if str(e) == self._last_connect_error else logger.warning
             self._last_connect_error = str(e)
-            log("executor at %s not connected: %s", self.options.executor_address, e)
+            if isinstance(e, ExecutorOwned):
+                log("another scheduler owns the executor; retrying until it is released: %s", e)
+            else:
+                log("executor at %s not connected: %s", self.options.executor_address, e)
             return False
         self._last_connect_error = None
         self.tokenizer = tokenizer
@@ -98,6 +108,11 @@ class ExecutorRecovery:
         self.set_health(True)
         self.tracker.post([], failures)
         return True
+
+    def not_connected_message(self) -> str:
+        """For UNAVAILABLE while no executor is connected: why, when a connect attempt said."""
+        message = f"executor at {self.options.executor_address} is not connected"
+        return f"{message} ({self._last_connect_error})" if self._last_connect_error else message
 
     def lose(self, engine: LLMEngine, reason: str) -> None:
         """Drop the engine but keep its requests (to recompute on the next executor)."""

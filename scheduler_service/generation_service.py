@@ -247,7 +247,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await self._fail(
                 context,
                 grpc.StatusCode.UNAVAILABLE,
-                f"executor at {self.engine.options.executor_address} is not connected",
+                self.engine.not_connected_message(),
             )
         info = engine.info
         return pb.GetModelInfoResponse(

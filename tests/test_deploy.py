@@ -339,6 +339,14 @@ def k8s_documents() -> Iterator[tuple[Path, dict]]:
                 yield path, doc
 
 
+def _k8s_env_value(entry: dict) -> str:
+    """A variable's value, or for one from a Secret `secret:<name>/<key>` (what the CLI then sees)."""
+    if "value" in entry:
+        return str(entry["value"])
+    ref = entry["valueFrom"]["secretKeyRef"]
+    return f"secret:{ref['name']}/{ref['key']}"
+
+
 def k8s_containers() -> list[Container]:
     containers = []
     for path, doc in k8s_documents():
@@ -349,7 +357,7 @@ def k8s_containers() -> list[Container]:
             verb = image_name(c["image"]).removeprefix("tandem-")
             assert verb in VERBS, f"{path.name}: {c['name']} runs {c['image']}, not an image of deploy/"
             assert "command" not in c, f"{path.name}: {c['name']} replaces the Dockerfile's ENTRYPOINT"
-            env = {e["name"]: str(e["value"]) for e in c.get("env", [])}
+            env = {e["name"]: _k8s_env_value(e) for e in c.get("env", [])}
             argv = c.get("args", dockerfile(verb).exec_form("CMD"))
             ports = {p["containerPort"] for p in c.get("ports", [])}
             where = f"k8s/{path.relative_to(DEPLOY / 'k8s')}:{doc['metadata']['name']}/{c['name']}"
@@ -381,6 +389,47 @@ def test_container_sets_only_variables_the_cli_reads(container):
     assert not unknown, (
         f"{container.where} sets {sorted(unknown)}; tandem {container.verb} reads {sorted(allowed)}"
     )
+
+
+def _secret_source(container: Container, variable: str) -> str | None:
+    """Where the container's `variable` comes from when it is a secret: the Kubernetes Secret key
+    (`secret:<name>/<key>`), or the compose variable that must be set (`${NAME:?...}`, no default);
+    None for a literal or for nothing."""
+    value = container.env.get(variable)
+    if value is None:
+        return None
+    if container.layout == "compose":
+        match = re.fullmatch(r"\$\{(\w+):\?[^}]*\}", value)
+        return f"compose:${match.group(1)}" if match else None
+    return value if value.startswith("secret:") else None
+
+
+@pytest.mark.parametrize(
+    "container", [c for c in ALL_CONTAINERS if c.verb == "executor"], ids=lambda c: c.where
+)
+def test_executor_is_not_drivable_without_the_secret(container, caplog):
+    """Each shipped executor listens beyond loopback, so it must require an API key from a secret
+    (or mutual TLS), its scheduler must send that same secret, and the executor must not warn that
+    anyone could drive it."""
+    args = container.args()
+    assert args.api_key or args.api_key_file or args.tls_ca, f"{container.where}: anyone can drive it"
+    if not args.tls_ca:
+        variables = ("TANDEM_EXECUTOR_API_KEY", "TANDEM_EXECUTOR_API_KEY_FILE")
+        sources = {v: _secret_source(container, v) for v in variables if v in container.env}
+        assert sources and all(sources.values()), (
+            f"{container.where}: the key is not from a secret: {sources}"
+        )
+        (scheduler,) = [c for c in ALL_CONTAINERS if c.verb == "scheduler" and c.layout == container.layout]
+        assert {v: _secret_source(scheduler, v) for v in sources} == sources, scheduler.where
+        sent = scheduler.args()
+        assert (sent.executor_api_key, sent.executor_api_key_file) == (args.api_key, args.api_key_file)
+    from executor_service.server import ExecutorServer
+
+    with caplog.at_level("WARNING", logger="executor_service.server"):
+        ExecutorServer(
+            args.host, 0, mutual_tls=bool(args.tls_ca), api_keys=[args.api_key] if args.api_key else None
+        ).stop(0)
+    assert "drive the executor" not in caplog.text
 
 
 @pytest.mark.parametrize("container", ALL_CONTAINERS, ids=lambda c: c.where)

@@ -26,6 +26,7 @@ from executor_service.metrics import step_kind
 from executor_service.plan_validation import PlanError
 from executor_service.server import ExecutorServer
 from protos.plan import ExecutorInfo, NewSequence, StepPlan, StepResult, StepSamplingParams, plan_to_proto
+from protos.session import session_metadata
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
@@ -337,8 +338,12 @@ def test_bad_plan_rejected_then_new_stream_works(remote, executor_proc, bad, pro
     assert plan.seq_ids == [1] and plan.num_computed_tokens == [5]
     assert remote.step(plan).seq_ids == [1]
 
+    # The same plan from a raw stub of the owner's session (a stray caller would be refused).
+    owner = session_metadata(remote.session_id, remote.owner_name)
     with grpc.insecure_channel(executor_proc.address) as channel:
-        responses = pb_grpc.ExecutorServiceStub(channel).Step(iter([plan_to_proto(bad)]), timeout=10)
+        responses = pb_grpc.ExecutorServiceStub(channel).Step(
+            iter([plan_to_proto(bad)]), timeout=10, metadata=owner
+        )
         with pytest.raises(grpc.RpcError) as raw:
             list(responses)
     assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -431,6 +436,9 @@ def test_loading_executor_answers_unavailable(qwen3_tied, tmp_path):
 
 class FakeExecutor:
     """Echoes each scheduled seq id as its token; step 1 fails, step 2 answers the wrong step id."""
+
+    def __init__(self) -> None:
+        self.seqs: dict = {}  # the sequences held, as LocalExecutor's (the server's gauge counts them)
 
     def describe(self) -> ExecutorInfo:
         return ExecutorInfo("fake", "Fake", 4, 8, 64, 512, [0], 1, "float32", "cpu", 8, 64, "none", 1, 16)

@@ -188,6 +188,7 @@ def test_every_key_is_compared_with_compare_digest(monkeypatch):
     import hmac
     from types import SimpleNamespace
 
+    from protos import api_keys
     from scheduler_service import security
 
     keys = ["k-short", KEY, "a-rather-longer-key-than-the-others-0123456789"]
@@ -198,7 +199,7 @@ def test_every_key_is_compared_with_compare_digest(monkeypatch):
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(security.hmac, "compare_digest", spy)
+    monkeypatch.setattr(api_keys.hmac, "compare_digest", spy)
     interceptor = security.ApiKeyInterceptor(keys)
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
 

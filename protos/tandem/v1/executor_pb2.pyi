@@ -145,3 +145,13 @@ class ResetResponse(_message.Message):
     NUM_DROPPED_SEQS_FIELD_NUMBER: _ClassVar[int]
     num_dropped_seqs: int
     def __init__(self, num_dropped_seqs: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -49,6 +49,11 @@ class ExecutorServiceStub:
                 request_serializer=tandem_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_executor__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/tandem.v1.ExecutorService/Release',
+                request_serializer=tandem_dot_v1_dot_executor__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_executor__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -69,7 +74,18 @@ class ExecutorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
-        """Drop every per-sequence state held by the executor.
+        """Drop every per-sequence state held by the executor. The caller becomes the executor's owner:
+        Reset and Step are refused (FAILED_PRECONDITION, naming the owner) to anyone else while the
+        owner holds a Step stream or its lease runs. Callers name their session in the metadata
+        `tandem-session-id` (random, per scheduler process) and `tandem-session-owner` (a name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """The owner gives the executor up (a scheduler that stops): its sequences are dropped and
+        another session may take over at once. From anyone but the owner it does nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +108,11 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=tandem_dot_v1_dot_executor__pb2.ResetRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_executor__pb2.ResetResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=tandem_dot_v1_dot_executor__pb2.ReleaseRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_executor__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +196,33 @@ class ExecutorService:
             '/tandem.v1.ExecutorService/Reset',
             tandem_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
             tandem_dot_v1_dot_executor__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.ExecutorService/Release',
+            tandem_dot_v1_dot_executor__pb2.ReleaseRequest.SerializeToString,
+            tandem_dot_v1_dot_executor__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,191 @@
+"""The executor's one owner: the scheduler session whose sequences it holds.
+
+A scheduler names its session in the metadata of every call (protos/session.py: a random id and
+a human-readable name). The session that calls Reset becomes the owner, if no other owner is
+live; Reset and Step are then the owner's alone. An owner is live while it holds an open Step
+stream, and for `lease_s` after its last call or its last stream closed (which covers the gap
+between a scheduler's Reset and its first plan, and an idle scheduler, whose Describe heartbeat
+refreshes the lease). Anyone else is refused with FAILED_PRECONDITION naming the owner:
+
+- Reset from another session, or from a caller without a session (grpcurl, an older scheduler),
+  while the owner is live. Once it is not, Reset hands the executor over (a clean takeover).
+- A Step stream, or a plan on one, from a session that is not the owner: another scheduler, or
+  the owner of before a takeover (its plans would run on the new owner's sequences).
+- A Step stream without a session is served only while no owner is live, and never makes its
+  caller the owner. A session's Step stream on an executor that nobody owns yet claims it.
+
+A scheduler that stops calls Release: the executor is unowned at once (no lease to wait for).
+
+Describe stays open to all (it reads only). With LocalExecutor in-process there is one caller
+and nothing of this applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from protos.session import MAX_OWNER_CHARS, SESSION_ID, SESSION_OWNER
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OWNER_LEASE_SECONDS = 10.0
+
+
+class NotOwner(Exception):
+    """The caller may not drive the executor now (FAILED_PRECONDITION); the message names the owner."""
+
+
+@dataclass(frozen=True)
+class Session:
+    """Who makes a call: `session_id` is empty for a caller that names no session."""
+
+    session_id: str
+    name: str
+
+    @property
+    def anonymous(self) -> bool:
+        return not self.session_id
+
+    def __str__(self) -> str:
+        return f"{self.name} (session {self.session_id[:8]})" if self.session_id else self.name
+
+
+def session_of(context: grpc.ServicerContext) -> Session:
+    metadata = dict(context.invocation_metadata() or ())
+    session_id = str(metadata.get(SESSION_ID, "")).strip()[:64]
+    if not session_id:
+        return Session("", f"a caller without a session at {context.peer()}")
+    name = (
+        str(metadata.get(SESSION_OWNER, "")).strip()[:MAX_OWNER_CHARS] or f"a scheduler at {context.peer()}"
+    )
+    return Session(session_id, name)
+
+
+@dataclass
+class _Owner:
+    session: Session
+    streams: int = 0  # its Step streams open now
+    last_seen: float = 0.0  # monotonic time of its last call, plan or stream close
+
+
+class Ownership:
+    """Who owns the executor; every method is thread-safe and raises NotOwner to refuse."""
+
+    def __init__(self, lease_s: float = DEFAULT_OWNER_LEASE_SECONDS) -> None:
+        if lease_s < 0:
+            raise ValueError(f"the owner lease ({lease_s} s) must be >= 0")
+        self.lease_s = lease_s
+        self._lock = threading.Lock()
+        self._owner: _Owner | None = None
+
+    @property
+    def owner(self) -> Session | None:
+        with self._lock:
+            return self._owner.session if self._owner is not None else None
+
+    def touch(self, session: Session) -> None:
+        """A call of `session` (Describe, say): refreshes its lease if it is the owner."""
+        with self._lock:
+            if self._is_owner(session):
+                self._owner.last_seen = time.monotonic()
+
+    def claim(self, session: Session) -> None:
+        """Reset: `session` becomes the owner, unless another owner is live. A caller without a
+        session may reset an executor that no live owner holds; the executor is then unowned."""
+        with self._lock:
+            self._refuse_unless_free(session, "Reset")
+            previous = self._owner
+            if session.anonymous:
+                self._owner = None
+            elif previous is None or previous.session.session_id != session.session_id:
+                self._owner = _Owner(session)
+            if self._owner is not None:
+                self._owner.last_seen = time.monotonic()
+        if previous is not None and not self._is_owner_of(previous, session):
+            logger.warning("%s took over the executor from %s", session, previous.session)
+        elif previous is None and not session.anonymous:
+            logger.info("%s owns the executor", session)
+
+    def release(self, session: Session) -> bool:
+        """The owner gives the executor up; False (and nothing changes) for anyone else."""
+        with self._lock:
+            if not self._is_owner(session):
+                return False
+            self._owner = None
+        logger.info("%s released the executor", session)
+        return True
+
+    def open_stream(self, session: Session) -> None:
+        """A Step stream begins; pair with close_stream."""
+        with self._lock:
+            if session.anonymous:
+                self._refuse_unless_free(session, "Step")
+                return
+            if self._owner is None:  # nobody has claimed this executor yet
+                self._owner = _Owner(session)
+                logger.info("%s owns the executor (its Step stream claimed it)", session)
+            self._refuse_unless_owner(session, "Step")
+            self._owner.streams += 1
+            self._owner.last_seen = time.monotonic()
+
+    def close_stream(self, session: Session) -> None:
+        with self._lock:
+            if not session.anonymous and self._is_owner(session):
+                self._owner.streams -= 1
+                self._owner.last_seen = time.monotonic()
+
+    def check_plan(self, session: Session, step_id: int) -> None:
+        """A plan on a Step stream of `session`: refused when the session no longer owns the executor."""
+        with self._lock:
+            what = f"step {step_id}"
+            if session.anonymous:
+                self._refuse_unless_free(session, what)
+            else:
+                self._refuse_unless_owner(session, what)
+                self._owner.last_seen = time.monotonic()
+
+    # -- with the lock held -------------------------------------------------------------------
+
+    def _is_owner(self, session: Session) -> bool:
+        return self._owner is not None and self._is_owner_of(self._owner, session)
+
+    @staticmethod
+    def _is_owner_of(owner: _Owner, session: Session) -> bool:
+        return not session.anonymous and owner.session.session_id == session.session_id
+
+    def _live(self) -> bool:
+        owner = self._owner
+        return owner is not None and (owner.streams > 0 or time.monotonic() - owner.last_seen < self.lease_s)
+
+    def _refuse_unless_free(self, session: Session, what: str) -> None:
+        """Refuse `what` unless `session` owns the executor or no owner is live."""
+        if self._live() and not self._is_owner(session):
+            raise NotOwner(self._message(session, what))
+
+    def _refuse_unless_owner(self, session: Session, what: str) -> None:
+        if self._is_owner(session):
+            return
+        if self._live():
+            raise NotOwner(self._message(session, what))
+        if self._owner is None:
+            raise NotOwner(f"{what} refused: {session} does not own the executor any more; call Reset first")
+        raise NotOwner(
+            f"{what} refused: the executor holds the sequences of {self._owner.session}, not of "
+            f"{session}; call Reset first to take it over"
+        )
+
+    def _message(self, session: Session, what: str) -> str:
+        owner = self._owner
+        state = (
+            "its Step stream is open" if owner.streams else f"lease of {self.lease_s:g} s after its last call"
+        )
+        return (
+            f"{what} refused: the executor is owned by {owner.session} ({state}); it accepts Reset and "
+            f"Step only from its owner until the owner's streams close and --owner-lease-seconds "
+            f"({self.lease_s:g}) pass. Caller: {session}"
+        )
