@@ -42,11 +42,17 @@ def check_fused_moe(num_tokens, num_experts, top_k, hidden, n, dtype, device, us
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
 
 
-def check_align(num_tokens, num_experts, top_k, block_m, used=None, device="cpu"):
-    from executor_service.layers.fused_moe_triton import align_block_size
+def check_align(num_tokens, num_experts, top_k, block_m, used=None, device="cpu", reference=True):
+    """The align's layout invariants, and the Triton align (reference=False) equal to the torch one."""
+    from executor_service.layers import fused_moe_triton
 
     _, _, _, _, ids = make_moe(num_tokens, num_experts, top_k, 8, 8, torch.float32, device, used)
-    sorted_ids, expert_ids, num_padded = align_block_size(ids, num_experts, block_m)
+    aligned = fused_moe_triton.align_block_size_reference(ids, num_experts, block_m)
+    if not reference:
+        got = fused_moe_triton.align_block_size(ids, num_experts, block_m)
+        for name, want, have in zip(("sorted_ids", "expert_ids", "num_padded"), aligned, got, strict=True):
+            assert have.dtype == torch.int32 and torch.equal(have, want), f"{name} at {num_tokens} tokens"
+    sorted_ids, expert_ids, num_padded = aligned
     num_pairs = ids.numel()
     flat = ids.flatten().cpu()
     sorted_ids, expert_ids, used_rows = sorted_ids.cpu(), expert_ids.cpu(), int(num_padded)
@@ -114,9 +120,20 @@ def test_fused_moe_with_empty_experts_on_gpu(num_tokens, used):
 
 @pytest.mark.gpu
 @cuda
-def test_fused_moe_align_on_gpu():
-    for num_tokens, used in [(1, None), (256, None), (256, 3), (4096, None)]:
-        check_align(num_tokens, 128, 8, 16, used, device="cuda")
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+def test_fused_moe_align_on_gpu(block_m):
+    """The Triton align equals the torch one: one chunk, several, up to 64 programs of many chunks."""
+    for num_tokens, used in [
+        (1, None),
+        (7, None),
+        (256, None),
+        (256, 3),
+        (1000, 60),
+        (4096, None),
+        (9000, None),
+    ]:
+        check_align(num_tokens, 128, 8, block_m, used, device="cuda", reference=False)
+    check_align(100, 60, 4, block_m, device="cuda", reference=False)  # experts not a power of two
 
 
 @pytest.mark.gpu
@@ -135,3 +152,24 @@ def test_fused_moe_captures_in_a_cuda_graph():
         x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
         graph.replay()
         torch.testing.assert_close(out, fused_experts(x, w13, w2, weights, ids), atol=0, rtol=0)
+
+
+def test_align_kernels_under_interpreter():
+    """The Triton align equals the torch one, its kernels run on the CPU by Triton's interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    from test_triton_interpret import PRELUDE, ROOT
+
+    script = PRELUDE + (
+        "from test_fused_moe import check_align\n"
+        "for n, used in [(1, None), (5, 3), (64, None), (130, 5), (600, None)]:\n"
+        "    for block_m in (16, 64):\n"
+        "        check_align(n, 8, 2, block_m, used, reference=False)\n"
+        "check_align(40, 6, 3, 16, reference=False)\n"
+        "check_align(2100, 8, 2, 16, reference=False)  # 4200 pairs: two steps of each program's loop\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
