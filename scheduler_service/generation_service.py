@@ -83,6 +83,10 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+# The largest chunk a stream sends (see GenerationServicer.__init__).
+_MAX_CHUNK_BYTES = 2 * 2**20
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(
         self, engine: AsyncEngine, stream_interval: int = 1, max_message_bytes: int = MAX_MESSAGE_BYTES
@@ -94,9 +98,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.stream_interval = stream_interval
         self.max_message_bytes = max_message_bytes
         # A chunk: half of the message for token ids and logprobs, a quarter for text (UTF-8: at
-        # most 4 bytes a character), the rest for the request id and framing.
-        self._chunk_token_bytes = max_message_bytes // 2
-        self._chunk_text_chars = max_message_bytes // 16
+        # most 4 bytes a character), the rest for the request id and framing; and no chunk over
+        # about 1 MiB, under the 4 MiB that grpcurl and the Go and Java clients take by default.
+        limit = min(max_message_bytes, _MAX_CHUNK_BYTES)
+        self._chunk_token_bytes = limit // 2
+        self._chunk_text_chars = limit // 16
 
     async def _fail(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.metrics.requests_failed.labels(code.name).inc()
