@@ -36,6 +36,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_OWNER_LEASE_SECONDS = 10.0
 
 
+class LogThrottle:
+    """True at most once per key every `interval_s`: a refusal that a waiting scheduler (or an
+    attacker) repeats every few seconds is logged once a minute, not each time."""
+
+    def __init__(self, interval_s: float = 60.0, max_keys: int = 1024) -> None:
+        self.interval_s = interval_s
+        self._max_keys = max_keys
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval_s:
+                return False
+            if len(self._last) >= self._max_keys:
+                self._last.clear()
+            self._last[key] = now
+            return True
+
+
 class NotOwner(Exception):
     """The caller may not drive the executor now (FAILED_PRECONDITION); the message names the owner."""
 

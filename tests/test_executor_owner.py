@@ -487,3 +487,12 @@ def test_the_overlapped_step_loop_refuses_the_same(server, local_executor, monke
                 results.append(result.step_id)
     assert results == [1, 2]
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be 3 or above" in e.value.details()
+
+
+def test_repeated_refusals_are_logged_once_a_minute_per_caller():
+    from executor_service.ownership import LogThrottle
+
+    throttle = LogThrottle(interval_s=60.0)
+    assert [throttle("scheduler B") for _ in range(5)] == [True, False, False, False, False]
+    assert throttle("scheduler C")  # another caller is logged
+    assert not throttle("scheduler B")
