@@ -1,7 +1,10 @@
 """Loading a Hugging Face checkpoint's safetensors weights into a model (config.json is read by
 model_config.py). The model says where each tensor goes (`checkpoint_target`): its own parameter, a
 slice of a packed one (q/k/v, gate/up) or one expert's slice of a packed MoE weight; each
-parameter's `weight_loader` reads only the part its tensor-parallel rank holds."""
+parameter's `weight_loader` reads only the part its tensor-parallel rank holds.
+
+Per-layer scales of an fp8 KV cache (`self_attn.k_scale` / `v_scale`, or on k_proj / v_proj, or one
+`kv_scale`) are not parameters: they set the attention layer's k_scale / v_scale."""
 
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ class CheckpointSlice:
         return self._lazy[(slice(None),) * dim + (slice(start, start + length),)]
 
     def read(self) -> torch.Tensor:
-        return self._lazy[:] if self.shape else self.narrow(0, 0, 0).reshape(())
+        return self._lazy[:] if self.shape else self._lazy[...]
 
 
 def read_tensor(loaded: torch.Tensor | CheckpointSlice) -> torch.Tensor:
@@ -84,6 +87,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: frozenset[str] =
                     if name in skip or name.endswith("rotary_emb.inv_freq"):
                         continue
                     tensor = CheckpointSlice(f.get_slice(name))
+                    if _load_kv_scale(model, name, tensor):
+                        continue
                     target, shard_id = model.checkpoint_target(name)
                     param = _param(params, target, name)
                     if shard_id is None:
@@ -100,3 +105,29 @@ def _param(params: dict[str, nn.Parameter], target: str, source: str) -> nn.Para
     if target not in params:
         raise ValueError(f"checkpoint tensor {source!r} has no matching model parameter {target!r}")
     return params[target]
+
+
+# checkpoint name suffix -> the attention layer's attributes it sets
+KV_SCALE_SUFFIXES = {
+    "self_attn.k_scale": ("k_scale",),
+    "self_attn.v_scale": ("v_scale",),
+    "self_attn.k_proj.k_scale": ("k_scale",),
+    "self_attn.v_proj.v_scale": ("v_scale",),
+    "self_attn.kv_scale": ("k_scale", "v_scale"),
+}
+
+
+def _load_kv_scale(model: nn.Module, name: str, tensor: CheckpointSlice) -> bool:
+    """Set `model.layers.N.self_attn.attn.k_scale` (v_scale) from a KV-cache scale tensor; False
+    for any other tensor."""
+    for suffix, attrs in KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            layer = name[: -len(suffix)] + "self_attn.attn"
+            attention = model.get_submodule(layer)
+            value = float(tensor.read().float().reshape(-1)[0])
+            if not value > 0:
+                raise ValueError(f"checkpoint tensor {name!r} must be a positive scale, is {value}")
+            for attr in attrs:
+                setattr(attention, attr, value)
+            return True
+    return False

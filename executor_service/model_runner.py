@@ -103,7 +103,7 @@ class ModelRunner:
         self.model.eval()
 
         bytes_per_block = block_bytes(
-            mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, config.torch_dtype
+            mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, config.kv_torch_dtype
         )
         backend = get_backend(config.attention_backend)
         for module in self.model.modules():
@@ -125,13 +125,13 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             mc.head_dim,
-            config.torch_dtype,
+            config.kv_torch_dtype,
             self.device,
         )
         self.kv_cache.bind(self.model)
         logger.info(
             "rank %d/%d: loaded %s (%s, %s, %s attention, fused ops %s) with %d KV blocks of %d "
-            "tokens (%.2f GiB)",
+            "tokens (%s, %.2f GiB)",
             tp_rank,
             self.tp_size,
             config.model,
@@ -141,6 +141,7 @@ class ModelRunner:
             config.fused_ops,
             num_blocks,
             self.block_size,
+            config.kv_cache_dtype,
             num_blocks * bytes_per_block / 2**30,
         )
         graph_safe = backend.graph_safe and self.model.cuda_graph_safe()
