@@ -34,11 +34,13 @@ def round_to_e4m3(x):
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     bits = x.to(tl.uint32, bitcast=True)
     # Normal e4m3 keeps 3 of fp32's 23 mantissa bits: round the other 20 to nearest even.
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-    normal = bits.to(tl.float32, bitcast=True)
-    # Below 2**-6 e4m3 is subnormal, a grid of 2**-9: adding 1.5 * 2**23 rounds x * 512 to an integer.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Below 2**-6 e4m3 is subnormal, a grid of 2**-9: adding 1.5 * 2**23 rounds |x| * 512 to an
+    # integer; the sign bit goes back on after (so -0.0001 is -0.0, as the cast gives; Triton's
+    # negation is 0 - x, which would give +0.0).
     magic = 12582912.0
-    subnormal = ((x * 512.0 + magic) - magic) * (1.0 / 512.0)
+    subnormal = ((tl.abs(x) * 512.0 + magic) - magic) * (1.0 / 512.0)
+    subnormal = (subnormal.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
