@@ -99,7 +99,12 @@ class ModelRunner:
             self.model = config.model_class(
                 mc, tie_word_embeddings=tied, tp_rank=tp_rank, tp_size=self.tp_size
             )
-        load_weights(self.model, config.model, skip=frozenset({"lm_head.weight"}) if tied else frozenset())
+        load_weights(
+            self.model,
+            config.model,
+            skip=frozenset({"lm_head.weight"}) if tied else frozenset(),
+            quantization=mc.quantization,
+        )
         self.model.eval()
 
         bytes_per_block = block_bytes(
