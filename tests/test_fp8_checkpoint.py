@@ -88,5 +88,5 @@ def test_block_scales_without_a_quantization_config_are_refused(fp8_qwen3, tmp_p
     config = json.loads((tmp_path / "config.json").read_text())
     del config["quantization_config"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="weight_scale_inv' is a block scale, but config.json has no"):
+    with pytest.raises(ValueError, match=r"weight_scale_inv' is a block scale, but config\.json has no"):
         LocalExecutor(ExecutorConfig(model=str(tmp_path), num_kv_blocks=64))
