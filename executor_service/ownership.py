@@ -124,7 +124,7 @@ class Ownership:
         """A Step stream begins; pair with close_stream."""
         with self._lock:
             if session.anonymous:
-                self._refuse_unless_free(session, "Step")
+                self._refuse_unless_unowned(session, "Step")
                 return
             if self._owner is None:  # nobody has claimed this executor yet
                 self._owner = _Owner(session)
@@ -144,7 +144,7 @@ class Ownership:
         with self._lock:
             what = f"step {step_id}"
             if session.anonymous:
-                self._refuse_unless_free(session, what)
+                self._refuse_unless_unowned(session, what)
             else:
                 self._refuse_unless_owner(session, what)
                 self._owner.last_seen = time.monotonic()
@@ -166,6 +166,17 @@ class Ownership:
         """Refuse `what` unless `session` owns the executor or no owner is live."""
         if self._live() and not self._is_owner(session):
             raise NotOwner(self._message(session, what))
+
+    def _refuse_unless_unowned(self, session: Session, what: str) -> None:
+        """A caller without a session steps only an executor nobody owns (after a Reset or a
+        Release): the sequences an owner left, live or not, are not its to drive."""
+        if self._live():
+            raise NotOwner(self._message(session, what))
+        if self._owner is not None:
+            raise NotOwner(
+                f"{what} refused: the executor holds the sequences of {self._owner.session}; "
+                f"{session} must call Reset first"
+            )
 
     def _refuse_unless_owner(self, session: Session, what: str) -> None:
         if self._is_owner(session):

@@ -114,20 +114,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if params.stop and tokenizer is None:
             raise InvalidRequestError(f"stop strings need a tokenizer; {NO_TOKENIZER}")
         if request.WhichOneof("prompt") == "text":
-            if tokenizer is None and self.engine.engine is not None:
+            # No work for a prompt that cannot be served: no executor (UNAVAILABLE), no tokenizer,
+            # or a text too long to fit (a lower bound on its tokens, without tokenizing).
+            engine = self.engine.check_admitting()
+            if tokenizer is None:
                 raise InvalidRequestError(NO_TOKENIZER)
             text = request.text  # each read of the field decodes it anew
-            if tokenizer is None:
-                prompt = []
+            verify_prompt_length(
+                tokenizer.min_num_tokens(text), params, engine.limits.max_model_len, lower_bound=True
+            )
+            if len(text) > TOKENIZE_INLINE_CHARS:
+                # encode_off_gil: a long text in a thread that leaves the event loop (health, other
+                # streams) running.
+                prompt = await asyncio.to_thread(tokenizer.encode_off_gil, text)
             else:
-                if (engine := self.engine.engine) is not None:  # refuse what cannot fit before the work
-                    verify_prompt_length(
-                        tokenizer.min_num_tokens(text), params, engine.limits.max_model_len, lower_bound=True
-                    )
-                if len(text) > TOKENIZE_INLINE_CHARS:
-                    prompt = await asyncio.to_thread(tokenizer.encode, text)
-                else:
-                    prompt = tokenizer.encode(text)
+                prompt = tokenizer.encode(text)
         else:
             prompt = list(request.token_ids.ids)
         return self.engine.add_request(request_id, prompt, params, arrival, timeout)

@@ -17,17 +17,40 @@ LOADS = [(1, None), (2, None), (5, 3), (16, None), (33, 1), (64, None), (130, 5)
 def make_moe(
     num_tokens: int, num_experts: int, top_k: int, hidden: int, n: int, dtype, device, used=None, seed=0
 ):
-    """Activations, packed weights and a routing that sends tokens only to `used` experts."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(device)
-    w13 = (torch.randn(num_experts, 2 * n, hidden, generator=gen) / hidden**0.5).to(dtype).to(device)
-    w2 = (torch.randn(num_experts, hidden, n, generator=gen) / n**0.5).to(dtype).to(device)
+    """Activations, packed weights and a routing that sends tokens only to `used` experts (drawn on
+    the device: the H200 shapes' weights are 2.4 GB)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * n, hidden, generator=gen, device=device) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, n, generator=gen, device=device) / n**0.5).to(dtype)
     used = used or num_experts
-    pool = torch.randperm(num_experts, generator=gen)[: max(used, top_k)]
-    choice = torch.stack([torch.randperm(len(pool), generator=gen)[:top_k] for _ in range(num_tokens)])
-    topk_ids = pool[choice].to(device)
-    topk_weights = torch.rand(num_tokens, top_k, generator=gen).softmax(-1).to(dtype).to(device)
+    pool = torch.randperm(num_experts, generator=gen, device=device)[: max(used, top_k)]
+    choice = torch.stack(
+        [torch.randperm(len(pool), generator=gen, device=device)[:top_k] for _ in range(num_tokens)]
+    )
+    topk_ids = pool[choice]
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen, device=device).softmax(-1).to(dtype)
     return x, w13, w2, topk_weights, topk_ids
+
+
+def check_route(num_tokens, num_experts, top_k, hidden, dtype, device, renormalize=True):
+    """The one-kernel router against layers/moe.route: the same experts in the same order (tokens
+    whose k-th and (k+1)-th probabilities are nearly tied excepted), weights to the dtype's rounding."""
+    from executor_service.layers import fused_moe_triton, moe
+
+    gen = torch.Generator(device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+    router = (torch.randn(num_experts, hidden, generator=gen, device=device) / hidden**0.5).to(dtype)
+    weights, ids = fused_moe_triton.route(x, router, top_k, renormalize)
+    ref_weights, ref_ids = moe.route(x, router, top_k, renormalize)
+    probs = torch.softmax(x.double() @ router.double().T, dim=-1).sort(dim=-1, descending=True).values
+    clear = (probs[:, : top_k + 1].diff(dim=-1).abs() > 1e-6).all(dim=-1)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert clear.float().mean() > 0.95 and torch.equal(ids[clear], ref_ids[clear]), (
+        f"route ids at {num_tokens}"
+    )
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(weights[clear], ref_weights[clear], atol=tol, rtol=tol)
 
 
 def check_fused_moe(num_tokens, num_experts, top_k, hidden, n, dtype, device, used=None, config=None):
@@ -138,6 +161,15 @@ def test_fused_moe_align_on_gpu(block_m):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_route_on_gpu(dtype):
+    for num_tokens in (1, 7, 256, 2049):
+        check_route(num_tokens, 128, 8, 2048, dtype, "cuda")
+    check_route(33, 60, 4, 2048, dtype, "cuda", renormalize=False)
+
+
+@pytest.mark.gpu
+@cuda
 def test_fused_moe_captures_in_a_cuda_graph():
     """A decode-sized call replays from a CUDA graph with new routings and equals eager."""
     from executor_service.layers.fused_moe_triton import fused_experts
@@ -168,6 +200,10 @@ def test_align_kernels_under_interpreter():
         "    for block_m in (16, 64):\n"
         "        check_align(n, 8, 2, block_m, used, reference=False)\n"
         "check_align(40, 6, 3, 16, reference=False)\n"
+        "from test_fused_moe import check_route\n"
+        "for n in (1, 17, 40):\n"
+        "    check_route(n, 8, 2, 48, torch.float32, 'cpu')\n"
+        "    check_route(n, 12, 3, 64, f16, 'cpu', renormalize=False)\n"
         "check_align(2100, 8, 2, 16, reference=False)  # 4200 pairs: two steps of each program's loop\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}

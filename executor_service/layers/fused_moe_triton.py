@@ -49,11 +49,11 @@ def _tiles(bm: int, gate_up: tuple[int, int, int, int], down: tuple[int, int, in
 # (bench/moe.py --sweep; BLOCK_N, BLOCK_K, warps, stages after BLOCK_M). Decode sizes give each
 # expert a few pairs, so a short BLOCK_M; prefill chunks give it hundreds, so square tiles.
 CONFIGS: list[tuple[int, tuple[MoEConfig, MoEConfig]]] = [
-    (64, _tiles(16, (64, 128, 4, 4), (128, 128, 4, 3))),
-    (512, _tiles(16, (128, 128, 4, 3), (128, 128, 4, 3))),
-    (2048, _tiles(32, (128, 64, 4, 4), (128, 64, 4, 4))),
-    (8192, _tiles(64, (128, 64, 8, 3), (128, 64, 8, 3))),
-    (1 << 62, _tiles(128, (128, 64, 8, 3), (128, 64, 8, 3))),
+    (32, _tiles(16, (32, 256, 4, 2), (64, 128, 4, 3))),
+    (192, _tiles(16, (64, 128, 4, 2), (128, 128, 4, 2))),
+    (384, _tiles(32, (64, 128, 4, 2), (64, 128, 4, 2))),
+    (1024, _tiles(64, (64, 64, 8, 3), (128, 64, 8, 4))),
+    (1 << 62, _tiles(128, (128, 64, 8, 4), (256, 64, 8, 4))),
 ]
 
 
@@ -284,6 +284,98 @@ def _moe_gemm_kernel(
         out = acc.to(dtype).to(tl.float32) * weight[:, None]
     out_ptrs = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _route_kernel(
+    x_ptr,
+    w_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    K,
+    stride_x,
+    stride_w,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    E_POW2: tl.constexpr,
+    TOPK_POW2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # A program routes BLOCK_T tokens: logits [BLOCK_T, E] (products of the model-dtype operands are
+    # exact in fp32, accumulated in fp32), softmax, top-k (lowest expert first among equals).
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    experts = tl.arange(0, E_POW2)
+    e_mask = experts < num_experts
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, E_POW2), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k
+        a = tl.load(
+            x_ptr + offs_t[:, None] * stride_x + k + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :]
+        )
+        w = tl.load(
+            w_ptr + experts[None, :] * stride_w + k + offs_k[:, None], mask=e_mask[None, :] & k_mask[:, None]
+        )
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    logits = tl.where(e_mask[None, :], acc, float("-inf"))
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]
+    cols = tl.arange(0, TOPK_POW2)
+    top = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.float32)
+    top_ids = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        idx = tl.min(tl.where(probs == best[:, None], experts[None, :], E_POW2), axis=1)
+        top = tl.where(cols[None, :] == k, best[:, None], top)
+        top_ids = tl.where(cols[None, :] == k, idx[:, None], top_ids)
+        probs = tl.where(experts[None, :] == idx[:, None], -1.0, probs)
+    if RENORMALIZE:
+        top = top / tl.sum(top, axis=1)[:, None]
+    out = offs_t[:, None] * TOP_K + cols[None, :]
+    mask = t_mask[:, None] & (cols[None, :] < TOP_K)
+    tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=mask)
+
+
+def route(
+    hidden_states: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As layers/moe.route in one kernel (it takes about 8): [num_tokens, hidden] -> (weights
+    [num_tokens, top_k] in the model dtype, expert ids [num_tokens, top_k] int64). A fixed BLOCK_T,
+    so a token's routing does not depend on its batch."""
+    num_tokens, hidden = hidden_states.shape
+    num_experts = router_weight.shape[0]
+    if hidden_states.stride(1) != 1 or router_weight.stride(1) != 1:
+        raise ValueError("route needs row-contiguous activations and router weights")
+    weights = torch.empty((num_tokens, top_k), dtype=hidden_states.dtype, device=hidden_states.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden_states.device)
+    block_t = 16
+    _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+        hidden_states,
+        router_weight,
+        weights,
+        ids,
+        num_tokens,
+        num_experts,
+        hidden,
+        hidden_states.stride(0),
+        router_weight.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        DOT_PRECISION="ieee" if hidden_states.dtype == torch.float32 else "tf32",
+        E_POW2=max(16, triton.next_power_of_2(num_experts)),
+        TOPK_POW2=triton.next_power_of_2(top_k),
+        BLOCK_T=block_t,
+        BLOCK_K=64 if hidden_states.element_size() > 2 else 128,
+        num_warps=4,
+        num_stages=2,
+    )
+    return weights, ids
 
 
 @triton.jit
