@@ -79,6 +79,15 @@ for scales in ((1.0, 1.0), (0.05, 2.5)):
     check_attention_fp8(to_fp8(b, *scales), 2)
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})
 """,
+    "fp8_gemm": """
+from test_fp8_gemm import check_gemm, check_quantize
+for dtype in (torch.bfloat16, f16):
+    check_quantize(5, 300, dtype, "cpu")  # a partial group
+    check_quantize(3, 256, dtype, "cpu")
+small = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+check_gemm(5, 72, 256, torch.float32, "cpu", small)  # partial N tile, two K steps
+check_gemm(17, 160, 384, torch.float32, "cpu", small)  # partial M tile, N scale blocks of 128
+""",
     "fused_ops": """
 from test_triton_ops import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
 for dtype in (torch.float32, torch.bfloat16, f16):
