@@ -24,6 +24,7 @@ from executor_service.kv_cache import KVCache, block_bytes
 from executor_service.kv_cache_sizing import determine_num_kv_blocks
 from executor_service.layers.attention import Attention
 from executor_service.layers.fusable import Fusable
+from executor_service.layers.linear import convert_to_fp8
 from executor_service.loader import checkpoint_tensor_files, load_weights
 from executor_service.sampler import Sampler, SamplerOutput
 from executor_service.sequence import SequenceState
@@ -99,11 +100,17 @@ class ModelRunner:
             self.model = config.model_class(
                 mc, tie_word_embeddings=tied, tp_rank=tp_rank, tp_size=self.tp_size
             )
+        # An fp8 checkpoint's linear layers stay e4m3 on CUDA (the W8A8 GEMM); elsewhere, and for
+        # the MoE experts, the loader dequantizes them to the compute dtype.
+        fp8_weights = frozenset()
+        if mc.quantization is not None and self.device.type == "cuda":
+            fp8_weights = convert_to_fp8(self.model, names, mc.quantization.block)
         load_weights(
             self.model,
             config.model,
             skip=frozenset({"lm_head.weight"}) if tied else frozenset(),
             quantization=mc.quantization,
+            keeps_fp8=fp8_weights.__contains__,
         )
         self.model.eval()
 

@@ -94,3 +94,40 @@ def test_fp8_checkpoint_greedy_matches_dequantized_model_on_gpu(tmp_path):
     want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
     assert same >= 0.9 * sum(map(len, want)), f"{same} of {sum(map(len, want))} tokens agree"
+
+
+def check_fp8_linear_layers(device: str) -> None:
+    """Packed q/k/v with e4m3 weights: the loaders place each shard's weight and block scales, the
+    forward is the W8A8 GEMM; a row-parallel rank reads its blocks of columns; a shard that would
+    split a block is refused."""
+    from executor_service.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.device(device):
+        qkv = QKVParallelLinear(256, 64, 4, 2)
+    qkv.to_fp8((128, 128))
+    dequantized = []
+    for shard, rows in (("q", 256), ("k", 128), ("v", 128)):
+        q, scale_inv = quantize_weight_blocks(torch.randn(rows, 256, generator=gen))
+        qkv.weight_loader(qkv.weight, q, shard)
+        qkv.weight_loader(qkv.weight_scale_inv, scale_inv, shard)
+        dequantized.append(dequantize_weight_blocks(q, scale_inv, torch.float32))
+    x = torch.randn(5, 256, generator=gen).to(device)
+    ref = _dequantize_rows(*reference_quantize(x)) @ torch.cat(dequantized).to(device).T
+    torch.testing.assert_close(qkv(x), ref, atol=1e-3, rtol=1e-4)
+
+    with pytest.raises(ValueError, match="columns of 64 would split the fp8 checkpoint's blocks of 128"):
+        RowParallelLinear(256, 128, tp_rank=0, tp_size=4).to_fp8((128, 128))
+    with torch.device(device):
+        row = RowParallelLinear(512, 128, tp_rank=1, tp_size=2)
+    row.to_fp8((128, 128))
+    q, scale_inv = quantize_weight_blocks(torch.randn(128, 512, generator=gen))
+    row.weight_loader(row.weight, q)
+    row.weight_loader(row.weight_scale_inv, scale_inv)
+    assert torch.equal(row.weight_scale_inv.cpu(), scale_inv[:, 2:4])
+    assert torch.equal(row.weight.cpu().view(torch.uint8), q[:, 256:].view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_fp8_linear_layers_on_gpu():
+    check_fp8_linear_layers("cuda")

@@ -87,6 +87,8 @@ for dtype in (torch.bfloat16, f16):
 small = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 check_gemm(5, 72, 256, torch.float32, "cpu", small)  # partial N tile, two K steps
 check_gemm(17, 160, 384, torch.float32, "cpu", small)  # partial M tile, N scale blocks of 128
+from test_fp8_gemm import check_fp8_linear_layers
+check_fp8_linear_layers("cpu")
 """,
     "fused_ops": """
 from test_triton_ops import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
