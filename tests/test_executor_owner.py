@@ -147,7 +147,9 @@ def test_takeover_once_the_owner_stream_closed_and_its_lease_ran_out(server):
         a.step(_prefill(4, 2, 1))
     # Nor may a caller without a session drive B's sequences: only after a Reset.
     error = _refused(lambda: _raw(server.address, "Step", _prefill(5, 3, 2)))
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "sequences of scheduler B" in error.details()
+    assert (
+        error.code() == grpc.StatusCode.FAILED_PRECONDITION and "sequences of scheduler B" in error.details()
+    )
     _raw(server.address, "Reset")
     _raw(server.address, "Step", _prefill(6, 4, 3))
     a.close()
