@@ -198,6 +198,14 @@ class TandemClient:
             raise TandemError.from_rpc_error(e) from None
         return model_info_from_proto(info)
 
+    def reachable(self, timeout: float) -> bool:
+        """Whether a connection to the server comes up within `timeout` seconds."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"..."""
         try:

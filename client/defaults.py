@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -52,8 +53,28 @@ def default_model() -> str:
     return env("MODEL") or str(DEFAULT_MODEL)
 
 
+# free_port's range: below Linux's ephemeral ports (32768-60999), which servers bound to port 0
+# and outgoing connections draw from, so that a port handed out here is not taken meanwhile by
+# one of those (a test's subprocess binds it a moment later, exclusively).
+_FREE_PORT_RANGE = (20000, 32767)
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = DEFAULT_HOST) -> int:
-    """A TCP port that nothing listens on right now (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that nothing listens on right now, drawn at random below the ephemeral range and
+    never the same twice in this process (another process may still take it)."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(*_FREE_PORT_RANGE)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is full: any port
         s.bind((host, 0))
         return s.getsockname()[1]

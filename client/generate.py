@@ -19,8 +19,10 @@ def _logprobs_json(logprobs) -> list[dict]:
     ]
 
 
-def _error(e: TandemError, address: str) -> int:
-    if e.code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in e.message:
+def _error(e: TandemError, address: str, client: TandemClient) -> int:
+    unreachable = e.code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in e.message
+    # A --timeout shorter than the retries ends DEADLINE_EXCEEDED, whatever the attempts met.
+    if unreachable or (e.code == grpc.StatusCode.DEADLINE_EXCEEDED and not client.reachable(0.5)):
         print(f"error: no tandem server at {address} ({e}); start one with `tandem up`", file=sys.stderr)
         return 1
     print(f"error: {e}", file=sys.stderr)
@@ -75,7 +77,7 @@ def generate_remote(address: str, prompts: list, args: argparse.Namespace, sampl
                     else:
                         builder = _print_streaming(stream, out)
                 except TandemError as e:
-                    status = status or _error(e, address)
+                    status = status or _error(e, address, client)
                     if e.code == grpc.StatusCode.UNAVAILABLE:
                         break
                     continue

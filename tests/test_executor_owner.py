@@ -301,7 +301,7 @@ def test_a_second_scheduler_serves_nothing_and_the_first_streams_finish_exactly(
     tokens. When A is SIGKILLed, B takes over once A's lease ran out and serves."""
     reference = LLM(str(qwen3_tied), num_kv_blocks=1024)
     prompts = token_prompts(8, seed=13)
-    max_tokens = 48
+    max_tokens = 300  # long enough for a second scheduler process to start while they stream
     expected = reference.generate(
         prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
     )
@@ -341,20 +341,26 @@ def test_a_second_scheduler_serves_nothing_and_the_first_streams_finish_exactly(
                     await asyncio.sleep(0.005)
                 at_intrusion = list(progress)
                 await asyncio.to_thread(intrude)
-                return await asyncio.gather(*tasks), at_intrusion
+                # A second scheduler process against the busy executor: refused, naming A.
+                nonlocal scheduler_b
+                scheduler_b, address = _second_scheduler(cluster, tmp_path)
+                deadline = time.monotonic() + 60
+                while f"owned by {owner_a}" not in scheduler_b.tail(200):
+                    assert time.monotonic() < deadline, f"B never tried:\n{scheduler_b.tail(30)}"
+                    await asyncio.sleep(0.05)
+                at_second = list(progress)
+                return await asyncio.gather(*tasks), at_intrusion, at_second, address
 
-        results, at_intrusion = asyncio.run(run())
+        results, at_intrusion, at_second, address_b = asyncio.run(run())
         assert max(at_intrusion) < max_tokens, "the streams had finished before the intrusion"
+        assert min(at_second) < max_tokens, "the streams had finished before the second scheduler tried"
         assert len(refusals) == 4 and all(f"owned by {owner_a}" in r for r in refusals), refusals
         assert _check_identical(results, expected) == len(prompts)
 
-        # A second scheduler process: NOT_SERVING, naming A in its log and in its refusals.
-        scheduler_b, address_b = _second_scheduler(cluster, tmp_path)
         logs = lambda: f"{cluster.logs()}\n--- scheduler-b ---\n{scheduler_b.tail(30)}"  # noqa: E731
-        _wait_for(lambda: f"owned by {owner_a}" in scheduler_b.tail(200), 30, "B never tried", logs)
         time.sleep(3)  # past A's lease: A still owns the executor, by its open stream and heartbeats
         assert _health(address_b) == "NOT_SERVING", logs()
-        with TandemClient(address_b, timeout=10) as client, pytest.raises(TandemError) as refused:
+        with TandemClient(address_b, timeout=10, retries=0) as client, pytest.raises(TandemError) as refused:
             client.complete(prompts[0], max_tokens=4)
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE and f"owned by {owner_a}" in str(
             refused.value

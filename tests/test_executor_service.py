@@ -277,6 +277,7 @@ def test_metrics_count_steps_and_tokens(executor_proc, remote):
         "tensor_parallel_size": "1",
         "attention_backend": "torch",
         "device": "cpu",
+        "kv_cache_dtype": "float32",
     }
 
 
