@@ -17,25 +17,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from protos.plan import ExecutorInfo
 from scheduler_service.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS, SchedulerConfig
 from scheduler_service.engine import Executor, LLMEngine, RequestOutput
+from scheduler_service.errors import ErrorCode, InvalidRequestError, QueueFullError, TandemRequestError
 from scheduler_service.executor_client import ExecutorError, ExecutorUnavailable, PlanRejected
 from scheduler_service.executor_recovery import ExecutorRecovery
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.request_stream import RequestFailure, RequestStream, StreamTable
+from scheduler_service.request_stream import RequestStream, StreamTable
 from scheduler_service.request_tracker import Failures, RequestTracker
-from scheduler_service.sampling_params import InvalidRequestError, SamplingParams
+from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import Sequence as Seq
 from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """More requests (or prompt tokens) are waiting than --max-queue (--max-queued-tokens) allows."""
 
 
 @dataclass
@@ -124,13 +119,16 @@ class AsyncEngine:
         arrival: float,
         timeout: float | None = None,
     ) -> RequestStream:
-        """Validate and queue; raises InvalidRequestError, QueueFullError or ExecutorUnavailable.
+        """Validate and queue; raises TandemRequestError (InvalidRequestError, QueueFullError, or
+        UNAVAILABLE while shutting down or without an executor).
         `timeout`: seconds left until the call's deadline (None: no deadline)."""
         engine = self.engine
         if not self._admitting:
-            raise ExecutorUnavailable("the scheduler is shutting down: send the request to another replica")
+            raise TandemRequestError(
+                "the scheduler is shutting down: send the request to another replica", ErrorCode.UNAVAILABLE
+            )
         if engine is None:
-            raise ExecutorUnavailable(self.not_connected_message())
+            raise TandemRequestError(self.not_connected_message(), ErrorCode.UNAVAILABLE)
         engine.validate_request(prompt_token_ids, params)
         self._check_queue(engine, len(prompt_token_ids))
         deadline = time.monotonic() + timeout if timeout is not None else None
@@ -161,7 +159,7 @@ class AsyncEngine:
     def abort(self, stream: RequestStream) -> None:
         self._tracker.abort(stream)
 
-    def abort_all(self, failure: RequestFailure) -> int:
+    def abort_all(self, failure: TandemRequestError) -> int:
         """End every live stream with `failure` (shutdown timeout); returns how many."""
         return self._tracker.abort_all(failure)
 
@@ -223,7 +221,7 @@ class AsyncEngine:
             return
         failed = engine.fail_requests(plan.seq_ids, str(error))
         logger.error("step %d failed (%s); failed its %d requests", plan.step_id, error, len(failed))
-        failure = RequestFailure(grpc.StatusCode.INTERNAL, str(error))
+        failure = TandemRequestError(str(error), ErrorCode.INTERNAL)
         self._post([], {out.request_id: failure for out in failed})
 
     def _record_step(self, engine: LLMEngine) -> None:

@@ -26,9 +26,9 @@ from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port, bind_address
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import AsyncEngine, EngineOptions
 from scheduler_service.engine import Executor
+from scheduler_service.errors import ErrorCode, TandemRequestError
 from scheduler_service.generation_service import MAX_MESSAGE_BYTES, SERVICE_NAME, GenerationServicer
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.request_stream import RequestFailure
 from scheduler_service.security import ApiKeyInterceptor
 from scheduler_service.tokenizer import Tokenizer
 
@@ -156,7 +156,7 @@ class SchedulerServer:
             await asyncio.sleep(0.05)
         if left := len(self.engine.streams):
             message = f"the scheduler shut down before this request finished (shutdown timeout {grace:g} s)"
-            self.engine.abort_all(RequestFailure(grpc.StatusCode.UNAVAILABLE, message))
+            self.engine.abort_all(TandemRequestError(message, ErrorCode.UNAVAILABLE))
             logger.warning("shutdown timeout: %d requests still running were failed", left)
         if self._server is not None:
             # Long enough for the last messages of finished streams to be written.

@@ -271,6 +271,18 @@ def test_bad_request_is_invalid_argument_and_the_service_stays_up(services):
         assert client.complete([5, 6, 7], max_tokens=4, ignore_eos=True).token_ids
 
 
+def test_a_stop_string_stops_the_same_through_the_services_as_in_process(services, reference):
+    params = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
+    full = reference.generate("The list type", SamplingParams(**params), use_tqdm=False)[0]
+    stop = full.text[len(full.text) // 2 :][:3]
+    offline = reference.generate("The list type", SamplingParams(**params, stop=[stop]), use_tqdm=False)[0]
+    assert offline.finish_reason == "stop" and len(offline.token_ids) < MAX_TOKENS
+    with TandemClient(services.address) as client:
+        remote = client.complete("The list type", **params, stop=[stop])
+    assert (remote.token_ids, remote.text) == (offline.token_ids, offline.text)
+    assert (remote.finish_reason, remote.stop_reason) == ("stop", stop)
+
+
 def test_unreachable_executor_is_unavailable_naming_it(tmp_path):
     dead = f"127.0.0.1:{free_port()}"
     port = free_port()
