@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from protos.plan import ExecutorInfo
+from scheduler_service.config import EngineOptions
 from scheduler_service.engine import Executor, LLMEngine
 from scheduler_service.errors import ErrorCode, TandemRequestError
 from scheduler_service.executor_client import ExecutorOwned
@@ -30,9 +30,6 @@ from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request_tracker import Failures, RequestTracker
 from scheduler_service.sequence import Sequence as Seq
 from scheduler_service.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from scheduler_service.async_engine import EngineOptions
 
 logger = logging.getLogger(__name__)
 

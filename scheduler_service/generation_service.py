@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from protos.defaults import GENERATION_MAX_MESSAGE_BYTES
 from protos.parsing import MalformedMessage
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -35,9 +36,6 @@ _FINISH_REASONS = {
 _STATUS_CODES = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
 # The client's own deadline timer fires first and cancels the call, a few ms before ours.
 DEADLINE_SLACK_S = 0.1
-# Each way, per message (the server's gRPC limits). A prompt of max_model_len token ids is a few
-# hundred KiB; this leaves room for long contexts.
-MAX_MESSAGE_BYTES = 16 * 2**20
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -65,7 +63,10 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(
-        self, engine: AsyncEngine, stream_interval: int = 1, max_message_bytes: int = MAX_MESSAGE_BYTES
+        self,
+        engine: AsyncEngine,
+        stream_interval: int = 1,
+        max_message_bytes: int = GENERATION_MAX_MESSAGE_BYTES,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client import AsyncTandemClient, Chunk, Final, TandemClient, TandemError
 from client.defaults import free_port
+from client.llm import LLM
 from client.up import Service
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,6 +27,7 @@ from test_security import CA
 
 from client import AsyncTandemClient, TandemClient, TandemError
 from client.defaults import free_port
+from client.llm import LLM
 from client.up import Service
 from executor_service.plan_validation import PlanError, PlanLimits, validate_plan
 from executor_service.security import server_credentials
@@ -41,7 +42,6 @@ from scheduler_service.executor_client import (
     PlanRejected,
     RemoteExecutor,
 )
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 LEASE_S = 0.5

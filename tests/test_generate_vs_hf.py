@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from scheduler_service.llm import LLM
+from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 MAX_NEW = 24

@@ -10,7 +10,7 @@ from checkpoints import trained_prompts
 from test_generate_vs_hf import GREEDY_SEEDS, MAX_NEW, assert_matches_hf, make_prompts
 
 from client.defaults import DEFAULT_MODEL
-from scheduler_service.llm import LLM
+from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu

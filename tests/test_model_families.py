@@ -15,7 +15,7 @@ from checkpoints import FAMILIES
 from executor_fixtures import MiniScheduler, hf_logits, make_executor, prompt_ids
 from test_generate_vs_hf import MAX_NEW, _hf_model, assert_matches_hf, make_prompts
 
-from scheduler_service.llm import LLM
+from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 # The prompt seed per family: every compared step has a clear top-1 margin (test_generate_vs_hf).

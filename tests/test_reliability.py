@@ -36,6 +36,7 @@ from test_scheduler_service import (
 
 from client import AsyncTandemClient, Final, TandemClient, TandemError
 from client.defaults import DEFAULT_MODEL, free_port
+from client.llm import LLM
 from client.up import Service
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
@@ -48,7 +49,6 @@ from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_service.async_engine import EngineOptions
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.executor_client import ExecutorError, ExecutorUnavailable, RemoteExecutor
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.server import ServerThread
 

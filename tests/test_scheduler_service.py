@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from client.llm import LLM
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
 from protos.tandem.v1 import generation_pb2 as pb
@@ -20,7 +21,6 @@ from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_service.async_engine import EngineOptions
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.executor_client import ExecutorUnavailable, PlanRejected
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.server import SchedulerServer, ServerThread
 from scheduler_service.tokenizer import Tokenizer

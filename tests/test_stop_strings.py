@@ -9,7 +9,7 @@ import json
 import pytest
 
 from client import cli
-from scheduler_service.llm import LLM
+from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 MAX_TOKENS = 24

@@ -23,11 +23,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_executor_service import ROOT, ExecutorProcess, free_port, stop, wait_ready
 
 from client.defaults import DEFAULT_MODEL
+from client.llm import LLM
 from executor_service.config import ExecutorConfig
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.executor_client import ExecutorUnavailable, RemoteExecutor
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 # A small token budget: the 61-token prompts are prefilled in chunks.

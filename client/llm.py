@@ -52,7 +52,7 @@ class LLM:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         **executor_options,
     ):
-        # Imported here so that scheduler_service imports without torch.
+        # Imported here: torch loads when an LLM is made, not when this module is imported.
         from executor_service.config import ExecutorConfig
         from executor_service.executor import LocalExecutor
 
