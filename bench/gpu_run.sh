@@ -48,8 +48,8 @@ for what in "$@"; do
     case $what in
     tests) stage tests "$PY" -m pytest -q tests/test_triton_ops.py tests/test_sampling_kernel.py tests/test_gpu_engine.py ;;
     moe-tests) TAIL=20 stage moe-tests "$PY" -m pytest -q -m gpu tests/test_fused_moe.py tests/test_triton_ops.py tests/test_gpu_engine.py -k "moe or rope or famil" ;;
-    moe) TAIL=20 stage moe "$PY" bench/moe.py ;;
-    moe-sweep) TAIL=40 STAGE_TIMEOUT=1200 stage moe-sweep "$PY" bench/moe.py --sweep --num-tokens 64 256 2048 8192 ;;
+    moe) TAIL=30 stage moe "$PY" bench/moe.py ;;
+    moe-sweep) TAIL=60 stage moe-sweep "$PY" bench/moe.py --sweep --num-tokens ${SWEEP_TOKENS:-64 128 256 16 512 2048 8192} ;;
     # W3 in three calls (each well under the device tool's 10 minutes): the 61 GB checkpoint into
     # /dev/shm (it stays while the machine is held), then each mode.
     w3-build) stage w3-build "$PY" bench/random_checkpoint.py --shape qwen3-30b-a3b --out "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" ;;

@@ -1,17 +1,19 @@
 """The fused MoE layer on the GPU at the Qwen3-30B-A3B shape (128 experts, top 8, hidden 2048,
 moe_intermediate 768, bf16): its effective weight bandwidth at decode sizes against the device's
-copy rate, and its time against the reference loop over experts, at decode and prefill token counts.
-`--sweep` times every tile configuration of a grid per token count, to tune CONFIGS in
-executor_service/layers/fused_moe_triton.py.
+copy rate, its parts (align, gate/up, down, sum over top_k), and its time against the reference loop
+over experts, at decode and prefill token counts. `--sweep` times each GEMM alone over a grid of
+tiles per token count and BLOCK_M (compiled first in parallel worker processes) and prints the
+best pair per token count, to tune CONFIGS in executor_service/layers/fused_moe_triton.py.
 
     python bench/moe.py                 # prints "fused MoE at batch 256: ..." and one line per token count
-    python bench/moe.py --sweep
+    python bench/moe.py --sweep --num-tokens 64 256
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from executor_service.layers import fused_moe_triton as moe_kernels
 from executor_service.layers.fused_moe_triton import MoEConfig, fused_experts, get_config
 from executor_service.layers.moe import experts_reference, route
 
@@ -58,7 +61,8 @@ def copy_rate() -> float:
     """Device-to-device copy, bytes read + written per second (BENCH.md's 4.24 TB/s)."""
     src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB, copied 16 bytes a thread
     dst = torch.empty_like(src)
-    seconds = timed(lambda: dst.copy_(src))
+    timed(lambda: dst.copy_(src), iters=200)  # the clocks up first
+    seconds = timed(lambda: dst.copy_(src), iters=100)
     return 2 * src.numel() * src.element_size() / seconds
 
 
@@ -70,44 +74,147 @@ def inputs(num_tokens: int):
     return x, weights, ids
 
 
+def weights():
+    w13 = (torch.randn(E, 2 * N, HIDDEN, device="cuda") * 0.02).bfloat16()
+    w2 = (torch.randn(E, HIDDEN, N, device="cuda") * 0.02).bfloat16()
+    return w13, w2
+
+
+def parts(x, w13, w2, weights, ids, config) -> dict[str, float]:
+    """Seconds of each step of fused_experts, each alone from a graph."""
+    gate_up_config, down_config = config
+    aligned = moe_kernels.align_block_size(ids, E, gate_up_config.BLOCK_M)
+    inter = moe_kernels.gate_up(x, w13, aligned, TOP_K, gate_up_config)
+    y = moe_kernels.down(inter, w2, weights, aligned, down_config)
+    router = torch.randn(E, HIDDEN, device="cuda").bfloat16()
+    return {
+        "torch align": timed(lambda: moe_kernels.align_block_size_reference(ids, E, gate_up_config.BLOCK_M)),
+        "align": timed(lambda: moe_kernels.align_block_size(ids, E, gate_up_config.BLOCK_M)),
+        "gate/up": timed(lambda: moe_kernels.gate_up(x, w13, aligned, TOP_K, gate_up_config)),
+        "down": timed(lambda: moe_kernels.down(inter, w2, weights, aligned, down_config)),
+        "sum": timed(lambda: moe_kernels.sum_topk(y, TOP_K)),
+        "torch route": timed(lambda: route(x, router, TOP_K, True)),
+        "route": timed(lambda: moe_kernels.route(x, router, TOP_K, True)),
+    }
+
+
+# -- the sweep -----------------------------------------------------------------------------------
+
+SWEEP_BLOCK_M = {16: [16], 64: [16, 32, 64], 128: [16, 32, 64], 256: [16, 32, 64], 512: [16, 32, 64],
+                 2048: [32, 64, 128], 8192: [64, 128]}  # fmt: skip
+
+
+def tile_grid(block_m: int, weight_tiles: int) -> list[MoEConfig]:
+    """Candidate tiles of one GEMM (gate/up: 2 weight tiles, down: 1) that fit shared memory and keep
+    the fp32 accumulators at most 128 registers a thread."""
+    grid = []
+    for bn, bk, warps, stages in itertools.product([32, 64, 128, 256], [64, 128, 256], [4, 8], [2, 3, 4, 5]):
+        smem = stages * (block_m + weight_tiles * bn) * bk * 2
+        acc = block_m * bn * weight_tiles / (warps * 32)
+        if smem <= 227 * 1024 and 4 <= acc <= 128:
+            grid.append(MoEConfig(block_m, bn, bk, warps, stages))
+    return grid
+
+
+def candidates(num_tokens_list) -> list[tuple[str, MoEConfig]]:
+    block_ms = sorted({bm for n in num_tokens_list for bm in SWEEP_BLOCK_M.get(n, [16, 32, 64])})
+    return [(g, c) for bm in block_ms for g, wt in (("gate/up", 2), ("down", 1)) for c in tile_grid(bm, wt)]
+
+
+def compile_some(jobs) -> list[tuple[str, MoEConfig]]:
+    """In a worker process: launch each (GEMM, tiles) once, which compiles it into Triton's on-disk
+    cache for the parent. -> the ones that failed (out of resources)."""
+    torch.manual_seed(0)
+    w13, w2 = weights()
+    x, weights_, ids = inputs(256)
+    failed = []
+    for gemm, config in jobs:
+        try:
+            aligned = moe_kernels.align_block_size(ids, E, config.BLOCK_M)
+            if gemm == "gate/up":
+                moe_kernels.gate_up(x, w13, aligned, TOP_K, config)
+            else:
+                inter = torch.randn(ids.numel(), N, device="cuda").bfloat16()
+                moe_kernels.down(inter, w2, weights_, aligned, config)
+            torch.cuda.synchronize()
+        except Exception:  # out of shared memory or registers: not a candidate
+            failed.append((gemm, config))
+    return failed
+
+
+def sweep(num_tokens_list, w13, w2) -> None:
+    jobs = candidates(num_tokens_list)
+    workers = 14
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        failed = set(itertools.chain(*pool.map(compile_some, [jobs[i::workers] for i in range(workers)])))
+    print(f"sweep: {len(jobs)} GEMM tiles compiled, {len(failed)} failed", flush=True)
+    for num_tokens in num_tokens_list:
+        sweep_tokens(num_tokens, [job for job in jobs if job not in failed], w13, w2)
+
+
+def sweep_tokens(num_tokens: int, jobs, w13, w2) -> None:
+    x, weights_, ids = inputs(num_tokens)
+    rows = []
+    for bm in SWEEP_BLOCK_M.get(num_tokens, [16, 32, 64]):
+        aligned = moe_kernels.align_block_size(ids, E, bm)
+        inter = torch.randn(ids.numel(), N, device="cuda").bfloat16()
+        best = {"gate/up": [], "down": []}
+        for gemm, c in jobs:
+            if c.BLOCK_M != bm:  # noqa: SIM300
+                continue
+            if gemm == "gate/up":
+                seconds = timed(lambda c=c, a=aligned: moe_kernels.gate_up(x, w13, a, TOP_K, c))
+            else:
+                seconds = timed(lambda c=c, a=aligned, i=inter: moe_kernels.down(i, w2, weights_, a, c))
+            best[gemm].append((seconds, c))
+        for gemm, timings in best.items():
+            timings.sort(key=lambda t: t[0])
+            top = ", ".join(f"{_tiles(c)} {t * 1e6:.0f}" for t, c in timings[:3])
+            print(f"  {num_tokens} tokens, BLOCK_M {bm}, {gemm}: {top} us", flush=True)
+        (gu_time, gu), (down_time, dn) = best["gate/up"][0], best["down"][0]
+        rows.append((gu_time + down_time, gu, dn))
+    _, gate_up_config, down_config = min(rows, key=lambda r: r[0])
+    layer = timed(lambda: fused_experts(x, w13, w2, weights_, ids, (gate_up_config, down_config)))
+    before = timed(lambda: fused_experts(x, w13, w2, weights_, ids, get_config(num_tokens)))
+    print(
+        f"best at {num_tokens}: _tiles({gate_up_config.BLOCK_M}, {_tiles(gate_up_config)}, "
+        f"{_tiles(down_config)}): layer {layer * 1e6:.0f} us (CONFIGS now: {before * 1e6:.0f} us)",
+        flush=True,
+    )
+
+
+def _tiles(c: MoEConfig) -> tuple[int, int, int, int]:
+    return (c.BLOCK_N, c.BLOCK_K, c.num_warps, c.num_stages)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-tokens", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256, 512, 2048, 8192])
-    p.add_argument("--sweep", action="store_true", help="time a grid of tile configurations per token count")
+    p.add_argument("--sweep", action="store_true", help="time a grid of tiles per GEMM and token count")
     args = p.parse_args()
-    w13 = (torch.randn(E, 2 * N, HIDDEN, device="cuda") * 0.02).bfloat16()
-    w2 = (torch.randn(E, HIDDEN, N, device="cuda") * 0.02).bfloat16()
+    w13, w2 = weights()
+    if args.sweep:
+        sweep(args.num_tokens, w13, w2)
+        return
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
     rate = copy_rate()
     print(f"device {torch.cuda.get_device_name()}: copy rate {rate / 1e12:.2f} TB/s (read + write)")
     for num_tokens in args.num_tokens:
-        x, weights, ids = inputs(num_tokens)
-        fused = timed(lambda x=x, weights=weights, ids=ids: fused_experts(x, w13, w2, weights, ids))
-        loop = timed_eager(lambda x=x, weights=weights, ids=ids: experts_reference(x, w13, w2, weights, ids))
+        x, weights_, ids = inputs(num_tokens)
+        config = get_config(num_tokens)
+        fused = timed(lambda x=x, w=weights_, ids=ids: fused_experts(x, w13, w2, w, ids))
+        loop = timed_eager(lambda x=x, w=weights_, ids=ids: experts_reference(x, w13, w2, w, ids))
         touched = int(torch.unique(ids).numel())
         bandwidth = touched * expert_bytes / fused
-        line = (
+        split = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in parts(x, w13, w2, weights_, ids, config).items())
+        print(
             f"fused MoE at batch {num_tokens}: {fused * 1e6:.0f} us, {touched} experts = "
             f"{touched * expert_bytes / 1e9:.2f} GB of weights at {bandwidth / 1e12:.2f} TB/s "
             f"({bandwidth / rate:.0%} of the copy rate); expert loop {loop * 1e6:.0f} us = "
-            f"{loop / fused:.1f}x the fused kernel (config {get_config(num_tokens)})"
+            f"{loop / fused:.1f}x the fused kernel\n  parts (us, each alone): {split}\n"
+            f"  tiles: gate/up {config[0]}, down {config[1]}",
+            flush=True,
         )
-        print(line, flush=True)
-        if args.sweep:
-            best = None
-            grid = itertools.product([16, 32, 64, 128], [64, 128, 256], [64, 128], [4, 8], [2, 3, 4])
-            for bm, bn, bk, warps, stages in grid:
-                config = MoEConfig(bm, bn, bk, warps, stages)
-                try:
-                    seconds = timed(
-                        lambda c=config, x=x, w=weights, i=ids: fused_experts(x, w13, w2, w, i, c), iters=10
-                    )
-                except Exception as e:  # out of shared memory: not a candidate
-                    print(f"  {config}: {type(e).__name__}")
-                    continue
-                if best is None or seconds < best[0]:
-                    best = (seconds, config)
-            print(f"  best at {num_tokens}: {best[1]} {best[0] * 1e6:.0f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -327,40 +327,20 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 
 def test_tandem_up_generate_and_ctrl_c(tmp_path):
-    port, executor_port = free_port(), free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "up", "--port", str(port), "--executor-port", str(executor_port)]
-        + ["--metrics-port", "0", "--executor-metrics-port", "0", "--log-dir", str(tmp_path)]
-        + ["--prompt", "The list type", "--max-tokens", "24"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env=CHILD_ENV,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-    demo = threading.Event()
-
-    def read():
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("Ctrl-C stops both"):
-                ready.set()
-            if ready.is_set() and line.startswith("The list type"):
-                demo.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    up, address, pids, lines = _start_up(tmp_path, "--prompt", "The list type", "--max-tokens", "24")
     try:
-        assert ready.wait(STARTUP_TIMEOUT), "".join(lines)
         output = "".join(lines)
-        assert f"127.0.0.1:{port}" in output and f"tandem generate --server 127.0.0.1:{port}" in output
-        pids = [int(p) for p in re.findall(r"pid (\d+)", output)]
+        assert address in output and f"tandem generate --server {address}" in output
+        port = address.rsplit(":", 1)[1]
         assert len(pids) == 2
         # --prompt: one generation streamed by `tandem up` itself, continuing the prompt.
-        assert demo.wait(60), "".join(lines)
-        streamed = next(line for line in lines if line.startswith("The list type"))
+        # The demo's line comes after the ready banner's last line.
+        ready_at = next(i for i, line in enumerate(lines) if line.startswith("Ctrl-C stops both"))
+        deadline = time.monotonic() + 60
+        while not (demo := [line for line in lines[ready_at + 1 :] if line.startswith("The list type")]):
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        streamed = demo[0]
         assert re.search(r"The list type\S* [a-z]+ [a-z]+", streamed), streamed
 
         gen = subprocess.run(
@@ -378,7 +358,6 @@ def test_tandem_up_generate_and_ctrl_c(tmp_path):
 
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 0, "".join(lines)
-        reader.join(5)
         assert _pids_alive(pids) == [], "tandem up left child processes behind"
     finally:
         if up.poll() is None:
@@ -386,8 +365,9 @@ def test_tandem_up_generate_and_ctrl_c(tmp_path):
             up.wait()
 
 
-def _start_up(tmp_path, *args: str) -> tuple[subprocess.Popen, str, list[int]]:
-    """`tandem up` on free ports, once both services serve: (process, scheduler address, pids)."""
+def _start_up(tmp_path, *args: str) -> tuple[subprocess.Popen, str, list[int], list[str]]:
+    """`tandem up` on free ports, once both services serve: (process, scheduler address, pids, its
+    output lines so far and to come)."""
     port, executor_port = free_port(), free_port()
     up = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "up", "--port", str(port), "--executor-port", str(executor_port)]
@@ -409,7 +389,7 @@ def _start_up(tmp_path, *args: str) -> tuple[subprocess.Popen, str, list[int]]:
 
     threading.Thread(target=read, daemon=True).start()
     assert ready.wait(STARTUP_TIMEOUT), "".join(lines)
-    return up, f"127.0.0.1:{port}", [int(p) for p in re.findall(r"pid (\d+)", "".join(lines))]
+    return up, f"127.0.0.1:{port}", [int(p) for p in re.findall(r"pid (\d+)", "".join(lines))], lines
 
 
 @pytest.mark.parametrize("ctrl_c", ["once", "twice"])
@@ -417,7 +397,7 @@ def test_tandem_up_ctrl_c_with_a_request_in_flight_stops_promptly(tmp_path, ctrl
     # Once: the scheduler drains for `tandem up`'s shutdown timeout (5 s), not 30 s. Twice: at once,
     # even with a long drain asked for.
     args = ["--shutdown-timeout", "60"] if ctrl_c == "twice" else []
-    up, address, pids = _start_up(tmp_path, *args)
+    up, address, pids, _ = _start_up(tmp_path, *args)
     try:
         with TandemClient(address, timeout=120, retries=0) as client:
             stream = client.generate([5, 6, 7], max_tokens=2000, ignore_eos=True)

@@ -17,17 +17,40 @@ LOADS = [(1, None), (2, None), (5, 3), (16, None), (33, 1), (64, None), (130, 5)
 def make_moe(
     num_tokens: int, num_experts: int, top_k: int, hidden: int, n: int, dtype, device, used=None, seed=0
 ):
-    """Activations, packed weights and a routing that sends tokens only to `used` experts."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(device)
-    w13 = (torch.randn(num_experts, 2 * n, hidden, generator=gen) / hidden**0.5).to(dtype).to(device)
-    w2 = (torch.randn(num_experts, hidden, n, generator=gen) / n**0.5).to(dtype).to(device)
+    """Activations, packed weights and a routing that sends tokens only to `used` experts (drawn on
+    the device: the H200 shapes' weights are 2.4 GB)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * n, hidden, generator=gen, device=device) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, n, generator=gen, device=device) / n**0.5).to(dtype)
     used = used or num_experts
-    pool = torch.randperm(num_experts, generator=gen)[: max(used, top_k)]
-    choice = torch.stack([torch.randperm(len(pool), generator=gen)[:top_k] for _ in range(num_tokens)])
-    topk_ids = pool[choice].to(device)
-    topk_weights = torch.rand(num_tokens, top_k, generator=gen).softmax(-1).to(dtype).to(device)
+    pool = torch.randperm(num_experts, generator=gen, device=device)[: max(used, top_k)]
+    choice = torch.stack(
+        [torch.randperm(len(pool), generator=gen, device=device)[:top_k] for _ in range(num_tokens)]
+    )
+    topk_ids = pool[choice]
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen, device=device).softmax(-1).to(dtype)
     return x, w13, w2, topk_weights, topk_ids
+
+
+def check_route(num_tokens, num_experts, top_k, hidden, dtype, device, renormalize=True):
+    """The one-kernel router against layers/moe.route: the same experts in the same order (tokens
+    whose k-th and (k+1)-th probabilities are nearly tied excepted), weights to the dtype's rounding."""
+    from executor_service.layers import fused_moe_triton, moe
+
+    gen = torch.Generator(device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+    router = (torch.randn(num_experts, hidden, generator=gen, device=device) / hidden**0.5).to(dtype)
+    weights, ids = fused_moe_triton.route(x, router, top_k, renormalize)
+    ref_weights, ref_ids = moe.route(x, router, top_k, renormalize)
+    probs = torch.softmax(x.double() @ router.double().T, dim=-1).sort(dim=-1, descending=True).values
+    clear = (probs[:, : top_k + 1].diff(dim=-1).abs() > 1e-6).all(dim=-1)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert clear.float().mean() > 0.95 and torch.equal(ids[clear], ref_ids[clear]), (
+        f"route ids at {num_tokens}"
+    )
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(weights[clear], ref_weights[clear], atol=tol, rtol=tol)
 
 
 def check_fused_moe(num_tokens, num_experts, top_k, hidden, n, dtype, device, used=None, config=None):
@@ -42,11 +65,17 @@ def check_fused_moe(num_tokens, num_experts, top_k, hidden, n, dtype, device, us
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
 
 
-def check_align(num_tokens, num_experts, top_k, block_m, used=None, device="cpu"):
-    from executor_service.layers.fused_moe_triton import align_block_size
+def check_align(num_tokens, num_experts, top_k, block_m, used=None, device="cpu", reference=True):
+    """The align's layout invariants, and the Triton align (reference=False) equal to the torch one."""
+    from executor_service.layers import fused_moe_triton
 
     _, _, _, _, ids = make_moe(num_tokens, num_experts, top_k, 8, 8, torch.float32, device, used)
-    sorted_ids, expert_ids, num_padded = align_block_size(ids, num_experts, block_m)
+    aligned = fused_moe_triton.align_block_size_reference(ids, num_experts, block_m)
+    if not reference:
+        got = fused_moe_triton.align_block_size(ids, num_experts, block_m)
+        for name, want, have in zip(("sorted_ids", "expert_ids", "num_padded"), aligned, got, strict=True):
+            assert have.dtype == torch.int32 and torch.equal(have, want), f"{name} at {num_tokens} tokens"
+    sorted_ids, expert_ids, num_padded = aligned
     num_pairs = ids.numel()
     flat = ids.flatten().cpu()
     sorted_ids, expert_ids, used_rows = sorted_ids.cpu(), expert_ids.cpu(), int(num_padded)
@@ -114,9 +143,29 @@ def test_fused_moe_with_empty_experts_on_gpu(num_tokens, used):
 
 @pytest.mark.gpu
 @cuda
-def test_fused_moe_align_on_gpu():
-    for num_tokens, used in [(1, None), (256, None), (256, 3), (4096, None)]:
-        check_align(num_tokens, 128, 8, 16, used, device="cuda")
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+def test_fused_moe_align_on_gpu(block_m):
+    """The Triton align equals the torch one: one chunk, several, up to 64 programs of many chunks."""
+    for num_tokens, used in [
+        (1, None),
+        (7, None),
+        (256, None),
+        (256, 3),
+        (1000, 60),
+        (4096, None),
+        (9000, None),
+    ]:
+        check_align(num_tokens, 128, 8, block_m, used, device="cuda", reference=False)
+    check_align(100, 60, 4, block_m, device="cuda", reference=False)  # experts not a power of two
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_route_on_gpu(dtype):
+    for num_tokens in (1, 7, 256, 2049):
+        check_route(num_tokens, 128, 8, 2048, dtype, "cuda")
+    check_route(33, 60, 4, 2048, dtype, "cuda", renormalize=False)
 
 
 @pytest.mark.gpu
@@ -135,3 +184,28 @@ def test_fused_moe_captures_in_a_cuda_graph():
         x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
         graph.replay()
         torch.testing.assert_close(out, fused_experts(x, w13, w2, weights, ids), atol=0, rtol=0)
+
+
+def test_align_kernels_under_interpreter():
+    """The Triton align equals the torch one, its kernels run on the CPU by Triton's interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    from test_triton_interpret import PRELUDE, ROOT
+
+    script = PRELUDE + (
+        "from test_fused_moe import check_align\n"
+        "for n, used in [(1, None), (5, 3), (64, None), (130, 5), (600, None)]:\n"
+        "    for block_m in (16, 64):\n"
+        "        check_align(n, 8, 2, block_m, used, reference=False)\n"
+        "check_align(40, 6, 3, 16, reference=False)\n"
+        "from test_fused_moe import check_route\n"
+        "for n in (1, 17, 40):\n"
+        "    check_route(n, 8, 2, 48, torch.float32, 'cpu')\n"
+        "    check_route(n, 12, 3, 64, f16, 'cpu', renormalize=False)\n"
+        "check_align(2100, 8, 2, 16, reference=False)  # 4200 pairs: two steps of each program's loop\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]

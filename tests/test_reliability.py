@@ -921,6 +921,8 @@ class CorruptOneResult(ExecutorServicer):
         self.stall_s = stall_s
         self.batched = 0
         self.corrupted_step: int | None = None
+        # The bad result waits for this: until the test has its other requests admitted.
+        self.release = threading.Event()
         # (step id, whether it starts sequences) of every plan read, in order, over all streams.
         self.plans: list[tuple[int, bool]] = []
 
@@ -934,6 +936,7 @@ class CorruptOneResult(ExecutorServicer):
             if len(out.seq_ids) >= 2:
                 self.batched += 1
                 if self.batched == self.corrupt_at:
+                    self.release.wait(30)
                     self.corrupted_step = out.step_id
                     k = out.num_tokens[-1]
                     yield epb.StepResult(
@@ -982,6 +985,13 @@ def test_a_step_in_flight_at_a_real_reset_is_not_applied(qwen3_tied, reference, 
                     pool.submit(lambda p=p: collect(stub.Generate(request(p, max_tokens, ignore_eos=True))))
                     for p in prompts[2:]
                 ]
+                # Both waiting before the bad result comes back (on a loaded machine they could
+                # arrive after it, while no executor is connected, and be refused).
+                deadline = time.monotonic() + 30
+                while metrics(server)[("tandem_scheduler_requests_waiting",)] < 2:
+                    assert time.monotonic() < deadline, "the other two requests were never admitted"
+                    time.sleep(0.01)
+                servicer.release.set()
                 for call in first:
                     with pytest.raises(grpc.RpcError) as e:
                         list(call)

@@ -1,19 +1,24 @@
-"""The MoE experts on CUDA in two Triton kernels, with no host sync (a decode step is captured in a
-CUDA graph):
+"""The MoE experts on CUDA in Triton kernels, with no host sync (a decode step is captured in a CUDA
+graph):
 
-1. align: the (token, k) pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M
-   (torch ops; a static size per token count: num_pairs + num_experts * (BLOCK_M - 1)), so that every
-   BLOCK_M rows of the sorted list belong to one expert; experts with no token get no block;
+1. align (two kernels): the (token, k) pairs sorted by expert, each expert's run padded to a
+   multiple of BLOCK_M (a static size per token count: num_pairs + num_experts * (BLOCK_M - 1)), so
+   that every BLOCK_M rows of the sorted list belong to one expert; experts with no token get no
+   block. The first kernel counts each chunk's pairs per expert, the second places them;
 2. gate/up: a grouped GEMM, one program per (block of BLOCK_M pairs, BLOCK_N intermediate columns),
    the gate and up tiles of the block's expert multiplied together, SiLU-and-mul in the epilogue;
 3. down: a grouped GEMM over the intermediate activations with each pair's routing weight folded
-   into the epilogue, written per pair in fp32; the k pairs of a token are then summed.
+   into the epilogue, written per pair in the model dtype;
+4. the k pairs of each token summed in fp32, in a fixed order (the result of a token does not
+   depend on the batch it is in).
 
 Each weight tile of an expert is read once per block of its pairs: at decode (a few pairs per
-expert) that is once, and the step reads the experts' weights at close to the copy rate. Tile sizes
-come from CONFIGS by the step's token count (no autotuning: a captured graph must not tune);
-bench/moe.py measures them. Rounding follows layers/moe.py's reference: the GEMM outputs, the
-activation and the weighted products are rounded to the model dtype where the reference's are."""
+expert) that is once, and the step reads the experts' weights at close to the copy rate. The two
+GEMMs have their own tiles (gate/up: K = hidden, N = 2 x intermediate; down: K = intermediate,
+N = hidden) and share BLOCK_M, the align's block. Tiles come from CONFIGS by the step's token count
+(no autotuning: a captured graph must not tune); bench/moe.py --sweep measures them. Rounding
+follows layers/moe.py's reference: the GEMM outputs, the activation and the weighted products are
+rounded to the model dtype where the reference's are."""
 
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class MoEConfig:
+    """One GEMM's tiles and launch shape."""
+
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
@@ -34,14 +41,19 @@ class MoEConfig:
     num_stages: int
 
 
-# (largest token count, tiles): decode sizes give each expert a few pairs, so a short BLOCK_M; prefill
-# chunks give it hundreds, so square tiles. Tune on the H200 with bench/moe.py --sweep.
-CONFIGS: list[tuple[int, MoEConfig]] = [
-    (64, MoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
-    (512, MoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
-    (2048, MoEConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)),
-    (8192, MoEConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
-    (1 << 62, MoEConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+def _tiles(bm: int, gate_up: tuple[int, int, int, int], down: tuple[int, int, int, int]):
+    return MoEConfig(bm, *gate_up), MoEConfig(bm, *down)
+
+
+# (largest token count, (gate/up tiles, down tiles)), measured on the H200 at the Qwen3-30B-A3B shape
+# (bench/moe.py --sweep; BLOCK_N, BLOCK_K, warps, stages after BLOCK_M). Decode sizes give each
+# expert a few pairs, so a short BLOCK_M; prefill chunks give it hundreds, so square tiles.
+CONFIGS: list[tuple[int, tuple[MoEConfig, MoEConfig]]] = [
+    (32, _tiles(16, (32, 256, 4, 2), (64, 128, 4, 3))),
+    (192, _tiles(16, (64, 128, 4, 2), (128, 128, 4, 2))),
+    (384, _tiles(32, (64, 128, 4, 2), (64, 128, 4, 2))),
+    (1024, _tiles(64, (64, 64, 8, 3), (128, 64, 8, 4))),
+    (1 << 62, _tiles(128, (128, 64, 8, 4), (256, 64, 8, 4))),
 ]
 
 
@@ -49,13 +61,12 @@ CONFIGS: list[tuple[int, MoEConfig]] = [
 _SHARED_MEMORY_BYTES = 227 * 1024
 
 
-def get_config(num_tokens: int, element_size: int = 2) -> MoEConfig:
-    """The tiles for a step of num_tokens tokens; for wider elements (fp32, the tests' dtype) BLOCK_K
-    and then the stages shrink until the A tile and the gate and up tiles of every stage fit."""
-    config = next(config for limit, config in CONFIGS if num_tokens <= limit)
+def fit_shared_memory(config: MoEConfig, weight_tiles: int, element_size: int) -> MoEConfig:
+    """For wider elements (fp32, the tests' dtype) BLOCK_K and then the stages shrink until the A
+    tile and the weight_tiles weight tiles (gate/up: 2, down: 1) of every stage fit."""
 
     def shared(c: MoEConfig) -> int:
-        return c.num_stages * (c.BLOCK_M + 2 * c.BLOCK_N) * c.BLOCK_K * element_size
+        return c.num_stages * (c.BLOCK_M + weight_tiles * c.BLOCK_N) * c.BLOCK_K * element_size
 
     while shared(config) > _SHARED_MEMORY_BYTES and config.BLOCK_K > 16:
         config = dataclasses.replace(config, BLOCK_K=config.BLOCK_K // 2)
@@ -64,12 +75,19 @@ def get_config(num_tokens: int, element_size: int = 2) -> MoEConfig:
     return config
 
 
-def align_block_size(
+def get_config(num_tokens: int, element_size: int = 2) -> tuple[MoEConfig, MoEConfig]:
+    """(gate/up tiles, down tiles) for a step of num_tokens tokens."""
+    gate_up, down = next(configs for limit, configs in CONFIGS if num_tokens <= limit)
+    return fit_shared_memory(gate_up, 2, element_size), fit_shared_memory(down, 1, element_size)
+
+
+def align_block_size_reference(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [num_tokens, top_k] -> (sorted_ids [max_padded] int32: pair indices t * top_k + k
-    grouped by expert, each group padded with num_pairs to a multiple of block_m; expert_ids
-    [max_padded / block_m] int32: each block's expert; num_padded [1] int32: rows in use)."""
+    grouped by expert in order, each group padded with num_pairs to a multiple of block_m; expert_ids
+    [max_padded / block_m] int32: each block's expert; num_padded [1] int32: rows in use). In torch
+    ops (about 25 kernels); align_block_size computes the same in two."""
     flat = topk_ids.flatten()
     num_pairs = flat.numel()
     device = flat.device
@@ -85,9 +103,121 @@ def align_block_size(
     rows = (padded_end - padded)[sorted_experts] + rank
     sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids[rows] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_padded, block_m, device=device)
+    block_starts = torch.arange(0, triton.cdiv(max_padded, block_m) * block_m, block_m, device=device)
     expert_ids = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
     return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+# The align kernels' programs (at most) and the pairs each handles per step of its loop.
+_ALIGN_PROGRAMS = 64
+_ALIGN_SUB = 64
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunk"])
+def _count_kernel(topk_ids_ptr, counts_ptr, num_pairs, chunk, E_POW2: tl.constexpr, SUB: tl.constexpr):
+    # counts [programs, E_POW2]: how many of program p's pairs [p * chunk, (p + 1) * chunk) go to each expert.
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_POW2)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
+    for start in range(0, chunk, SUB):
+        offs = pid * chunk + start + tl.arange(0, SUB)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + pid * E_POW2 + experts, counts)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunk", "num_programs", "max_padded", "num_blocks"])
+def _align_kernel(
+    topk_ids_ptr,
+    counts_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_experts,
+    chunk,
+    num_programs,
+    max_padded,
+    num_blocks,
+    E_POW2: tl.constexpr,
+    PROGRAMS_POW2: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_POW2)
+    programs = tl.arange(0, PROGRAMS_POW2)
+    counts = tl.load(
+        counts_ptr + programs[:, None] * E_POW2 + experts[None, :],
+        mask=programs[:, None] < num_programs,
+        other=0,
+    )
+    total = tl.sum(counts, axis=0)  # [E_POW2]: pairs per expert
+    before = tl.sum(tl.where(programs[:, None] < pid, counts, 0), axis=0)  # of earlier programs
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    num_padded = tl.sum(padded, axis=0)
+    # This program's pairs, in order: row = expert's start + pairs before it of the same expert.
+    base = start + before
+    for s in range(0, chunk, SUB):
+        offs = pid * chunk + s + tl.arange(0, SUB)
+        in_range = offs < num_pairs
+        ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [SUB, E_POW2]
+        rows = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + base[None, :]), axis=1)
+        tl.store(sorted_ids_ptr + rows, offs.to(tl.int32), mask=in_range)
+        base += tl.sum(onehot, axis=0)
+    if pid == 0:
+        tl.store(num_padded_ptr, num_padded)
+        # Each expert's padding rows [start + total, end).
+        pad = (start + total)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ids_ptr + pad, num_pairs, mask=pad < end[:, None])
+    # Rows past the last block, and each block's expert (the last expert's for blocks past the end).
+    for r in range(pid * 1024, max_padded, num_programs * 1024):
+        rows = r + tl.arange(0, 1024)
+        tl.store(sorted_ids_ptr + rows, num_pairs, mask=(rows >= num_padded) & (rows < max_padded))
+    for b in range(pid * 64, num_blocks, num_programs * 64):
+        blocks = b + tl.arange(0, 64)
+        expert = tl.sum((end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < num_blocks)
+
+
+def align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As align_block_size_reference, in two Triton kernels."""
+    flat = topk_ids.flatten()
+    num_pairs = flat.numel()
+    device = flat.device
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    num_blocks = triton.cdiv(max_padded, block_m)
+    chunk = _ALIGN_SUB * triton.cdiv(triton.cdiv(num_pairs, _ALIGN_SUB), _ALIGN_PROGRAMS)
+    programs = triton.cdiv(num_pairs, chunk)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    counts = torch.empty((programs, e_pow2), dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _count_kernel[(programs,)](flat, counts, num_pairs, chunk, E_POW2=e_pow2, SUB=_ALIGN_SUB)
+    _align_kernel[(programs,)](
+        flat,
+        counts,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        num_pairs,
+        num_experts,
+        chunk,
+        programs,
+        max_padded,
+        num_blocks,
+        E_POW2=e_pow2,
+        PROGRAMS_POW2=triton.next_power_of_2(programs),
+        SUB=_ALIGN_SUB,
+        BLOCK_M=block_m,
+    )
+    return sorted_ids, expert_ids, num_padded
 
 
 @triton.jit
@@ -156,6 +286,110 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _route_kernel(
+    x_ptr,
+    w_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    K,
+    stride_x,
+    stride_w,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    E_POW2: tl.constexpr,
+    TOPK_POW2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # A program routes BLOCK_T tokens: logits [BLOCK_T, E] (products of the model-dtype operands are
+    # exact in fp32, accumulated in fp32), softmax, top-k (lowest expert first among equals).
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    experts = tl.arange(0, E_POW2)
+    e_mask = experts < num_experts
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, E_POW2), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k
+        a = tl.load(
+            x_ptr + offs_t[:, None] * stride_x + k + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :]
+        )
+        w = tl.load(
+            w_ptr + experts[None, :] * stride_w + k + offs_k[:, None], mask=e_mask[None, :] & k_mask[:, None]
+        )
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    logits = tl.where(e_mask[None, :], acc, float("-inf"))
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]
+    cols = tl.arange(0, TOPK_POW2)
+    top = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.float32)
+    top_ids = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        idx = tl.min(tl.where(probs == best[:, None], experts[None, :], E_POW2), axis=1)
+        top = tl.where(cols[None, :] == k, best[:, None], top)
+        top_ids = tl.where(cols[None, :] == k, idx[:, None], top_ids)
+        probs = tl.where(experts[None, :] == idx[:, None], -1.0, probs)
+    if RENORMALIZE:
+        top = top / tl.sum(top, axis=1)[:, None]
+    out = offs_t[:, None] * TOP_K + cols[None, :]
+    mask = t_mask[:, None] & (cols[None, :] < TOP_K)
+    tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=mask)
+
+
+def route(
+    hidden_states: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As layers/moe.route in one kernel (it takes about 8): [num_tokens, hidden] -> (weights
+    [num_tokens, top_k] in the model dtype, expert ids [num_tokens, top_k] int64). A fixed BLOCK_T,
+    so a token's routing does not depend on its batch."""
+    num_tokens, hidden = hidden_states.shape
+    num_experts = router_weight.shape[0]
+    if hidden_states.stride(1) != 1 or router_weight.stride(1) != 1:
+        raise ValueError("route needs row-contiguous activations and router weights")
+    weights = torch.empty((num_tokens, top_k), dtype=hidden_states.dtype, device=hidden_states.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden_states.device)
+    block_t = 16
+    _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+        hidden_states,
+        router_weight,
+        weights,
+        ids,
+        num_tokens,
+        num_experts,
+        hidden,
+        hidden_states.stride(0),
+        router_weight.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        DOT_PRECISION="ieee" if hidden_states.dtype == torch.float32 else "tf32",
+        E_POW2=max(16, triton.next_power_of_2(num_experts)),
+        TOPK_POW2=triton.next_power_of_2(top_k),
+        BLOCK_T=block_t,
+        BLOCK_K=64 if hidden_states.element_size() > 2 else 128,
+        num_warps=4,
+        num_stages=2,
+    )
+    return weights, ids
+
+
+@triton.jit
+def _sum_topk_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # y [num_tokens * TOP_K, hidden] -> out [num_tokens, hidden]: the k rows of a token, in order, in fp32.
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + k) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _launch(a, w, out, topk_weights, aligned, num_pairs, n, rows_per_token, gate_up, config) -> None:
     sorted_ids, expert_ids, num_padded = aligned
     grid = (expert_ids.numel(), triton.cdiv(n, config.BLOCK_N))
@@ -186,34 +420,60 @@ def _launch(a, w, out, topk_weights, aligned, num_pairs, n, rows_per_token, gate
     )
 
 
+def gate_up(x, w13, aligned, top_k: int, config: MoEConfig) -> torch.Tensor:
+    """-> [num_pairs, N]: silu(gate) * up of each pair."""
+    num_pairs = x.shape[0] * top_k
+    n = w13.shape[1] // 2
+    intermediate = torch.empty((num_pairs, n), dtype=x.dtype, device=x.device)
+    _launch(x, w13, intermediate, None, aligned, num_pairs, n, top_k, True, config)
+    return intermediate
+
+
+def down(intermediate, w2, topk_weights, aligned, config: MoEConfig) -> torch.Tensor:
+    """-> [num_pairs, hidden]: each pair's expert output times its routing weight, in the model dtype."""
+    num_pairs, hidden = intermediate.shape[0], w2.shape[1]
+    out = torch.empty((num_pairs, hidden), dtype=intermediate.dtype, device=intermediate.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _launch(intermediate, w2, out, weights, aligned, num_pairs, hidden, 1, False, config)
+    return out
+
+
+def sum_topk(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[num_tokens * top_k, hidden] -> [num_tokens, hidden]."""
+    hidden = y.shape[1]
+    out = torch.empty((y.shape[0] // top_k, hidden), dtype=y.dtype, device=y.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_topk_kernel[(out.shape[0], triton.cdiv(hidden, block))](y, out, hidden, TOP_K=top_k, BLOCK=block)
+    return out
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    config: MoEConfig | None = None,
+    config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None,
 ) -> torch.Tensor:
     """As layers/moe.experts_reference: x [num_tokens, hidden], w13 [E, 2 * N, hidden], w2 [E, hidden,
-    N], topk_* [num_tokens, top_k] -> [num_tokens, hidden]."""
-    num_tokens, hidden = x.shape
-    num_experts, n = w13.shape[0], w13.shape[1] // 2
+    N], topk_* [num_tokens, top_k] -> [num_tokens, hidden]. config: the (gate/up, down) tiles, or one
+    MoEConfig for both; CONFIGS' by default."""
+    num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_experts needs row-contiguous activations and weights")
     if num_tokens == 0:
         return torch.empty_like(x)
-    config = config or get_config(num_tokens, x.element_size())
-    num_pairs = num_tokens * top_k
-    aligned = align_block_size(topk_ids, num_experts, config.BLOCK_M)
-    weights = topk_weights.reshape(-1).contiguous()
-    # [num_pairs, N]: silu(gate) * up of each pair
-    intermediate = torch.empty((num_pairs, n), dtype=x.dtype, device=x.device)
-    _launch(x, w13, intermediate, weights, aligned, num_pairs, n, top_k, True, config)
-    # [num_pairs, hidden]: each pair's weighted expert output, fp32 until the sum over k
-    out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
-    _launch(intermediate, w2, out, weights, aligned, num_pairs, hidden, 1, False, config)
-    return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    if config is None:
+        config = get_config(num_tokens, x.element_size())
+    gate_up_config, down_config = (config, config) if isinstance(config, MoEConfig) else config
+    if gate_up_config.BLOCK_M != down_config.BLOCK_M:
+        raise ValueError(
+            f"the gate/up and down tiles share the align's BLOCK_M ({gate_up_config.BLOCK_M} != {down_config.BLOCK_M})"
+        )
+    aligned = align_block_size(topk_ids, w13.shape[0], gate_up_config.BLOCK_M)
+    intermediate = gate_up(x, w13, aligned, top_k, gate_up_config)
+    return sum_topk(down(intermediate, w2, topk_weights, aligned, down_config), top_k)
 
 
 def warm_up(hidden: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_num_tokens: int) -> None:

@@ -9,7 +9,7 @@ all experts on its slice and the partial outputs are all-reduced, like a dense r
 loader reads the checkpoint's per-expert tensors (`mlp.experts.E.{gate,up,down}_proj.weight`)
 straight into these, each rank only its slice.
 
-Two paths compute the experts: on CUDA the fused Triton kernels (fused_moe_triton.py: tokens sorted
+Two paths compute the router and the experts: on CUDA the fused Triton kernels (fused_moe_triton.py: tokens sorted
 by expert, grouped GEMMs, no host sync, so a decode step is captured in a CUDA graph); elsewhere a
 loop over the experts that received tokens, in transformers' order of operations (the CPU path,
 and the reference the kernels are tested against)."""
@@ -129,5 +129,12 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, tp_rank, tp_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(hidden_states, self.gate.weight, self.top_k, self.norm_topk_prob)
+        if self.experts.fused:
+            from executor_service.layers import fused_moe_triton
+
+            weights, ids = fused_moe_triton.route(
+                hidden_states, self.gate.weight, self.top_k, self.norm_topk_prob
+            )
+        else:
+            weights, ids = route(hidden_states, self.gate.weight, self.top_k, self.norm_topk_prob)
         return self.experts(hidden_states, weights, ids)
