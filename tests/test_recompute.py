@@ -10,7 +10,7 @@ import importlib.util
 import sys
 
 from client.defaults import DEFAULT_MODEL, REPO_ROOT
-from scheduler_service.llm import LLM
+from client.llm import LLM
 
 _spec = importlib.util.spec_from_file_location(
     "recompute_divergence", REPO_ROOT / "bench" / "recompute_divergence.py"
