@@ -165,7 +165,6 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         bm = self.block_manager
-        bs = self.limits.block_size
         budget = self.limits.max_num_batched_tokens
         plan = StepPlan(step_id=self._next_step_id, finished_seq_ids=self._finished_ids)
         self._next_step_id += 1
@@ -174,7 +173,6 @@ class Scheduler:
         num_scheduled = plan.num_scheduled_tokens
         num_computed = plan.num_computed_tokens
         num_new_blocks = plan.num_new_blocks
-        free_ids = bm.free_block_ids
         running = self.running
         # Scheduled sequences that sample this step, and those that do not (a prefill chunk).
         sampling: list[Sequence] = []
@@ -192,27 +190,25 @@ class Scheduler:
                 i += 1  # it stops with "length" once the results in flight are in
                 continue
             n = remaining if remaining <= budget else budget
-            if c + n > len(seq.block_table) * bs:
-                needed = -(-(c + n) // bs) - len(seq.block_table)
-                if needed > len(free_ids) and seq.num_pending_tokens:
+            if not bm.can_append(seq, n):
+                if seq.num_pending_tokens:
                     # Its token in flight may stop it: wait for that result rather than preempt
                     # a live request for a token that could be thrown away.
                     i += 1
                     continue
-                while needed > len(free_ids) and running[-1] is not seq:
+                while running[-1] is not seq and not bm.can_append(seq, n):
                     self._preempt(running.pop(), plan)
                     preempted = True
-                if needed > len(free_ids):
+                if not bm.can_append(seq, n):
                     self._preempt(running.pop(), plan)
                     preempted = True
                     if not running:
                         self._fail_unfittable(seq)
                     break
-                new = bm.append_slots(seq, n)
+            new = bm.append_slots(seq, n)
+            if new:
                 plan.new_block_ids.extend(new)
-                num_new_blocks.append(len(new))
-            else:
-                num_new_blocks.append(0)
+            num_new_blocks.append(len(new))
             if n < remaining:
                 partial.append((seq, c + n))
             else:

@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_e2e_services import CHILD_ENV, ROOT, _first_health
+from helpers.services import CHILD_ENV, ROOT, _first_health
 
 from client import TandemClient
 from client.defaults import free_port

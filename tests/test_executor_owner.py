@@ -21,9 +21,9 @@ import grpc
 import pytest
 from executor_fixtures import MiniScheduler, make_executor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_e2e_services import CHILD_ENV, ROOT
-from test_reliability import Cluster, _check_identical, _stream, token_prompts
-from test_security import CA
+from helpers.cluster import Cluster, _check_identical, _stream, token_prompts
+from helpers.services import CHILD_ENV, ROOT
+from helpers.tls import CA
 
 from client import AsyncTandemClient, TandemClient, TandemError
 from client.defaults import free_port

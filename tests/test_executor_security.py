@@ -17,8 +17,8 @@ import grpc
 import pytest
 from executor_fixtures import MiniScheduler
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_executor_service import EXECUTOR_OPTIONS, ROOT, ExecutorProcess, free_port, stop
-from test_security import CA
+from helpers.executor_process import EXECUTOR_OPTIONS, ROOT, ExecutorProcess, free_port, stop
+from helpers.tls import CA
 
 from client import TandemClient, TandemError
 from client.defaults import DEFAULT_MODEL

@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 from executor_fixtures import prompt_ids
-from test_executor_service import ROOT, ExecutorProcess, free_port, stop, wait_ready
-from test_tensor_parallel import alive, descendants
+from helpers.executor_process import ROOT, ExecutorProcess, free_port, stop, wait_ready
+from helpers.processes import alive, descendants
 
 from protos.plan import NewSequence, StepPlan, StepSamplingParams, plan_to_proto
 from protos.tandem.v1 import executor_pb2 as pb

@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protos", "scheduler_service", "executor_service", "client")
 TESTS = ROOT / "tests"
@@ -140,7 +138,6 @@ def test_no_import_circles():
     assert _cycles(import_graph()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14 item 9: shared helpers move to tests/helpers/")
 def test_no_test_module_imports_another():
     test_modules = {p.stem for p in TESTS.glob("test_*.py")}
     bad = []

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from test_e2e_services import CHILD_ENV, ROOT, Services
-from test_scheduler_service import NUM_KV_BLOCKS, metrics, request, wait_serving
+from helpers.scheduler_server import NUM_KV_BLOCKS, metrics, request, wait_serving
+from helpers.services import CHILD_ENV, ROOT, Services
 
 from client import TandemClient, TandemError
 from client.llm import LLM

@@ -9,33 +9,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers.interpret import PRELUDE, ROOT
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
-
-PRELUDE = r"""
-import sys
-sys.path[:0] = ["tests", "."]
-import torch
-torch.set_num_threads(1)
-from triton.runtime import interpreter
-
-# numpy >= 2.4 refuses int() of a 1-element array, which the interpreter hands to range() for loop
-# bounds loaded from memory; take the element explicitly.
-_patch_tensor = interpreter._patch_lang_tensor
-
-def _patch_lang_tensor(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-interpreter._patch_lang_tensor = _patch_lang_tensor
-from test_triton_kernels import check_decode, check_prefill, check_store, make_batch
-f16 = torch.float16
-"""
 
 CASES = {
     "store": """
@@ -64,7 +43,7 @@ for group, block_size, cfg in ((2, 16, None), (8, 16, {"BLOCK_M": 16, "BLOCK_N":
     check_prefill(b, config=cfg)
 """,
     "fused_ops": """
-from test_triton_ops import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
+from helpers.triton_op_checks import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
 for dtype in (torch.float32, torch.bfloat16, f16):
     check_rms_norm(5, 96, dtype, "cpu")
     check_silu_and_mul(3, 200, dtype, "cpu")
@@ -74,7 +53,7 @@ for dtype in (torch.float32, torch.bfloat16, f16):
     check_qk_norm_rope(5, 4, 2, 32, dtype, "cpu", with_norm=False, rope=yarn)
 """,
     "sampling": """
-from test_sampling_kernel import check_distribution, check_greedy, check_sampler_routing, check_seed_isolation
+from helpers.sampling_checks import check_distribution, check_greedy, check_sampler_routing, check_seed_isolation
 check_sampler_routing("cpu")
 check_greedy(5, 40, torch.float32, "cpu", block=16)  # 3 tiles, the last one partial
 check_greedy(3, 40, f16, "cpu", block=16)
@@ -83,7 +62,7 @@ check_seed_isolation(24, "cpu", block=16)
 check_distribution(400, 6, 0.6, "cpu", block=8, tol=0.1)
 """,
     "fused_moe": """
-from test_fused_moe import LOADS, check_fused_moe
+from helpers.fused_moe_checks import LOADS, check_fused_moe
 from executor_service.layers.fused_moe_triton import MoEConfig
 small = MoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)  # several N and K tiles
 for num_tokens, used in LOADS:

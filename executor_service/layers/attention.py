@@ -16,7 +16,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        # Bound by the model runner: KVCache.bind() and set_attention_backend().
+        # Set by the model runner: the cache by KVCache.bind(), the backend from --attention-backend.
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend = get_backend("torch")
 
