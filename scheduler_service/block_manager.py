@@ -154,7 +154,8 @@ class BlockManager:
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether the free blocks can hold num_new_tokens more computed tokens of seq."""
         total = seq.num_computed_tokens + num_new_tokens
-        return -(-total // self.block_size) - len(seq.block_table) <= len(self.free_block_ids)
+        room = len(seq.block_table) * self.block_size
+        return total <= room or -(-(total - room) // self.block_size) <= len(self.free_block_ids)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Grow seq.block_table to hold num_new_tokens more computed tokens; returns the new ids

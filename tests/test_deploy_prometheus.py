@@ -39,6 +39,9 @@ from client import TandemClient, TandemError
 from client.defaults import DEFAULT_MODEL, free_port
 from client.up import Service
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def prometheus_installed() -> str:

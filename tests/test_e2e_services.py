@@ -25,6 +25,9 @@ from client.llm import LLM
 from client.up import Service
 from scheduler_service.sampling_params import SamplingParams
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 24
 CANCEL_MAX_TOKENS = 120
 # The services share two cores with the test process (and another xdist worker).

@@ -17,6 +17,9 @@ from client import TandemClient
 from client.defaults import free_port
 from client.up import Service
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 START_TIMEOUT = 60.0
 
 

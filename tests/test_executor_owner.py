@@ -44,6 +44,9 @@ from scheduler_service.executor_client import (
 )
 from scheduler_service.sampling_params import SamplingParams
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 LEASE_S = 0.5
 KEY = "executor-key-0123456789abcdef"
 

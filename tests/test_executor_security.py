@@ -29,6 +29,9 @@ from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_service.executor_client import SERVICE_NAME, ExecutorUnavailable, RemoteExecutor
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 STEP_METHOD = "/tandem.v1.ExecutorService/Step"
 _NEW_BLOCK_IDS_FIELD = pb.StepPlan.DESCRIPTOR.fields_by_name["new_block_ids"].number

@@ -45,6 +45,9 @@ from scheduler_service.executor_client import (
 )
 from scheduler_service.sampling_params import SamplingParams
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def executor_proc(qwen3_tied, tmp_path_factory):

@@ -22,6 +22,9 @@ from protos.plan import NewSequence, StepPlan, StepSamplingParams, plan_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 PROMPT_LEN = 2048  # one prefill of the embedded model's whole context: ~1.5 s on one CPU thread
 BLOCK_SIZE = 16
 OPTIONS = dict(

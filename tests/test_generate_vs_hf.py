@@ -23,6 +23,9 @@ from helpers.hf_reference import (
 from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 # How far tandem's logprobs may be from transformers' at any step.
 # Every compared step's top-1 logit beats its top-2 by at least this much, so rounding cannot
 # decide the comparison. The prompt seeds below are chosen so that this holds on the conftest

@@ -13,6 +13,9 @@ import pytest
 
 from executor_service.hub import resolve_model
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 

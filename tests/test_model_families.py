@@ -19,6 +19,9 @@ from helpers.hf_reference import MAX_NEW, _hf_model, assert_matches_hf, make_pro
 from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 # The prompt seed per family: every compared step has a clear top-1 margin (test_generate_vs_hf).
 ATOL = 1e-4
 

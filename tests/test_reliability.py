@@ -50,6 +50,9 @@ from scheduler_service.executor_client import ExecutorError, ExecutorUnavailable
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.server import ServerThread
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 

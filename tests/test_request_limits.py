@@ -30,6 +30,9 @@ from scheduler_service.sampling_params import InvalidRequestError, SamplingParam
 from scheduler_service.server import SchedulerServer, ServerThread
 from scheduler_service.tokenizer import Tokenizer
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 # The scheduler's gRPC limit, each way.
 MAX_MESSAGE_BYTES = 16 * 2**20
 MODEL = ROOT / "models" / "tandem-tiny-pydoc"

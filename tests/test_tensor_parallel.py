@@ -31,6 +31,9 @@ from scheduler_service.engine import LLMEngine
 from scheduler_service.executor_client import ExecutorUnavailable, RemoteExecutor
 from scheduler_service.sampling_params import SamplingParams
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 # A small token budget: the 61-token prompts are prefilled in chunks.
 OPTIONS = dict(block_size=4, num_kv_blocks=96, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=24)
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -13,6 +13,9 @@ import sys
 import pytest
 from helpers.interpret import PRELUDE, ROOT
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 
 
