@@ -1,11 +1,14 @@
 """Attention kernels on the GPU: the Triton paged decode kernel alone (replayed from a CUDA graph,
 like the engine's decode steps) and a causal prefill (eager), against
 PyTorch's FlashAttention-2 (`varlen_attn`) on contiguous KV. Qwen3-0.6B shapes: 16 query heads,
-8 KV heads, head_dim 128, bf16. Decode reports effective KV bandwidth: bytes of K and V read / time.
+8 KV heads, head_dim 128, bf16. Decode reports effective KV bandwidth: bytes of K and V read / time,
+for a bf16 cache and an e4m3 one (kv_cache_dtype fp8: half the bytes; `decode kernel fp8 ...` counts
+the fp8 bytes).
 
     python bench/attention.py [--sweep]
 
---sweep also times a grid of decode launch configurations (BLOCK_N, num_warps, num_stages).
+--sweep also times a grid of decode launch configurations (BLOCK_N, num_warps, num_stages), bf16
+and fp8.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from executor_service.attention.triton_paged import _VARLEN_PARAMS, prefill_varl
 from executor_service.context import Context
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
+FP8 = torch.float8_e4m3fn
 SCALE = HEAD_DIM**-0.5
 
 
@@ -42,12 +46,12 @@ def time_graph_ms(fn) -> float:
     return time_ms(graph.replay)
 
 
-def paged_decode_inputs(batch: int, context: int, block_size: int) -> dict:
+def paged_decode_inputs(batch: int, context: int, block_size: int, kv_dtype: torch.dtype = DTYPE) -> dict:
     blocks_per_seq = triton.cdiv(context, block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
-    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
+    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
     return {
         "q": torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda"),
@@ -59,8 +63,10 @@ def paged_decode_inputs(batch: int, context: int, block_size: int) -> dict:
     }
 
 
-def bench_decode(batch: int, context: int, block_size: int, config: dict | None = None, splits=None):
-    x = paged_decode_inputs(batch, context, block_size)
+def bench_decode(
+    batch: int, context: int, block_size: int, config: dict | None = None, splits=None, kv_dtype=DTYPE
+):
+    x = paged_decode_inputs(batch, context, block_size, kv_dtype)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = splits or tk.choose_num_splits(batch, NUM_KV_HEADS, num_sms)
     out = torch.empty_like(x["q"])
@@ -68,11 +74,12 @@ def bench_decode(batch: int, context: int, block_size: int, config: dict | None 
 
     def run():
         tk.paged_decode(
-            x["q"], x["k_cache"], x["v_cache"], out, *meta, SCALE, num_splits=splits, config=config
-        )
+            x["q"], x["k_cache"], x["v_cache"], out, *meta, SCALE, num_splits=splits, config=config,
+            kv_scales=(0.5, 0.5),
+        )  # fmt: skip
 
     ms = time_graph_ms(run)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     return ms, kv_bytes / ms / 1e9, splits
 
 
@@ -145,23 +152,33 @@ def main() -> None:
             print(f"varlen_attn contiguous b{batch}x{context}: {ref[0] * 1e3:.1f} us, {ref[1]:.2f} TB/s")
         # The headline is the engine's default block size, 16.
         print(f"decode kernel b{batch}x{context}: {headline:.2f} TB/s")
+        for block_size in (16, 256):
+            ms, tbs, splits = bench_decode(batch, context, block_size, kv_dtype=FP8)
+            print(
+                f"decode fp8 b{batch}x{context} block size {block_size}: {ms * 1e3:.1f} us, "
+                f"{tbs:.2f} TB/s of fp8 bytes (splits {splits}, {tk.DECODE_CONFIG})"
+            )
+            if block_size == 16:
+                headline = tbs
+        print(f"decode kernel fp8 b{batch}x{context}: {headline:.2f} TB/s")
     for block_size in (16, 256):
         bench_prefill(64, 512, block_size)
     if args.sweep:
-        for (batch, context), block_size in itertools.product(shapes, (16, 256)):
+        for (batch, context), block_size, kv_dtype in itertools.product(shapes, (16, 256), (DTYPE, FP8)):
             results = []
             split_choices = (None,) if batch * NUM_KV_HEADS >= 264 else (None, 4, 8, 16, 32)
             grid = itertools.product(split_choices, (32, 64, 128), (4, 8), (2, 3, 4))
             for splits, block_n, warps, stages in grid:
                 cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
                 try:
-                    _, tbs, used = bench_decode(batch, context, block_size, cfg, splits)
+                    _, tbs, used = bench_decode(batch, context, block_size, cfg, splits, kv_dtype)
                 except Exception as e:  # out of shared memory, say
                     print(f"  {cfg}: {type(e).__name__}")
                     continue
                 results.append((tbs, used, cfg))
             for tbs, used, cfg in sorted(results, key=lambda r: -r[0])[:4]:
-                print(f"sweep b{batch}x{context} bs{block_size}: {tbs:.2f} TB/s splits {used} {cfg}")
+                name = "fp8" if kv_dtype == FP8 else "bf16"
+                print(f"sweep {name} b{batch}x{context} bs{block_size}: {tbs:.2f} TB/s splits {used} {cfg}")
 
 
 if __name__ == "__main__":

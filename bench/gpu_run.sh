@@ -72,6 +72,16 @@ for what in "$@"; do
     8b-tp2) TAIL=12 tp_debug stage 8b-tp2 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process -tp 2 ;;
     tp-profile) TAIL=40 tp_debug stage tp-profile "$PY" bench/profile_step.py --shape qwen3-8b -tp 2 --fused-ops on --steps 16 ;;
     tp-broadcast) stage tp-broadcast "$PY" bench/tp_broadcast.py --tp 2 ;;
+    # Issue 17 (fp8): the kernel, GEMM and engine tests, the fp8 decode bandwidth and GEMM figures,
+    # the accuracy figures on the GPU, W1 with an fp8 KV cache, W4 (FP8 Qwen3-8B, then bf16 of the run).
+    fp8-tests) TAIL=20 stage fp8-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_gemm.py tests/test_fp8_kv.py -k "fp8 or w8a8 or quantize" ;;
+    fp8-attention) TAIL=20 stage fp8-attention "$PY" bench/attention.py ;;
+    fp8-gemm) TAIL=30 stage fp8-gemm "$PY" bench/fp8_gemm.py ;;
+    fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
+    w1-fp8) TAIL=12 stage w1-fp8 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 ;;
+    w1-fp8-split) TAIL=12 stage w1-fp8-split "$PY" bench/throughput.py --workload w1 --device cuda --mode split --kv-cache-dtype fp8 ;;
+    w4) TAIL=12 STAGE_TIMEOUT=580 stage w4 "$PY" bench/throughput.py --workload w4 --device cuda --mode in-process ;;
+    w4-bf16) TAIL=12 STAGE_TIMEOUT=580 stage w4-bf16 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process ;;
     *) echo "unknown stage $what" | tee -a "$OUT/summary.txt" ;;
     esac
 done

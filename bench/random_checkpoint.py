@@ -52,10 +52,21 @@ LLAMA_3_2_1B = dict(
     eos_token_id=128001,
     bos_token_id=128000,
 )  # fmt: skip
+# Qwen3-8B's shape (untied head), for W4.
+QWEN3_8B = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=151645, bos_token_id=None,
+)  # fmt: skip
 SHAPES = {
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_30B_A3B),
     "llama-3.2-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_3_2_1B),
+    "qwen3-8b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_8B),
 }
+# The Qwen3-*-FP8 format (executor_service/quantization.py).
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+}  # fmt: skip
 SHARD_BYTES = 4 << 30
 
 
@@ -84,7 +95,10 @@ def tensor_shapes(config_name: str, model_name: str, config) -> dict[str, tuple[
     return shapes
 
 
-def build_random_checkpoint(out_dir: Path, shape: str) -> Path:
+def build_random_checkpoint(out_dir: Path, shape: str, fp8: bool = False) -> Path:
+    """Random weights of `shape`, in bf16, or with fp8=True every linear projection as random e4m3
+    values with one weight_scale_inv per 128 x 128 block (the Qwen3-*-FP8 format; about std 0.02 like
+    the bf16 weights). Written straight to safetensors shards (no model init)."""
     if (out_dir / "model.safetensors.index.json").is_file():
         return out_dir
     import torch
@@ -113,10 +127,15 @@ def build_random_checkpoint(out_dir: Path, shape: str) -> Path:
         for name, size in shapes.items():
             if "norm" in name:
                 tensor = torch.ones(size, dtype=torch.bfloat16)
+            elif fp8 and name.endswith("_proj.weight") and "mlp.gate." not in name:
+                # e4m3 values of std 32, scales of 0.02 / 32: weights of std 0.02.
+                tensor = (torch.randn(size, generator=gen, device=device) * 32).to(torch.float8_e4m3fn).cpu()
+                blocks = (-(-size[0] // 128), -(-size[1] // 128))
+                shard[name + "_scale_inv"] = torch.full(blocks, 0.02 / 32, dtype=torch.float32)
             else:
                 tensor = (torch.randn(size, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
             shard[name] = tensor
-            shard_bytes += tensor.numel() * 2
+            shard_bytes += tensor.numel() * tensor.element_size()
             bar.update(tensor.numel() * 2)
             if shard_bytes >= SHARD_BYTES:
                 flush()
@@ -125,6 +144,11 @@ def build_random_checkpoint(out_dir: Path, shape: str) -> Path:
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_file))
     config.architectures = [model_name]
     config.save_pretrained(out_dir)
+    if fp8:
+        path = out_dir / "config.json"
+        path.write_text(
+            json.dumps({**json.loads(path.read_text()), "quantization_config": FP8_QUANTIZATION_CONFIG})
+        )
     return out_dir
 
 

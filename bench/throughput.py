@@ -6,6 +6,9 @@ each and their ratio.
     python bench/throughput.py --workload w1 --device cuda     # BENCH.md W1 (Qwen3-0.6B shape)
     python bench/throughput.py --workload w3 --device cuda     # BENCH.md W3 (Qwen3-30B-A3B shape)
     python bench/throughput.py --workload w1 --shape llama-3.2-1b --device cuda
+    python bench/throughput.py --workload w1 --device cuda --kv-cache-dtype fp8          # W1, fp8 KV
+    python bench/throughput.py --workload w4 --device cuda --mode in-process             # W4: Qwen3-8B
+        FP8 weights + fp8 KV, then the bf16 Qwen3-8B of the same run (random checkpoints)
 
 Requests have token-id prompts, random (seeded) prompt and output lengths and ignore_eos, so
 every run generates exactly the same number of tokens. Time runs from submitting the first
@@ -65,6 +68,8 @@ SHAPES = {"qwen3-0.6b": W1_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}
 # Shapes written as random tensors without a model init (bench/random_checkpoint.py): W3's MoE and
 # Llama 3.2 1B's.
 RANDOM_SHAPES = ("qwen3-30b-a3b", "llama-3.2-1b")
+# --quantization fp8: the shape written as a random FP8 block-scaled checkpoint (random_checkpoint.py).
+FP8_SHAPES = ("qwen3-8b",)
 W3_FLOOR_TOK_S = 7500  # BENCH.md: W3's floor on the H200 (61 GB of experts read per decode step)
 W1_TOTALS = (142_827, 133_966)  # prompt, output tokens
 W1_FLOOR_S = 3.7  # BENCH.md: the H200's floor for W1 (weights and KV cache read at copy bandwidth)
@@ -80,10 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--workload",
-        choices=["random", "w1", "w3"],
+        choices=["random", "w1", "w3", "w4"],
         default="random",
         help="random: the flags below; w1: BENCH.md W1 (256 requests, 100-1024 in and out, T=0.6); "
-        "w3: W1's requests on the Qwen3-30B-A3B shape (61 GB, built in /dev/shm unless --w1-dir)",
+        "w3: W1's requests on the Qwen3-30B-A3B shape (61 GB, built in /dev/shm unless --w1-dir); "
+        "w4: W1's requests on a random FP8 checkpoint of Qwen3-8B's shape with an fp8 KV cache",
     )
     p.add_argument("--model", default=None, help="checkpoint directory (default: embedded model; w1: built)")
     p.add_argument(
@@ -151,15 +157,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after tandem, run this peer script (e.g. ../shared/peers/hf_continuous_batching.py) in the "
         "same run and print its output tok/s next to tandem's; PEER_N requests (default all 256)",
     )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="the executor's --kv-cache-dtype, both modes (auto, fp8)"
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["none", "fp8"],
+        default="none",
+        help="fp8: the built checkpoint is a random FP8 block-scaled one (--shape qwen3-8b)",
+    )
     p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
     args = p.parse_args(argv)
+    if args.workload == "w4":  # BENCH.md W4: Qwen3-8B's shape, FP8 weights and an fp8 KV cache
+        args.shape, args.quantization, args.kv_cache_dtype = "qwen3-8b", "fp8", "fp8"
+    if args.quantization == "fp8" and args.shape not in FP8_SHAPES:
+        p.error(f"--quantization fp8 builds a random checkpoint of {', '.join(FP8_SHAPES)} only")
     if args.workload == "w3":
         args.shape = "qwen3-30b-a3b"
     if args.w1_dir is None:
         # 61 GB: memory-backed /dev/shm where there is one (the GPU machine's disk is 64 GiB).
         big = args.shape == "qwen3-30b-a3b" and Path("/dev/shm").is_dir()
-        args.w1_dir = str(Path("/dev/shm" if big else tempfile.gettempdir()) / f"tandem-w1-{args.shape}")
-    if args.workload in ("w1", "w3"):
+        suffix = "-fp8" if args.quantization == "fp8" else ""
+        args.w1_dir = str(
+            Path("/dev/shm" if big else tempfile.gettempdir()) / f"tandem-w1-{args.shape}{suffix}"
+        )
+    if args.workload in ("w1", "w3", "w4"):
         args.num_requests = 256
         args.min_prompt_len, args.max_prompt_len = 100, 1024
         args.min_output_len, args.max_output_len = 100, 1024
@@ -170,16 +192,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_w1_checkpoint(out_dir: Path, shape: str = "qwen3-0.6b") -> Path:
+def build_w1_checkpoint(out_dir: Path, shape: str = "qwen3-0.6b", quantization: str = "none") -> Path:
     """A Qwen3 architecture (SHAPES) with random bf16 weights, saved through transformers. The
     8B shape is initialised on the GPU when there is one (on the CPU it needs ~32 GB and minutes).
     RANDOM_SHAPES are written as random tensors (bench/random_checkpoint.py)."""
     if (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")):
         return out_dir
-    if shape in RANDOM_SHAPES:
+    if shape in RANDOM_SHAPES or quantization == "fp8":
         from random_checkpoint import build_random_checkpoint
 
-        return build_random_checkpoint(out_dir, shape)
+        return build_random_checkpoint(out_dir, shape, fp8=quantization == "fp8")
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -233,6 +255,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         fused_ops=args.fused_ops,
         tensor_parallel_size=args.tensor_parallel_size,
         max_plans_in_flight=args.max_plans_in_flight,
+        kv_cache_dtype=args.kv_cache_dtype,
         **options,
     )
     warm = [r.prompt_token_ids for r in workload[:4]]
@@ -281,7 +304,7 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     executor_argv += ["--port", str(executor_port), "--metrics-port", str(executor_metrics)]
     executor_argv += ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
     executor_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    executor_argv += ["--fused-ops", args.fused_ops]
+    executor_argv += ["--fused-ops", args.fused_ops, "--kv-cache-dtype", args.kv_cache_dtype]
     executor_argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.dtype:
         executor_argv += ["--dtype", args.dtype]
@@ -409,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.model is None:
         args.model = (
-            str(build_w1_checkpoint(Path(args.w1_dir), args.shape))
-            if args.workload in ("w1", "w3")
+            str(build_w1_checkpoint(Path(args.w1_dir), args.shape, args.quantization))
+            if args.workload in ("w1", "w3", "w4")
             else str(DEFAULT_MODEL)
         )
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
@@ -424,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model}, device {args.device}, max_num_seqs {args.max_num_seqs}, "
         f"split stream interval {args.stream_interval}"
     )
-    if args.workload in ("w1", "w3") and (num_prompt, num_output) != W1_TOTALS:
+    if args.workload in ("w1", "w3", "w4") and (num_prompt, num_output) != W1_TOTALS:
         print(f"warning: W1 expects {W1_TOTALS} prompt/output tokens", file=sys.stderr)
 
     results = {}
@@ -465,14 +488,17 @@ def main(argv: list[str] | None = None) -> int:
         ratio = results["split"] / results["in-process"]
         label = "CPU" if args.device == "cpu" else "GPU"
         print(f"{label} split/in-process: {ratio:.3f}")
-    if args.workload in ("w1", "w3"):
-        label = "W1" if args.workload == "w1" else "W3"
+    if args.workload in ("w1", "w3", "w4"):
+        label = args.workload.upper()
         if args.workload == "w1" and args.shape != "qwen3-0.6b":
             label += f" {args.shape}"
-        if args.tensor_parallel_size != 1 or args.shape == "qwen3-8b":
+        if args.tensor_parallel_size != 1 or (args.shape == "qwen3-8b" and args.workload != "w4"):
             label += f" TP={args.tensor_parallel_size}"
+        fp8 = [what for what, on in (("fp8 weights", args.quantization == "fp8"),
+                                     ("fp8 KV", args.kv_cache_dtype in ("fp8", "fp8_e4m3"))) if on]  # fmt: skip
+        note = f" ({', '.join(fp8)})" if fp8 else ""
         for mode, rate in results.items():
-            print(f"{label} {mode}: {rate:.0f} output tok/s")
+            print(f"{label} {mode}{note}: {rate:.0f} output tok/s")
     if args.peer:
         peer = run_peer(args.peer)
         print(

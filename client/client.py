@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.defaults import CHANNEL_OPTIONS, DEFAULT_RETRIES, DEFAULT_SERVER
+from client.defaults import CHANNEL_OPTIONS, DEFAULT_RETRIES, DEFAULT_SERVER, MAX_MESSAGE_BYTES
 from client.messages import (
     Chunk,
     Completion,
@@ -48,10 +48,11 @@ def channel_credentials(tls: bool, tls_ca: str | Path | bytes | None) -> grpc.Ch
 
 
 # Retries of a GenerationService call refused UNAVAILABLE (a scheduler restarting or draining, its
-# executor away) before the first response: gRPC's own retry policy, whose backoff is jittered
-# (each wait uniform in [0, backoff]). Once a response has arrived the call is never retried, so
-# no token is sent twice. 4 retries (DEFAULT_RETRIES) wait 3 s at most (0.2, 0.4, 0.8, 1.6 s
-# backoffs), 1.5 s on average.
+# executor away, a connection refused) before the first response: gRPC's own retry policy, whose
+# backoff is jittered (each wait uniform in [0, backoff]). Once a response has arrived the call is
+# never retried, so no token is sent twice. 4 retries (DEFAULT_RETRIES) wait 7.5 s at most (0.5,
+# 1, 2, 4 s backoffs), 3.75 s on average: a restart of a small model's executor, not a large
+# model's load (the scheduler keeps the requests it accepted through that).
 _MAX_RETRIES = 4  # gRPC caps maxAttempts at 5
 
 
@@ -61,8 +62,8 @@ def retry_service_config(retries: int) -> str:
         raise ValueError(f"retries must be between 0 and {_MAX_RETRIES} (gRPC's limit), got {retries}")
     policy = {
         "maxAttempts": retries + 1,
-        "initialBackoff": "0.2s",
-        "maxBackoff": "2s",
+        "initialBackoff": "0.5s",
+        "maxBackoff": "4s",
         "backoffMultiplier": 2,
         "retryableStatusCodes": ["UNAVAILABLE"],
     }
@@ -73,7 +74,12 @@ def retry_service_config(retries: int) -> str:
 
 
 def channel_options(tls_server_name: str | None, retries: int = DEFAULT_RETRIES) -> list[tuple[str, object]]:
-    options = [*CHANNEL_OPTIONS, ("grpc.service_config", retry_service_config(retries))]
+    options = [
+        *CHANNEL_OPTIONS,
+        ("grpc.service_config", retry_service_config(retries)),
+        # A request is kept for its retries only up to this size (gRPC's default: 256 KiB).
+        ("grpc.per_rpc_retry_buffer_size", MAX_MESSAGE_BYTES),
+    ]
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
     return options

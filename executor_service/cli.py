@@ -72,6 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="weights and KV dtype (default: the checkpoint's) [TANDEM_DTYPE]",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3"),
+        default=_env("KV_CACHE_DTYPE", "auto"),
+        help="KV cache element type: auto (the model dtype), or fp8 (= fp8_e4m3: half the bytes of bf16, "
+        "twice the blocks; per-layer k/v scales from the checkpoint, else 1.0) [TANDEM_KV_CACHE_DTYPE]",
+    )
+    p.add_argument(
         "--block-size",
         type=int,
         default=_env("BLOCK_SIZE", 16),
@@ -238,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
+            kv_cache_dtype=args.kv_cache_dtype,
             fused_ops=args.fused_ops,
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,

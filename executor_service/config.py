@@ -24,6 +24,8 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+# --kv-cache-dtype: "auto" (the model's dtype), one of DTYPES, or e4m3 under vLLM's names.
+FP8_KV_NAMES = ("fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -43,6 +45,9 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    # The KV cache's element type: auto (the model dtype), a dtype name, or fp8 / fp8_e4m3 (e4m3
+    # with a per-layer scale, fp8.py). Resolved to "fp8_e4m3" or a torch dtype name.
+    kv_cache_dtype: str = "auto"
     # Triton kernels for residual + RMSNorm, SiLU-and-mul and q/k norm + rotary: auto (on CUDA
     # with triton), on, off. Resolved to "on" or "off" at construction.
     fused_ops: str = "auto"
@@ -56,6 +61,7 @@ class ExecutorConfig:
     # Resolved at construction.
     model_config: ModelConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
+    kv_torch_dtype: torch.dtype = field(init=False)
     model_class: type = field(init=False, repr=False)
     model_name: str = field(init=False, repr=False)
 
@@ -78,6 +84,7 @@ class ExecutorConfig:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.torch_dtype = DTYPES[dtype]
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
+        self._check_kv_cache_dtype()
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
@@ -109,6 +116,21 @@ class ExecutorConfig:
         self._check_backend()
         self._check_fused_ops()
         self._check_tensor_parallel()
+
+    def _check_kv_cache_dtype(self) -> None:
+        name = self.kv_cache_dtype
+        if name == "auto":
+            self.kv_torch_dtype = self.torch_dtype
+        elif name in FP8_KV_NAMES:
+            self.kv_torch_dtype = torch.float8_e4m3fn
+        elif name in DTYPES:
+            self.kv_torch_dtype = DTYPES[name]
+        else:
+            raise ValueError(
+                f"kv_cache_dtype {name!r} is not one of auto, {', '.join(FP8_KV_NAMES)}, {', '.join(DTYPES)}"
+            )
+        fp8 = self.kv_torch_dtype == torch.float8_e4m3fn
+        self.kv_cache_dtype = "fp8_e4m3" if fp8 else str(self.kv_torch_dtype).removeprefix("torch.")
 
     def _check_device(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -152,13 +174,21 @@ class ExecutorConfig:
         self.fused_ops = "off" if why_not or self.fused_ops == "off" else "on"
 
     def _check_backend(self) -> None:
+        device, fp8 = torch.device(self.device), self.kv_cache_dtype == "fp8_e4m3"
         if self.attention_backend == "auto":
             self.attention_backend = next(
-                name for name, backend in BACKENDS.items() if backend.supports(torch.device(self.device))
+                name
+                for name, backend in BACKENDS.items()
+                if backend.supports(device) and (backend.fp8_kv or not fp8)
             )
         elif self.attention_backend not in BACKENDS:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r} is not one of auto, {', '.join(BACKENDS)}"
             )
-        elif not BACKENDS[self.attention_backend].supports(torch.device(self.device)):
+        elif not BACKENDS[self.attention_backend].supports(device):
             raise ValueError(f"attention_backend {self.attention_backend!r} does not run on {self.device}")
+        elif fp8 and not BACKENDS[self.attention_backend].fp8_kv:
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} cannot read an fp8 KV cache: use triton or "
+                "torch, or kv_cache_dtype auto"
+            )

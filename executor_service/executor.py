@@ -105,6 +105,7 @@ class LocalExecutor:
             attention_backend=self.config.attention_backend,
             num_layers=mc.num_hidden_layers,
             block_bytes=self.runner.kv_cache.block_bytes * self.tp_size,  # over all ranks
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
 
     def step(self, plan: StepPlan) -> StepResult:

@@ -4,7 +4,8 @@ Triton compiles a kernel the first time it runs with a new set of compile-time c
 capture covers the decode-only steps, but a mixed step (decode rows beside a prefill chunk), a prefill
 chunk after a cached prefix, and each split count of the decode kernel are variants of their own: on
 a fresh machine each would compile, for a second or more, in the middle of serving. One small eager
-step of each at start moves that cost to start-up (and into Triton's on-disk cache for the next)."""
+step of each at start moves that cost to start-up (and into Triton's on-disk cache for the next).
+The steps run through the bound KV cache, so with kv_cache_dtype fp8 they compile the KV_FP8 variants."""
 
 from __future__ import annotations
 

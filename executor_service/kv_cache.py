@@ -1,7 +1,9 @@
 """The paged KV cache: one tensor for all layers, sliced per attention layer.
 
 Layout: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim); index 0 = K, 1 = V.
-Slot s of a layer lives at [:, layer, s // block_size, s % block_size]."""
+Slot s of a layer lives at [:, layer, s // block_size, s % block_size]. The element type is the
+model's dtype or e4m3 (kv_cache_dtype fp8: half the bytes of bf16, so twice the blocks in the same
+memory; each attention layer holds its k_scale / v_scale)."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def warm_up(runner: ModelRunner) -> None:
         runner.block_size,
         runner.num_kv_heads,
         mc.head_dim,
-        config.torch_dtype,
+        config.kv_torch_dtype,
         runner.device,
     )
     cache.bind(runner.model)

@@ -1,7 +1,14 @@
 """Loading a Hugging Face checkpoint's safetensors weights into a model (config.json is read by
 model_config.py). The model says where each tensor goes (`checkpoint_target`): its own parameter, a
 slice of a packed one (q/k/v, gate/up) or one expert's slice of a packed MoE weight; each
-parameter's `weight_loader` reads only the part its tensor-parallel rank holds."""
+parameter's `weight_loader` reads only the part its tensor-parallel rank holds.
+
+An fp8 block-scaled checkpoint (quantization.py) pairs each quantized `X.weight` with
+`X.weight_scale_inv`: unless the model keeps the layer in fp8 (`keeps_fp8(X)`), the weight reaches its
+`weight_loader` as a DequantizedSlice, which reads (and dequantizes) only the blocks a narrow asks for.
+
+Per-layer scales of an fp8 KV cache (`self_attn.k_scale` / `v_scale`, or on k_proj / v_proj, or one
+`kv_scale`) are not parameters: they set the attention layer's k_scale / v_scale."""
 
 from __future__ import annotations
 
@@ -13,6 +20,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
+
+from executor_service.fp8 import dequantize_weight_blocks
+from executor_service.quantization import BlockFP8Config
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +61,40 @@ class CheckpointSlice:
         return self._lazy[(slice(None),) * dim + (slice(start, start + length),)]
 
     def read(self) -> torch.Tensor:
-        return self._lazy[:] if self.shape else self.narrow(0, 0, 0).reshape(())
+        return self._lazy[:] if self.shape else self._lazy[...]
 
 
-def read_tensor(loaded: torch.Tensor | CheckpointSlice) -> torch.Tensor:
-    return loaded.read() if isinstance(loaded, CheckpointSlice) else loaded
+class DequantizedSlice:
+    """An e4m3 checkpoint weight and its per-block weight_scale_inv, read as fp32 values: `narrow`
+    reads the whole blocks around the part asked for, dequantizes them and cuts the part out."""
+
+    def __init__(self, weight: CheckpointSlice, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+        self._weight, self._scale_inv, self._block = weight, scale_inv, block
+        self.shape = weight.shape
+        rows, cols = (-(-n // b) for n, b in zip(self.shape, block, strict=True))
+        if tuple(scale_inv.shape) != (rows, cols):
+            raise ValueError(
+                f"weight_scale_inv of shape {tuple(scale_inv.shape)} for a weight {tuple(self.shape)} in "
+                f"{block[0]}x{block[1]} blocks: expected ({rows}, {cols})"
+            )
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        b = self._block[dim]
+        lo, hi = start // b * b, min(-(-(start + length) // b) * b, self.shape[dim])
+        weight = self._weight.narrow(dim, lo, hi - lo)
+        scale_inv = self._scale_inv.narrow(dim, lo // b, -(-(hi - lo) // b))
+        full = dequantize_weight_blocks(weight, scale_inv, torch.float32, self._block)
+        return full.narrow(dim, start - lo, length)
+
+    def read(self) -> torch.Tensor:
+        return self.narrow(0, 0, self.shape[0])
+
+
+def read_tensor(loaded: torch.Tensor | CheckpointSlice | DequantizedSlice) -> torch.Tensor:
+    return loaded.read() if isinstance(loaded, CheckpointSlice | DequantizedSlice) else loaded
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor | CheckpointSlice) -> None:
@@ -66,11 +105,20 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor | Che
     param.data.copy_(read_tensor(loaded_weight))
 
 
-def load_weights(model: nn.Module, model_dir: str | Path, skip: frozenset[str] = frozenset()) -> None:
+def load_weights(
+    model: nn.Module,
+    model_dir: str | Path,
+    skip: frozenset[str] = frozenset(),
+    quantization: BlockFP8Config | None = None,
+    keeps_fp8=lambda name: False,
+) -> None:
     """Copy checkpoint tensors into `model` (a models.base.CausalLM): each goes where
-    `model.checkpoint_target(name)` says, through its parameter's `weight_loader`."""
+    `model.checkpoint_target(name)` says, through its parameter's `weight_loader`. With an fp8
+    checkpoint, `keeps_fp8(weight name)` says whether that weight's layer holds e4m3 weights (its
+    weight_scale_inv is then loaded as a parameter too); other quantized weights are dequantized."""
     params = dict(model.named_parameters())
     files = checkpoint_tensor_files(model_dir)
+    scales = _dequantized_scales(files, quantization, keeps_fp8)
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
@@ -83,7 +131,13 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: frozenset[str] =
                     # Older checkpoints store the rotary buffer; it is recomputed from rope_theta.
                     if name in skip or name.endswith("rotary_emb.inv_freq"):
                         continue
+                    if name.endswith(".weight_scale_inv") and name[: -len("_scale_inv")] in scales:
+                        continue  # read with its weight
                     tensor = CheckpointSlice(f.get_slice(name))
+                    if _load_kv_scale(model, name, tensor):
+                        continue
+                    if name in scales:
+                        tensor = DequantizedSlice(tensor, scales[name], quantization.block)
                     target, shard_id = model.checkpoint_target(name)
                     param = _param(params, target, name)
                     if shard_id is None:
@@ -96,7 +150,52 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: frozenset[str] =
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}")
 
 
+def _dequantized_scales(
+    files: dict[str, Path], quantization: BlockFP8Config | None, keeps_fp8
+) -> dict[str, torch.Tensor]:
+    """Weight name -> its weight_scale_inv, for the fp8 weights to dequantize at load."""
+    names = [n for n in files if n.endswith(".weight_scale_inv")]
+    if names and quantization is None:
+        raise ValueError(
+            f"checkpoint tensor {names[0]!r} is a block scale, but config.json has no quantization_config "
+            "with quant_method fp8"
+        )
+    scales = {}
+    for name in names:
+        weight = name[: -len("_scale_inv")]
+        if not keeps_fp8(weight):
+            with safe_open(files[name], "pt") as f:
+                scales[weight] = f.get_tensor(name)
+    return scales
+
+
 def _param(params: dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
     if target not in params:
         raise ValueError(f"checkpoint tensor {source!r} has no matching model parameter {target!r}")
     return params[target]
+
+
+# checkpoint name suffix -> the attention layer's attributes it sets
+KV_SCALE_SUFFIXES = {
+    "self_attn.k_scale": ("k_scale",),
+    "self_attn.v_scale": ("v_scale",),
+    "self_attn.k_proj.k_scale": ("k_scale",),
+    "self_attn.v_proj.v_scale": ("v_scale",),
+    "self_attn.kv_scale": ("k_scale", "v_scale"),
+}
+
+
+def _load_kv_scale(model: nn.Module, name: str, tensor: CheckpointSlice) -> bool:
+    """Set `model.layers.N.self_attn.attn.k_scale` (v_scale) from a KV-cache scale tensor; False
+    for any other tensor."""
+    for suffix, attrs in KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            layer = name[: -len(suffix)] + "self_attn.attn"
+            attention = model.get_submodule(layer)
+            value = float(tensor.read().float().reshape(-1)[0])
+            if not value > 0:
+                raise ValueError(f"checkpoint tensor {name!r} must be a positive scale, is {value}")
+            for attr in attrs:
+                setattr(attention, attr, value)
+            return True
+    return False

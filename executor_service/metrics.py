@@ -123,6 +123,7 @@ class ExecutorMetrics:
                 "model": info.model,
                 "architecture": info.architecture,
                 "dtype": info.dtype,
+                "kv_cache_dtype": info.kv_cache_dtype,
                 "tensor_parallel_size": str(info.tensor_parallel_size),
                 "attention_backend": info.attention_backend,
                 "device": info.device,

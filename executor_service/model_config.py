@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from executor_service.layers.rotary import ROPE_TYPES
+from executor_service.quantization import BlockFP8Config, parse_quantization
 
 
 @dataclass
@@ -46,6 +47,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # fp8 block-scaled weights (quantization.py); None for an unquantized checkpoint.
+    quantization: BlockFP8Config | None = None
 
     def __post_init__(self) -> None:
         self.max_context_len = self.max_context_len or self.max_position_embeddings
@@ -153,4 +156,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         norm_topk_prob=cfg.get("norm_topk_prob", False),
         decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
         mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+        quantization=parse_quantization(cfg.get("quantization_config")),
     )

@@ -22,6 +22,7 @@ from executor_service.cuda_graph import DecodeGraphs
 from executor_service.kv_cache import KVCache, block_bytes
 from executor_service.layers.attention import Attention
 from executor_service.layers.fusable import Fusable
+from executor_service.layers.linear import convert_to_fp8
 from executor_service.loader import checkpoint_tensor_files, load_weights
 from executor_service.sampler import Sampler, SamplerOutput
 from executor_service.sequence import SequenceState
@@ -97,11 +98,22 @@ class ModelRunner:
             self.model = config.model_class(
                 mc, tie_word_embeddings=tied, tp_rank=tp_rank, tp_size=self.tp_size
             )
-        load_weights(self.model, config.model, skip=frozenset({"lm_head.weight"}) if tied else frozenset())
+        # An fp8 checkpoint's linear layers stay e4m3 on CUDA (the W8A8 GEMM); elsewhere, and for
+        # the MoE experts, the loader dequantizes them to the compute dtype.
+        fp8_weights = frozenset()
+        if mc.quantization is not None and self.device.type == "cuda":
+            fp8_weights = convert_to_fp8(self.model, names, mc.quantization.block)
+        load_weights(
+            self.model,
+            config.model,
+            skip=frozenset({"lm_head.weight"}) if tied else frozenset(),
+            quantization=mc.quantization,
+            keeps_fp8=fp8_weights.__contains__,
+        )
         self.model.eval()
 
         self.bytes_per_block = block_bytes(
-            mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, config.torch_dtype
+            mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, config.kv_torch_dtype
         )
         backend = get_backend(config.attention_backend)
         for module in self.model.modules():
@@ -129,13 +141,13 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             mc.head_dim,
-            config.torch_dtype,
+            config.kv_torch_dtype,
             self.device,
         )
         self.kv_cache.bind(self.model)
         logger.info(
             "rank %d/%d: loaded %s (%s, %s, %s attention, fused ops %s) with %d KV blocks of %d "
-            "tokens (%.2f GiB)",
+            "tokens (%s, %.2f GiB)",
             self.tp_rank,
             self.tp_size,
             config.model,
@@ -145,6 +157,7 @@ class ModelRunner:
             config.fused_ops,
             num_blocks,
             self.block_size,
+            config.kv_cache_dtype,
             num_blocks * self.bytes_per_block / 2**30,
         )
         if self.device.type == "cuda" and not config.enforce_eager and self._graph_safe:

@@ -36,6 +36,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_OWNER_LEASE_SECONDS = 10.0
 
 
+class LogThrottle:
+    """True at most once per key every `interval_s`: a refusal that a waiting scheduler (or an
+    attacker) repeats every few seconds is logged once a minute, not each time."""
+
+    def __init__(self, interval_s: float = 60.0, max_keys: int = 1024) -> None:
+        self.interval_s = interval_s
+        self._max_keys = max_keys
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval_s:
+                return False
+            if len(self._last) >= self._max_keys:
+                self._last.clear()
+            self._last[key] = now
+            return True
+
+
 class NotOwner(Exception):
     """The caller may not drive the executor now (FAILED_PRECONDITION); the message names the owner."""
 
@@ -124,7 +146,7 @@ class Ownership:
         """A Step stream begins; pair with close_stream."""
         with self._lock:
             if session.anonymous:
-                self._refuse_unless_free(session, "Step")
+                self._refuse_unless_unowned(session, "Step")
                 return
             if self._owner is None:  # nobody has claimed this executor yet
                 self._owner = _Owner(session)
@@ -144,7 +166,7 @@ class Ownership:
         with self._lock:
             what = f"step {step_id}"
             if session.anonymous:
-                self._refuse_unless_free(session, what)
+                self._refuse_unless_unowned(session, what)
             else:
                 self._refuse_unless_owner(session, what)
                 self._owner.last_seen = time.monotonic()
@@ -166,6 +188,17 @@ class Ownership:
         """Refuse `what` unless `session` owns the executor or no owner is live."""
         if self._live() and not self._is_owner(session):
             raise NotOwner(self._message(session, what))
+
+    def _refuse_unless_unowned(self, session: Session, what: str) -> None:
+        """A caller without a session steps only an executor nobody owns (after a Reset or a
+        Release): the sequences an owner left, live or not, are not its to drive."""
+        if self._live():
+            raise NotOwner(self._message(session, what))
+        if self._owner is not None:
+            raise NotOwner(
+                f"{what} refused: the executor holds the sequences of {self._owner.session}; "
+                f"{session} must call Reset first"
+            )
 
     def _refuse_unless_owner(self, session: Session, what: str) -> None:
         if self._is_owner(session):

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from executor_service.metrics import ExecutorMetrics, start_metrics_server
-from executor_service.ownership import DEFAULT_OWNER_LEASE_SECONDS, Ownership
+from executor_service.ownership import DEFAULT_OWNER_LEASE_SECONDS, LogThrottle, Ownership
 from executor_service.security import ApiKeyInterceptor, server_credentials
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer, executor_handler
 from protos.defaults import DEFAULT_HOST, EXECUTOR_METRICS_PORT, EXECUTOR_PORT, MAX_MESSAGE_BYTES
@@ -103,6 +103,7 @@ class ExecutorServer:
         self.servicer = ExecutorServicer(self.metrics, Ownership(owner_lease_s))
         # Health Watch streams must not hold the workers that Step streams need.
         self.health = health.HealthServicer(experimental_non_blocking=True)
+        self._log_refusal = LogThrottle()
         interceptors = [ApiKeyInterceptor(api_keys, self._refused)] if api_keys else []
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers, thread_name_prefix="executor-grpc"),
@@ -135,7 +136,8 @@ class ExecutorServer:
                 )
 
     def _refused(self, method: str) -> None:
-        logger.warning("refused %s: missing or invalid API key", method)
+        if self._log_refusal(method):
+            logger.warning("refused %s: missing or invalid API key (logged once a minute per method)", method)
 
     def start(self) -> None:
         self._server.start()

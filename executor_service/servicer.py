@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from executor_service.metrics import ExecutorMetrics
-from executor_service.ownership import NotOwner, Ownership, Session, session_of
+from executor_service.ownership import LogThrottle, NotOwner, Ownership, Session, session_of
 from executor_service.plan_validation import PlanError, StepOrderError, check_step_order
 from protos.parsing import MalformedMessage, deserializer
 from protos.plan import StepPlan, info_to_proto, plan_from_proto, result_to_proto
@@ -169,6 +169,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._in_flight_lock = threading.Lock()
         self._closed = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="executor-step")
+        self._log_refusal = LogThrottle()
 
     def run_on_worker(self, fn, *args):
         """fn(*args) on the executor's own thread; returns its result or raises its exception."""
@@ -359,7 +360,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         try:
             self.ownership.claim(session)
         except NotOwner as e:
-            logger.warning("%s", e)
+            if self._log_refusal(session.name):
+                logger.warning("%s (logged once a minute per caller)", e)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         with self._lock:
             dropped = self.run_on_worker(executor.reset)

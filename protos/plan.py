@@ -108,6 +108,7 @@ class ExecutorInfo:
     attention_backend: str
     num_layers: int
     block_bytes: int
+    kv_cache_dtype: str = ""  # "fp8_e4m3" or a torch dtype name; "" from an older executor
 
 
 # -- protobuf conversion (used only at the gRPC boundary) --------------------------------
@@ -250,6 +251,7 @@ def info_to_proto(info: ExecutorInfo) -> pb.DescribeResponse:
         attention_backend=info.attention_backend,
         num_layers=info.num_layers,
         block_bytes=info.block_bytes,
+        kv_cache_dtype=info.kv_cache_dtype,
     )
 
 
@@ -270,4 +272,5 @@ def info_from_proto(msg: pb.DescribeResponse) -> ExecutorInfo:
         attention_backend=msg.attention_backend,
         num_layers=msg.num_layers,
         block_bytes=msg.block_bytes,
+        kv_cache_dtype=msg.kv_cache_dtype,
     )

@@ -37,6 +37,11 @@ def add_grpc_port(
     """Bind `server` (built with EXCLUSIVE_PORT_OPTION) to host:port; returns the bound port
     (port 0 picks one). Raises PortInUseError or OSError naming the address."""
     address = bind_address(host, port)
+    # gRPC binds every address a name resolves to and starts if any one succeeds: `localhost`
+    # would get [::1]:P beside another server's 127.0.0.1:P. Each address must be free.
+    for resolved in _resolve(host, port) if port else ():
+        if _is_bound(resolved, port):
+            raise listen_error(resolved, port, "address in use")
     try:
         if credentials is None:
             return server.add_insecure_port(address)
@@ -98,6 +103,18 @@ def _listening_inodes(port: int) -> set[str]:
 def _command(proc: Path) -> str:
     command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     return command if len(command) <= _MAX_COMMAND_CHARS else command[: _MAX_COMMAND_CHARS - 3] + "..."
+
+
+def _resolve(host: str, port: int) -> list[str]:
+    """The addresses `host` names (one for a literal address; none when it does not resolve, for
+    gRPC to report)."""
+    try:
+        infos = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror:
+        return []
+    return sorted({info[4][0] for info in infos})
 
 
 def _is_bound(host: str, port: int) -> bool:

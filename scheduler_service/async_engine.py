@@ -96,6 +96,15 @@ class AsyncEngine:
         """Validate and queue; raises TandemRequestError (InvalidRequestError, QueueFullError, or
         UNAVAILABLE while shutting down or without an executor).
         `timeout`: seconds left until the call's deadline (None: no deadline)."""
+        engine = self.check_admitting()
+        engine.validate_request(prompt_token_ids, params)
+        self._check_queue(engine, len(prompt_token_ids))
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        return self._tracker.add(request_id, prompt_token_ids, params, arrival, deadline)
+
+    def check_admitting(self) -> LLMEngine:
+        """The connected engine; TandemRequestError (UNAVAILABLE) while shutting down or without an executor
+        (checked before a prompt is tokenized, and again when it is added)."""
         engine = self.engine
         if not self._admitting:
             raise TandemRequestError(
@@ -103,10 +112,7 @@ class AsyncEngine:
             )
         if engine is None:
             raise TandemRequestError(self.not_connected_message(), ErrorCode.UNAVAILABLE)
-        engine.validate_request(prompt_token_ids, params)
-        self._check_queue(engine, len(prompt_token_ids))
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        return self._tracker.add(request_id, prompt_token_ids, params, arrival, deadline)
+        return engine
 
     def _check_queue(self, engine: LLMEngine, num_tokens: int) -> None:
         max_queue = self.options.max_queue

@@ -52,6 +52,8 @@ _CLOSE = None  # ends the request iterator
 DEFAULT_STEP_TIMEOUT_S = 10.0
 # How often the watchdog looks at the result awaited.
 _WATCHDOG_POLL_S = 0.1
+# Steps of this many tokens or more teach the watchdog what a token costs.
+_LARGE_STEP_TOKENS = 256
 
 
 class ExecutorError(Exception):
@@ -78,30 +80,56 @@ class PlanRejected(ExecutorError):
 class _StepWatchdog:
     """Cancels the Step stream whose awaited result is overdue, so that `receive` fails with
     ExecutorUnavailable and the engine recovers as from a crash (a hung executor's process may
-    come back later: the next connect resets it and recomputes). One thread polls a deadline that
-    `arm` sets with a plain assignment: nothing per step beyond it."""
+    come back later: the next connect resets it and recomputes). One thread polls the deadline.
+
+    A step may take `timeout` (--executor-step-timeout) plus ten times what its scheduled tokens
+    took, per token, in the slowest recent large step (256 tokens or more, whose time is mostly per
+    token): an 8,192-token prefill of a large model on CPU that takes 30 s is a step of its kind,
+    not a hang. A step cancelled as overdue doubles `timeout` for the steps after it (up to 64x)
+    until one is answered, so that a first step longer than the flag is recomputed a few times at
+    most, never forever."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._armed: tuple[float, _StepStream] | None = None
+        self._lock = threading.Lock()
+        # (deadline, stream, seconds allowed) of the result awaited.
+        self._armed: tuple[float, _StepStream, float] | None = None
+        self._started = 0.0
+        self._num_tokens = 0
+        self._seconds_per_token = 0.0  # the slowest recent large step's, decaying 0.1% a step
+        self._backoff = 1
         self._closed = threading.Event()
         threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
 
-    def arm(self, stream: _StepStream) -> None:
-        self._armed = (time.monotonic() + self.timeout, stream)
+    def arm(self, stream: _StepStream, num_tokens: int) -> None:
+        now = time.monotonic()
+        allowed = self.timeout * self._backoff + 10 * self._seconds_per_token * num_tokens
+        self._started, self._num_tokens = now, num_tokens
+        with self._lock:
+            self._armed = (now + allowed, stream, allowed)
 
-    def disarm(self) -> None:
-        self._armed = None
+    def disarm(self, answered: bool) -> None:
+        with self._lock:
+            self._armed = None
+        if answered:
+            self._backoff = 1
+            per_token = 0.0
+            if self._num_tokens >= _LARGE_STEP_TOKENS:
+                per_token = (time.monotonic() - self._started) / self._num_tokens
+            self._seconds_per_token = max(per_token, 0.999 * self._seconds_per_token)
 
     def close(self) -> None:
         self._closed.set()
 
     def _watch(self) -> None:
         while not self._closed.wait(_WATCHDOG_POLL_S):
-            armed = self._armed
-            if armed is not None and time.monotonic() > armed[0]:
+            with self._lock:
+                armed = self._armed
+                if armed is None or time.monotonic() <= armed[0]:
+                    continue
                 self._armed = None
-                armed[1].expire()
+                self._backoff = min(64, 2 * self._backoff)
+            armed[1].expire(armed[2])
 
 
 class _StepStream:
@@ -110,11 +138,12 @@ class _StepStream:
     def __init__(self, stub: pb_grpc.ExecutorServiceStub, metadata: list[tuple[str, str]]) -> None:
         self._requests: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
         self._responses = stub.Step(iter(self._requests.get, _CLOSE), metadata=metadata)
-        # Set by the watchdog when it cancelled the stream: the result was overdue.
+        # Set by the watchdog when it cancelled the stream: the result was overdue (after `allowed` s).
         self.expired = False
+        self.allowed = 0.0
 
-    def expire(self) -> None:
-        self.expired = True
+    def expire(self, allowed: float) -> None:
+        self.expired, self.allowed = True, allowed
         self._responses.cancel()
 
     def send(self, msg: pb.StepPlan) -> None:
@@ -254,7 +283,8 @@ class RemoteExecutor:
                 )
             stream = self._stream
             if self._watchdog is not None:
-                self._watchdog.arm(stream)
+                self._watchdog.arm(stream, sum(plan.num_scheduled_tokens))
+            answered = False
             try:
                 out = stream.receive(plan.step_id)
             except grpc.RpcError as e:
@@ -262,7 +292,8 @@ class RemoteExecutor:
                 if stream.expired:
                     raise ExecutorUnavailable(
                         f"executor at {self.address} did not answer step {plan.step_id} within "
-                        f"{self._watchdog.timeout:g} s (--executor-step-timeout): taking it for hung"
+                        f"{stream.allowed:.1f} s (--executor-step-timeout {self._watchdog.timeout:g} s, "
+                        "plus what its tokens took in recent steps): taking it for hung"
                     ) from e
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise PlanRejected(self.address, plan.step_id, e.details()) from e
@@ -272,9 +303,11 @@ class RemoteExecutor:
                 raise ExecutorUnavailable(
                     f"executor at {self.address} closed the step stream at step {plan.step_id}"
                 ) from None
+            else:
+                answered = True
             finally:
                 if self._watchdog is not None:
-                    self._watchdog.disarm()
+                    self._watchdog.disarm(answered)
             if out.step_id != plan.step_id:
                 self._close_stream()
                 raise ExecutorError(

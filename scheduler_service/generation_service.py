@@ -19,7 +19,7 @@ from scheduler_service.request_handling import (
     NO_TOKENIZER,
     TOKENIZE_INLINE_CHARS,
     OutputProcessor,
-    tokenize,
+    check_text_prompt,
     verify_request_id,
     verify_tokenizer,
 )
@@ -61,6 +61,10 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+# The largest chunk a stream sends (see GenerationServicer.__init__).
+_MAX_CHUNK_BYTES = 2 * 2**20
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(
         self,
@@ -75,9 +79,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.stream_interval = stream_interval
         self.max_message_bytes = max_message_bytes
         # A chunk: half of the message for token ids and logprobs, a quarter for text (UTF-8: at
-        # most 4 bytes a character), the rest for the request id and framing.
-        self._chunk_token_bytes = max_message_bytes // 2
-        self._chunk_text_chars = max_message_bytes // 16
+        # most 4 bytes a character), the rest for the request id and framing; and no chunk over
+        # about 1 MiB, under the 4 MiB that grpcurl and the Go and Java clients take by default.
+        limit = min(max_message_bytes, _MAX_CHUNK_BYTES)
+        self._chunk_token_bytes = limit // 2
+        self._chunk_text_chars = limit // 16
 
     async def _fail(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.metrics.requests_failed.labels(code.name).inc()
@@ -88,18 +94,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> RequestStream:
         verify_request_id(request.request_id)
         params = sampling_params_from_proto(request.sampling_params)
-        tokenizer, engine = self.engine.tokenizer, self.engine.engine
+        tokenizer = self.engine.tokenizer
         verify_tokenizer(params, tokenizer, NO_TOKENIZER)
         if request.WhichOneof("prompt") == "text":
+            # No work for a prompt that cannot be served: no executor (UNAVAILABLE), no tokenizer,
+            # or a text too long to fit (a lower bound on its tokens, without tokenizing).
+            engine = self.engine.check_admitting()
             text = request.text  # each read of the field decodes it anew
-            if tokenizer is None and engine is None:
-                prompt = []  # add_request says the executor is away
+            tokenizer = check_text_prompt(tokenizer, text, params, engine.limits.max_model_len)
+            if len(text) > TOKENIZE_INLINE_CHARS:
+                # encode_off_gil: a long text in a thread that leaves the event loop (health, other
+                # streams) running.
+                prompt = await asyncio.to_thread(tokenizer.encode_off_gil, text)
             else:
-                max_model_len = engine.limits.max_model_len if engine is not None else None
-                if len(text) > TOKENIZE_INLINE_CHARS:  # off the event loop: health stays answered
-                    prompt = await asyncio.to_thread(tokenize, tokenizer, text, params, max_model_len)
-                else:
-                    prompt = tokenize(tokenizer, text, params, max_model_len)
+                prompt = tokenizer.encode(text)
         else:
             prompt = list(request.token_ids.ids)
         return self.engine.add_request(request_id, prompt, params, arrival, timeout)

@@ -5,8 +5,8 @@ end call these, so that a request behaves the same whichever way it came:
 
 - validation: `SamplingParams.verify` (finite numbers, ranges, stop strings' count and length),
   `verify_request_id`, and the engine's checks against the executor's limits (`verify_request`);
-- tokenization: `tokenize` refuses a text prompt whose size alone shows it cannot fit, before
-  the work;
+- tokenization: `check_text_prompt` refuses a text prompt whose size alone shows it cannot fit,
+  before the work, and `tokenize` encodes it;
 - output: an `OutputProcessor` per request turns generated token ids into text deltas that are
   final (incremental detokenization), ends the output at the first stop string (the caller then
   aborts the request in its engine) and names the finish reason and stop reason.
@@ -45,20 +45,30 @@ def verify_tokenizer(params: SamplingParams, tokenizer: Tokenizer | None, no_tok
         raise InvalidRequestError(f"stop strings need a tokenizer; {no_tokenizer}")
 
 
+def check_text_prompt(
+    tokenizer: Tokenizer | None,
+    text: str,
+    params: SamplingParams,
+    max_model_len: int,
+    no_tokenizer: str = NO_TOKENIZER,
+) -> Tokenizer:
+    """The tokenizer to encode `text` with; raises InvalidRequestError without one, or when the
+    text is too long to fit even at the most bytes a token can hold (checked without tokenizing)."""
+    if tokenizer is None:
+        raise InvalidRequestError(no_tokenizer)
+    verify_prompt_length(tokenizer.min_num_tokens(text), params, max_model_len, lower_bound=True)
+    return tokenizer
+
+
 def tokenize(
     tokenizer: Tokenizer | None,
     text: str,
     params: SamplingParams,
-    max_model_len: int | None,
+    max_model_len: int,
     no_tokenizer: str = NO_TOKENIZER,
 ) -> list[int]:
-    """The prompt's token ids; raises InvalidRequestError without a tokenizer, or (given
-    `max_model_len`) when the text is too long to fit even at the most bytes a token can hold."""
-    if tokenizer is None:
-        raise InvalidRequestError(no_tokenizer)
-    if max_model_len is not None:
-        verify_prompt_length(tokenizer.min_num_tokens(text), params, max_model_len, lower_bound=True)
-    return tokenizer.encode(text)
+    """The prompt's token ids, after check_text_prompt."""
+    return check_text_prompt(tokenizer, text, params, max_model_len, no_tokenizer).encode(text)
 
 
 @dataclass(slots=True)

@@ -177,3 +177,44 @@ def build_checkpoint(
 
 
 FAMILY_SEEDS: dict[str, int] = {}
+
+
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+
+
+def quantize_checkpoint_fp8(src: Path, dst: Path) -> dict:
+    """Copy the checkpoint at `src` to `dst` with every linear projection (`*_proj.weight`) quantized
+    in 128 x 128 blocks, the Qwen3-*-FP8 format (e4m3 weight + fp32 weight_scale_inv, embeddings, norms
+    and the LM head as they were); returns the state dict of the dequantized weights (fp32), the model
+    that an FP8 checkpoint stands for."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from executor_service.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    weights = load_file(src / "model.safetensors")
+    quantized, dequantized = {}, {}
+    for name, tensor in weights.items():
+        if name.endswith("_proj.weight"):
+            q, scale_inv = quantize_weight_blocks(tensor)
+            quantized[name], quantized[name + "_scale_inv"] = q, scale_inv
+            dequantized[name] = dequantize_weight_blocks(q, scale_inv, torch.float32)
+        else:
+            quantized[name] = dequantized[name] = tensor
+    save_file(quantized, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = FP8_QUANTIZATION_CONFIG
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dequantized

@@ -123,3 +123,29 @@ def test_the_cli_retries_by_default(serve):
     servicer.refusals = 100
     refused = subprocess.run([*cli, "--retries", "0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "UNAVAILABLE" in refused.stderr and servicer.attempts == 4
+
+
+def test_a_request_sent_while_the_executor_is_away_is_served_once_it_is_back(qwen3_tied):
+    """The scheduler refuses new requests UNAVAILABLE while its executor is away; the client's
+    retries carry a request over a short absence (here 0.3 s; the first retry waits up to 0.5 s)."""
+    from helpers.scheduler_server import FlakyExecutor, make_server
+
+    from scheduler_service.async_engine import EngineOptions
+    from scheduler_service.config import SchedulerConfig
+    from scheduler_service.server import ServerThread
+
+    executor = FlakyExecutor(qwen3_tied)
+    options = EngineOptions(
+        SchedulerConfig(), executor_address="flaky:1", heartbeat_s=0.1, backoff_min_s=0.02, backoff_max_s=0.05
+    )
+    server = make_server(qwen3_tied, executor, options=options)
+    with ServerThread(server), TandemClient(f"127.0.0.1:{server.port}", timeout=60) as client:
+        with (
+            pytest.raises(TandemError) as refused,
+            TandemClient(f"127.0.0.1:{server.port}", retries=0) as once,
+        ):
+            once.complete([5, 6], max_tokens=2)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE  # away: refused, as before
+        threading.Timer(0.3, executor.up.set).start()
+        done = client.complete([5, 6, 7], max_tokens=4, ignore_eos=True)
+    assert len(done.token_ids) == 4

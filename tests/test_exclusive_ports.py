@@ -90,3 +90,24 @@ def test_an_executor_on_a_port_in_use_exits_naming_it(first, which, qwen3_tied):
     done = _run(argv + ["--port", str(ports[0]), "--metrics-port", str(ports[1])])
     _assert_refused(done, taken, scheduler.process.pid)
     _assert_still_serving(first)
+
+
+@pytest.mark.parametrize("host", ["localhost", "0.0.0.0"])
+def test_a_name_or_wildcard_overlapping_a_bound_address_is_refused(host):
+    """gRPC binds each address a name resolves to and starts if one succeeds; `localhost` (or the
+    wildcard) beside a server on 127.0.0.1:P must not start on P."""
+    from concurrent import futures
+
+    import grpc
+
+    from protos.ports import EXCLUSIVE_PORT_OPTION, PortInUseError, add_grpc_port
+
+    first = grpc.server(futures.ThreadPoolExecutor(1), options=[EXCLUSIVE_PORT_OPTION])
+    port = add_grpc_port(first, "127.0.0.1", 0)
+    first.start()
+    try:
+        second = grpc.server(futures.ThreadPoolExecutor(1), options=[EXCLUSIVE_PORT_OPTION])
+        with pytest.raises(PortInUseError, match=f"port {port} is already in use"):
+            add_grpc_port(second, host, port)
+    finally:
+        first.stop(0)

@@ -148,6 +148,13 @@ def test_takeover_once_the_owner_stream_closed_and_its_lease_ran_out(server):
     time.sleep(LEASE_S + 0.2)  # B gone too: A must Reset before it steps again
     with pytest.raises(ExecutorOwned, match=r"sequences of scheduler B .*call Reset first"):
         a.step(_prefill(4, 2, 1))
+    # Nor may a caller without a session drive B's sequences: only after a Reset.
+    error = _refused(lambda: _raw(server.address, "Step", _prefill(5, 3, 2)))
+    assert (
+        error.code() == grpc.StatusCode.FAILED_PRECONDITION and "sequences of scheduler B" in error.details()
+    )
+    _raw(server.address, "Reset")
+    _raw(server.address, "Step", _prefill(6, 4, 3))
     a.close()
     b.close()
 
@@ -485,3 +492,12 @@ def test_the_overlapped_step_loop_refuses_the_same(server, local_executor, monke
                 results.append(result.step_id)
     assert results == [1, 2]
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be 3 or above" in e.value.details()
+
+
+def test_repeated_refusals_are_logged_once_a_minute_per_caller():
+    from executor_service.ownership import LogThrottle
+
+    throttle = LogThrottle(interval_s=60.0)
+    assert [throttle("scheduler B") for _ in range(5)] == [True, False, False, False, False]
+    assert throttle("scheduler C")  # another caller is logged
+    assert not throttle("scheduler B")

@@ -139,9 +139,10 @@ def test_moe_bf16_fused_matches_reference_path(family_checkpoint):
     """bf16 on the GPU: the fused MoE kernels against the reference expert loop (fused ops off, eager).
     The checkpoint is random, so greedy steps can be near-ties that bf16 rounding flips (and a router
     near-tie picks another expert): only prompts whose first 8 greedy steps have a top-1/top-2 margin
-    over 0.25 in the reference run are compared, and at least three of the twelve must qualify."""
+    over 0.1 in the reference run are compared, and at least three of the 24 must qualify (at 0.25,
+    1 of 12 did on the H200)."""
     path = family_checkpoint("qwen3_moe")
-    prompts = make_prompts([5, 17, 40, 9, 23, 31, 12, 28, 7, 35, 19, 44], seed=0)
+    prompts = make_prompts([5, 17, 40, 9, 23, 31, 12, 28, 7, 35, 19, 44] * 2, seed=0)
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
     loop_llm = LLM(
         str(path), device="cuda", dtype="bfloat16", num_kv_blocks=128, fused_ops="off", enforce_eager=True
@@ -150,7 +151,7 @@ def test_moe_bf16_fused_matches_reference_path(family_checkpoint):
     del loop_llm
     clear = [
         i for i, out in enumerate(loop)
-        if min(lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in out.logprobs) > 0.25
+        if min(lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in out.logprobs) > 0.1
     ]  # fmt: skip
     assert len(clear) >= 3, f"only {len(clear)} prompts with clear margins"
     _, fused = _generate(path, [prompts[i] for i in clear], 8, dtype="bfloat16", num_kv_blocks=128)

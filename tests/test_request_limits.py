@@ -196,7 +196,8 @@ def test_a_slow_readers_pending_tokens_go_out_in_chunks_under_the_limit(wide):
     assert sum(len(c.token_ids) for c in chunks) == sum(len(c.logprobs) for c in chunks) == num_tokens
     assert all(len(lp.top_logprobs) == 4096 for c in chunks for lp in c.logprobs)
     sizes = [r.ByteSize() for r in rest]
-    assert max(sizes) <= MAX_MESSAGE_BYTES // 2 + 4096 and len(rest) >= 3, sizes
+    # Under the 4 MiB a default gRPC client (grpcurl, Go, Java) accepts.
+    assert max(sizes) <= 4 * 2**20 and len(rest) >= 3, sizes
 
 
 def test_a_request_over_the_message_limit_is_counted(wide):
@@ -213,3 +214,49 @@ def test_a_request_over_the_message_limit_is_counted(wide):
         time.sleep(0.05)
     after = list(stub.Generate(request([5], max_tokens=2, ignore_eos=True), timeout=30))
     assert after[-1].final.completion_tokens == 2
+
+
+def test_a_long_text_is_tokenized_without_holding_up_other_threads():
+    """A prompt that passes the size bound (a larger max_model_len, or a tokenizer without a bound)
+    is tokenized in a thread: the thread must release the GIL, or the event loop, and with it
+    health checks and every stream, stops until it is done."""
+    tokenizer = Tokenizer(MODEL)
+    text = "The list type is mutable. " * (3 * 2**20 // 26)
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick():
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    t0 = time.monotonic()
+    ids = tokenizer.encode_off_gil(text)
+    took = time.monotonic() - t0
+    done.set()
+    ticker.join()
+    assert ids[:50] == tokenizer.encode(text[:300])[:50]
+    assert took > 0.3, f"too short a text to tell: {took:.2f} s"
+    assert max(gaps) < took / 2, f"the ticker stalled {max(gaps):.2f} s of the {took:.2f} s"
+
+
+def test_the_size_bound_gives_up_where_one_token_can_cover_any_length(tmp_path):
+    """An added token that strips whitespace around it, or BPE that fuses unknown characters, can
+    stand for any number of bytes: no bound then (a prompt that fits must never be refused)."""
+    import json
+
+    spec = json.loads((MODEL / "tokenizer.json").read_text())
+    spec["added_tokens"].append(
+        {"id": len(spec["model"]["vocab"]) + 10, "content": "<mask>", "single_word": False, "lstrip": True,
+         "rstrip": False, "normalized": False, "special": True}
+    )  # fmt: skip
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    stripping = Tokenizer(tmp_path)
+    assert stripping.max_bytes_per_token is None and stripping.min_num_tokens(" " * 20000 + "<mask>") == 0
+    assert len(stripping.encode(" " * 20000 + "<mask>")) < 5
+    assert Tokenizer(MODEL).max_bytes_per_token == 107

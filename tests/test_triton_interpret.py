@@ -45,6 +45,33 @@ for group, block_size, cfg in ((2, 16, None), (8, 16, {"BLOCK_M": 16, "BLOCK_N":
     b = make_batch([7, 40, 16], [30, 40, 48], 2 * group, 2, 32, block_size, f16, "cpu", seed=group)
     check_prefill(b, config=cfg)
 """,
+    "fp8_kv": """
+# e4m3 caches: the store byte-exact (large values saturate, tiny ones are subnormal), then decode,
+# prefill after a prefix and mixed steps, with unit and non-unit scales.
+for dtype in (torch.bfloat16, f16):
+    b = make_batch([3, 1, 5, 40], [20, 1, 40, 300], 4, 2, 32, 16, dtype, "cpu", num_padding=2)
+    b["k"].mul_(300.0)
+    b["v"].mul_(0.001)
+    check_store_fp8(to_fp8(b, 1.0, 1.0))
+    check_store_fp8(to_fp8(make_batch([7, 2], [7, 30], 4, 2, 48, 16, dtype, "cpu"), 0.02, 3.0))
+for scales in ((1.0, 1.0), (0.05, 2.5)):
+    for splits in (1, 3):
+        check_attention_fp8(to_fp8(make_batch([1] * 4, [20, 1, 40, 17], 8, 2, 32, 16, f16, "cpu", num_padding=2), *scales), splits)
+    b = make_batch([5, 20, 1, 33, 1], [21, 20, 9, 50, 70], 4, 2, 32, 16, f16, "cpu", seed=1, num_padding=1)
+    check_attention_fp8(to_fp8(b, *scales), 2)
+    check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})
+""",
+    "fp8_gemm": """
+from helpers.fp8_gemm_checks import check_gemm, check_quantize
+for dtype in (torch.bfloat16, f16):
+    check_quantize(5, 300, dtype, "cpu")  # a partial group
+    check_quantize(3, 256, dtype, "cpu")
+small = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+check_gemm(5, 72, 256, torch.float32, "cpu", small)  # partial N tile, two K steps
+check_gemm(17, 160, 384, torch.float32, "cpu", small)  # partial M tile, N scale blocks of 128
+from helpers.fp8_gemm_checks import check_fp8_linear_layers
+check_fp8_linear_layers("cpu")
+""",
     "fused_ops": """
 from helpers.triton_op_checks import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
 for dtype in (torch.float32, torch.bfloat16, f16):

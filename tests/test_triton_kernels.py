@@ -19,6 +19,7 @@ from helpers.attention_checks import (
     make_batch,
     reference,
 )
+from helpers.attention_fp8_checks import check_attention_fp8, check_store_fp8, to_fp8
 
 
 def random_lengths(batch: int, max_context: int, seed: int) -> list[int]:
@@ -170,3 +171,90 @@ def test_decode_is_cuda_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(out, batch, ref)
+
+
+# ------------------------------------------------------------------------------------- GPU, fp8 KV
+
+FP8_SCALES = [(1.0, 1.0), (0.03, 2.5)]
+
+
+@pytest.mark.parametrize("scales", FP8_SCALES)
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_fp8_is_byte_exact(scales, block_size, dtype):
+    ctx_lens = random_lengths(40, 600, seed=1)
+    q_lens = [min(c, n) for c, n in zip(ctx_lens, random_lengths(40, 70, seed=2), strict=True)]
+    batch = make_batch(q_lens, ctx_lens, 8, 4, 128, block_size, dtype, "cuda", seed=3, num_padding=5)
+    batch["k"].mul_(200.0)  # past 448 * k_scale: saturates
+    check_store_fp8(to_fp8(batch, *scales))
+
+
+@pytest.mark.parametrize("scales", FP8_SCALES)
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_fp8(scales, group, num_splits):
+    ctx_lens = random_lengths(33, 700, seed=group)
+    batch = make_batch([1] * 33, ctx_lens, 2 * group, 2, 128, 16, torch.bfloat16, "cuda", num_padding=3)
+    check_attention_fp8(to_fp8(batch, *scales), num_splits)
+
+
+@pytest.mark.parametrize("scales", FP8_SCALES)
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_prefill_and_mixed_fp8(scales, block_size):
+    ctx_lens = [300, 517, 64, 1000, 33, 129]
+    q_lens = [44, 517 - 256, 64, 200, 1, 1]
+    batch = make_batch(
+        q_lens, ctx_lens, 16, 8, 128, block_size, torch.bfloat16, "cuda", seed=5, num_padding=2
+    )
+    check_attention_fp8(to_fp8(batch, *scales), 4)
+
+
+@pytest.mark.parametrize("case", ["prefix", "mixed", "decode"])
+def test_backend_fp8_matches_torch_backend(case):
+    """The Triton backend against the torch backend, both on e4m3 caches and the same scales (steps
+    with a cached prefix: without one, varlen_attn reads this step's K/V before quantization)."""
+    from executor_service.attention.torch_ref import TorchRefBackend
+    from executor_service.attention.triton_paged import TritonPagedBackend
+
+    q_lens, ctx_lens, pad = {
+        "prefix": ([100, 7, 513], [356, 7 + 16, 600], 0),
+        "mixed": ([100, 1, 1, 513], [116, 400, 17, 600], 0),
+        "decode": ([1] * 30, random_lengths(30, 2000, seed=3), 2),
+    }[case]
+    batch = to_fp8(
+        make_batch(q_lens, ctx_lens, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=11, num_padding=pad),
+        0.5,
+        1.5,
+    )
+    keys = ("q", "k", "v", "k_cache", "v_cache", "context", "scale")
+    torch_batch = dict(batch, k_cache=batch["k_cache"].clone(), v_cache=batch["v_cache"].clone())
+    out = TritonPagedBackend().forward(*(batch[k] for k in keys), 0.5, 1.5)
+    ref = TorchRefBackend().forward(*(torch_batch[k] for k in keys), 0.5, 1.5)
+    n = sum(batch["context"].query_lens_host) - pad
+    assert torch.equal(batch["k_cache"].view(torch.uint8), torch_batch["k_cache"].view(torch.uint8))
+    torch.testing.assert_close(out[:n], ref[:n], atol=2e-2, rtol=2e-2)
+
+
+def test_decode_fp8_is_cuda_graph_capturable():
+    from executor_service.attention.triton_paged import TritonPagedBackend
+
+    batch = to_fp8(
+        make_batch([1] * 6, [5, 300, 17, 1, 64, 900], 16, 8, 128, 16, torch.bfloat16, "cuda", num_padding=2),
+        0.25,
+        0.5,
+    )
+    expected = batch["k_cache"].clone(), batch["v_cache"].clone()
+    backend = TritonPagedBackend()
+    keys = ("q", "k", "v", "k_cache", "v_cache", "context", "scale")
+    args = (*(batch[k] for k in keys), 0.25, 0.5)
+    eager = backend.forward(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(*args)
+    out.fill_(NAN)
+    batch["k_cache"].copy_(expected[0])
+    batch["v_cache"].copy_(expected[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    n = 6
+    assert torch.equal(out[:n], eager[:n])

@@ -11,6 +11,8 @@ class AttentionBackend:
     name: str = ""
     # Whether a decode step can be captured in a CUDA graph: no host-side per-step values.
     graph_safe: bool = False
+    # Whether it stores and reads an e4m3 KV cache (kv_cache_dtype fp8).
+    fp8_kv: bool = False
 
     @staticmethod
     def supports(device: torch.device) -> bool:
@@ -44,11 +46,14 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         context: Context,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Store this step's K/V at `context.slot_mapping`, then attend over each sequence's paged KV.
 
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], of the model dtype or
+        e4m3 (then K is stored as e4m3(k / k_scale) and read back times k_scale, V alike: fp8.py).
         Returns [num_tokens, num_heads, head_dim].
         """
         raise NotImplementedError

@@ -37,7 +37,10 @@ class FlashAttnBackend(TritonPagedBackend):
         v_cache: torch.Tensor,
         context: Context,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        # The KV cache is the model dtype here (fp8_kv is False): the scales are 1.
         plan = self.prepared(context)
         if plan.no_prefix and not plan.decode_only:
             if k_cache.numel():

@@ -9,21 +9,37 @@ import torch.nn.functional as F
 
 from executor_service.attention.base import AttentionBackend
 from executor_service.context import Context
+from executor_service.fp8 import FP8_DTYPE, dequantize_kv, quantize_kv
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     # k_cache viewed as [num_slots, num_kv_heads, head_dim]; slot -1 is padding and is skipped.
     # The boolean mask syncs on CUDA: fine for the reference, the GPU backends' store kernels skip -1.
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    k, v = k[keep], v[keep]
+    if k_cache.dtype == FP8_DTYPE:
+        k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context: Context,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -34,6 +50,8 @@ def paged_attention(
         # [kv_len, num_kv_heads, head_dim] -> [num_kv_heads, kv_len, head_dim]
         k = k_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)
         v = v_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)
+        if k_cache.dtype == FP8_DTYPE:  # only this sequence's blocks are dequantized
+            k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
         qi = q[start : start + n].transpose(0, 1)  # [num_heads, n, head_dim]
         # Query j sits at position kv_len - n + j and sees keys 0..that position.
         q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
@@ -46,6 +64,7 @@ def paged_attention(
 
 class TorchRefBackend(AttentionBackend):
     name = "torch"
+    fp8_kv = True
 
     @staticmethod
     def supports(device: torch.device) -> bool:
@@ -60,7 +79,9 @@ class TorchRefBackend(AttentionBackend):
         v_cache: torch.Tensor,
         context: Context,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         if k_cache.numel():
-            store_kv(k, v, k_cache, v_cache, context.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, context, scale)
+            store_kv(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
+        return paged_attention(q, k_cache, v_cache, context, scale, k_scale, v_scale)

@@ -9,6 +9,11 @@ as rows (row r = token r // GROUP_PAD, head r % GROUP_PAD), so each K/V byte is 
 Decode launches it with BLOCK_Q = 1 and GROUP_PAD >= 16 (rows for tl.dot), optionally split over
 the keys (flash-decoding) with a reduce kernel after; prefill launches it with BLOCK_Q > 1 and a
 causal mask, reading the cached prefix and this chunk's keys through the block table.
+
+An e4m3 cache (kv_cache_dtype fp8) is the same kernels with KV_FP8: the store writes
+e4m3(x / scale), rounded in fp32 (round_to_e4m3); attention loads half the bytes, widens K and V to
+q's dtype in registers (exact), folds k_scale into the softmax scale and multiplies the output by
+v_scale, accumulating in fp32 as for 16-bit caches.
 """
 
 from __future__ import annotations
@@ -18,6 +23,25 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """fp32 -> the nearest e4m3 value (ties to even, saturated to +-448), still in fp32, so that the
+    cast to float8e4nv after it is exact. The cast would round the same way on the GPU, but Triton's
+    interpreter truncates (and loses the carry into the exponent): rounding here keeps the kernels
+    testable on the CPU, for a few integer ops on a memory-bound store."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    # Normal e4m3 keeps 3 of fp32's 23 mantissa bits: round the other 20 to nearest even.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Below 2**-6 e4m3 is subnormal, a grid of 2**-9: adding 1.5 * 2**23 rounds |x| * 512 to an
+    # integer; the sign bit goes back on after (so -0.0001 is -0.0, as the cast gives; Triton's
+    # negation is 0 - x, which would give +0.0).
+    magic = 12582912.0
+    subnormal = ((tl.abs(x) * 512.0 + magic) - magic) * (1.0 / 512.0)
+    subnormal = (subnormal.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
 @triton.jit
@@ -35,10 +59,13 @@ def store_kv_kernel(
     stride_cs,
     stride_ch,
     block_size,
+    k_scale,
+    v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache is e4m3: store e4m3(x / scale), saturated
 ):
     # grid: (num_tokens,). Slot -1 (CUDA-graph padding) stores nothing; no host sync.
     t = tl.program_id(0)
@@ -51,8 +78,11 @@ def store_kv_kernel(
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if KV_FP8:
+        k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
+        v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 # The block tables' row stride is the widest table of the step: not specialised (Triton would
@@ -68,7 +98,8 @@ def paged_attention_kernel(
     block_tables_ptr,
     context_lens_ptr,
     cu_seqlens_q_ptr,
-    qk_scale,  # softmax scale * log2(e): scores go through exp2
+    qk_scale,  # softmax scale * log2(e) (* k_scale with an fp8 cache): scores go through exp2
+    v_scale,  # with an fp8 cache: the output is scaled once instead of every V element
     stride_qt,
     stride_qh,
     stride_ot,
@@ -88,6 +119,7 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence; 1: only query length 1; 2: only query length > 1
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (Triton would use TF32), ignored for 16-bit
+    KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -151,6 +183,9 @@ def paged_attention_kernel(
             kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
         s = tl.where((key[None, :] <= row_pos[:, None]) & key_valid[None, :], s, float("-inf"))
@@ -165,6 +200,8 @@ def paged_attention_kernel(
 
     # Context length 0 (padding rows) or an empty split: l = 0, acc = 0 -> zeros, never NaN.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * v_scale
     out_mask = row_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
         o_off = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -233,8 +270,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return 1 << (want.bit_length() - 1)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim] (last dim contiguous) -> cache slots; -1 skipped."""
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim] (last dim contiguous) -> cache slots; -1 skipped.
+    An e4m3 cache gets e4m3(k / k_scale), e4m3(v / v_scale), as fp8.quantize_kv."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -252,15 +290,22 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.shape[1],
+        float(k_scale),
+        float(v_scale),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 
-def _launch(q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, grid_q, **meta):
+def _launch(
+    q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, grid_q, kv_scales, **meta
+):
     num_heads, head_dim = q.shape[1], q.shape[2]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
     group = num_heads // k_cache.shape[2]
     num_splits = meta["NUM_SPLITS"]
     num_seqs = block_tables.shape[0]
@@ -281,7 +326,8 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, 
         block_tables,
         context_lens,
         cu_seqlens_q,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -296,6 +342,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, 
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FP8=fp8,
         **meta,
     )
     if num_splits > 1:
@@ -326,15 +373,17 @@ def paged_decode(
     num_splits=1,
     rows=0,
     config=None,
+    kv_scales=(1.0, 1.0),
 ) -> None:
     """Attention of every sequence's single query token over its paged KV (grid fixed by shapes).
 
     q, out: [num_tokens, num_heads, head_dim]; row cu_seqlens_q[i] is sequence i's query.
-    rows=1 touches only sequences of query length 1 (the decode rows of a mixed batch)."""
+    rows=1 touches only sequences of query length 1 (the decode rows of a mixed batch).
+    kv_scales: (k_scale, v_scale) of an e4m3 cache, ignored otherwise."""
     cfg = {**DECODE_CONFIG, **(config or {})}
     group = q.shape[1] // k_cache.shape[2]
     _launch(
-        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1,
+        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -352,6 +401,7 @@ def paged_prefill(
     scale,
     rows=0,
     config=None,
+    kv_scales=(1.0, 1.0),
 ) -> None:
     """Causal attention of each sequence's query tokens (the last q_len of its context_len positions)
     over its paged KV: the cached prefix and this chunk. rows=2 skips sequences of query length 1."""
@@ -361,6 +411,6 @@ def paged_prefill(
     group_pad = max(group_pad, 16 // block_q)  # at least 16 rows for tl.dot
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, triton.cdiv(max_seqlen_q, block_q),
-        GROUP_PAD=group_pad, BLOCK_Q=block_q, NUM_SPLITS=1, ROWS=rows,
+        kv_scales, GROUP_PAD=group_pad, BLOCK_Q=block_q, NUM_SPLITS=1, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -82,6 +82,7 @@ def prefill_varlen(
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
+    fp8_kv = True
 
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
@@ -117,10 +118,12 @@ class TritonPagedBackend(AttentionBackend):
         v_cache: torch.Tensor,
         context: Context,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         plan = self.prepared(context)
         if k_cache.numel():
-            kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping)
+            kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
         if plan.no_prefix and not plan.decode_only:
             out = prefill_varlen(q, k, v, context, scale)
             if out is not None:
@@ -138,8 +141,28 @@ class TritonPagedBackend(AttentionBackend):
             num_kv_heads = k_cache.shape[2]
             splits = kernels.choose_num_splits(plan.num_seqs, num_kv_heads, _num_sms(q.device))
             rows = 0 if plan.decode_only else 1
-            kernels.paged_decode(q, k_cache, v_cache, out, *meta, scale, num_splits=splits, rows=rows)
+            kernels.paged_decode(
+                q,
+                k_cache,
+                v_cache,
+                out,
+                *meta,
+                scale,
+                num_splits=splits,
+                rows=rows,
+                kv_scales=(k_scale, v_scale),
+            )
         if not plan.decode_only:
             rows = 2 if plan.has_decode else 0
-            kernels.paged_prefill(q, k_cache, v_cache, out, *meta, context.max_seqlen_q, scale, rows=rows)
+            kernels.paged_prefill(
+                q,
+                k_cache,
+                v_cache,
+                out,
+                *meta,
+                context.max_seqlen_q,
+                scale,
+                rows=rows,
+                kv_scales=(k_scale, v_scale),
+            )
         return out

@@ -18,8 +18,12 @@ class Attention(nn.Module):
         self.scale = scale
         # Set by the model runner: the cache by KVCache.bind(), the backend from --attention-backend.
         self.k_cache = self.v_cache = torch.tensor([])
+        # Per-layer scales of an fp8 KV cache: the checkpoint's k_scale / v_scale (the loader), else 1.
+        self.k_scale = self.v_scale = 1.0
         self.backend: AttentionBackend = get_backend("torch")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
+        return self.backend.forward(
+            q, k, v, self.k_cache, self.v_cache, get_context(), self.scale, self.k_scale, self.v_scale
+        )

@@ -2,7 +2,12 @@
 communication) and row-parallel (input features split, partial outputs all-reduced).
 
 Each parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that copies this rank's
-slice of a checkpoint tensor, so packed layers (q/k/v, gate/up) load from separate tensors."""
+slice of a checkpoint tensor, so packed layers (q/k/v, gate/up) load from separate tensors.
+
+`to_fp8()` turns a layer into one of an fp8 checkpoint on CUDA: an e4m3 weight and its
+`weight_scale_inv` (one fp32 scale per 128 x 128 block), through the W8A8 GEMM of
+fp8_gemm_triton.py. The same loaders then place whole blocks of scales: every shard (a rank's rows
+or columns, q/k/v, gate/up) must start and end on a block boundary, or to_fp8 refuses it."""
 
 from __future__ import annotations
 
@@ -35,6 +40,38 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.weight_scale_inv: nn.Parameter | None = None
+        self.block = (1, 1)  # elements per scale: (128, 128) once to_fp8
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """e4m3 weight + per-block fp32 scales in place of the weight (before loading)."""
+        out_f, in_f = self.weight.shape
+        for size, b, what in self._block_sizes(out_f, in_f, block):
+            if size % b:
+                raise ValueError(
+                    f"{what} of {size} would split the fp8 checkpoint's blocks of {b}: serve it with a "
+                    "tensor_parallel_size whose shards are multiples of the block"
+                )
+        device = self.weight.device
+        self.weight = nn.Parameter(
+            torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn, device=device), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        scale = torch.empty(-(-out_f // block[0]), -(-in_f // block[1]), dtype=torch.float32, device=device)
+        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        self.weight_scale_inv.weight_loader = self.weight_loader
+        self.block = block
+
+    def _block_sizes(self, out_f: int, in_f: int, block: tuple[int, int]) -> list[tuple[int, int, str]]:
+        """(size, block, name) of every shard boundary that must fall on a block boundary."""
+        if self.tp_size == 1:
+            return []
+        dim = self.tp_dim
+        return [((out_f, in_f)[dim], block[dim], f"this rank's {('rows', 'columns')[dim]}")]
+
+    def _rows(self, param: nn.Parameter, n: int) -> int:
+        """n output rows of the weight in `param`'s units (blocks for weight_scale_inv)."""
+        return n // self.block[0] if param is self.weight_scale_inv else n
 
     def _shard(self, loaded: torch.Tensor, dim: int, size: int, index: int | None = None) -> torch.Tensor:
         """Slice `index` (default this rank's) of `size` along `dim`; `loaded` may be a lazy
@@ -46,8 +83,16 @@ class LinearBase(nn.Module):
             loaded = self._shard(loaded, self.tp_dim, param.shape[self.tp_dim])
         _copy(param.data, loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale_inv is None:
+            return F.linear(x, self.weight, bias)
+        from executor_service.layers.fp8_gemm_triton import fp8_linear
+
+        y = fp8_linear(x, self.weight, self.weight_scale_inv)
+        return y if bias is None else y + bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor | CheckpointSlice) -> None:
@@ -76,9 +121,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
+    def _block_sizes(self, out_f: int, in_f: int, block: tuple[int, int]) -> list[tuple[int, int, str]]:
+        return [
+            (n // self.tp_size, block[0], f"output shard {i}'s rows") for i, n in enumerate(self.output_sizes)
+        ]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
+        offset = self._rows(param, sum(self.output_sizes[:shard_id]) // self.tp_size)
+        size = self._rows(param, self.output_sizes[shard_id] // self.tp_size)
         _copy(param.data.narrow(0, offset, size), self._shard(loaded, 0, size))
 
 
@@ -103,9 +153,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (num_heads + 2 * self.num_kv_heads * tp_size) * head_dim
         super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
 
+    def _block_sizes(self, out_f: int, in_f: int, block: tuple[int, int]) -> list[tuple[int, int, str]]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [(q, block[0], "this rank's q rows"), (kv, block[0], "this rank's k and v rows")]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        q_size = self._rows(param, self.num_heads * self.head_dim)
+        kv_size = self._rows(param, self.num_kv_heads * self.head_dim)
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         index = self.tp_rank if shard_id == "q" else self.kv_shard
         _copy(param.data.narrow(0, offset, size), self._shard(loaded, 0, size, index))
@@ -123,5 +177,22 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, by rank 0, before the sum over ranks.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y) if self.tp_size > 1 else y
+
+
+def convert_to_fp8(model: nn.Module, checkpoint_names, block: tuple[int, int]) -> frozenset[str]:
+    """to_fp8() every linear layer whose checkpoint weights carry a weight_scale_inv; returns those
+    checkpoint weight names (the loader dequantizes the other quantized weights, MoE experts')."""
+    kept = set()
+    for name in checkpoint_names:
+        if not name.endswith(".weight_scale_inv"):
+            continue
+        weight = name.removesuffix("_scale_inv")
+        target, _ = model.checkpoint_target(weight)
+        layer = model.get_submodule(target.removesuffix(".weight"))
+        if isinstance(layer, LinearBase):
+            if layer.weight_scale_inv is None:
+                layer.to_fp8(block)
+            kept.add(weight)
+    return frozenset(kept)

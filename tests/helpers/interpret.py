@@ -23,5 +23,6 @@ def _patch_lang_tensor(tensor, scope):
 
 interpreter._patch_lang_tensor = _patch_lang_tensor
 from helpers.attention_checks import check_decode, check_prefill, check_store, make_batch
+from helpers.attention_fp8_checks import check_attention_fp8, check_store_fp8, to_fp8
 f16 = torch.float16
 """

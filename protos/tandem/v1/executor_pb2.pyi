@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "block_size", "num_kv_blocks", "max_model_len", "vocab_size", "eos_token_ids", "tensor_parallel_size", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "num_layers", "block_bytes")
+    __slots__ = ("model", "architecture", "block_size", "num_kv_blocks", "max_model_len", "vocab_size", "eos_token_ids", "tensor_parallel_size", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "num_layers", "block_bytes", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class DescribeResponse(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     block_size: int
@@ -42,7 +43,8 @@ class DescribeResponse(_message.Message):
     attention_backend: str
     num_layers: int
     block_bytes: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., attention_backend: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., attention_backend: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class StepSamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "num_prompt_tokens")

@@ -1,0 +1,71 @@
+"""The W8A8 block-scaled GEMM (executor_service/layers/fp8_gemm_triton.py) on the GPU, at Qwen3-8B's
+linear shapes and decode / prefill token counts: time (activation quantization included) against the
+bf16 GEMM (torch.matmul on the dequantized weights) and against torch._scaled_mm where this torch
+takes 128-block scales, and the relative error of each against the bf16 GEMM.
+
+    python bench/fp8_gemm.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from executor_service.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+from executor_service.layers.fp8_gemm_triton import fp8_linear, quantize_per_token_group
+
+# Qwen3-8B: qkv (4096 -> 6144), o (4096 -> 4096), gate_up (4096 -> 24576), down (12288 -> 4096).
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+TOKENS = (1, 16, 64, 256, 2048, 8192)
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def scaled_mm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor):
+    """torch._scaled_mm with per-token-group activation scales and 128x128 weight scales, or None
+    where this torch refuses them."""
+    a_q, a_s = quantize_per_token_group(x)
+    try:
+        return torch._scaled_mm(a_q, w_q.T, scale_a=a_s, scale_b=w_s.T, out_dtype=torch.bfloat16)
+    except (RuntimeError, TypeError, ValueError) as e:
+        return str(e).splitlines()[0][:120]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for name, (n, k) in SHAPES.items():
+        w_q, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda") * 0.02)
+        w = dequantize_weight_blocks(w_q, w_s, torch.bfloat16)
+        for m in TOKENS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x @ w.T
+            ours = fp8_linear(x, w_q, w_s)
+            t_bf16 = time_ms(lambda: x @ w.T)  # noqa: B023
+            t_fp8 = time_ms(lambda: fp8_linear(x, w_q, w_s))  # noqa: B023
+            line = (
+                f"{name} m={m} n={n} k={k}: bf16 {t_bf16 * 1e3:.1f} us, triton w8a8 {t_fp8 * 1e3:.1f} us "
+                f"({t_bf16 / t_fp8:.2f}x, rel err {rel(ours, ref):.4f})"
+            )
+            mm = scaled_mm(x, w_q, w_s)
+            if isinstance(mm, torch.Tensor):
+                t_mm = time_ms(lambda: scaled_mm(x, w_q, w_s))  # noqa: B023
+                line += f", torch._scaled_mm {t_mm * 1e3:.1f} us (rel err {rel(mm, ref):.4f})"
+            else:
+                line += f", torch._scaled_mm not usable: {mm}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

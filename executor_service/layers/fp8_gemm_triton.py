@@ -1,0 +1,146 @@
+"""W8A8 block-scaled GEMM on CUDA, for fp8 checkpoints (the Qwen3-*-FP8 format, quantization.py).
+
+y = x @ W^T with W e4m3 [N, K] and one fp32 scale per 128 x 128 block (weight_scale_inv [N/128, K/128])
+and x quantized at run time per token in groups of 128 columns (x_s [M, K/128]), as DeepSeek-V3 and
+vLLM do:
+
+- `quantize_per_token_group`: one program per (token, group) computes the group's amax, its scale
+  amax / 448 and the e4m3 values (rounded to nearest even, attention.triton_kernels.round_to_e4m3);
+- `w8a8_block_matmul`: tiles of BLOCK_M x BLOCK_N with BLOCK_K = 128, so each K step has one
+  activation scale per row and one weight scale per 128 columns of N: acc += dot(a, b) * a_s * b_s,
+  accumulated in fp32 and written in the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from executor_service.attention.triton_kernels import round_to_e4m3
+
+GROUP = 128
+
+
+@triton.jit
+def quantize_per_token_group_kernel(
+    x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, K, GROUP_SIZE: tl.constexpr
+):
+    # grid: (num_tokens, ceil(K / GROUP_SIZE))
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    k = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    mask = k < K
+    x = tl.load(x_ptr + m * stride_xm + k, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-10), 448.0)
+    q = round_to_e4m3(tl.math.div_rn(x, scale))
+    tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + m * stride_sm + g, scale)
+
+
+def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / 128)]): x ~= q * scale of its group."""
+    m, k = x.shape
+    groups = triton.cdiv(k, GROUP)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        quantize_per_token_group_kernel[(m, groups)](
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), k, GROUP_SIZE=GROUP
+        )
+    return q, s
+
+
+@triton.jit
+def w8a8_block_matmul_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_s_ptr,
+    b_s_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_bsn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # == the scale block along K (128)
+    SCALE_N: tl.constexpr,  # rows of W per weight scale (128)
+    GROUP_M: tl.constexpr,
+):
+    # a [M, K] e4m3 row-major, b [N, K] e4m3 (the checkpoint's layout), c [M, N].
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles share each column tile of W while it is in L2.
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = rm < M, rn < N
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]
+    a_s_ptrs = a_s_ptr + rm.to(tl.int64) * stride_asm
+    b_s_ptrs = b_s_ptr + (rn // SCALE_N).to(tl.int64) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(tl.cdiv(K, BLOCK_K)):
+        k_mask = rk < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        a_s = tl.load(a_s_ptrs + kb, mask=m_mask, other=0.0)
+        b_s = tl.load(b_s_ptrs + kb, mask=n_mask, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemm_config(m: int) -> dict:
+    """Tile sizes by the number of tokens: decode (few rows) wants narrow M tiles."""
+    if m <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+    if m <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+
+
+def w8a8_block_matmul(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """(a_q * a_s) @ (weight * weight_scale_inv)^T in fp32, as out_dtype: [M, K] x [N, K] -> [M, N]."""
+    m, k = a_q.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
+    if m == 0:
+        return out
+    cfg = {**gemm_config(m), **(config or {})}
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    w8a8_block_matmul_kernel[grid](
+        a_q, weight, out, a_s, weight_scale_inv, m, n, k,
+        a_q.stride(0), weight.stride(0), out.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SCALE_N=GROUP, GROUP_M=8,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ dequantized(weight)^T -> [..., N] in x's dtype."""
+    shape = x.shape
+    a_q, a_s = quantize_per_token_group(x.reshape(-1, shape[-1]))
+    out = w8a8_block_matmul(a_q, a_s, weight, weight_scale_inv, x.dtype)
+    return out.view(*shape[:-1], weight.shape[0])

@@ -1,0 +1,92 @@
+"""FP8 block-scaled checkpoints (the Qwen3-*-FP8 format) on the CPU: the loader dequantizes the e4m3
+weights with their 128 x 128 block scales, so greedy generation is token-identical to transformers on
+the dequantized weights; unsupported schemes are refused naming what was found."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from checkpoints import FP8_QUANTIZATION_CONFIG, build_qwen3, quantize_checkpoint_fp8
+from helpers.hf_reference import make_prompts
+from scheduler_service.llm import LLM
+
+from executor_service.config import ExecutorConfig
+from executor_service.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+from scheduler_service.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen3(tmp_path_factory):
+    """Hidden 256, 4 x 64 query heads, 2 KV heads, intermediate 384 (blocks of 128 throughout), untied."""
+    src = build_qwen3(
+        tmp_path_factory.mktemp("bf"), hidden_size=256, head_dim=64, intermediate_size=384,
+        num_hidden_layers=2, tie_word_embeddings=False, initializer_range=0.1, seed=3,
+    )  # fmt: skip
+    dst = tmp_path_factory.mktemp("fp8")
+    return dst, quantize_checkpoint_fp8(src, dst)
+
+
+def test_block_quantization_round_trips_within_e4m3_precision():
+    w = torch.randn(300, 200) * torch.logspace(-3, 1, 300)[:, None]  # blocks of very different scales
+    q, scale_inv = quantize_weight_blocks(w)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (3, 2)
+    back = dequantize_weight_blocks(q, scale_inv, torch.float32)
+    assert ((back - w).abs() <= w.abs() * 2**-4 + scale_inv.max() * 2**-9).all()
+
+
+def test_fp8_checkpoint_greedy_matches_transformers_on_dequantized_weights(fp8_qwen3):
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    path, dequantized = fp8_qwen3
+    config = AutoConfig.from_pretrained(path)
+    config.quantization_config = None
+    hf = Qwen3ForCausalLM(config).float().eval()
+    missing, unexpected = hf.load_state_dict(dequantized, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing)
+    prompts = make_prompts([3, 17, 40], seed=4)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16)
+        assert out.token_ids == ids[0, len(prompt) :].tolist()
+    # The loaded weights are the dequantized ones, exactly.
+    qkv = llm.executor.runner.model.model.layers[1].self_attn.qkv_proj.weight
+    names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert torch.equal(qkv, torch.cat([dequantized[n] for n in names]))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
+        ({"weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]: tandem reads only \[128, 128\]"),
+        ({"weight_block_size": None}, "weight_block_size None"),
+        ({"activation_scheme": "static"}, "activation_scheme 'static'"),
+    ],
+)
+def test_unsupported_quantization_is_refused_clearly(fp8_qwen3, tmp_path, change, message):
+    path, _ = fp8_qwen3
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {**FP8_QUANTIZATION_CONFIG, **change}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        ExecutorConfig(model=str(tmp_path))
+
+
+def test_block_scales_without_a_quantization_config_are_refused(fp8_qwen3, tmp_path):
+    from executor_service.executor import LocalExecutor
+
+    path, _ = fp8_qwen3
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"weight_scale_inv' is a block scale, but config\.json has no"):
+        LocalExecutor(ExecutorConfig(model=str(tmp_path), num_kv_blocks=64))

@@ -1,0 +1,56 @@
+"""The W8A8 block-scaled GEMM (layers/fp8_gemm_triton.py): activation quantization byte-exact against
+a torch reference that quantizes the same way, the GEMM against fp32 math on the dequantized operands.
+The `check_*` helpers also run on the CPU under TRITON_INTERPRET=1 (test_triton_interpret.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.fp8_gemm_checks import check_fp8_linear_layers, check_gemm, check_quantize
+
+from executor_service.fp8 import FP8_DTYPE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (7, 1024), (300, 3072), (2048, 4096)])
+def test_quantize_per_token_group(m, k, dtype):
+    check_quantize(m, k, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 6144, 4096), (16, 4096, 4096), (100, 256, 384), (513, 24576, 4096)]
+)
+def test_w8a8_block_gemm(m, n, k):
+    rel = check_gemm(m, n, k, torch.bfloat16, "cuda")
+    assert rel < 0.05, f"relative error against the unquantized GEMM {rel:.3g}"
+
+
+@pytest.mark.gpu
+def test_fp8_checkpoint_greedy_matches_dequantized_model_on_gpu(tmp_path):
+    """A Qwen3 FP8 checkpoint served with fp8 weights (the W8A8 GEMM) against the same checkpoint's
+    dequantized weights in bf16 (the torch backend, F.linear): greedy top-1 agreement."""
+    from checkpoints import build_qwen3, quantize_checkpoint_fp8
+    from helpers.hf_reference import make_prompts
+    from scheduler_service.llm import LLM
+
+    from scheduler_service.sampling_params import SamplingParams
+
+    src = build_qwen3(tmp_path / "bf", hidden_size=256, head_dim=64, intermediate_size=384,
+                      num_hidden_layers=2, initializer_range=0.1, seed=3)  # fmt: skip
+    quantize_checkpoint_fp8(src, tmp_path / "fp8")
+    prompts = make_prompts([3, 17, 40, 100], seed=4)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    fp8 = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", num_kv_blocks=64)
+    assert fp8.executor.runner.model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
+    got = [o.token_ids for o in fp8.generate(prompts, params, use_tqdm=False)]
+    ref = LLM(str(tmp_path / "fp8"), device="cpu", dtype="bfloat16", num_kv_blocks=64)
+    want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    assert same >= 0.9 * sum(map(len, want)), f"{same} of {sum(map(len, want))} tokens agree"
+
+
+@pytest.mark.gpu
+def test_fp8_linear_layers_on_gpu():
+    check_fp8_linear_layers("cuda")
