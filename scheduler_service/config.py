@@ -31,8 +31,8 @@ class SchedulerConfig:
     # None = the executor's max_model_len.
     max_model_len: int | None = None
     # Plans sent before the oldest result is read: 2 hides the scheduler and the network behind
-    # the executor's step (DESIGN.md §3); None = 2 for an executor that takes a plan ahead
-    # (send/receive: the gRPC one and LocalExecutor), else 1.
+    # the executor's step (engine.py and scheduler.py tell how); None = 2 for an executor that
+    # takes a plan ahead (send/receive: the gRPC one and LocalExecutor), else 1.
     max_plans_in_flight: int | None = None
     # The most top logprobs per token a request may ask for.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS

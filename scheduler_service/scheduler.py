@@ -6,8 +6,8 @@ a number of tokens under a token budget (decode = 1, chunked prefill = a slice),
 sequences first, then waiting ones in arrival order. When the cache runs out, the newest
 running sequence is preempted by recompute.
 
-Two plans may be in flight (DESIGN.md §3): step N+1 is scheduled before step N's result is back,
-counting on one more token for every sequence N samples (`num_pending_tokens`); the executor
+Two plans may be in flight (the executor's side: executor_service/steps_in_flight.py): step N+1
+is scheduled before step N's result is back, counting on one more token for every sequence N samples (`num_pending_tokens`); the executor
 feeds what it sampled into N+1 itself. Stop checks lag by one step: a sequence that stops at N
 computes one token in N+1 whose result is dropped. A sequence whose pending tokens reach its
 length limit is not scheduled again. Blocks enter the prefix cache only once the step that wrote
