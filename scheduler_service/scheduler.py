@@ -165,6 +165,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         bm = self.block_manager
+        bs = self.limits.block_size
         budget = self.limits.max_num_batched_tokens
         plan = StepPlan(step_id=self._next_step_id, finished_seq_ids=self._finished_ids)
         self._next_step_id += 1
@@ -190,25 +191,29 @@ class Scheduler:
                 i += 1  # it stops with "length" once the results in flight are in
                 continue
             n = remaining if remaining <= budget else budget
-            if not bm.can_append(seq, n):
-                if seq.num_pending_tokens:
-                    # Its token in flight may stop it: wait for that result rather than preempt
-                    # a live request for a token that could be thrown away.
-                    i += 1
-                    continue
-                while running[-1] is not seq and not bm.can_append(seq, n):
-                    self._preempt(running.pop(), plan)
-                    preempted = True
+            # Inline, not bm.can_append: most decode steps fit in the last block, and two method
+            # calls per sequence were 10-25% of the step's scheduling cost.
+            if c + n > len(seq.block_table) * bs:
                 if not bm.can_append(seq, n):
-                    self._preempt(running.pop(), plan)
-                    preempted = True
-                    if not running:
-                        self._fail_unfittable(seq)
-                    break
-            new = bm.append_slots(seq, n)
-            if new:
+                    if seq.num_pending_tokens:
+                        # Its token in flight may stop it: wait for that result rather than
+                        # preempt a live request for a token that could be thrown away.
+                        i += 1
+                        continue
+                    while running[-1] is not seq and not bm.can_append(seq, n):
+                        self._preempt(running.pop(), plan)
+                        preempted = True
+                    if not bm.can_append(seq, n):
+                        self._preempt(running.pop(), plan)
+                        preempted = True
+                        if not running:
+                            self._fail_unfittable(seq)
+                        break
+                new = bm.append_slots(seq, n)
                 plan.new_block_ids.extend(new)
-            num_new_blocks.append(len(new))
+                num_new_blocks.append(len(new))
+            else:
+                num_new_blocks.append(0)
             if n < remaining:
                 partial.append((seq, c + n))
             else:
