@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The list type
 
-.PHONY: install up test lint check format protos
+.PHONY: install up test test-fast lint check format protos
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ check: lint test
 
 test: install
 	$(PY) -m pytest -q -n 2 tests
+
+# The tests not marked slow (no service processes, no long model runs): under 3 minutes on 2 cores.
+test-fast: install
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 lint: install
 	$(PY) -m ruff check .

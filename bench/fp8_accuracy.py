@@ -30,13 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.defaults import DEFAULT_MODEL
+from client.llm import LLM
 from executor_service.config import ExecutorConfig
 from executor_service.fp8 import FP8_MAX
 from executor_service.layers.attention import Attention
 from executor_service.model_runner import ModelRunner
 from executor_service.sequence import SequenceState
 from protos.plan import StepSamplingParams
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.tokenizer import Tokenizer
 

@@ -57,7 +57,7 @@ def group_of(name: str) -> str:
 
 
 def run(args: argparse.Namespace, model: str, fused_ops: str) -> None:
-    from scheduler_service.llm import LLM
+    from client.llm import LLM
     from scheduler_service.sampling_params import SamplingParams
 
     llm = LLM(

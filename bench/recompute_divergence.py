@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.defaults import DEFAULT_MODEL
-from scheduler_service.llm import LLM
+from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 

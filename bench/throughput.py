@@ -240,7 +240,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
 
 
 def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]) -> tuple[int, float]:
-    from scheduler_service.llm import LLM
+    from client.llm import LLM
     from scheduler_service.sampling_params import SamplingParams
 
     options = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}

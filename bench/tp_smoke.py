@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     from client.defaults import DEFAULT_MODEL
-    from scheduler_service.llm import LLM
+    from client.llm import LLM
     from scheduler_service.sampling_params import SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

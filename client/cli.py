@@ -9,6 +9,7 @@ import logging
 import sys
 
 from client.defaults import DEFAULT_RETRIES, DEFAULT_SERVER, env
+from protos.service_main import LOG_FORMAT, add_log_level, run_service
 
 # The service verbs live with their services; they are imported only when used, so that
 # `tandem generate --server` needs neither torch (executor) nor the scheduler's internals.
@@ -167,7 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_in_process(args: argparse.Namespace, prompts) -> int:
-    from scheduler_service.llm import LLM
+    from client.llm import LLM
     from scheduler_service.sampling_params import SamplingParams
 
     try:
@@ -235,11 +236,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description="LLM serving: a CPU scheduler and a GPU executor"
     )
-    parser.add_argument(
-        "--log-level",
-        default=env("LOG_LEVEL"),
-        help="logging level (default INFO for the services, WARNING otherwise; env TANDEM_LOG_LEVEL)",
-    )
+    add_log_level(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(sub)
     up.add_parser(sub)
@@ -252,23 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command in SERVICE_VERBS:
-        from client.up import exit_with_parent
-
-        exit_with_parent()
-    level = args.log_level or ("INFO" if args.command in SERVICE_VERBS else "WARNING")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_service(args)
+    logging.basicConfig(level=(args.log_level or "WARNING").upper(), format=LOG_FORMAT)
     return args.func(args)
-
-
-def service_main(verb: str) -> int:
-    """`python -m executor_service [executor] [flags]` and its scheduler twin: `tandem VERB [flags]`."""
-    argv = sys.argv[1:]
-    if argv[:1] == [verb]:
-        argv = argv[1:]
-    log_level = []
-    if argv[:1] == ["--log-level"]:
-        log_level, argv = argv[:2], argv[2:]
-    return main([*log_level, verb, *argv])
 
 
 if __name__ == "__main__":

@@ -29,23 +29,13 @@ from client.messages import (
     item_from_response,
     model_info_from_proto,
 )
+from protos.defaults import read_pem
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 
 
 def call_metadata(api_key: str | None) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {api_key}")] if api_key else None
-
-
-def read_pem(source: str | Path | bytes, what: str = "") -> bytes:
-    """PEM bytes, given as bytes or as the path of a file that holds them (`what` names it in the
-    error). The services' TLS flags read their files through this too."""
-    if isinstance(source, bytes):
-        return source
-    try:
-        return Path(source).read_bytes()
-    except OSError as e:
-        raise ValueError(f"cannot read {what + ' ' if what else ''}{source}: {e.strerror}") from None
 
 
 def channel_credentials(tls: bool, tls_ca: str | Path | bytes | None) -> grpc.ChannelCredentials | None:

@@ -1,23 +1,42 @@
-"""Defaults shared by the client, the CLI, `tandem up`, the tests and the benchmarks."""
+"""Defaults of the client, the CLI, `tandem up`, the tests and the benchmarks; what the services
+share with them comes from protos/defaults.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 import socket
-from pathlib import Path
 
-SCHEDULER_PORT = 50051
-EXECUTOR_PORT = 50052
-SCHEDULER_METRICS_PORT = 9101
-EXECUTOR_METRICS_PORT = 9102
-DEFAULT_HOST = "127.0.0.1"
+from protos.defaults import (
+    DEFAULT_HOST,
+    DEFAULT_MODEL,
+    EXECUTOR_METRICS_PORT,
+    EXECUTOR_PORT,
+    MAX_MESSAGE_BYTES,
+    REPO_ROOT,
+    SCHEDULER_METRICS_PORT,
+    SCHEDULER_PORT,
+    default_model,
+    env,
+)
+
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "DEFAULT_HOST",
+    "DEFAULT_MODEL",
+    "DEFAULT_RETRIES",
+    "DEFAULT_SERVER",
+    "EXECUTOR_METRICS_PORT",
+    "EXECUTOR_PORT",
+    "MAX_MESSAGE_BYTES",
+    "REPO_ROOT",
+    "SCHEDULER_METRICS_PORT",
+    "SCHEDULER_PORT",
+    "default_model",
+    "env",
+    "free_port",
+]
+
 DEFAULT_SERVER = f"{DEFAULT_HOST}:{SCHEDULER_PORT}"
-
-# Explicit on both ends: gRPC's default receive limit is 4 MiB, and a long prompt as token ids
-# or a response with top-k logprobs can come near it.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -25,32 +44,6 @@ CHANNEL_OPTIONS = [
 
 # Retries of a request refused UNAVAILABLE before its first response (client.client).
 DEFAULT_RETRIES = 4
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _embedded_model(name: str = "tandem-tiny-pydoc") -> Path:
-    """models/NAME of the source tree; in a wheel install, the data package `tandem_models` (setup.py)."""
-    in_tree = REPO_ROOT / "models" / name
-    if in_tree.is_dir():
-        return in_tree
-    spec = importlib.util.find_spec("tandem_models")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations))) / name
-    return in_tree  # not installed: the commands that need it say so, naming this path
-
-
-DEFAULT_MODEL = _embedded_model()
-
-
-def env(name: str, default: str | None = None) -> str | None:
-    """The TANDEM_<NAME> environment twin of a flag."""
-    return os.environ.get(f"TANDEM_{name}", default)
-
-
-def default_model() -> str:
-    """The embedded checkpoint shipped with the repository (TANDEM_MODEL overrides it)."""
-    return env("MODEL") or str(DEFAULT_MODEL)
 
 
 # free_port's range: below Linux's ephemeral ports (32768-60999), which servers bound to port 0

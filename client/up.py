@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -32,6 +31,7 @@ from client.defaults import (
     default_model,
     env,
 )
+from protos.service_main import PARENT_PID_ENV
 
 LOG_TAIL_LINES = 20
 
@@ -168,24 +168,6 @@ class Service:
         if self.log_file is not None:
             self.log_file.close()
             self.log_file = None
-
-
-PARENT_PID_ENV = "TANDEM_PARENT_PID"
-_PR_SET_PDEATHSIG = 1
-
-
-def exit_with_parent() -> None:
-    """In a service started by `tandem up`: get SIGTERM from the kernel when `tandem up` dies,
-    even by SIGKILL, so that no service is left orphaned. Does nothing elsewhere."""
-    parent = os.environ.pop(PARENT_PID_ENV, None)
-    if parent is None or not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):  # the parent died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -2,7 +2,8 @@
 
 import sys
 
-from client.cli import service_main
+from executor_service.cli import add_parser
+from protos.service_main import service_main
 
 if __name__ == "__main__":
-    sys.exit(service_main("executor"))
+    sys.exit(service_main("executor", add_parser))

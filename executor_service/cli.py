@@ -7,10 +7,10 @@ import logging
 import os
 import sys
 
-from client.defaults import DEFAULT_MODEL
-from client.defaults import env as _env
 from executor_service.ownership import DEFAULT_OWNER_LEASE_SECONDS
 from executor_service.server import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT, GRACE_SECONDS
+from protos.defaults import DEFAULT_MODEL
+from protos.defaults import env as _env
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """LocalExecutor: applies step plans to per-sequence state and runs them through the model runner.
 
-Two steps may be in flight (DESIGN.md §3): `send(plan)` launches a step on the device without
-waiting for it, `receive(plan)` waits and returns its result, in plan order. A step sent while
-the one before it still runs takes the tokens that one samples straight from the device: the
-executor keeps a -1 placeholder in their place until its result is received. So the host
-prepares step N+1 (and the scheduler's answer travels) while the device runs step N.
+Two steps may be in flight (steps_in_flight.py tells their lifecycle): `send(plan)` launches a
+step on the device without waiting for it, `receive(plan)` waits and returns its result, in plan
+order. A step sent while the one before it still runs takes the tokens that one samples straight
+from the device. So the host prepares step N+1 (and the scheduler's answer travels) while the
+device runs step N.
 
 With tensor_parallel_size N > 1 it is rank 0: it spawns ranks 1..N-1 (tp_worker.py) and
 broadcasts every valid plan to them before launching it; only rank 0 samples and replies. Its
@@ -17,34 +17,30 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from executor_service import parallel
 from executor_service.config import ExecutorConfig
-from executor_service.model_runner import Launch, ModelRunner, RunOutput
+from executor_service.model_runner import RunOutput
 from executor_service.plan_validation import PlanError, PlanLimits, StepOrderError, validate_plan
+from executor_service.runner_startup import start_model_runner
 from executor_service.sampling_metadata import uses_penalties
 from executor_service.sequence import SequenceState
+from executor_service.steps_in_flight import (
+    StepInFlight,
+    apply_plan,
+    drop_all,
+    fill_placeholders,
+    launch_batch,
+    step_result,
+)
 from executor_service.tp_worker import WorkerProcesses
 from protos.plan import ExecutorInfo, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LocalExecutor", "PlanError"]
-
-
-@dataclass
-class _InFlight:
-    """A step sent and not yet received: its result, its error, or its launch on the device."""
-
-    plan: StepPlan
-    result: StepResult | None = None
-    error: BaseException | None = None
-    launch: Launch | None = None
-    # Where this step's sampled tokens go: (sequence, index of its -1 placeholder).
-    placeholders: list[tuple[SequenceState, int]] = field(default_factory=list)
 
 
 class LocalExecutor:
@@ -70,14 +66,14 @@ class LocalExecutor:
                 parallel.init_group(
                     config.device, config.tp_master_addr, config.tp_master_port, 0, self.tp_size
                 )
-                self.runner = ModelRunner(config, tp_rank=0)
+                self.runner = start_model_runner(config, tp_rank=0)
             except BaseException:
                 self.workers.kill()
                 raise
         else:
-            self.runner = ModelRunner(config)
+            self.runner = start_model_runner(config)
         self.seqs: dict[int, SequenceState] = {}
-        self._in_flight: deque[_InFlight] = deque()
+        self._in_flight: deque[StepInFlight] = deque()
         # Whether a step sent behind a running one overlaps it: on CUDA. On the CPU a step is
         # done when send() returns; the Step handler then runs one at a time.
         self.overlaps_steps = self.runner.device.type == "cuda"
@@ -126,12 +122,12 @@ class LocalExecutor:
             error = RuntimeError(
                 f"step {plan.step_id} not run: step {self._in_flight[-1].plan.step_id} failed"
             )
-            self._in_flight.append(_InFlight(plan, error=error))
+            self._in_flight.append(StepInFlight(plan, error=error))
             return
         try:
             self._in_flight.append(self._launch(plan))
         except Exception as e:
-            self._in_flight.append(_InFlight(plan, error=e))
+            self._in_flight.append(StepInFlight(plan, error=e))
 
     def ready(self) -> bool:
         """Whether receive() of the oldest step in flight would return without waiting."""
@@ -220,7 +216,7 @@ class LocalExecutor:
                 self.workers.kill()
             raise
 
-    def _launch(self, plan: StepPlan, all_logits: bool = False) -> _InFlight:
+    def _launch(self, plan: StepPlan, all_logits: bool = False) -> StepInFlight:
         validate_plan(plan, self.seqs, self.limits)
         prev = self._in_flight[-1] if self._in_flight else None
         with self._ranks_fail_together(plan.step_id):  # from here on the state changes
@@ -235,86 +231,17 @@ class LocalExecutor:
             if self.workers is not None:
                 self._broadcast(parallel.TPMessage("step", plan, all_logits, pending=pending is not None))
             if not batch:
-                return _InFlight(plan, result=StepResult(step_id=plan.step_id))
+                return StepInFlight(plan, result=StepResult(step_id=plan.step_id))
             launch, placeholders = launch_batch(self.runner, batch, plan, pending, all_logits)
-        return _InFlight(plan, launch=launch, placeholders=placeholders)
+        return StepInFlight(plan, launch=launch, placeholders=placeholders)
 
-    def _collect(self, step: _InFlight, all_logits: bool = False) -> RunOutput:
+    def _collect(self, step: StepInFlight, all_logits: bool = False) -> RunOutput:
         """Wait for a launched step; its tokens replace their placeholders; its result is set."""
         with self._ranks_fail_together(step.plan.step_id):
             out = self.runner.collect(step.launch, all_logits)
         fill_placeholders(step.placeholders, out.sampled_token_ids)
         if self.workers is not None:
             self._unsent_token_ids.append(out.sampled_token_ids)
-        step.result = _result(step.plan, [seq for seq, _ in step.placeholders], out)
+        step.result = step_result(step.plan, [seq for seq, _ in step.placeholders], out)
         step.launch = None
         return out
-
-
-def _result(plan: StepPlan, sampling_seqs: list[SequenceState], out: RunOutput) -> StepResult:
-    return StepResult(
-        step_id=plan.step_id,
-        seq_ids=[s.seq_id for s in sampling_seqs],
-        token_ids=out.sampled_token_ids,
-        num_tokens=[1] * len(out.sampled_token_ids),
-        logprobs=out.logprobs,
-        prepare_seconds=out.prepare_seconds,
-        forward_seconds=out.forward_seconds,
-        sample_seconds=out.sample_seconds,
-    )
-
-
-def apply_plan(runner: ModelRunner, seqs: dict[int, SequenceState], plan: StepPlan) -> list[SequenceState]:
-    """Steps 1-3 of StepPlan on a validated plan: drop, register, extend block tables; returns
-    the scheduled sequences in batch order. Every tensor-parallel rank does this."""
-    for seq_id in (*plan.finished_seq_ids, *plan.preempted_seq_ids):
-        seq = seqs.pop(seq_id, None)
-        if seq is not None:
-            runner.remove_sequence(seq)
-    for new in plan.new_seqs:
-        seq = seqs[new.seq_id] = SequenceState.from_new(new)
-        runner.add_sequence(seq)
-    batch: list[SequenceState] = []
-    offset = 0
-    for seq_id, num_new in zip(plan.seq_ids, plan.num_new_blocks, strict=True):
-        seq = seqs[seq_id]
-        if num_new:
-            runner.append_blocks(seq, plan.new_block_ids[offset : offset + num_new])
-        offset += num_new
-        batch.append(seq)
-    return batch
-
-
-def launch_batch(
-    runner: ModelRunner,
-    batch: list[SequenceState],
-    plan: StepPlan,
-    pending: torch.Tensor | None,
-    all_logits: bool,
-) -> tuple[Launch, list[tuple[SequenceState, int]]]:
-    """Steps 3-4 of StepPlan on every rank, from the compute on: launch the batch and advance its
-    sequences. Each sampling sequence gets a -1 in place of its next token until the step's tokens
-    are on the host (the returned placeholders); a step launched meanwhile takes it from the
-    device (row `pending_row` of `pending`)."""
-    launch = runner.launch(batch, plan.num_scheduled_tokens, pending, all_logits)
-    for seq, n in zip(batch, plan.num_scheduled_tokens, strict=True):
-        seq.num_computed_tokens += n
-    placeholders = []
-    for row, seq in enumerate(launch.batch.sampling_seqs):
-        placeholders.append((seq, len(seq.token_ids)))
-        seq.token_ids.append(-1)
-        seq.pending_row = row
-    return launch, placeholders
-
-
-def fill_placeholders(placeholders: list[tuple[SequenceState, int]], token_ids: list[int]) -> None:
-    for (seq, index), token_id in zip(placeholders, token_ids, strict=True):
-        seq.token_ids[index] = token_id
-
-
-def drop_all(runner: ModelRunner, seqs: dict[int, SequenceState]) -> int:
-    dropped = len(seqs)
-    for seq in seqs.values():
-        runner.remove_sequence(seq)
-    seqs.clear()
-    return dropped

@@ -1,6 +1,6 @@
 """The model runner: owns the model, the KV cache and the attention backend; runs a scheduled
-batch (flattened into tensors by batch.py) through the forward and samples. The KV cache's size
-comes from kv_cache_sizing.py."""
+batch (flattened into tensors by batch.py) through the forward and samples. runner_startup.py
+builds one: the model, then the KV cache sized by kv_cache_sizing.py, then the kernel warm-up."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ from executor_service.block_tables import BlockTables
 from executor_service.config import ExecutorConfig
 from executor_service.context import reset_context, set_context
 from executor_service.cuda_graph import DecodeGraphs
-from executor_service.kernel_warmup import warm_up_kernels
 from executor_service.kv_cache import KVCache, block_bytes
-from executor_service.kv_cache_sizing import determine_num_kv_blocks
 from executor_service.layers.attention import Attention
 from executor_service.layers.fusable import Fusable
 from executor_service.layers.linear import convert_to_fp8
@@ -114,7 +112,7 @@ class ModelRunner:
         )
         self.model.eval()
 
-        bytes_per_block = block_bytes(
+        self.bytes_per_block = block_bytes(
             mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, config.kv_torch_dtype
         )
         backend = get_backend(config.attention_backend)
@@ -128,9 +126,15 @@ class ModelRunner:
         )
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.block_tables = BlockTables(self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
-        self.num_graph_steps = self.num_eager_steps = 0
+        self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
-        num_blocks = determine_num_kv_blocks(self, bytes_per_block)
+        self._graph_safe = backend.graph_safe and self.model.cuda_graph_safe()
+        self.kv_cache: KVCache | None = None  # bind_kv_cache() sets it
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache (its size: kv_cache_sizing.py) and the decode CUDA graphs that
+        read it; runner_startup.py calls it once the model is loaded."""
+        config, mc = self.config, self.config.model_config
         self.kv_cache = KVCache(
             mc.num_hidden_layers,
             num_blocks,
@@ -144,7 +148,7 @@ class ModelRunner:
         logger.info(
             "rank %d/%d: loaded %s (%s, %s, %s attention, fused ops %s) with %d KV blocks of %d "
             "tokens (%s, %.2f GiB)",
-            tp_rank,
+            self.tp_rank,
             self.tp_size,
             config.model,
             mc.architecture,
@@ -154,16 +158,12 @@ class ModelRunner:
             num_blocks,
             self.block_size,
             config.kv_cache_dtype,
-            num_blocks * bytes_per_block / 2**30,
+            num_blocks * self.bytes_per_block / 2**30,
         )
-        graph_safe = backend.graph_safe and self.model.cuda_graph_safe()
-        if self.device.type == "cuda" and not config.enforce_eager and graph_safe:
+        if self.device.type == "cuda" and not config.enforce_eager and self._graph_safe:
             self.graphs = DecodeGraphs(
                 self.model, config.max_num_seqs, self.max_blocks_per_seq, mc.hidden_size
             )
-        if self.device.type == "cuda":
-            warm_up_kernels(self, num_blocks)
-            self.num_eager_steps = 0
 
     def release_cuda_graphs(self) -> None:
         """Before leaving the tensor-parallel group (DecodeGraphs.release says why); later decode
@@ -218,7 +218,6 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions)
             finally:
                 reset_context()
-            self.num_eager_steps += 1
         if not all_logits:
             hidden = hidden[batch.logits_indices]
         if self.tp_size > 1 and hidden.shape[0] == 0:
@@ -280,13 +279,6 @@ class ModelRunner:
         out.prepare_seconds, out.forward_seconds = launch.prepare_seconds, launch.forward_seconds
         out.sample_seconds = time.perf_counter() - t0
         return out
-
-    def run(
-        self, seqs: list[SequenceState], num_scheduled_tokens: list[int], all_logits: bool = False
-    ) -> tuple[PreparedBatch, RunOutput]:
-        """launch() then collect(): one step, waited for."""
-        launch = self.launch(seqs, num_scheduled_tokens, all_logits=all_logits)
-        return launch.batch, self.collect(launch, all_logits)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

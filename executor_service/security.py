@@ -11,8 +11,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from client.client import read_pem
 from protos.api_keys import ApiKeys, refusing_handler
+from protos.defaults import read_pem
 
 OPEN_SERVICES = (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
 

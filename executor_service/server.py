@@ -23,6 +23,7 @@ from executor_service.metrics import ExecutorMetrics, start_metrics_server
 from executor_service.ownership import DEFAULT_OWNER_LEASE_SECONDS, LogThrottle, Ownership
 from executor_service.security import ApiKeyInterceptor, server_credentials
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer, executor_handler
+from protos.defaults import DEFAULT_HOST, EXECUTOR_METRICS_PORT, EXECUTOR_PORT, MAX_MESSAGE_BYTES
 from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port
 
 if TYPE_CHECKING:
@@ -46,11 +47,10 @@ __all__ = [
     "server_credentials",
 ]
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 50052
-DEFAULT_METRICS_PORT = 9102
-# A 256-sequence plan with new 8k-token prompts is ~8 MB; 64 MiB leaves room and fails loudly beyond.
-MAX_MESSAGE_BYTES = 64 * 2**20
+# A 256-sequence plan with new 8k-token prompts is ~8 MB; MAX_MESSAGE_BYTES (64 MiB) leaves room
+# and fails loudly beyond.
+DEFAULT_PORT = EXECUTOR_PORT
+DEFAULT_METRICS_PORT = EXECUTOR_METRICS_PORT
 GRACE_SECONDS = 5.0
 # How often the server checks that its tensor-parallel ranks are alive.
 RANK_POLL_SECONDS = 0.2

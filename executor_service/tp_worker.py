@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import BinaryIO
 
@@ -22,6 +21,8 @@ import torch
 
 from executor_service import parallel
 from executor_service.config import ExecutorConfig
+from executor_service.runner_startup import start_model_runner
+from executor_service.steps_in_flight import Unfilled, apply_plan, drop_all, launch_batch
 
 logger = logging.getLogger(__name__)
 
@@ -161,27 +162,21 @@ def worker_main(
 
 
 def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
-    # Imported here: executor.py imports this module.
-    from executor_service.executor import apply_plan, drop_all, fill_placeholders, launch_batch
-    from executor_service.model_runner import ModelRunner
-
     device = parallel.rank_device(config.device, tp_rank)
     parallel.init_group(
         device, config.tp_master_addr, config.tp_master_port, tp_rank, config.tensor_parallel_size
     )
-    runner = ModelRunner(config, tp_rank=tp_rank)
+    runner = start_model_runner(config, tp_rank)
     seqs = {}
-    # The placeholders of each launched step whose tokens rank 0 has not sent yet, oldest first,
-    # and the ids the last launched step received from rank 0 on the device.
-    unfilled: deque[list] = deque()
+    unfilled = Unfilled()
+    # The ids the last launched step received from rank 0 on the device.
     last_ids = None
     latency = BroadcastLatency()
     while True:
         asked = time.monotonic_ns()
         message = parallel.read_message(plans)
         latency.add(message.sent_ns, asked, time.monotonic_ns())
-        for token_ids in message.sampled_token_ids:
-            fill_placeholders(unfilled.popleft(), token_ids)
+        unfilled.fill(message.sampled_token_ids)
         if message.kind == "close":
             break
         if message.kind == "reset":  # rank 0 collected its steps in flight first: none unfilled
@@ -194,7 +189,7 @@ def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
         launch, placeholders = launch_batch(
             runner, batch, plan, last_ids if message.pending else None, message.all_logits
         )
-        unfilled.append(placeholders)
+        unfilled.launched(placeholders)
         last_ids = launch.sampled.sampled_token_ids if launch.sampled is not None else None
     logger.info("rank %d: closing; %s", tp_rank, latency)
     runner.release_cuda_graphs()

@@ -2,7 +2,8 @@
 
 import sys
 
-from client.cli import service_main
+from protos.service_main import service_main
+from scheduler_service.cli import add_parser
 
 if __name__ == "__main__":
-    sys.exit(service_main("scheduler"))
+    sys.exit(service_main("scheduler", add_parser))

@@ -15,52 +15,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-
-import grpc
 
 from protos.plan import ExecutorInfo
-from scheduler_service.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS, SchedulerConfig
+from scheduler_service.config import EngineOptions
 from scheduler_service.engine import Executor, LLMEngine, RequestOutput
+from scheduler_service.errors import ErrorCode, InvalidRequestError, QueueFullError, TandemRequestError
 from scheduler_service.executor_client import ExecutorError, ExecutorUnavailable, PlanRejected
 from scheduler_service.executor_recovery import ExecutorRecovery
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.request_stream import RequestFailure, RequestStream, StreamTable
+from scheduler_service.request_stream import RequestStream, StreamTable
 from scheduler_service.request_tracker import Failures, RequestTracker
-from scheduler_service.sampling_params import InvalidRequestError, SamplingParams
+from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import Sequence as Seq
 from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """More requests (or prompt tokens) are waiting than --max-queue (--max-queued-tokens) allows."""
-
-
-@dataclass
-class EngineOptions:
-    config: SchedulerConfig
-    # Named in UNAVAILABLE messages.
-    executor_address: str = "in-process"
-    # Requests beyond the free batch slots that may wait (None or 0: no limit).
-    max_queue: int | None = DEFAULT_MAX_QUEUE
-    # Prompt tokens of admitted requests that have not produced a token yet (None or 0: no limit).
-    max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
-    # Idle probe of the executor, and reconnect backoff (seconds).
-    heartbeat_s: float = 2.0
-    backoff_min_s: float = 0.1
-    backoff_max_s: float = 2.0
-    # How long accepted requests wait for a lost executor before failing UNAVAILABLE (None: forever).
-    recovery_timeout_s: float | None = 300.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_queue", "max_queued_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0 (0 or None for no limit), got {value}")
-            if value == 0:
-                setattr(self, name, None)
 
 
 class AsyncEngine:
@@ -124,7 +93,8 @@ class AsyncEngine:
         arrival: float,
         timeout: float | None = None,
     ) -> RequestStream:
-        """Validate and queue; raises InvalidRequestError, QueueFullError or ExecutorUnavailable.
+        """Validate and queue; raises TandemRequestError (InvalidRequestError, QueueFullError, or
+        UNAVAILABLE while shutting down or without an executor).
         `timeout`: seconds left until the call's deadline (None: no deadline)."""
         engine = self.check_admitting()
         engine.validate_request(prompt_token_ids, params)
@@ -133,13 +103,15 @@ class AsyncEngine:
         return self._tracker.add(request_id, prompt_token_ids, params, arrival, deadline)
 
     def check_admitting(self) -> LLMEngine:
-        """The connected engine; ExecutorUnavailable while shutting down or without an executor
+        """The connected engine; TandemRequestError (UNAVAILABLE) while shutting down or without an executor
         (checked before a prompt is tokenized, and again when it is added)."""
         engine = self.engine
         if not self._admitting:
-            raise ExecutorUnavailable("the scheduler is shutting down: send the request to another replica")
+            raise TandemRequestError(
+                "the scheduler is shutting down: send the request to another replica", ErrorCode.UNAVAILABLE
+            )
         if engine is None:
-            raise ExecutorUnavailable(self.not_connected_message())
+            raise TandemRequestError(self.not_connected_message(), ErrorCode.UNAVAILABLE)
         return engine
 
     def _check_queue(self, engine: LLMEngine, num_tokens: int) -> None:
@@ -167,7 +139,7 @@ class AsyncEngine:
     def abort(self, stream: RequestStream) -> None:
         self._tracker.abort(stream)
 
-    def abort_all(self, failure: RequestFailure) -> int:
+    def abort_all(self, failure: TandemRequestError) -> int:
         """End every live stream with `failure` (shutdown timeout); returns how many."""
         return self._tracker.abort_all(failure)
 
@@ -229,7 +201,7 @@ class AsyncEngine:
             return
         failed = engine.fail_requests(plan.seq_ids, str(error))
         logger.error("step %d failed (%s); failed its %d requests", plan.step_id, error, len(failed))
-        failure = RequestFailure(grpc.StatusCode.INTERNAL, str(error))
+        failure = TandemRequestError(str(error), ErrorCode.INTERNAL)
         self._post([], {out.request_id: failure for out in failed})
 
     def _record_step(self, engine: LLMEngine) -> None:

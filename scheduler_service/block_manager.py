@@ -29,6 +29,10 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Seq[int]) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+# What append_slots returns when no block is added (never mutated).
+_NO_BLOCKS: list[int] = []
+
+
 class Block:
     __slots__ = ("block_hash", "block_id", "ref_count", "token_ids")
 
@@ -66,10 +70,6 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_block_ids)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to add to seq.block_table to compute num_new_tokens more tokens."""
@@ -152,13 +152,18 @@ class BlockManager:
             self.num_prefix_hit_tokens += len(cached_blocks) * self.block_size
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
+        """Whether the free blocks can hold num_new_tokens more computed tokens of seq."""
+        total = seq.num_computed_tokens + num_new_tokens
+        room = len(seq.block_table) * self.block_size
+        return total <= room or -(-(total - room) // self.block_size) <= len(self.free_block_ids)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Grow seq.block_table to hold num_new_tokens more computed tokens; returns the new ids."""
-        needed = self.num_blocks_needed(seq, num_new_tokens)
-        if needed <= 0:
-            return []
+        """Grow seq.block_table to hold num_new_tokens more computed tokens; returns the new ids
+        (none while the last block has room)."""
+        total = seq.num_computed_tokens + num_new_tokens
+        if total <= len(seq.block_table) * self.block_size:
+            return _NO_BLOCKS
+        needed = -(-total // self.block_size) - len(seq.block_table)
         if needed > len(self.free_block_ids):
             raise RuntimeError(f"not enough free blocks for sequence {seq.seq_id}")
         new = self._take(needed)
@@ -202,10 +207,3 @@ class BlockManager:
             block.ref_count = 1
             out.append(block_id)
         return out
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (e.g. after the executor was reset)."""
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
-        self.cached_block_ids.clear()

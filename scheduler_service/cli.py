@@ -10,8 +10,8 @@ import socket
 import sys
 from collections.abc import Callable
 
-from client.defaults import DEFAULT_MODEL, SCHEDULER_METRICS_PORT, SCHEDULER_PORT
-from client.defaults import env as _env
+from protos.defaults import DEFAULT_MODEL, SCHEDULER_METRICS_PORT, SCHEDULER_PORT
+from protos.defaults import env as _env
 from protos.plan import ExecutorInfo
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
 from scheduler_service.executor_client import DEFAULT_STEP_TIMEOUT_S
@@ -220,8 +220,7 @@ def tokenizer_resolver(explicit: Tokenizer | None) -> Callable[[ExecutorInfo], T
 
 def run(args: argparse.Namespace) -> int:
     """Validate the flags, then serve until SIGTERM / SIGINT."""
-    from scheduler_service.async_engine import EngineOptions
-    from scheduler_service.config import SchedulerConfig
+    from scheduler_service.config import EngineOptions, SchedulerConfig
     from scheduler_service.executor_client import RemoteExecutor
     from scheduler_service.security import load_api_keys, server_credentials
     from scheduler_service.server import SchedulerServer, serve_until_signal

@@ -31,8 +31,8 @@ class SchedulerConfig:
     # None = the executor's max_model_len.
     max_model_len: int | None = None
     # Plans sent before the oldest result is read: 2 hides the scheduler and the network behind
-    # the executor's step (DESIGN.md §3); None = 2 for an executor that takes a plan ahead
-    # (send/receive: the gRPC one and LocalExecutor), else 1.
+    # the executor's step (engine.py and scheduler.py tell how); None = 2 for an executor that
+    # takes a plan ahead (send/receive: the gRPC one and LocalExecutor), else 1.
     max_plans_in_flight: int | None = None
     # The most top logprobs per token a request may ask for.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -112,3 +112,28 @@ def resolve_limits(config: SchedulerConfig, info: ExecutorInfo) -> SchedulerLimi
 def _min_positive(ours: int, theirs: int) -> int:
     # An executor reporting 0 sets no limit of its own.
     return min(ours, theirs) if theirs > 0 else ours
+
+
+@dataclass
+class EngineOptions:
+    config: SchedulerConfig
+    # Named in UNAVAILABLE messages.
+    executor_address: str = "in-process"
+    # Requests beyond the free batch slots that may wait (None or 0: no limit).
+    max_queue: int | None = DEFAULT_MAX_QUEUE
+    # Prompt tokens of admitted requests that have not produced a token yet (None or 0: no limit).
+    max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
+    # Idle probe of the executor, and reconnect backoff (seconds).
+    heartbeat_s: float = 2.0
+    backoff_min_s: float = 0.1
+    backoff_max_s: float = 2.0
+    # How long accepted requests wait for a lost executor before failing UNAVAILABLE (None: forever).
+    recovery_timeout_s: float | None = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 (0 or None for no limit), got {value}")
+            if value == 0:
+                setattr(self, name, None)

@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.client import read_pem
 from protos.api_keys import bearer_metadata
+from protos.defaults import MAX_MESSAGE_BYTES, read_pem
 from protos.plan import ExecutorInfo, StepPlan, StepResult, info_from_proto, plan_to_proto, result_from_proto
 from protos.session import default_owner_name, new_session_id, session_metadata
 from protos.tandem.v1 import executor_pb2 as pb
@@ -27,8 +27,6 @@ from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
-# The executor server's limit (executor_service/server.py); the two must agree.
-MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

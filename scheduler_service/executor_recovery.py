@@ -20,21 +20,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-import grpc
 
 from protos.plan import ExecutorInfo
+from scheduler_service.config import EngineOptions
 from scheduler_service.engine import Executor, LLMEngine
+from scheduler_service.errors import ErrorCode, TandemRequestError
 from scheduler_service.executor_client import ExecutorOwned
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.request_stream import RequestFailure
 from scheduler_service.request_tracker import Failures, RequestTracker
 from scheduler_service.sequence import Sequence as Seq
 from scheduler_service.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from scheduler_service.async_engine import EngineOptions
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +85,7 @@ class ExecutorRecovery:
                 engine.adopt(seq)
             except ValueError as e:
                 message = f"executor at {self.options.executor_address} came back with other limits: {e}"
-                failures[seq.seq_id] = RequestFailure(grpc.StatusCode.UNAVAILABLE, message)
+                failures[seq.seq_id] = TandemRequestError(message, ErrorCode.UNAVAILABLE)
         if held:
             logger.warning(
                 "executor at %s is back after %.1f s: re-running %d requests by recompute (%d failed)",
@@ -168,6 +163,6 @@ class ExecutorRecovery:
                     f"{now - self._lost_at:.0f} s (--executor-recovery-timeout {timeout:g})"
                 )
                 logger.error("%s: failing %d requests", message, len(ids))
-                failures.update(dict.fromkeys(ids, RequestFailure(grpc.StatusCode.UNAVAILABLE, message)))
+                failures.update(dict.fromkeys(ids, TandemRequestError(message, ErrorCode.UNAVAILABLE)))
         self.metrics.requests_waiting.set(len(self.held))
         tracker.post([], failures)

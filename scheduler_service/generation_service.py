@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 
+from protos.defaults import GENERATION_MAX_MESSAGE_BYTES
 from protos.parsing import MalformedMessage
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_service.async_engine import AsyncEngine, QueueFullError
-from scheduler_service.detokenizer import IncrementalDetokenizer
-from scheduler_service.executor_client import ExecutorUnavailable
+from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemRequestError
+from scheduler_service.request_handling import (
+    NO_TOKENIZER,
+    TOKENIZE_INLINE_CHARS,
+    OutputProcessor,
+    check_text_prompt,
+    verify_request_id,
+    verify_tokenizer,
+)
 from scheduler_service.request_stream import RequestStream
 from scheduler_service.response_chunks import logprobs_to_proto, split_text, split_tokens
-from scheduler_service.sampling_params import InvalidRequestError, SamplingParams, verify_prompt_length
+from scheduler_service.sampling_params import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _FINISH_REASONS = {
@@ -26,42 +33,13 @@ _FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
+_STATUS_CODES = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
 # The client's own deadline timer fires first and cancels the call, a few ms before ours.
 DEADLINE_SLACK_S = 0.1
-NO_TOKENIZER = "this server has no tokenizer: send token ids or start it with --tokenizer"
-# Limits that keep one request's stop-string matching cheap (the detokenizer checks every
-# stop string at every token).
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 1024
-# Text prompts longer than this are tokenized off the event loop, so that health checks and
-# other streams are not held up.
-TOKENIZE_INLINE_CHARS = 8192
-# It is echoed in every response.
-MAX_REQUEST_ID_CHARS = 256
-# Each way, per message (the server's gRPC limits). A prompt of max_model_len token ids is a few
-# hundred KiB; this leaves room for long contexts.
-MAX_MESSAGE_BYTES = 16 * 2**20
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Proto3 zero values mean "unset"; raises InvalidRequestError naming the limit."""
-    for name in (
-        "temperature",
-        "min_p",
-        "top_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    ):
-        if not math.isfinite(getattr(msg, name)):
-            raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)}")
-    if len(msg.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(msg.stop)}")
-    for i, stop in enumerate(msg.stop):
-        if len(stop) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequestError(
-                f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_STRING_CHARS}"
-            )
     if msg.HasField("max_tokens") and msg.max_tokens < 1:
         raise InvalidRequestError(
             f"max_tokens must be >= 1 (unset: up to max_model_len), got {msg.max_tokens}"
@@ -89,7 +67,10 @@ _MAX_CHUNK_BYTES = 2 * 2**20
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(
-        self, engine: AsyncEngine, stream_interval: int = 1, max_message_bytes: int = MAX_MESSAGE_BYTES
+        self,
+        engine: AsyncEngine,
+        stream_interval: int = 1,
+        max_message_bytes: int = GENERATION_MAX_MESSAGE_BYTES,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
@@ -111,24 +92,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def _admit(
         self, request: pb.GenerateRequest, request_id: str, arrival: float, timeout: float | None
     ) -> RequestStream:
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequestError(
-                f"request_id is {len(request.request_id)} characters long; at most {MAX_REQUEST_ID_CHARS}"
-            )
+        verify_request_id(request.request_id)
         params = sampling_params_from_proto(request.sampling_params)
         tokenizer = self.engine.tokenizer
-        if params.stop and tokenizer is None:
-            raise InvalidRequestError(f"stop strings need a tokenizer; {NO_TOKENIZER}")
+        verify_tokenizer(params, tokenizer, NO_TOKENIZER)
         if request.WhichOneof("prompt") == "text":
             # No work for a prompt that cannot be served: no executor (UNAVAILABLE), no tokenizer,
             # or a text too long to fit (a lower bound on its tokens, without tokenizing).
             engine = self.engine.check_admitting()
-            if tokenizer is None:
-                raise InvalidRequestError(NO_TOKENIZER)
             text = request.text  # each read of the field decodes it anew
-            verify_prompt_length(
-                tokenizer.min_num_tokens(text), params, engine.limits.max_model_len, lower_bound=True
-            )
+            tokenizer = check_text_prompt(tokenizer, text, params, engine.limits.max_model_len)
             if len(text) > TOKENIZE_INLINE_CHARS:
                 # encode_off_gil: a long text in a thread that leaves the event loop (health, other
                 # streams) running.
@@ -159,17 +132,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
             stream = await self._admit(request, request_id, arrival, context.time_remaining())
-        except ExecutorUnavailable as e:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(e))
-        except QueueFullError as e:
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ValueError as e:  # InvalidRequestError, and anything else a request can get wrong
+        except TandemRequestError as e:
+            await self._fail(context, _STATUS_CODES[e.code], e.message)
+        except ValueError as e:  # anything else a request can get wrong
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        tokenizer = self.engine.tokenizer
-        detokenizer = IncrementalDetokenizer(tokenizer, stream.params.stop) if tokenizer else None
+        output = OutputProcessor(self.engine.tokenizer, stream.params)
         final = None
         try:
-            async for response in self._responses(stream, detokenizer, context):
+            async for response in self._responses(stream, output, context):
                 yield response  # returns once gRPC has taken the message
                 final = response.final if response.WhichOneof("payload") == "final" else None
         finally:
@@ -186,60 +156,43 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 self.metrics.requests_failed.labels(code.name).inc()
 
     async def _responses(
-        self,
-        stream: RequestStream,
-        detokenizer: IncrementalDetokenizer | None,
-        context: grpc.aio.ServicerContext,
+        self, stream: RequestStream, output: OutputProcessor, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        num_sent = 0
         while True:
             await stream.wait(self.stream_interval)
             if stream.failure is not None:
-                await self._fail(context, stream.failure.code, stream.failure.message)
+                await self._fail(context, _STATUS_CODES[stream.failure.code], stream.failure.message)
             # Read together with the tokens: more may arrive while the chunks are written.
             finished = stream.finished
             ids, logprobs = stream.take()
-            stop = None
             pieces = list(split_tokens(ids, logprobs_to_proto(logprobs), self._chunk_token_bytes))
             for i, (ids, logprobs) in enumerate(pieces):
-                text = ""
-                if detokenizer is not None:
-                    update = detokenizer.add(ids)
-                    text = update.text
-                    if update.stop_string is not None:
-                        stop = update.stop_string
-                        ids, logprobs = ids[: update.num_tokens], logprobs[: update.num_tokens]
-                        self.engine.abort(stream)
-                        stream.finished = finished = True
-                    elif finished and i == len(pieces) - 1:
-                        text += detokenizer.flush()
-                num_sent += len(ids)
-                if ids or text:
-                    texts = split_text(text, self._chunk_text_chars)
+                delta = output.add(ids, finished and i == len(pieces) - 1)
+                if delta.stopped:
+                    ids, logprobs = ids[: delta.num_tokens], logprobs[: delta.num_tokens]
+                    self.engine.abort(stream)
+                    stream.finished = finished = True
+                if ids or delta.text:
+                    texts = split_text(delta.text, self._chunk_text_chars)
                     chunk = pb.GenerateChunk(token_ids=ids, text=texts[0], logprobs=logprobs)
                     yield pb.GenerateResponse(request_id=stream.request_id, chunk=chunk)
                     for more in texts[1:]:
                         yield pb.GenerateResponse(
                             request_id=stream.request_id, chunk=pb.GenerateChunk(text=more)
                         )
-                if stop is not None:
+                if delta.stopped:
                     break
             if finished:
-                yield pb.GenerateResponse(
-                    request_id=stream.request_id, final=self._final(stream, num_sent, stop)
-                )
+                yield pb.GenerateResponse(request_id=stream.request_id, final=self._final(stream, output))
                 return
 
-    def _final(self, stream: RequestStream, num_sent: int, stop: str | None) -> pb.GenerateFinal:
-        reason = "stop" if stop is not None else stream.finish_reason or "abort"
-        stop_reason = stop or ""
-        if stop is None and reason == "stop" and stream.last_token_id in stream.params.stop_token_ids:
-            stop_reason = str(stream.last_token_id)
+    def _final(self, stream: RequestStream, output: OutputProcessor) -> pb.GenerateFinal:
+        reason, stop_reason = output.finish(stream.finish_reason, stream.last_token_id)
         self.metrics.e2e.observe(time.perf_counter() - stream.arrival)
         return pb.GenerateFinal(
             finish_reason=_FINISH_REASONS[reason],
             prompt_tokens=stream.num_prompt_tokens,
-            completion_tokens=num_sent,
+            completion_tokens=output.num_tokens,
             cached_tokens=stream.num_cached_tokens,
             stop_reason=stop_reason,
         )

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-import grpc
 
 from scheduler_service.engine import RequestOutput
+from scheduler_service.errors import ErrorCode, TandemRequestError
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFailure:
-    code: grpc.StatusCode
-    message: str
 
 
 class RequestStream:
@@ -38,7 +30,7 @@ class RequestStream:
         self.num_cached_tokens = 0
         self.finished = False
         self.finish_reason: str | None = None
-        self.failure: RequestFailure | None = None
+        self.failure: TandemRequestError | None = None
         # Prompt tokens counted in StreamTable.num_queued_tokens until the first output.
         self.queued_tokens = num_prompt_tokens
         self.first_token_time: float | None = None
@@ -50,7 +42,7 @@ class RequestStream:
         self.token_ids, self.logprobs = [], []
         return ids, lps
 
-    def fail(self, failure: RequestFailure) -> None:
+    def fail(self, failure: TandemRequestError) -> None:
         self.finished = True
         self.finish_reason = "abort"
         self.failure = failure
@@ -97,7 +89,7 @@ class StreamTable:
         stream.queued_tokens = 0
 
     def dispatch(
-        self, outputs: Sequence[RequestOutput], failures: dict[int, RequestFailure] | None, now: float
+        self, outputs: Sequence[RequestOutput], failures: dict[int, TandemRequestError] | None, now: float
     ) -> None:
         """One engine step's outputs, handed over in one batch."""
         streams = self._streams
@@ -126,7 +118,7 @@ class StreamTable:
                 stream.finished = True
                 stream.finish_reason = out.finish_reason
                 if out.error is not None:
-                    stream.failure = RequestFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, out.error)
+                    stream.failure = TandemRequestError(out.error, ErrorCode.RESOURCE_EXHAUSTED)
                 del streams[out.request_id]
             stream.event.set()
         for engine_id, failure in (failures or {}).items():

@@ -13,15 +13,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import grpc
-
 from scheduler_service.engine import LLMEngine, RequestOutput
+from scheduler_service.errors import ErrorCode, TandemRequestError
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.request_stream import RequestFailure, RequestStream, StreamTable
+from scheduler_service.request_stream import RequestStream, StreamTable
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import Sequence as Seq
 
-Failures = dict[int, RequestFailure]
+Failures = dict[int, TandemRequestError]
 # Hands one batch of step outputs and failures to the streams, on the asyncio loop.
 Post = Callable[[Sequence[RequestOutput], Failures | None], None]
 # (engine id, prompt token ids, sampling params, arrival (perf_counter), deadline (monotonic) or None)
@@ -74,7 +73,7 @@ class RequestTracker:
             self._aborts.append(stream.engine_id)
             self._cond.notify()
 
-    def abort_all(self, failure: RequestFailure) -> int:
+    def abort_all(self, failure: TandemRequestError) -> int:
         """End every live stream with `failure`; returns how many."""
         streams = self.streams.drain()
         for stream in streams:
@@ -119,7 +118,7 @@ class RequestTracker:
                 if deadline is not None:
                     heapq.heappush(self._deadlines, (deadline, engine_id))
             except ValueError as e:  # the limits changed since the asyncio side validated
-                failures[engine_id] = RequestFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                failures[engine_id] = TandemRequestError(str(e), ErrorCode.INVALID_ARGUMENT)
         for engine_id in aborts:
             engine.abort_request(engine_id)
             self.arrivals.pop(engine_id, None)
@@ -192,5 +191,5 @@ class RequestTracker:
         return False
 
 
-def _expired(where: str) -> RequestFailure:
-    return RequestFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed {where}")
+def _expired(where: str) -> TandemRequestError:
+    return TandemRequestError(f"the request's deadline passed {where}", ErrorCode.DEADLINE_EXCEEDED)

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protos.plan import StepSamplingParams
+from scheduler_service.errors import InvalidRequestError
 
+__all__ = ["InvalidRequestError", "SamplingParams", "verify_prompt_length", "verify_request"]
 
-class InvalidRequestError(ValueError):
-    """A request that can never succeed (the gRPC layer maps it to INVALID_ARGUMENT)."""
+# Limits that keep one request's stop-string matching cheap (the detokenizer checks every stop
+# string at every token).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+_FLOAT_FIELDS = (
+    "temperature",
+    "min_p",
+    "top_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass
@@ -33,6 +46,14 @@ class SamplingParams:
 
     def verify(self) -> None:
         """Raise InvalidRequestError naming the violated limit."""
+        for name in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                _fail(f"{name} must be a finite number, got {getattr(self, name)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _fail(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for i, stop in enumerate(self.stop):
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                _fail(f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_STRING_CHARS}")
         if self.max_tokens is not None and self.max_tokens < 1:
             _fail(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -14,8 +14,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2
 
-from client.client import read_pem
 from protos.api_keys import ApiKeys, load_api_keys, refusing_handler
+from protos.defaults import read_pem
 
 __all__ = ["OPEN_SERVICES", "ApiKeyInterceptor", "load_api_keys", "server_credentials"]
 

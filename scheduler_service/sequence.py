@@ -115,10 +115,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def set_stop_rules(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         """Which sampled tokens stop this sequence ("stop"), and at what length ("length")."""
         params = self.sampling_params

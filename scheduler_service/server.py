@@ -20,23 +20,24 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos.defaults import GENERATION_MAX_MESSAGE_BYTES
 from protos.parsing import deserializer
 from protos.plan import ExecutorInfo
 from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port, bind_address
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import AsyncEngine, EngineOptions
 from scheduler_service.engine import Executor
-from scheduler_service.generation_service import MAX_MESSAGE_BYTES, SERVICE_NAME, GenerationServicer
+from scheduler_service.errors import ErrorCode, TandemRequestError
+from scheduler_service.generation_service import SERVICE_NAME, GenerationServicer
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.request_stream import RequestFailure
 from scheduler_service.security import ApiKeyInterceptor
 from scheduler_service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", GENERATION_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", GENERATION_MAX_MESSAGE_BYTES),
     EXCLUSIVE_PORT_OPTION,
 ]
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -156,7 +157,7 @@ class SchedulerServer:
             await asyncio.sleep(0.05)
         if left := len(self.engine.streams):
             message = f"the scheduler shut down before this request finished (shutdown timeout {grace:g} s)"
-            self.engine.abort_all(RequestFailure(grpc.StatusCode.UNAVAILABLE, message))
+            self.engine.abort_all(TandemRequestError(message, ErrorCode.UNAVAILABLE))
             logger.warning("shutdown timeout: %d requests still running were failed", left)
         if self._server is not None:
             # Long enough for the last messages of finished streams to be written.

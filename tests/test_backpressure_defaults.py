@@ -12,7 +12,7 @@ import time
 
 import grpc
 import pytest
-from test_scheduler_service import request, wait_serving
+from helpers.scheduler_server import request, wait_serving
 
 from protos.plan import ExecutorInfo, StepPlan, StepResult
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc

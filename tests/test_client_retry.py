@@ -128,7 +128,7 @@ def test_the_cli_retries_by_default(serve):
 def test_a_request_sent_while_the_executor_is_away_is_served_once_it_is_back(qwen3_tied):
     """The scheduler refuses new requests UNAVAILABLE while its executor is away; the client's
     retries carry a request over a short absence (here 0.3 s; the first retry waits up to 0.5 s)."""
-    from test_scheduler_service import FlakyExecutor, make_server
+    from helpers.scheduler_server import FlakyExecutor, make_server
 
     from scheduler_service.async_engine import EngineOptions
     from scheduler_service.config import SchedulerConfig

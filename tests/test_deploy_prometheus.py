@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-from test_deploy import (
+from helpers.deploy import (
     DEPLOY,
     PROMETHEUS_DIR,
     ROOT,
@@ -34,10 +33,14 @@ from test_deploy import (
     require_tool,
     tandem_command,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 from client import TandemClient, TandemError
 from client.defaults import DEFAULT_MODEL, free_port
 from client.up import Service
+
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(autouse=True)

@@ -14,111 +14,24 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers.services import CHILD_ENV, NUM_KV_BLOCKS, ROOT, STARTUP_TIMEOUT, Services, _first_health
 
 from client import AsyncTandemClient, Chunk, Final, TandemClient, TandemError
 from client.defaults import free_port
+from client.llm import LLM
 from client.up import Service
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
-NUM_KV_BLOCKS = 512
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 24
 CANCEL_MAX_TOKENS = 120
-STARTUP_TIMEOUT = 60.0
 # The services share two cores with the test process (and another xdist worker).
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_LOG_LEVEL": "INFO"}
 TEXT_PROMPTS = ["The list type", "Exceptions are", "A class definition", "The for statement"]
-
-
-class Services:
-    def __init__(self, model: Path, log_dir: Path) -> None:
-        host = "127.0.0.1"
-        self.executor_port, self.executor_metrics_port = free_port(), free_port()
-        self.scheduler_port, self.scheduler_metrics_port = free_port(), free_port()
-        self.executor_address = f"{host}:{self.executor_port}"
-        self.address = f"{host}:{self.scheduler_port}"
-        common = ["--max-num-seqs", "64"]
-        self.executor = Service(
-            "executor",
-            [
-                sys.executable,
-                "-m",
-                "executor_service",
-                "--model",
-                str(model),
-                "--port",
-                str(self.executor_port),
-            ]
-            + ["--metrics-port", str(self.executor_metrics_port), "--num-kv-blocks", str(NUM_KV_BLOCKS)]
-            + common,
-            log_dir / "executor.log",
-            env=CHILD_ENV,
-            cwd=ROOT,
-        )
-        self.scheduler = Service(
-            "scheduler",
-            [sys.executable, "-m", "scheduler_service", "--executor", self.executor_address]
-            + ["--port", str(self.scheduler_port), "--metrics-port", str(self.scheduler_metrics_port)]
-            + ["--tokenizer", str(model)]
-            + common,
-            log_dir / "scheduler.log",
-            env=CHILD_ENV,
-            cwd=ROOT,
-        )
-        self.health_before_executor: str | None = None
-        self.health_after_executor: str | None = None
-
-    def start(self) -> None:
-        self.scheduler.start()
-        with TandemClient(self.address) as client:
-            self.health_before_executor = _first_health(client, self.scheduler)
-            self.executor.start()
-            try:
-                client.wait_until_serving(STARTUP_TIMEOUT)
-            except TandemError as e:
-                raise RuntimeError(f"{e}\n{self.logs()}") from None
-            self.health_after_executor = client.health()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {s.name} ---\n{s.tail(40)}" for s in (self.executor, self.scheduler))
-
-    def stop(self) -> None:
-        for service in (self.scheduler, self.executor):
-            service.stop(10.0)
-
-    def metrics(self, which: str) -> dict[str, float]:
-        port = self.scheduler_metrics_port if which == "scheduler" else self.executor_metrics_port
-        return scrape(f"http://127.0.0.1:{port}/metrics")
-
-
-def _first_health(client: TandemClient, service: Service) -> str:
-    """The scheduler's first health answer, once it listens."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        assert service.alive(), service.tail()
-        try:
-            return client.health(timeout=1.0)
-        except TandemError:
-            time.sleep(0.05)
-    raise AssertionError(f"the scheduler never answered health checks\n{service.tail()}")
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample, summed over labels, keyed by sample name ("..._total", "..._count")."""
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +182,18 @@ def test_bad_request_is_invalid_argument_and_the_service_stays_up(services):
             client.complete([1, 2, 600], max_tokens=4)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in err.value.message
         assert client.complete([5, 6, 7], max_tokens=4, ignore_eos=True).token_ids
+
+
+def test_a_stop_string_stops_the_same_through_the_services_as_in_process(services, reference):
+    params = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
+    full = reference.generate("The list type", SamplingParams(**params), use_tqdm=False)[0]
+    stop = full.text[len(full.text) // 2 :][:3]
+    offline = reference.generate("The list type", SamplingParams(**params, stop=[stop]), use_tqdm=False)[0]
+    assert offline.finish_reason == "stop" and len(offline.token_ids) < MAX_TOKENS
+    with TandemClient(services.address) as client:
+        remote = client.complete("The list type", **params, stop=[stop])
+    assert (remote.token_ids, remote.text) == (offline.token_ids, offline.text)
+    assert (remote.finish_reason, remote.stop_reason) == ("stop", stop)
 
 
 def test_unreachable_executor_is_unavailable_naming_it(tmp_path):

@@ -11,11 +11,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_e2e_services import CHILD_ENV, ROOT, _first_health
+from helpers.services import CHILD_ENV, ROOT, _first_health
 
 from client import TandemClient
 from client.defaults import free_port
 from client.up import Service
+
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 START_TIMEOUT = 60.0
 

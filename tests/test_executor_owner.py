@@ -21,12 +21,13 @@ import grpc
 import pytest
 from executor_fixtures import MiniScheduler, make_executor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_e2e_services import CHILD_ENV, ROOT
-from test_reliability import Cluster, _check_identical, _stream, token_prompts
-from test_security import CA
+from helpers.cluster import Cluster, _check_identical, _stream, token_prompts
+from helpers.services import CHILD_ENV, ROOT
+from helpers.tls import CA
 
 from client import AsyncTandemClient, TandemClient, TandemError
 from client.defaults import free_port
+from client.llm import LLM
 from client.up import Service
 from executor_service.plan_validation import PlanError, PlanLimits, validate_plan
 from executor_service.security import server_credentials
@@ -41,8 +42,10 @@ from scheduler_service.executor_client import (
     PlanRejected,
     RemoteExecutor,
 )
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
+
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 LEASE_S = 0.5
 KEY = "executor-key-0123456789abcdef"

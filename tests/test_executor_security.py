@@ -17,8 +17,8 @@ import grpc
 import pytest
 from executor_fixtures import MiniScheduler
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_executor_service import EXECUTOR_OPTIONS, ROOT, ExecutorProcess, free_port, stop
-from test_security import CA
+from helpers.executor_process import EXECUTOR_OPTIONS, ROOT, ExecutorProcess, free_port, stop
+from helpers.tls import CA
 
 from client import TandemClient, TandemError
 from client.defaults import DEFAULT_MODEL
@@ -28,6 +28,9 @@ from executor_service.server import MAX_MESSAGE_BYTES
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_service.executor_client import SERVICE_NAME, ExecutorUnavailable, RemoteExecutor
+
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 STEP_METHOD = "/tandem.v1.ExecutorService/Step"

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -19,6 +14,17 @@ import pytest
 from executor_fixtures import MiniScheduler, make_executor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers.executor_process import (
+    EXECUTOR_OPTIONS,
+    NUM_KV_BLOCKS,
+    ROOT,
+    ExecutorProcess,
+    free_port,
+    start_executor,
+    stop,
+    wait_ready,
+)
+from helpers.metrics import scrape_samples
 from prometheus_client.parser import text_string_to_metric_families
 
 from executor_service import cli
@@ -39,55 +45,29 @@ from scheduler_service.executor_client import (
 )
 from scheduler_service.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
-NUM_KV_BLOCKS = 96
-EXECUTOR_OPTIONS = dict(
-    block_size=4, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64
-)
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def executor_proc(qwen3_tied, tmp_path_factory):
+    ep = start_executor(qwen3_tied, tmp_path_factory.mktemp("executor") / "executor.log")
+    try:
+        wait_ready(ep)
+        yield ep
+    finally:
+        stop(ep)
+
+
+@pytest.fixture
+def remote(executor_proc):
+    with RemoteExecutor(executor_proc.address) as r:
+        r.reset()
+        yield r
+
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ExecutorProcess:
-    proc: subprocess.Popen
-    address: str
-    metrics_url: str
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-
-def start_executor(model: Path, log: Path, **env: str) -> ExecutorProcess:
-    port, metrics_port = free_port(), free_port()
-    args = [sys.executable, "-m", "executor_service", "--model", str(model)]
-    args += ["--port", str(port), "--metrics-port", str(metrics_port)]
-    for name, value in EXECUTOR_OPTIONS.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    # One intra-op thread: the same float reductions as the in-process reference.
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
-    with log.open("w") as f:
-        proc = subprocess.Popen(args, cwd=ROOT, env=full_env, stdout=f, stderr=subprocess.STDOUT)
-    return ExecutorProcess(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
-
-
-def wait_ready(ep: ExecutorProcess, timeout: float = 60) -> None:
-    with RemoteExecutor(ep.address) as remote:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert ep.proc.poll() is None, f"executor exited early:\n{ep.output()}"
-            try:
-                return remote.wait_ready(0.5)
-            except ExecutorUnavailable:
-                if time.monotonic() > deadline:
-                    raise
 
 
 def wait_listening(ep: ExecutorProcess, timeout: float = 60) -> None:
@@ -104,48 +84,9 @@ def wait_listening(ep: ExecutorProcess, timeout: float = 60) -> None:
             time.sleep(0.02)
 
 
-def stop(ep: ExecutorProcess, timeout: float = 10) -> int | None:
-    if ep.proc.poll() is None:
-        ep.proc.send_signal(signal.SIGTERM)
-        try:
-            return ep.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            ep.proc.kill()
-            ep.proc.wait()
-            return None
-    return ep.proc.returncode
-
-
-@pytest.fixture(scope="module")
-def executor_proc(qwen3_tied, tmp_path_factory):
-    ep = start_executor(qwen3_tied, tmp_path_factory.mktemp("executor") / "executor.log")
-    try:
-        wait_ready(ep)
-        yield ep
-    finally:
-        stop(ep)
-
-
 @pytest.fixture(scope="module")
 def local(qwen3_tied):
     return make_executor(qwen3_tied, **EXECUTOR_OPTIONS)
-
-
-@pytest.fixture
-def remote(executor_proc):
-    with RemoteExecutor(executor_proc.address) as r:
-        r.reset()
-        yield r
-
-
-def scrape(url: str) -> dict[str, dict[tuple, float]]:
-    """{sample name: {sorted label items: value}}."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    samples: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return samples
 
 
 class CountingExecutor:
@@ -249,10 +190,10 @@ def test_remote_generation_identical_to_local(remote, local):
 
 
 def test_metrics_count_steps_and_tokens(executor_proc, remote):
-    before = scrape(executor_proc.metrics_url)
+    before = scrape_samples(executor_proc.metrics_url)
     counting = CountingExecutor(remote)
     generate(counting)
-    after = scrape(executor_proc.metrics_url)
+    after = scrape_samples(executor_proc.metrics_url)
 
     def delta(name: str) -> float:
         return sum(after.get(name, {}).values()) - sum(before.get(name, {}).values())

@@ -15,12 +15,15 @@ from pathlib import Path
 import grpc
 import pytest
 from executor_fixtures import prompt_ids
-from test_executor_service import ROOT, ExecutorProcess, free_port, stop, wait_ready
-from test_tensor_parallel import alive, descendants
+from helpers.executor_process import ROOT, ExecutorProcess, free_port, stop, wait_ready
+from helpers.processes import alive, descendants
 
 from protos.plan import NewSequence, StepPlan, StepSamplingParams, plan_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
+
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 PROMPT_LEN = 2048  # one prefill of the embedded model's whole context: ~1.5 s on one CPU thread
 BLOCK_SIZE = 16

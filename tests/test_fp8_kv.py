@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.attention_checks import make_batch
+from helpers.hf_reference import MAX_NEW, make_prompts
 from safetensors.torch import load_file, save_file
-from test_generate_vs_hf import MAX_NEW, make_prompts
-from test_triton_kernels import make_batch
+from scheduler_service.llm import LLM
 
 from client.defaults import DEFAULT_MODEL
 from executor_service.attention.torch_ref import TorchRefBackend
@@ -17,7 +18,6 @@ from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
 from executor_service.fp8 import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
 from executor_service.layers.attention import Attention
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 SCALES = [(1.0, 1.0), (0.05, 2.0)]

@@ -69,9 +69,9 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from helpers.scheduler_server import make_server, wait_serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler_service import make_server, wait_serving
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor

@@ -2,85 +2,37 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import random
 import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from helpers.hf_reference import (
+    GREEDY_SEEDS,
+    LOGPROB_ATOL,
+    MAX_NEW,
+    _hf_model,
+    assert_matches_hf,
+    hf_greedy,
+    make_prompts,
+)
 
-from scheduler_service.llm import LLM
+from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
-MAX_NEW = 24
-PROMPT_LENGTHS = [1, 3, 7, 15, 16, 17, 40, 100]
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 # How far tandem's logprobs may be from transformers' at any step.
-LOGPROB_ATOL = 1e-4
 # Every compared step's top-1 logit beats its top-2 by at least this much, so rounding cannot
 # decide the comparison. The prompt seeds below are chosen so that this holds on the conftest
 # checkpoints (about 60% of seeds do). A larger init scale would not help: the rounding error
 # grows with the logits, so the margin-to-error ratio stays the same. At 2.5x the init,
 # test_executor_model's bf16 test also fails its tolerance.
-MIN_MARGIN = 10 * LOGPROB_ATOL
 # The prompt seed per block size for the greedy comparisons (chosen as above); the GPU tests reuse them.
-GREEDY_SEEDS = {16: 2, 256: 9}
-
-
-def make_prompts(lengths=PROMPT_LENGTHS, seed=0, prefix: list[int] | None = None) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [(prefix or []) + [rng.randrange(2, 400) for _ in range(n)] for n in lengths]
-
-
-@functools.cache
-def _hf_model(path: str):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(path, prompt: list[int], max_new: int = MAX_NEW) -> tuple[list[int], list[torch.Tensor]]:
-    """Tokens from transformers' generate(do_sample=False) and the log-softmax at each step."""
-    model = _hf_model(str(path))
-    eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            do_sample=False,
-            max_new_tokens=max_new,
-            eos_token_id=eos,
-            pad_token_id=eos if isinstance(eos, int) else eos[0],
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, [torch.log_softmax(s[0].float(), -1) for s in out.scores]
-
-
-def assert_matches_hf(path, prompts, outputs):
-    """Same tokens and finish reasons as transformers; where the outputs carry logprobs, the
-    same logprobs at every step. Every step compared has a clear top-1 over top-2 margin."""
-    eos = _hf_model(str(path)).generation_config.eos_token_id
-    eos_ids = {eos} if isinstance(eos, int) else set(eos)
-    margins = []
-    for prompt, out in zip(prompts, outputs, strict=True):
-        expected, scores = hf_greedy(path, prompt)
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        # An eos as the last allowed token is still a stop.
-        assert out.finish_reason == ("stop" if expected[-1] in eos_ids else "length")
-        for step, ref in enumerate(scores):
-            top = ref.topk(2)
-            margins.append(float(top.values[0] - top.values[1]))
-            if out.logprobs is None:
-                continue
-            lp = out.logprobs[step]
-            assert math.isclose(lp.logprob, float(ref[expected[step]]), abs_tol=LOGPROB_ATOL), f"step {step}"
-            assert [t for t, _ in lp.top_logprobs] == top.indices.tolist()
-            assert [v for _, v in lp.top_logprobs] == pytest.approx(top.values.tolist(), abs=LOGPROB_ATOL)
-    smallest = min(margins)
-    assert smallest >= MIN_MARGIN, f"a greedy near-tie: top-1 - top-2 = {smallest:.2e}"
 
 
 @pytest.mark.parametrize("fixture", ["qwen3_tied", "qwen3_untied"])

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import trained_prompts
-from test_generate_vs_hf import GREEDY_SEEDS, MAX_NEW, assert_matches_hf, make_prompts
+from helpers.hf_reference import GREEDY_SEEDS, MAX_NEW, assert_matches_hf, make_prompts
 
 from client.defaults import DEFAULT_MODEL
-from scheduler_service.llm import LLM
+from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -122,7 +122,7 @@ def test_families_triton_fp32_match_transformers(family_checkpoint, family):
     """Every family on the GPU path (Triton attention, the fused rotary with or without q/k norm, the
     fused MoE kernels, CUDA graphs), fp32, token-identical to transformers, through chunked prefill
     and a prefix hit."""
-    from test_model_families import PROMPT_SEEDS, waves
+    from helpers.families import PROMPT_SEEDS, waves
 
     path = family_checkpoint(family)
     first, second = waves(PROMPT_SEEDS[family])

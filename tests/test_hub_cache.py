@@ -13,6 +13,9 @@ import pytest
 
 from executor_service.hub import resolve_model
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -50,7 +53,7 @@ def test_missing_snapshot_names_where_it_looked(hub_cache, model, revision):
 
 
 def test_cli_generate_from_the_cache(hub_cache, qwen3_tied):
-    from test_generate_vs_hf import hf_greedy
+    from helpers.hf_reference import hf_greedy
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     args = [sys.executable, "-m", "client.cli", "generate", "--model", "tiny/qwen3", "--json"]

@@ -13,22 +13,17 @@ import pytest
 import torch
 from checkpoints import FAMILIES
 from executor_fixtures import MiniScheduler, hf_logits, make_executor, prompt_ids
-from test_generate_vs_hf import MAX_NEW, _hf_model, assert_matches_hf, make_prompts
+from helpers.families import PROMPT_SEEDS, waves
+from helpers.hf_reference import MAX_NEW, _hf_model, assert_matches_hf, make_prompts
 
-from scheduler_service.llm import LLM
+from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 # The prompt seed per family: every compared step has a clear top-1 margin (test_generate_vs_hf).
-PROMPT_SEEDS = {family: 0 for family in FAMILIES}
 ATOL = 1e-4
-
-
-def waves(seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts of many lengths; the second wave shares a 32-token prefix with the first."""
-    shared = make_prompts([32], seed=seed + 100)[0]
-    first = make_prompts([1, 7, 17, 40, 100], seed=seed) + [shared + [5, 6, 7]]
-    second = make_prompts([2, 9, 20], seed=seed + 1, prefix=shared)
-    return first, second
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

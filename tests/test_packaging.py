@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import copy
 
 from executor_fixtures import make_executor, prompt_ids
+from helpers.fake_executor import CountingPipe, FakeExecutor, greedy, make_engine, prompt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler import CountingPipe, FakeExecutor, greedy, make_engine, prompt
 
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine

@@ -9,8 +9,13 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+import pytest
+
 from client.defaults import DEFAULT_MODEL, REPO_ROOT
-from scheduler_service.llm import LLM
+from client.llm import LLM
+
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 _spec = importlib.util.spec_from_file_location(
     "recompute_divergence", REPO_ROOT / "bench" / "recompute_divergence.py"

@@ -15,20 +15,23 @@ from pathlib import Path
 
 import grpc
 import pytest
-from test_e2e_services import CHILD_ENV, ROOT, Services
-from test_scheduler_service import NUM_KV_BLOCKS, metrics, request, wait_serving
+from helpers.scheduler_server import NUM_KV_BLOCKS, metrics, request, wait_serving
+from helpers.services import CHILD_ENV, ROOT, Services
 
 from client import TandemClient, TandemError
+from client.llm import LLM
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_service.async_engine import EngineOptions
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import InvalidRequestError, SamplingParams
 from scheduler_service.server import SchedulerServer, ServerThread
 from scheduler_service.tokenizer import Tokenizer
+
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 # The scheduler's gRPC limit, each way.
 MAX_MESSAGE_BYTES = 16 * 2**20

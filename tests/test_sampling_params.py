@@ -75,7 +75,7 @@ def test_request_at_the_limit_is_accepted():
 
 
 def test_engine_add_request_validates():
-    from test_scheduler import make_engine
+    from helpers.fake_executor import make_engine
 
     engine, _ = make_engine(max_model_len=64)
     with pytest.raises(InvalidRequestError, match=r"outside the vocabulary \(size 512\)"):

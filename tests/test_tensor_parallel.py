@@ -20,15 +20,19 @@ import torch
 from checkpoints import build_qwen3, trained_prompts
 from executor_fixtures import prompt_ids
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_executor_service import ROOT, ExecutorProcess, free_port, stop, wait_ready
+from helpers.executor_process import ROOT, ExecutorProcess, free_port, stop, wait_ready
+from helpers.processes import alive, descendants
 
 from client.defaults import DEFAULT_MODEL
+from client.llm import LLM
 from executor_service.config import ExecutorConfig
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.executor_client import ExecutorUnavailable, RemoteExecutor
-from scheduler_service.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
+
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 # A small token budget: the 61-token prompts are prefilled in chunks.
 OPTIONS = dict(block_size=4, num_kv_blocks=96, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=24)
@@ -54,29 +58,6 @@ def start_tp_executor(model: Path, log: Path, tp: int = 2) -> ExecutorProcess:
     with log.open("w") as f:
         proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     return ExecutorProcess(proc, f"127.0.0.1:{port}", "", log)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (Linux /proc)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def requests() -> list[list[tuple[list[int], SamplingParams]]]:
@@ -492,7 +473,7 @@ def test_rank_killed_mid_decode_every_stream_finishes_on_the_next_executor(qwen3
     """The whole path at TP=2, as for any executor failure: 16 greedy streams through the scheduler,
     rank 1 SIGKILLed mid-decode, the executor goes down by itself, a new TP=2 executor starts on
     the same port, and every stream finishes with exactly the undisturbed run's tokens."""
-    from test_reliability import Cluster, _check_identical, _kill_and_recover, token_prompts
+    from helpers.cluster import Cluster, _check_identical, _kill_and_recover, token_prompts
 
     prompts = token_prompts(16, seed=13)
     max_tokens = 48

@@ -9,33 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers.interpret import PRELUDE, ROOT
+
+# Starts service processes or runs models at length: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
-
-PRELUDE = r"""
-import sys
-sys.path[:0] = ["tests", "."]
-import torch
-torch.set_num_threads(1)
-from triton.runtime import interpreter
-
-# numpy >= 2.4 refuses int() of a 1-element array, which the interpreter hands to range() for loop
-# bounds loaded from memory; take the element explicitly.
-_patch_tensor = interpreter._patch_lang_tensor
-
-def _patch_lang_tensor(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-interpreter._patch_lang_tensor = _patch_lang_tensor
-from test_triton_kernels import check_attention_fp8, check_decode, check_prefill, check_store, check_store_fp8, make_batch, to_fp8
-f16 = torch.float16
-"""
 
 CASES = {
     "store": """
@@ -80,18 +62,18 @@ for scales in ((1.0, 1.0), (0.05, 2.5)):
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})
 """,
     "fp8_gemm": """
-from test_fp8_gemm import check_gemm, check_quantize
+from helpers.fp8_gemm_checks import check_gemm, check_quantize
 for dtype in (torch.bfloat16, f16):
     check_quantize(5, 300, dtype, "cpu")  # a partial group
     check_quantize(3, 256, dtype, "cpu")
 small = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 check_gemm(5, 72, 256, torch.float32, "cpu", small)  # partial N tile, two K steps
 check_gemm(17, 160, 384, torch.float32, "cpu", small)  # partial M tile, N scale blocks of 128
-from test_fp8_gemm import check_fp8_linear_layers
+from helpers.fp8_gemm_checks import check_fp8_linear_layers
 check_fp8_linear_layers("cpu")
 """,
     "fused_ops": """
-from test_triton_ops import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
+from helpers.triton_op_checks import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
 for dtype in (torch.float32, torch.bfloat16, f16):
     check_rms_norm(5, 96, dtype, "cpu")
     check_silu_and_mul(3, 200, dtype, "cpu")
@@ -101,7 +83,7 @@ for dtype in (torch.float32, torch.bfloat16, f16):
     check_qk_norm_rope(5, 4, 2, 32, dtype, "cpu", with_norm=False, rope=yarn)
 """,
     "sampling": """
-from test_sampling_kernel import check_distribution, check_greedy, check_sampler_routing, check_seed_isolation
+from helpers.sampling_checks import check_distribution, check_greedy, check_sampler_routing, check_seed_isolation
 check_sampler_routing("cpu")
 check_greedy(5, 40, torch.float32, "cpu", block=16)  # 3 tiles, the last one partial
 check_greedy(3, 40, f16, "cpu", block=16)
@@ -110,7 +92,7 @@ check_seed_isolation(24, "cpu", block=16)
 check_distribution(400, 6, 0.6, "cpu", block=8, tol=0.1)
 """,
     "fused_moe": """
-from test_fused_moe import LOADS, check_fused_moe
+from helpers.fused_moe_checks import LOADS, check_fused_moe
 from executor_service.layers.fused_moe_triton import MoEConfig
 small = MoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)  # several N and K tiles
 for num_tokens, used in LOADS:

@@ -16,7 +16,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        # Bound by the model runner: KVCache.bind() and set_attention_backend().
+        # Set by the model runner: the cache by KVCache.bind(), the backend from --attention-backend.
         self.k_cache = self.v_cache = torch.tensor([])
         # Per-layer scales of an fp8 KV cache: the checkpoint's k_scale / v_scale (the loader), else 1.
         self.k_scale = self.v_scale = 1.0

@@ -101,10 +101,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor | CheckpointSlice) -> None:
     dst.copy_(read_tensor(src))
 
 
-class ReplicatedLinear(LinearBase):
-    pass
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication after the matmul."""
 

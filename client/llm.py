@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
-from scheduler_service.engine import LLMEngine
+from scheduler_service.engine import LLMEngine, RequestOutput
+from scheduler_service.request_handling import OutputProcessor, tokenize, verify_tokenizer
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
 from scheduler_service.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+NO_TOKENIZER = "this model has no tokenizer.json: pass token ids instead of text"
 
 
 @dataclass
@@ -50,7 +52,7 @@ class LLM:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         **executor_options,
     ):
-        # Imported here so that scheduler_service imports without torch.
+        # Imported here: torch loads when an LLM is made, not when this module is imported.
         from executor_service.config import ExecutorConfig
         from executor_service.executor import LocalExecutor
 
@@ -78,11 +80,9 @@ class LLM:
         tokenizer_path = tokenizer or self.executor.config.model
         self.tokenizer = Tokenizer(tokenizer_path) if Tokenizer.exists(tokenizer_path) else None
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json: pass token ids instead of text")
-            return self.tokenizer.encode(prompt)
+            return tokenize(self.tokenizer, prompt, params, self.engine.limits.max_model_len, NO_TOKENIZER)
         return list(prompt)
 
     def generate(
@@ -102,12 +102,19 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
 
         # Validate and encode everything before admitting anything: a bad prompt fails alone.
-        encoded = [self._encode(p) for p in prompts]
+        for sp in sampling_params:
+            verify_tokenizer(sp, self.tokenizer, NO_TOKENIZER)
+        encoded = [self._encode(p, sp) for p, sp in zip(prompts, sampling_params)]
         for ids, sp in zip(encoded, sampling_params):
             self.engine.validate_request(ids, sp)
         request_ids = [self.engine.add_request(ids, sp) for ids, sp in zip(encoded, sampling_params)]
         order = {rid: i for i, rid in enumerate(request_ids)}
-        finished: dict[int, object] = {}
+        # Requests with stop strings are detokenized as they go, to end them at the first one;
+        # the others are decoded once, at the end.
+        streams = {
+            rid: _TextStream(self.tokenizer, sp) for rid, sp in zip(request_ids, sampling_params) if sp.stop
+        }
+        finished: dict[int, GenerationOutput] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         stats = self.engine.scheduler.stats
         while self.engine.has_unfinished_requests():
@@ -120,24 +127,48 @@ class LLM:
                 decode=f"{(stats.num_generation_tokens - gen_before) / dt:.0f}tok/s",
             )
             for out in outputs:
-                if out.finished and out.request_id in order:
-                    finished[out.request_id] = out
-                    bar.update(1)
+                rid = out.request_id
+                if rid not in order or rid in finished:
+                    continue
+                stream = streams.get(rid)
+                if stream is not None and stream.add(out):
+                    self.engine.abort_request(rid)  # a stop string ended it
+                elif not out.finished:
+                    continue
+                finished[rid] = self._output(out, stream)
+                bar.update(1)
         bar.close()
 
         results = []
         for prompt, ids, rid in zip(prompts, encoded, request_ids):
-            out = finished[rid]
-            text = self.tokenizer.decode(out.token_ids) if self.tokenizer is not None else None
-            results.append(
-                GenerationOutput(
-                    prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=ids,
-                    token_ids=list(out.token_ids),
-                    text=text,
-                    finish_reason=out.finish_reason,
-                    num_cached_tokens=out.num_cached_tokens,
-                    logprobs=out.logprobs,
-                )
-            )
+            result = finished[rid]
+            result.prompt = prompt if isinstance(prompt, str) else None
+            result.prompt_token_ids = ids
+            results.append(result)
         return results
+
+    def _output(self, out: RequestOutput, stream: _TextStream | None) -> GenerationOutput:
+        if stream is None:
+            token_ids = list(out.token_ids)
+            text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
+            reason, logprobs = out.finish_reason, out.logprobs
+        else:
+            n = stream.processor.num_tokens
+            token_ids, text = list(out.token_ids[:n]), "".join(stream.text)
+            reason, _ = stream.processor.finish(out.finish_reason, None)
+            logprobs = out.logprobs[:n] if out.logprobs is not None else None
+        return GenerationOutput(None, [], token_ids, text, reason, out.num_cached_tokens, logprobs)
+
+
+class _TextStream:
+    """The text of a request with stop strings, as it is generated."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.processor = OutputProcessor(tokenizer, params)
+        self.text: list[str] = []
+
+    def add(self, out: RequestOutput) -> bool:
+        """Whether a stop string ended the request."""
+        delta = self.processor.add(out.new_token_ids, out.finished)
+        self.text.append(delta.text)
+        return delta.stopped

@@ -1,0 +1,62 @@
+"""How a service process starts: `python -m executor_service` and `python -m scheduler_service`
+(what `tandem up` runs) and the `tandem executor` / `tandem scheduler` verbs parse and log alike."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+# Set by `tandem up` in the environment of the services it starts.
+PARENT_PID_ENV = "TANDEM_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def exit_with_parent() -> None:
+    """In a service started by `tandem up`: get SIGTERM from the kernel when `tandem up` dies,
+    even by SIGKILL, so that no service is left orphaned. Does nothing elsewhere."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("TANDEM_LOG_LEVEL"),
+        help="logging level (default INFO for the services, WARNING otherwise; env TANDEM_LOG_LEVEL)",
+    )
+
+
+def service_main(verb: str, add_parser: Callable[[argparse._SubParsersAction], object]) -> int:
+    """`python -m executor_service [executor] [--log-level L] [flags]` and its scheduler twin:
+    the same as `tandem VERB [flags]`."""
+    argv = sys.argv[1:]
+    if argv[:1] == [verb]:
+        argv = argv[1:]
+    log_level = []
+    if argv[:1] == ["--log-level"]:
+        log_level, argv = argv[:2], argv[2:]
+    parser = argparse.ArgumentParser(prog="tandem")
+    add_log_level(parser)
+    add_parser(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args([*log_level, verb, *argv])
+    return run_service(args)
+
+
+def run_service(args: argparse.Namespace) -> int:
+    """Run a parsed service verb: tied to `tandem up` when it started us, logging at INFO."""
+    exit_with_parent()
+    logging.basicConfig(level=(args.log_level or "INFO").upper(), format=LOG_FORMAT)
+    return args.func(args)

@@ -1,0 +1,117 @@
+"""Request handling without a transport: what every front end does to a request, written once.
+
+The gRPC servicer (generation_service.py), the offline `LLM` (client/llm.py) and an HTTP front
+end call these, so that a request behaves the same whichever way it came:
+
+- validation: `SamplingParams.verify` (finite numbers, ranges, stop strings' count and length),
+  `verify_request_id`, and the engine's checks against the executor's limits (`verify_request`);
+- tokenization: `check_text_prompt` refuses a text prompt whose size alone shows it cannot fit,
+  before the work, and `tokenize` encodes it;
+- output: an `OutputProcessor` per request turns generated token ids into text deltas that are
+  final (incremental detokenization), ends the output at the first stop string (the caller then
+  aborts the request in its engine) and names the finish reason and stop reason.
+
+Errors are `TandemRequestError` (errors.py); only a transport maps their codes to its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.errors import InvalidRequestError
+from scheduler_service.sampling_params import SamplingParams, verify_prompt_length
+from scheduler_service.tokenizer import Tokenizer
+
+FINISH_REASONS = ("stop", "length", "abort")
+NO_TOKENIZER = "this server has no tokenizer: send token ids or start it with --tokenizer"
+# It is echoed in every response.
+MAX_REQUEST_ID_CHARS = 256
+# Text prompts longer than this are worth tokenizing off an event loop.
+TOKENIZE_INLINE_CHARS = 8192
+
+
+def verify_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            f"request_id is {len(request_id)} characters long; at most {MAX_REQUEST_ID_CHARS}"
+        )
+
+
+def verify_tokenizer(params: SamplingParams, tokenizer: Tokenizer | None, no_tokenizer: str) -> None:
+    """Stop strings are matched on the text: they need a tokenizer."""
+    if params.stop and tokenizer is None:
+        raise InvalidRequestError(f"stop strings need a tokenizer; {no_tokenizer}")
+
+
+def check_text_prompt(
+    tokenizer: Tokenizer | None,
+    text: str,
+    params: SamplingParams,
+    max_model_len: int,
+    no_tokenizer: str = NO_TOKENIZER,
+) -> Tokenizer:
+    """The tokenizer to encode `text` with; raises InvalidRequestError without one, or when the
+    text is too long to fit even at the most bytes a token can hold (checked without tokenizing)."""
+    if tokenizer is None:
+        raise InvalidRequestError(no_tokenizer)
+    verify_prompt_length(tokenizer.min_num_tokens(text), params, max_model_len, lower_bound=True)
+    return tokenizer
+
+
+def tokenize(
+    tokenizer: Tokenizer | None,
+    text: str,
+    params: SamplingParams,
+    max_model_len: int,
+    no_tokenizer: str = NO_TOKENIZER,
+) -> list[int]:
+    """The prompt's token ids, after check_text_prompt."""
+    return check_text_prompt(tokenizer, text, params, max_model_len, no_tokenizer).encode(text)
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    # Final text: never a broken UTF-8 tail, never a possible start of a stop string.
+    text: str
+    # How many of the token ids passed to add() belong to the output (fewer when a stop string
+    # completed inside the batch: the output ends at the token that completed it).
+    num_tokens: int
+    stopped: bool
+
+
+class OutputProcessor:
+    """One request's output on its way to the user. Feed each batch of generated ids to add()
+    (with `finished` on the engine's last one); once `stop_string` is set, abort the request in
+    the engine and send nothing more."""
+
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams) -> None:
+        self.params = params
+        self._detokenizer = IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
+        self.stop_string: str | None = None
+        self.num_tokens = 0
+
+    def add(self, token_ids: Sequence[int], finished: bool) -> OutputDelta:
+        detokenizer = self._detokenizer
+        if detokenizer is None:
+            self.num_tokens += len(token_ids)
+            return OutputDelta("", len(token_ids), False)
+        update = detokenizer.add(token_ids)
+        text = update.text
+        if update.stop_string is not None:
+            self.stop_string = update.stop_string
+        elif finished:
+            text += detokenizer.flush()
+        self.num_tokens += update.num_tokens
+        return OutputDelta(text, update.num_tokens, update.stop_string is not None)
+
+    def finish(self, engine_reason: str | None, last_token_id: int | None) -> tuple[str, str]:
+        """(finish reason, stop reason): "stop" with the stop string or the stop token id that
+        ended it, "length", or "abort" (also for a request that ended without a reason)."""
+        if self.stop_string is not None:
+            return "stop", self.stop_string
+        reason = engine_reason or "abort"
+        if reason == "stop" and last_token_id in self.params.stop_token_ids:
+            return reason, str(last_token_id)
+        return reason, ""

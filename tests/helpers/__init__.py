@@ -1,0 +1,1 @@
+"""Helpers and fixtures the test modules share (a test module never imports another)."""

@@ -1,0 +1,72 @@
+"""Shared by the tests: from test_triton_kernels.py."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_service.context import Context
+from helpers.attention_checks import (
+    NAN,
+    assert_matches,
+)
+
+
+def to_fp8(batch: dict, k_scale: float, v_scale: float) -> dict:
+    """The batch with e4m3 caches (the cached prefix quantized as a store would have; NaN stays NaN)."""
+    from executor_service.fp8 import quantize_kv
+
+    fp8 = dict(batch, kv_scales=(k_scale, v_scale))
+    fp8["k_cache"] = quantize_kv(batch["k_cache"], k_scale)
+    fp8["v_cache"] = quantize_kv(batch["v_cache"], v_scale)
+    return fp8
+
+
+def check_store_fp8(batch: dict) -> None:
+    """The store kernel writes exactly fp8.quantize_kv's bytes (round to nearest even, saturated)."""
+    from executor_service.attention import triton_kernels
+    from executor_service.fp8 import quantize_kv
+
+    ctx, (k_scale, v_scale) = batch["context"], batch["kv_scales"]
+    k_cache, v_cache = batch["k_cache"], batch["v_cache"]
+    triton_kernels.store_kv(batch["k"], batch["v"], k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale)
+    keep = ctx.slot_mapping >= 0
+    slots = ctx.slot_mapping[keep]
+    for cache, x, scale in ((k_cache, batch["k"], k_scale), (v_cache, batch["v"], v_scale)):
+        got = cache.view(-1, *cache.shape[2:])[slots].view(torch.uint8)
+        assert torch.equal(got, quantize_kv(x[keep], scale).view(torch.uint8))
+
+
+def check_attention_fp8(batch: dict, num_splits: int = 1, config: dict | None = None) -> None:
+    """Store, decode rows and prefill rows over e4m3 caches against torch_ref in fp32 over the same
+    caches (its store quantizes the same way; it dequantizes before SDPA, the kernels fold the scales
+    into the scores and the output: not the same order, so within the 16-bit tolerance)."""
+    from executor_service.attention import torch_ref
+    from executor_service.attention import triton_kernels as tk
+
+    ctx, pad, kv_scales = batch["context"], batch["num_padding"], batch["kv_scales"]
+    k_ref, v_ref = batch["k_cache"].clone(), batch["v_cache"].clone()
+    torch_ref.store_kv(batch["k"], batch["v"], k_ref, v_ref, ctx.slot_mapping, *kv_scales)
+    n = len(ctx.query_lens_host) - pad
+    real = Context(
+        block_tables=ctx.block_tables[:n],
+        query_lens_host=ctx.query_lens_host[:n],
+        context_lens_host=ctx.context_lens_host[:n],
+    )
+    num_tokens = sum(real.query_lens_host)
+    q = batch["q"]
+    ref = torch_ref.paged_attention(q[:num_tokens].float(), k_ref, v_ref, real, batch["scale"], *kv_scales)
+    tk.store_kv(batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], ctx.slot_mapping, *kv_scales)
+    assert torch.equal(batch["k_cache"].view(torch.uint8), k_ref.view(torch.uint8))
+    out = torch.full_like(q, NAN)
+    meta = (ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q)
+    caches = (batch["k_cache"], batch["v_cache"])
+    has_decode, has_prefill = 1 in ctx.query_lens_host, any(n > 1 for n in ctx.query_lens_host)
+    if has_decode:
+        rows = 1 if has_prefill else 0
+        tk.paged_decode(q, *caches, out, *meta, batch["scale"], num_splits, rows=rows, kv_scales=kv_scales)
+    if has_prefill:
+        tk.paged_prefill(
+            q, *caches, out, *meta, ctx.max_seqlen_q, batch["scale"], rows=2 if has_decode else 0,
+            config=config, kv_scales=kv_scales,
+        )  # fmt: skip
+    assert_matches(out, batch, ref)

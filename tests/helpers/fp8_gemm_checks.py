@@ -1,0 +1,86 @@
+"""Shared by the tests: from test_fp8_gemm.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_service.fp8 import FP8_DTYPE, FP8_MAX, dequantize_weight_blocks, quantize_weight_blocks
+
+
+def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, per group of 128 columns: scale = amax / 448, q = e4m3(x / scale)."""
+    m, k = x.shape
+    groups = -(-k // 128)
+    padded = torch.zeros(m, groups * 128, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    g = padded.view(m, groups, 128)
+    scale = g.abs().amax(-1).clamp(min=1e-10) / FP8_MAX
+    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, -1)[:, :k], scale
+
+
+def check_quantize(m: int, k: int, dtype: torch.dtype, device: str) -> None:
+    from executor_service.layers.fp8_gemm_triton import quantize_per_token_group
+
+    gen = torch.Generator().manual_seed(m * 31 + k)
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, k)).to(dtype).to(device)
+    q, s = quantize_per_token_group(x)
+    ref_q, ref_s = reference_quantize(x)
+    assert torch.equal(s, ref_s)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: dict | None = None) -> float:
+    """The fp8 linear against fp32 math on the dequantized activations and weights; returns the
+    relative error against the unquantized GEMM (what fp8 costs, for the bench)."""
+    from executor_service.layers.fp8_gemm_triton import fp8_linear, w8a8_block_matmul
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(device)
+    w_q, w_s = quantize_weight_blocks(w)
+    a_q, a_s = reference_quantize(x)
+    out = w8a8_block_matmul(a_q, a_s, w_q, w_s, dtype, config)
+    ref = _dequantize_rows(a_q, a_s) @ dequantize_weight_blocks(w_q, w_s, torch.float32).T
+    tol = 1e-2 if dtype != torch.float32 else 1e-4
+    torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    torch.testing.assert_close(fp8_linear(x, w_q, w_s), out, atol=0, rtol=0)
+    exact = x.float() @ w.float().T
+    return ((out.float() - exact).norm() / exact.norm()).item()
+
+
+def _dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s.repeat_interleave(128, 1)[:, : q.shape[1]]
+
+
+def check_fp8_linear_layers(device: str) -> None:
+    """Packed q/k/v with e4m3 weights: the loaders place each shard's weight and block scales, the
+    forward is the W8A8 GEMM; a row-parallel rank reads its blocks of columns; a shard that would
+    split a block is refused."""
+    from executor_service.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.device(device):
+        qkv = QKVParallelLinear(256, 64, 4, 2)
+    qkv.to_fp8((128, 128))
+    dequantized = []
+    for shard, rows in (("q", 256), ("k", 128), ("v", 128)):
+        q, scale_inv = quantize_weight_blocks(torch.randn(rows, 256, generator=gen))
+        qkv.weight_loader(qkv.weight, q, shard)
+        qkv.weight_loader(qkv.weight_scale_inv, scale_inv, shard)
+        dequantized.append(dequantize_weight_blocks(q, scale_inv, torch.float32))
+    x = torch.randn(5, 256, generator=gen).to(device)
+    ref = _dequantize_rows(*reference_quantize(x)) @ torch.cat(dequantized).to(device).T
+    torch.testing.assert_close(qkv(x), ref, atol=1e-3, rtol=1e-4)
+
+    with pytest.raises(ValueError, match="columns of 64 would split the fp8 checkpoint's blocks of 128"):
+        RowParallelLinear(256, 128, tp_rank=0, tp_size=4).to_fp8((128, 128))
+    with torch.device(device):
+        row = RowParallelLinear(512, 128, tp_rank=1, tp_size=2)
+    row.to_fp8((128, 128))
+    q, scale_inv = quantize_weight_blocks(torch.randn(128, 512, generator=gen))
+    row.weight_loader(row.weight, q)
+    row.weight_loader(row.weight_scale_inv, scale_inv)
+    assert torch.equal(row.weight_scale_inv.cpu(), scale_inv[:, 2:4])
+    assert torch.equal(row.weight.cpu().view(torch.uint8), q[:, 256:].view(torch.uint8))

@@ -1,0 +1,124 @@
+"""Shared by the tests: from test_triton_ops.py."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from executor_service.layers.activation import SiluAndMul
+from executor_service.layers.norm import RMSNorm
+from executor_service.layers.rotary import RotaryEmbedding
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    assert not actual.isnan().any(), f"{what}: NaN (an element was not written)"
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=what)
+    else:
+        # One rounding step of the dtype: exp/rsqrt differ in their last fp32 bits between Triton
+        # and CUDA, which moves a bf16 result by at most one unit in rare elements.
+        eps = torch.finfo(actual.dtype).eps
+        if INTERPRETED and actual.dtype == torch.bfloat16:  # truncation at each of up to 6 roundings
+            torch.testing.assert_close(actual.float(), expected.float(), rtol=8 * eps, atol=2e-2, msg=what)
+            return
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2 * eps, atol=1e-3, msg=what)
+        mismatched = (actual != expected).float().mean().item()
+        assert mismatched < 0.02, f"{what}: {mismatched:.1%} of elements differ from the reference"
+
+
+def _close_rotated(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Rotary output: where x1 * cos and x2 * sin cancel, one rounding step of those products is
+    large against the result, so bf16/fp16 elements are held to two steps of the terms. (On the H200
+    19% of bf16 elements differ from the unfused layers' by such a step: the fused kernel's
+    intermediate roundings need not fall where PyTorch's do.) A rotation keeps each (x1, x2) pair's length, so the
+    terms' size is that of the expected pair."""
+    if actual.dtype == torch.float32:
+        _close(actual, expected, what)
+        return
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    assert not actual.isnan().any(), f"{what}: NaN (an element was not written)"
+    half = expected.shape[-1] // 2
+    e = expected.float()
+    pair = torch.hypot(e[..., :half], e[..., half:])
+    pair = torch.cat([pair, pair], dim=-1)
+    eps = torch.finfo(actual.dtype).eps * (8 if INTERPRETED and actual.dtype == torch.bfloat16 else 2)
+    excess = (actual.float() - e).abs() - eps * pair - 1e-5
+    assert (excess <= 0).all(), (
+        f"{what}: {int((excess > 0).sum())} elements off by more than {eps:g} of their pair"
+    )
+
+
+def check_rms_norm(num_tokens: int, hidden: int, dtype: torch.dtype, device: str, seed: int = 0) -> None:
+    from executor_service.layers.triton_ops import rms_norm
+
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(hidden, eps=1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    norm.to(device)
+    # A strided input (a slice of a wider buffer), as the model's views are.
+    x = (3 * torch.randn(num_tokens, hidden + 8, generator=gen)).to(dtype).to(device)[:, :hidden]
+    residual = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(device)
+    x_before, residual_before = x.clone(), residual.clone()
+    _close(rms_norm(x, norm.weight, norm.eps), norm(x), f"rms_norm {dtype} {num_tokens}x{hidden}")
+    out, summed = rms_norm(x, norm.weight, norm.eps, residual)
+    ref_out, ref_summed = norm(x, residual)
+    if not (INTERPRETED and dtype == torch.bfloat16):
+        assert torch.equal(summed, ref_summed), "x + residual is one rounding, as torch's"
+    _close(out, ref_out, f"add + rms_norm {dtype} {num_tokens}x{hidden}")
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "inputs were written"
+
+
+def check_silu_and_mul(num_tokens: int, size: int, dtype: torch.dtype, device: str, seed: int = 0) -> None:
+    from executor_service.layers.triton_ops import silu_and_mul
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (4 * torch.randn(num_tokens, 2 * size, generator=gen)).to(dtype).to(device)
+    _close(silu_and_mul(x), SiluAndMul()(x), f"silu_and_mul {dtype} {num_tokens}x{size}")
+
+
+def check_qk_norm_rope(
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+    with_norm: bool = True,
+    rope: dict | float = 1_000_000.0,
+) -> None:
+    """Without the norm: rotary alone (Llama, Qwen2, Mistral); `rope` may carry a scaling."""
+    from executor_service.layers.triton_ops import qk_norm_rope
+
+    gen = torch.Generator().manual_seed(seed)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = (2 * torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen)).to(dtype).to(device)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(device)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype)
+        norm.to(device)
+    rotary = RotaryEmbedding(head_dim, 4096, rope).to(device)
+
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.reshape(-1, num_heads, head_dim), k.reshape(-1, num_kv_heads, head_dim)
+    ref_q, ref_k = rotary(positions, q_norm(q), k_norm(k)) if with_norm else rotary(positions, q, k)
+    out_q, out_k = qk_norm_rope(
+        qkv,
+        positions,
+        q_norm.weight if with_norm else None,
+        k_norm.weight if with_norm else None,
+        rotary.cos_sin_cache,
+        1e-6,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
+    what = f"qk_norm_rope (norm {with_norm}) {dtype} {num_tokens} tokens, {num_heads}/{num_kv_heads} heads of {head_dim}"
+    assert out_q.is_contiguous() and out_k.is_contiguous(), "the attention backends get dense q and k"
+    _close_rotated(out_q, ref_q, what + " (q)")
+    _close_rotated(out_k, ref_k, what + " (k)")
