@@ -11,8 +11,8 @@ import pytest
 import torch
 from checkpoints import FP8_QUANTIZATION_CONFIG, build_qwen3, quantize_checkpoint_fp8
 from helpers.hf_reference import make_prompts
-from scheduler_service.llm import LLM
 
+from client.llm import LLM
 from executor_service.config import ExecutorConfig
 from executor_service.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from scheduler_service.sampling_params import SamplingParams

@@ -33,8 +33,8 @@ def test_fp8_checkpoint_greedy_matches_dequantized_model_on_gpu(tmp_path):
     dequantized weights in bf16 (the torch backend, F.linear): greedy top-1 agreement."""
     from checkpoints import build_qwen3, quantize_checkpoint_fp8
     from helpers.hf_reference import make_prompts
-    from scheduler_service.llm import LLM
 
+    from client.llm import LLM
     from scheduler_service.sampling_params import SamplingParams
 
     src = build_qwen3(tmp_path / "bf", hidden_size=256, head_dim=64, intermediate_size=384,

@@ -10,9 +10,9 @@ import torch
 from helpers.attention_checks import make_batch
 from helpers.hf_reference import MAX_NEW, make_prompts
 from safetensors.torch import load_file, save_file
-from scheduler_service.llm import LLM
 
 from client.defaults import DEFAULT_MODEL
+from client.llm import LLM
 from executor_service.attention.torch_ref import TorchRefBackend
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
