@@ -40,6 +40,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
 from executor_service.metrics import ExecutorMetrics
 from executor_service.servicer import ExecutorServicer, executor_handler
+from protos.executor import StepOnlyExecutor
 from protos.plan import StepPlan
 from protos.tandem.v1 import executor_pb2 as epb
 from protos.tandem.v1 import executor_pb2_grpc as epb_grpc
@@ -481,7 +482,7 @@ def test_executor_away_past_the_recovery_timeout_is_unavailable(qwen3_tied):
         channel.close()
 
 
-class ConnectAttempts:
+class ConnectAttempts(StepOnlyExecutor):
     """Wraps an executor and records when each connect attempt (a Describe) was made."""
 
     def __init__(self, inner) -> None:
