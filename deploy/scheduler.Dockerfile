@@ -5,7 +5,7 @@
 #
 # Expected size: about 200 MB uncompressed, 70 MB compressed. python:3.12-slim is ~125 MB of it;
 # `pip install` without extras adds only grpcio (+ health, reflection), protobuf,
-# prometheus-client, tokenizers (+ huggingface-hub) and tqdm, ~60 MB; the code ~1 MB.
+# prometheus-client, tokenizers (+ huggingface-hub), tqdm, fastapi, uvicorn and jinja2, ~70 MB; the code ~1 MB.
 #
 # Every setting is a flag or a TANDEM_* variable (`docker run tandem-scheduler --help`); the
 # ENV below are the container's defaults, overridden by `-e` / compose / Kubernetes.
@@ -35,9 +35,10 @@ COPY --chmod=755 deploy/healthcheck.py /usr/local/bin/tandem-healthcheck
 ENV TANDEM_SCHEDULER_HOST=0.0.0.0 \
     TANDEM_SCHEDULER_PORT=50051 \
     TANDEM_SCHEDULER_METRICS_PORT=9101 \
+    TANDEM_HTTP_PORT=8000 \
     TANDEM_EXECUTOR_ADDRESS=executor:50052 \
     TANDEM_LOG_LEVEL=INFO
-EXPOSE 50051 9101
+EXPOSE 50051 8000 9101
 
 USER tandem
 WORKDIR /home/tandem

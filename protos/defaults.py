@@ -12,6 +12,8 @@ SCHEDULER_PORT = 50051
 EXECUTOR_PORT = 50052
 SCHEDULER_METRICS_PORT = 9101
 EXECUTOR_METRICS_PORT = 9102
+# The scheduler's OpenAI-compatible HTTP API (vLLM's port).
+HTTP_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
 
 # max_num_seqs and max_num_batched_tokens of both services (vLLM's defaults).

@@ -50,6 +50,28 @@ def add_grpc_port(
         raise listen_error(host, port, str(e)) from None
 
 
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """A listening socket for an HTTP server on host:port, without SO_REUSEPORT (port 0 picks one).
+    Raises PortInUseError or OSError naming the address."""
+    try:
+        infos = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise listen_error(host, port, str(e)) from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise listen_error(host, port, e.strerror or str(e)) from None
+    sock.setblocking(False)
+    return sock
+
+
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
     """prometheus_client's /metrics server in a daemon thread, on a port of its own (the stdlib
     server sets SO_REUSEADDR only, which on Linux lets no second socket listen on the port)."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from protos.defaults import (
     DEFAULT_HOST,
     DEFAULT_MODEL,
+    HTTP_PORT,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     SCHEDULER_METRICS_PORT,
@@ -65,6 +66,14 @@ FLAGS = (
         type=int,
         default=SCHEDULER_PORT,
         help=f"gRPC port (default {SCHEDULER_PORT})",
+    ),
+    flag(
+        "--http-port",
+        env="HTTP_PORT",
+        type=int,
+        default=HTTP_PORT,
+        help=f"OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, /health), "
+        f"0 = off (default {HTTP_PORT})",
     ),
     flag(
         "--metrics-port",
@@ -245,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag} must be >= 0 (0 = no limit), got {value}")
         if args.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+        if not 0 <= args.http_port < 65536:
+            raise ValueError(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.executor_step_timeout < 0:
@@ -293,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
         stream_interval=args.stream_interval,
         api_keys=api_keys,
         tls_credentials=tls,
+        http_port=args.http_port or None,
+        http_tls=(args.tls_cert, args.tls_key) if args.tls_cert else None,
     )
     try:
         asyncio.run(serve_until_signal(server, args.shutdown_timeout))

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from protos.defaults import GENERATION_MAX_MESSAGE_BYTES, SCHEDULER_PORT
 from protos.parsing import deserializer
 from protos.plan import ExecutorInfo
-from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port, bind_address
+from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port, bind_address, bind_http_socket
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import AsyncEngine, EngineOptions
 from scheduler_service.engine import Executor
@@ -82,9 +82,13 @@ class SchedulerServer:
         stream_interval: int = 1,
         api_keys: list[str] | None = None,
         tls_credentials: grpc.ServerCredentials | None = None,
+        http_port: int | None = None,
+        http_tls: tuple[str, str] | None = None,
     ) -> None:
         """`api_keys`: callers must send one as a bearer token (health checks excepted);
-        `tls_credentials`: serve TLS (scheduler_service.security.server_credentials)."""
+        `tls_credentials`: serve TLS (scheduler_service.security.server_credentials);
+        `http_port`: also serve the OpenAI-compatible HTTP API there (None: not; 0: any free port),
+        with TLS when `http_tls` (certificate chain file, key file)."""
         self.host = host
         self.port = port
         # None: no /metrics endpoint; 0: any free port (see self.metrics_port after start()).
@@ -96,6 +100,9 @@ class SchedulerServer:
         self.api_keys = list(api_keys or [])
         self.tls_credentials = tls_credentials
         self._server: grpc.aio.Server | None = None
+        self.http_port = http_port
+        self.http_tls = http_tls
+        self._http = None
         self._health_tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -128,8 +135,18 @@ class SchedulerServer:
                     if not on
                 ),
             )
+        if self.http_port is not None:
+            from scheduler_service.http_api import HttpServer, OpenAIServer
+
+            sock = bind_http_socket(self.host, self.http_port)
+            self.http_port = sock.getsockname()[1]
+            cert, key = self.http_tls or (None, None)
+            self._http = HttpServer(OpenAIServer(self.engine, self.api_keys).app, sock, cert, key)
         await server.start()
         self._server = server
+        if self._http is not None:
+            await self._http.start()
+            logger.info("OpenAI-compatible HTTP API on %s", bind_address(self.host, self.http_port))
         self.engine.start(asyncio.get_running_loop())
         logger.info(
             "scheduler serving on %s (%s%s)",
@@ -159,6 +176,8 @@ class SchedulerServer:
             message = f"the scheduler shut down before this request finished (shutdown timeout {grace:g} s)"
             self.engine.abort_all(TandemRequestError(message, ErrorCode.UNAVAILABLE))
             logger.warning("shutdown timeout: %d requests still running were failed", left)
+        if self._http is not None:
+            await self._http.stop()
         if self._server is not None:
             # Long enough for the last messages of finished streams to be written.
             await self._server.stop(1.0)

@@ -24,6 +24,8 @@ class Tokenizer:
         if not file.exists():
             raise FileNotFoundError(f"no tokenizer.json in {path}; pass --tokenizer or token ids")
         self._tok = _HFTokenizer.from_file(str(file))
+        # The checkpoint directory (its chat template lies beside tokenizer.json).
+        self.path = file.parent
         # The most bytes of text one token stands for (None: no sound bound for this tokenizer).
         self.max_bytes_per_token = _max_bytes_per_token(json.loads(self._tok.to_str()))
 
@@ -39,14 +41,16 @@ class Tokenizer:
         num_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
         return math.ceil(num_bytes / self.max_bytes_per_token)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens`: off for a rendered chat template, which writes its own (as
+        transformers' apply_chat_template)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_off_gil(self, text: str) -> list[int]:
+    def encode_off_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """encode(text), releasing Python's GIL while the Rust tokenizer runs (`encode` holds it:
         a thread tokenizing 3 MiB stalled every other thread for 1.6 s), for long texts tokenized
         in a thread beside the event loop."""
-        return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -538,7 +538,8 @@ allowed = set(allowed) | set(packages) | set(sys.stdlib_module_names)
 
 class OnlyTheImage(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] not in allowed:
+        # _sysconfigdata_*: the stdlib's build variables (sysconfig, which pydantic imports).
+        if name.split(".")[0] not in allowed and not name.startswith("_sysconfigdata_"):
             raise ModuleNotFoundError(f"No module named {name!r} (not in the image)", name=name)
         return None
 

@@ -18,11 +18,12 @@ NUM_KV_BLOCKS = 512
 
 STARTUP_TIMEOUT = 60.0
 
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_LOG_LEVEL": "INFO"}
+# The HTTP API is off unless a test asks for it: its default port (8000) is one for all.
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_LOG_LEVEL": "INFO", "TANDEM_HTTP_PORT": "0"}
 
 
 class Services:
-    def __init__(self, model: Path, log_dir: Path) -> None:
+    def __init__(self, model: Path, log_dir: Path, scheduler_args: list[str] | None = None) -> None:
         host = "127.0.0.1"
         self.executor_port, self.executor_metrics_port = free_port(), free_port()
         self.scheduler_port, self.scheduler_metrics_port = free_port(), free_port()
@@ -51,7 +52,8 @@ class Services:
             [sys.executable, "-m", "scheduler_service", "--executor", self.executor_address]
             + ["--port", str(self.scheduler_port), "--metrics-port", str(self.scheduler_metrics_port)]
             + ["--tokenizer", str(model)]
-            + common,
+            + common
+            + list(scheduler_args or []),
             log_dir / "scheduler.log",
             env=CHILD_ENV,
             cwd=ROOT,

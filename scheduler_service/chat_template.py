@@ -1,0 +1,136 @@
+"""A checkpoint's chat template, rendered as transformers' `apply_chat_template` renders it, without
+torch: Jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loop controls, the
+`{% generation %}` tag, transformers' `tojson` (no HTML escaping, ensure_ascii off), and the globals
+`raise_exception` and `strftime_now`. The template comes from `chat_template.jinja` beside the
+tokenizer or from `chat_template` in tokenizer_config.json; the special tokens there (bos_token,
+eos_token, ...) are passed to it as transformers passes them."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from scheduler_service.errors import InvalidRequestError
+
+_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag): renders its body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):  # an AddedToken as tokenizer_config.json writes it
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+
+    @classmethod
+    def load(cls, checkpoint: str | Path) -> ChatTemplate | None:
+        """The template of the checkpoint directory (None when it has none)."""
+        path = Path(checkpoint)
+        path = path if path.is_dir() else path.parent
+        config: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").exists():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        source = config.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            source = (path / "chat_template.jinja").read_text()
+        if isinstance(source, list):  # named templates: transformers' default is "default"
+            named = {t["name"]: t["template"] for t in source}
+            source = named.get("default")
+        if not source:
+            return None
+        special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name)))}
+        return cls(source, special)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        return _environment().from_string(self.source)
+
+    @cached_property
+    def thinks(self) -> bool:
+        """The template writes Qwen3-style `<think>` blocks: outputs get a reasoning split."""
+        return "</think>" in self.source
+
+    @cached_property
+    def calls_tools(self) -> bool:
+        """The template describes Hermes-style `<tool_call>` outputs."""
+        return "<tool_call>" in self.source
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text; raises InvalidRequestError for what the template refuses
+        (raise_exception) or cannot render."""
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **kwargs},
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise InvalidRequestError(f"the chat template refused the messages: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise InvalidRequestError(f"the chat template could not render the messages: {e}") from None

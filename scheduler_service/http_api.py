@@ -1,0 +1,547 @@
+"""The OpenAI-compatible HTTP front end (FastAPI on uvicorn, on the scheduler's event loop):
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with `data: [DONE]`),
+GET /health. Requests go through the same transport-free layer as gRPC's (request_handling.py) and
+the same AsyncEngine; errors are OpenAI error objects (openai_protocol.py). A client that goes away
+aborts its requests, which frees their blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from protos.api_keys import AUTHORIZATION, ApiKeys
+from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.chat_template import ChatTemplate
+from scheduler_service.errors import InvalidRequestError, TandemRequestError
+from scheduler_service.openai_protocol import HTTP_STATUS, ChatRequest, CompletionRequest, error_body
+from scheduler_service.reasoning import ReasoningParser
+from scheduler_service.request_handling import (
+    TOKENIZE_INLINE_CHARS,
+    OutputProcessor,
+    check_text_prompt,
+    verify_tokenizer,
+)
+from scheduler_service.request_stream import RequestStream
+from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.sequence import TokenLogprob
+from scheduler_service.tool_calls import ToolCall, ToolCallParser
+
+TIMEOUT_HEADER = "x-request-timeout"  # seconds; past it: 504
+NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def _error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, code=code), status_code=status)
+
+
+@dataclass
+class _Choice:
+    """One generated sequence on its way out: its stream, its detokenizer and parsers."""
+
+    index: int
+    stream: RequestStream
+    output: OutputProcessor
+    reasoning: ReasoningParser | None = None
+    tools: ToolCallParser | None = None
+    text: list[str] = field(default_factory=list)
+    reasoning_text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def split(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
+        """A text delta as (reasoning, content, tool calls)."""
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.add(text)
+            if last:
+                more_reasoning, more = self.reasoning.finish()
+                reasoning, text = reasoning + more_reasoning, text + more
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            text, calls = self.tools.add(text)
+            if last:
+                more, more_calls = self.tools.finish()
+                text, calls = text + more, calls + more_calls
+        return reasoning, text, calls
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, api_keys: list[str] | None = None) -> None:
+        self.engine = engine
+        self.metrics = engine.metrics
+        self._keys = ApiKeys(api_keys) if api_keys else None
+        self._templates: dict[int, ChatTemplate | None] = {}
+        self.app = self._build_app()
+
+    # -- the app ----------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(HttpError)
+        async def http_error(request: Request, e: HttpError) -> JSONResponse:
+            return _error_response(e.status, e.message, e.code)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+            details = "; ".join(f"{'.'.join(map(str, err['loc'][1:]))}: {err['msg']}" for err in e.errors())
+            return _error_response(400, details or "invalid request body")
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            try:
+                self.engine.check_admitting()
+            except TandemRequestError as e:
+                return _error_response(503, e.message)
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> JSONResponse:
+            self._authorize(request)
+            engine = self._engine()
+            card = {
+                "id": engine.info.model,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "tandem",
+                "max_model_len": engine.limits.max_model_len,
+            }
+            return JSONResponse({"object": "list", "data": [card]})
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request):
+            self._authorize(request)
+            return await self._serve(request, body, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatRequest, request: Request):
+            self._authorize(request)
+            return await self._serve(request, body, chat=True)
+
+        return app
+
+    def _authorize(self, request: Request) -> None:
+        header = request.headers.get(AUTHORIZATION)
+        if self._keys is not None and not self._keys.authorized([(AUTHORIZATION, header or "")]):
+            self.metrics.requests_failed.labels("UNAUTHENTICATED").inc()
+            raise HttpError(
+                401,
+                "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                "invalid_api_key",
+            )
+
+    def _engine(self):
+        try:
+            return self.engine.check_admitting()
+        except TandemRequestError as e:
+            raise HttpError(HTTP_STATUS[e.code], e.message) from None
+
+    def _fail(self, e: TandemRequestError) -> HttpError:
+        self.metrics.requests_failed.labels(e.code.name).inc()
+        return HttpError(HTTP_STATUS[e.code], e.message)
+
+    # -- admission --------------------------------------------------------------------------
+
+    def chat_template(self) -> ChatTemplate | None:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return None
+        key = id(tokenizer)
+        if key not in self._templates:
+            self._templates[key] = ChatTemplate.load(tokenizer.path)
+        return self._templates[key]
+
+    async def _encode(self, text: str, params: SamplingParams, add_special_tokens: bool) -> list[int]:
+        engine = self.engine.check_admitting()
+        tokenizer = check_text_prompt(
+            self.engine.tokenizer, text, params, engine.limits.max_model_len, NO_TOKENIZER
+        )
+        if len(text) > TOKENIZE_INLINE_CHARS:
+            return await asyncio.to_thread(tokenizer.encode_off_gil, text, add_special_tokens)
+        return tokenizer.encode(text, add_special_tokens)
+
+    def _prompts(
+        self, body: CompletionRequest | ChatRequest, chat: bool
+    ) -> tuple[list[str | list[int]], Any]:
+        """The prompts, and the template when `chat`."""
+        if not chat:
+            return body.prompts(), None
+        template = self.chat_template()
+        if template is None:
+            raise InvalidRequestError(
+                "this model has no chat template (chat_template.jinja or chat_template in "
+                "tokenizer_config.json beside the tokenizer): use /v1/completions"
+            )
+        text = template.render(
+            body.template_messages(),
+            tools=body.tools,
+            documents=body.documents,
+            add_generation_prompt=body.add_generation_prompt,
+            **(body.chat_template_kwargs or {}),
+        )
+        return [text], template
+
+    async def _admit(self, body, chat: bool, timeout: float | None) -> tuple[list[_Choice], str]:
+        engine = self._engine()
+        if body.model and body.model != engine.info.model:
+            raise HttpError(
+                404,
+                f"the model {body.model!r} does not exist: this server serves {engine.info.model!r}",
+                "model_not_found",
+            )
+        if chat:
+            num_top = body.num_top_logprobs
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            wants_logprobs = body.logprobs
+        else:
+            num_top = body.logprobs or 0
+            max_tokens = body.max_tokens
+            wants_logprobs = body.logprobs is not None
+        # The engine reports a sampled token's logprob beside at least one alternative.
+        params = body.sampling_params(max_tokens, max(num_top, 1) if wants_logprobs else 0)
+        verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)
+        prompts, template = self._prompts(body, chat)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        choices: list[_Choice] = []
+        arrival = time.perf_counter()
+        try:
+            for p, prompt in enumerate(prompts):
+                ids = (
+                    await self._encode(prompt, params, not chat) if isinstance(prompt, str) else list(prompt)
+                )
+                for j in range(body.n):
+                    child = params
+                    if body.n > 1 and params.seed is not None:
+                        child = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
+                    stream = self.engine.add_request(f"{request_id}-{p}-{j}", ids, child, arrival, timeout)
+                    choice = _Choice(len(choices), stream, OutputProcessor(self.engine.tokenizer, child))
+                    if template is not None and template.thinks:
+                        choice.reasoning = ReasoningParser(prompt)
+                    if template is not None and body.parses_tools():
+                        choice.tools = ToolCallParser()
+                    choices.append(choice)
+        except BaseException:
+            for choice in choices:
+                self.engine.abort(choice.stream)
+            raise
+        return choices, request_id
+
+    async def _serve(self, request: Request, body, chat: bool):
+        timeout = request.headers.get(TIMEOUT_HEADER)
+        try:
+            seconds = float(timeout) if timeout is not None else None
+        except ValueError:
+            raise HttpError(400, f"{TIMEOUT_HEADER} must be a number of seconds, got {timeout!r}") from None
+        try:
+            choices, request_id = await self._admit(body, chat, seconds)
+        except TandemRequestError as e:
+            raise self._fail(e) from None
+        except ValueError as e:
+            raise self._fail(InvalidRequestError(str(e))) from None
+        writer = _ResponseWriter(self, body, chat, choices, request_id)
+        if body.stream:
+            return StreamingResponse(writer.sse(), media_type="text/event-stream")
+        return await writer.whole(request)
+
+
+async def _choice_deltas(
+    engine: AsyncEngine, choice: _Choice
+) -> AsyncIterator[tuple[str, list[TokenLogprob], bool]]:
+    """(text delta, its tokens' logprobs, last) as the engine produces them; the stream's failure
+    is raised as TandemRequestError."""
+    stream, output = choice.stream, choice.output
+    while True:
+        await stream.wait(1)
+        if stream.failure is not None:
+            raise stream.failure
+        finished = stream.finished
+        ids, logprobs = stream.take()
+        delta = output.add(ids, finished)
+        if delta.stopped:
+            logprobs = logprobs[: delta.num_tokens]
+            engine.abort(stream)
+            stream.finished = finished = True
+        if finished:
+            choice.finish_reason, _ = output.finish(stream.finish_reason, stream.last_token_id)
+        yield delta.text, logprobs, finished
+        if finished:
+            return
+
+
+class _ResponseWriter:
+    def __init__(
+        self, server: OpenAIServer, body, chat: bool, choices: list[_Choice], request_id: str
+    ) -> None:
+        self.server, self.engine, self.body, self.chat = server, server.engine, body, chat
+        self.choices, self.request_id = choices, request_id
+        self.created = int(time.time())
+        self.model = self.engine.engine.info.model if self.engine.engine is not None else body.model
+        self.tokenizer = self.engine.tokenizer
+        self.num_top = (body.num_top_logprobs if body.logprobs else None) if chat else body.logprobs
+
+    def _finish_reason(self, choice: _Choice) -> str:
+        if choice.tools is not None and choice.tools.calls:
+            return "tool_calls"
+        return choice.finish_reason or "abort"
+
+    def usage(self) -> dict:
+        prompt = sum(c.stream.num_prompt_tokens for c in self.choices[:: self.body.n])
+        completion = sum(c.output.num_tokens for c in self.choices)
+        cached = sum(c.stream.num_cached_tokens for c in self.choices[:: self.body.n])
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _token(self, token_id: int) -> str:
+        return (
+            self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
+        )
+
+    def logprobs(self, logprobs: list[TokenLogprob], offset: int = 0) -> dict | None:
+        if self.num_top is None:
+            return None
+        if self.chat:
+            content = []
+            for lp in logprobs:
+                token = self._token(lp.token_id)
+                top = [
+                    {"token": (t := self._token(i)), "logprob": v, "bytes": list(t.encode())}
+                    for i, v in lp.top_logprobs[: self.num_top]
+                ]
+                content.append(
+                    {
+                        "token": token,
+                        "logprob": lp.logprob,
+                        "bytes": list(token.encode()),
+                        "top_logprobs": top,
+                    }
+                )
+            return {"content": content}
+        tokens = [self._token(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [
+                {self._token(i): v for i, v in lp.top_logprobs[: self.num_top]} for lp in logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    # -- whole responses ----------------------------------------------------------------------
+
+    async def _collect(self, choice: _Choice) -> None:
+        async for text, logprobs, last in _choice_deltas(self.engine, choice):
+            choice.text.append(text)
+            choice.logprobs.extend(logprobs)
+            if last:
+                return
+
+    async def whole(self, request: Request) -> JSONResponse:
+        work = asyncio.gather(*(self._collect(c) for c in self.choices))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client went away
+                work.cancel()
+                return _error_response(499, "the client closed the connection")
+            work.result()
+        except TandemRequestError as e:
+            raise self.server._fail(e) from None
+        finally:
+            gone.cancel()
+            self._abort_unfinished()
+        for choice in self.choices:
+            self.server.metrics.requests_finished.labels(choice.finish_reason or "abort").inc()
+        return JSONResponse(
+            {
+                "id": self.request_id,
+                "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [self._whole_choice(c) for c in self.choices],
+                "usage": self.usage(),
+            }
+        )
+
+    def _whole_choice(self, choice: _Choice) -> dict:
+        text = "".join(choice.text)
+        logprobs = self.logprobs(choice.logprobs)
+        if not self.chat:
+            return {
+                "index": choice.index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": self._finish_reason(choice),
+            }
+        reasoning, content, calls = choice.split(text, last=True)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if choice.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
+        message["tool_calls"] = [c.to_openai() for c in choice.tools.calls] if choice.tools else []
+        return {
+            "index": choice.index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": self._finish_reason(choice),
+        }
+
+    def _abort_unfinished(self) -> None:
+        for choice in self.choices:
+            if not choice.stream.finished:
+                self.engine.abort(choice.stream)
+
+    # -- server-sent events ---------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        chunk = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def _delta(self, choice: _Choice, text: str, logprobs: list[TokenLogprob], last: bool) -> dict | None:
+        finish = self._finish_reason(choice) if last else None
+        lp = self.logprobs(logprobs, sum(len(t) for t in choice.text)) if logprobs else None
+        choice.text.append(text)
+        if not self.chat:
+            if not text and not last and not logprobs:
+                return None
+            return {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish}
+        reasoning, content, calls = choice.split(text, last)
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [c.to_openai(with_index=True) for c in calls]
+        if not delta and not last and not logprobs:
+            return None
+        if last:  # the finish reason may be "tool_calls" only now
+            finish = self._finish_reason(choice)
+        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    async def sse(self) -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for item in _choice_deltas(self.engine, choice):
+                    await queue.put((choice, *item))
+            except TandemRequestError as e:
+                await queue.put((choice, e))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+        try:
+            if self.chat:
+                first = [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for c in self.choices
+                ]
+                yield self._chunk(first)
+            left = len(self.choices)
+            while left:
+                choice, *item = await queue.get()
+                if isinstance(item[0], TandemRequestError):
+                    error = item[0]
+                    self.server.metrics.requests_failed.labels(error.code.name).inc()
+                    yield f"data: {json.dumps(error_body(error.message, HTTP_STATUS[error.code]))}\n\n"
+                    break
+                text, logprobs, last = item
+                delta = self._delta(choice, text, logprobs, last)
+                if delta is not None:
+                    yield self._chunk([delta])
+                if last:
+                    left -= 1
+                    self.server.metrics.requests_finished.labels(choice.finish_reason or "abort").inc()
+            else:
+                options = self.body.stream_options
+                if options is not None and options.include_usage:
+                    yield self._chunk([], self.usage())
+            yield "data: [DONE]\n\n"
+        finally:  # finished, failed, or the client went away (the generator is closed)
+            for task in tasks:
+                task.cancel()
+            self._abort_unfinished()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class HttpServer:
+    """uvicorn serving `app` on a socket bound here (exclusively: protos/ports.py), on the running
+    loop; the scheduler's signal handlers stay the scheduler's."""
+
+    def __init__(self, app, sock, ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=ssl_certfile,
+            ssl_keyfile=ssl_keyfile,
+            timeout_graceful_shutdown=1,
+        )
+        self._server = _Server(config)
+        self._sock = sock
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the HTTP server did not start")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._sock.close()

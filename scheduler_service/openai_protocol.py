@@ -1,0 +1,153 @@
+"""The OpenAI API's request bodies and error objects, as the HTTP front end (http_api.py) reads and
+writes them: requests become tandem's SamplingParams through the same validation as gRPC's, errors
+become `{"error": {"message", "type", "param", "code"}}` with the status OpenAI (and vLLM) use."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler_service.errors import ErrorCode, InvalidRequestError
+from scheduler_service.sampling_params import SamplingParams
+
+HTTP_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.RESOURCE_EXHAUSTED: 429,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL: 500,
+}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """What completions and chat completions share (OpenAI's fields, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+    def sampling_params(self, max_tokens: int | None, num_logprobs: int) -> SamplingParams:
+        """Raises InvalidRequestError naming the limit."""
+        if not 1 <= self.n <= 128:
+            raise InvalidRequestError(f"n must be in [1, 128], got {self.n}")
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=num_logprobs,
+        )
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.echo:
+            raise InvalidRequestError("echo is not supported")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of is not supported (other than equal to n)")
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        return list(prompt)
+
+
+class ChatRequest(_Request):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | dict[str, Any] | str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    documents: list[dict[str, Any]] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them: text parts joined into one string."""
+        messages = []
+        for i, message in enumerate(self.messages):
+            if "role" not in message:
+                raise InvalidRequestError(f"messages[{i}] has no role")
+            content = message.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise InvalidRequestError(
+                            f"messages[{i}]: content parts of type {kind!r} are not supported"
+                        )
+                    texts.append(part.get("text", ""))
+                message = {**message, "content": "\n".join(texts)}
+            messages.append(message)
+        if not messages:
+            raise InvalidRequestError("messages is empty")
+        return messages
+
+    def parses_tools(self) -> bool:
+        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError('tool_choice: only "auto" and "none" are supported')
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def num_top_logprobs(self) -> int:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        return self.top_logprobs or 0

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP API against the real services (issue 18, items 1, 2 and 4), through
+the official `openai` client: models, completions (equal to gRPC's greedy text), chat (prompt tokens
+equal to transformers' apply_chat_template), streaming equal to whole answers, n, logprobs, errors,
+API keys, raw SSE framing, and many concurrent streams with cancels that leak no block."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from helpers.chat_checkpoint import chat_checkpoint
+from helpers.services import Services
+
+from client import TandemClient
+from client.defaults import free_port
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-http-test"
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return chat_checkpoint(tmp_path_factory.mktemp("chat_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def services(checkpoint, tmp_path_factory):
+    http_port = free_port()
+    services = Services(
+        checkpoint, tmp_path_factory.mktemp("http_logs"), ["--http-port", str(http_port), "--api-key", KEY]
+    )
+    services.http_url = f"http://127.0.0.1:{http_port}"
+    try:
+        services.start()
+        yield services
+    finally:
+        services.stop()
+
+
+@pytest.fixture(scope="module")
+def api(services):
+    return openai.OpenAI(base_url=f"{services.http_url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(api):
+    return api.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(api, services):
+    models = api.models.list().data
+    assert len(models) == 1
+    with TandemClient(services.address, api_key=KEY) as client:
+        assert models[0].id == client.model_info().model
+
+
+def test_completions_equal_the_grpc_greedy_text(api, model, services):
+    with TandemClient(services.address, api_key=KEY) as client:
+        expected = client.complete(PROMPT, max_tokens=24, temperature=0.0)
+    got = api.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert got.choices[0].text == expected.text
+    assert got.usage.prompt_tokens == expected.prompt_tokens
+    assert got.usage.completion_tokens == expected.completion_tokens
+    assert got.choices[0].finish_reason == expected.finish_reason
+
+
+def test_streamed_completion_equals_the_whole_one(api, model):
+    whole = api.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    chunks = list(
+        api.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_n_and_logprobs(api, model):
+    got = api.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, n=2, logprobs=2)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert got.choices[0].text == got.choices[1].text  # greedy
+    logprobs = got.choices[0].logprobs
+    assert len(logprobs.tokens) == got.usage.completion_tokens // 2
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+
+
+def test_chat_prompt_tokens_equal_transformers_apply_chat_template(api, model, checkpoint):
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Sort a list."},
+    ]
+    for kwargs in ({}, {"enable_thinking": False}):
+        expected = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        )
+        if isinstance(expected, dict) or hasattr(expected, "input_ids"):
+            expected = expected["input_ids"]
+        got = api.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"chat_template_kwargs": kwargs},
+        )
+        assert got.usage.prompt_tokens == len(expected), kwargs
+
+
+def test_streamed_chat_equals_the_whole_answer(api, model):
+    messages = [{"role": "user", "content": "Write a function."}]
+    whole = api.chat.completions.create(
+        model=model, messages=messages, max_tokens=24, temperature=0, top_logprobs=2, logprobs=True
+    )
+    message = whole.choices[0].message
+    assert message.role == "assistant"
+    assert len(whole.choices[0].logprobs.content) == whole.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
+    chunks = list(
+        api.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
+    assert content == (message.content or "")
+    assert reasoning == (getattr(message, "reasoning_content", None) or "")
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_n_2(api, model):
+    got = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0, n=2
+    )
+    assert len(got.choices) == 2
+    assert got.choices[0].message.content == got.choices[1].message.content
+
+
+def test_errors_are_openai_error_objects(api, model, services):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=-1)
+    assert e.value.status_code == 400
+    assert "max_tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model=model, prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="no-such-model", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError):  # the template's raise_exception
+        api.chat.completions.create(model=model, messages=[{"role": "robot", "content": "x"}])
+    refused = openai.OpenAI(base_url=f"{services.http_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        refused.models.list()
+    assert e.value.status_code == 401
+    # health needs no key
+    assert httpx.get(f"{services.http_url}/health").status_code == 200
+
+
+def test_raw_sse_framing(services, model):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{services.http_url}/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == ""
+    assert events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ")
+        json.loads(event[len("data: ") :])
+
+
+def test_concurrent_streams_with_cancels_leak_no_block(services, model):
+    async def main():
+        api = openai.AsyncOpenAI(base_url=f"{services.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        async def one(i):
+            stream = await api.completions.create(
+                model=model, prompt=f"{PROMPT} # {i}", max_tokens=32, temperature=0.8, seed=i, stream=True
+            )
+            n = 0
+            async for _ in stream:
+                n += 1
+                if i % 3 == 0 and n == 2:  # a third go away mid-stream
+                    await stream.close()
+                    return "cancelled"
+            return "done"
+
+        results = await asyncio.gather(*(one(i) for i in range(200)))
+        await api.close()
+        return results
+
+    results = asyncio.run(main())
+    assert results.count("done") == 200 - len(range(0, 200, 3))
+    deadline = time.monotonic() + 30
+    with TandemClient(services.address, api_key=KEY) as client:
+        client.complete(PROMPT, max_tokens=2)  # the engine is healthy after the storm
+    while True:
+        metrics = services.metrics("scheduler")
+        used = metrics.get("tandem_scheduler_kv_cache_blocks_used")
+        running = metrics.get("tandem_scheduler_requests_running")
+        if (used == 0 and running == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert (used, running) == (0, 0), services.logs()
