@@ -25,6 +25,7 @@ from client.defaults import (
     DEFAULT_HOST,
     EXECUTOR_METRICS_PORT,
     EXECUTOR_PORT,
+    HTTP_PORT,
     REPO_ROOT,
     SCHEDULER_METRICS_PORT,
     SCHEDULER_PORT,
@@ -62,6 +63,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=EXECUTOR_PORT,
         help=f"executor gRPC port (default {EXECUTOR_PORT})",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=int(env("HTTP_PORT") or HTTP_PORT),
+        help=f"scheduler's OpenAI-compatible HTTP API port (default {HTTP_PORT}; 0: none) [TANDEM_HTTP_PORT]",
     )
     p.add_argument(
         "--metrics-port",
@@ -183,6 +190,7 @@ def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
     scheduler = [sys.executable, "-m", "scheduler_service", "--executor", f"{args.host}:{args.executor_port}"]
     scheduler += ["--host", args.host, "--port", str(args.port), "--metrics-port", str(args.metrics_port)]
+    scheduler += ["--http-port", str(args.http_port)]
     scheduler += ["--tokenizer", args.tokenizer or args.model]
     scheduler += ["--shutdown-timeout", f"{args.shutdown_timeout:g}"]
     if args.max_num_seqs:
@@ -312,6 +320,12 @@ def _print_ready(args, executor: Service, scheduler: Service, executor_address: 
         f"  executor   {executor_address}  {metrics(args.executor_metrics_port)}  pid {executor.process.pid}\n"
         f"  logs       {executor.log_path.parent}\n"
         f'try:  tandem generate --server {scheduler_address} "The list type" --max-tokens 64\n'
-        "Ctrl-C stops both.",
+        + (
+            f"      curl http://{args.host}:{args.http_port}/v1/completions -H 'Content-Type: application/json' "
+            """-d '{"prompt": "The list type", "max_tokens": 64}'\n"""
+            if args.http_port
+            else ""
+        )
+        + "Ctrl-C stops both.",
         flush=True,
     )
