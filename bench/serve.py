@@ -106,6 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--stream-interval", type=int, default=1, help="the scheduler's (default 1: every token)")
+    p.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=0,
+        help="the scheduler's prefill budget per step while requests decode (default 0: none)",
+    )
     p.add_argument("--max-plans-in-flight", type=int, choices=[1, 2], default=2)
     p.add_argument("--fused-ops", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")

@@ -73,6 +73,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="most tokens in one step (default 8192; capped by the executor's) [TANDEM_MAX_NUM_BATCHED_TOKENS]",
     )
     p.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=_env("MAX_PREFILL_TOKENS_WHILE_DECODING", 0),
+        help="while requests decode, most prefill tokens in one step, for a steady inter-token latency "
+        "(vLLM's --long-prefill-token-threshold; default 0 = max-num-batched-tokens) "
+        "[TANDEM_MAX_PREFILL_TOKENS_WHILE_DECODING]",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         default=_env("MAX_QUEUE", DEFAULT_MAX_QUEUE),
@@ -246,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_plans_in_flight=args.max_plans_in_flight,
             max_logprobs=args.max_logprobs,
+            max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         )
         options = EngineOptions(
             config,

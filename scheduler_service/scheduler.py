@@ -53,6 +53,7 @@ class Scheduler:
         # Sequences failed inside schedule(), returned by the next update().
         self._failed: list[Sequence] = []
         self.stats = SchedulerStats(num_total_blocks=limits.num_kv_blocks)
+        self._prefill_budget = config.max_prefill_tokens_while_decoding
 
     # -- requests -------------------------------------------------------------------------
 
@@ -179,6 +180,12 @@ class Scheduler:
         sampling: list[Sequence] = []
         partial: list[tuple[Sequence, int]] = []
         preempted = False
+        # Prefill tokens this step may still carry: all of the budget, or less while sequences decode.
+        prefill_left = budget
+        if self._prefill_budget and any(
+            len(s.token_ids) + s.num_pending_tokens - s.num_computed_tokens == 1 for s in running
+        ):
+            prefill_left = self._prefill_budget
 
         i = 0
         while i < len(running) and budget > 0:
@@ -191,6 +198,11 @@ class Scheduler:
                 i += 1  # it stops with "length" once the results in flight are in
                 continue
             n = remaining if remaining <= budget else budget
+            if remaining > 1 and n > prefill_left:  # a prefill chunk
+                if not prefill_left:
+                    i += 1
+                    continue
+                n = prefill_left
             # Inline, not bm.can_append: most decode steps fit in the last block, and two method
             # calls per sequence were 10-25% of the step's scheduling cost.
             if c + n > len(seq.block_table) * bs:
@@ -224,11 +236,13 @@ class Scheduler:
             num_computed.append(c)
             seq.num_computed_tokens = c + n
             budget -= n
+            if remaining > 1:
+                prefill_left -= n
             i += 1
 
         # After a preemption, admitting new work would only thrash the cache.
         if not preempted:
-            self._schedule_waiting(plan, budget, sampling, partial)
+            self._schedule_waiting(plan, min(budget, prefill_left), sampling, partial)
         self._in_flight[plan.step_id] = (sampling, partial)
         self.stats.num_chunked_prefills += len(partial)
         self.stats.num_steps += 1
