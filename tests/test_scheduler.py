@@ -542,3 +542,41 @@ def test_prefill_budget_leaves_a_step_without_decodes_alone():
 def test_prefill_budget_is_validated():
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 0"):
         SchedulerConfig(max_prefill_tokens_while_decoding=-1)
+
+
+# -- a shared prefix computed once -------------------------------------------------------------
+
+
+def test_prompts_arriving_together_compute_their_shared_prefix_once():
+    shared = prompt(64, seed=3)
+    prompts = [[*shared, *prompt(3 + i, seed=10 + i)] for i in range(8)]
+    engine, ex = make_engine()  # blocks of 4
+    ids = [engine.add_request(p, greedy(5)) for p in prompts]
+    finished = run(engine)
+    # All eight in the first step: the first computes the 64 tokens, the others start after them.
+    assert ex.plans[0].num_computed_tokens == [0] + [64] * 7
+    assert [finished[i].num_cached_tokens for i in ids] == [0] + [64] * 7
+    reference, _ = make_engine(SchedulerConfig(enable_prefix_caching=False))
+    ref_ids = [reference.add_request(p, greedy(5)) for p in prompts]
+    expected = run(reference)
+    assert [finished[i].token_ids for i in ids] == [expected[i].token_ids for i in ref_ids]
+
+
+def test_a_failed_plan_takes_the_prefix_it_shared_out_of_the_cache():
+    """Step 1 computes a prefix that the requests beside it share; it is refused, and so is step 2
+    behind it: the blocks step 1 registered must not serve a later request (the fake executor
+    checks every KV it reads)."""
+    shared = prompt(16, seed=3)
+    executor = FakeExecutor()
+    engine = LLMEngine(CountingPipe(executor, fail_step=1))
+    first = [engine.add_request([*shared, 7 + i], greedy(3)) for i in range(3)]
+    with pytest.raises(ValueError, match="step 1 rejected"):
+        engine.step()
+    engine.fail_requests(engine.last_plan.seq_ids, "rejected")
+    assert not engine.scheduler.block_manager.cached_block_ids
+    late = engine.add_request([*shared, 20], greedy(3))
+    finished = run(engine)
+    assert finished[late].num_cached_tokens == 0 and not set(first) & set(finished)
+    ref_engine, _ = make_engine()
+    r = ref_engine.add_request([*shared, 20], greedy(3))
+    assert run(ref_engine)[r].token_ids == finished[late].token_ids
