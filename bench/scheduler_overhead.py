@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from protos.executor import StepOnlyExecutor
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from protos.plan import ExecutorInfo, StepPlan, StepResult
@@ -23,7 +25,7 @@ from scheduler_service.engine import LLMEngine
 from scheduler_service.sampling_params import SamplingParams
 
 
-class TrivialExecutor:
+class TrivialExecutor(StepOnlyExecutor):
     """Samples token 7 for every sequence that reaches the end of its known tokens."""
 
     def __init__(self, info: ExecutorInfo) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
 from scheduler_service.engine import LLMEngine, RequestOutput
 from scheduler_service.request_handling import OutputProcessor, tokenize, verify_tokenizer
@@ -44,8 +45,8 @@ class LLM:
         model: str,
         *,
         tokenizer: str | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = MAX_NUM_SEQS,
+        max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         max_plans_in_flight: int | None = None,

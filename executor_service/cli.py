@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from executor_service.ownership import DEFAULT_OWNER_LEASE_SECONDS
-from executor_service.server import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT, GRACE_SECONDS
-from protos.defaults import DEFAULT_MODEL
-from protos.defaults import env as _env
+from executor_service.server import GRACE_SECONDS
+from protos.defaults import (
+    DEFAULT_HOST,
+    DEFAULT_MODEL,
+    EXECUTOR_METRICS_PORT,
+    EXECUTOR_PORT,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+)
+from protos.flags import Group, add_flags, flag
 
 logger = logging.getLogger(__name__)
 
-_TRUE = {"1", "true", "yes", "on"}
 DEFAULT_TP_MASTER_PORT = 29500
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(f"TANDEM_{name}", "").strip().lower() in _TRUE
-
 
 DESCRIPTION = (
     "Serve a checkpoint as the executor service. Every flag can also be set by the environment "
@@ -37,177 +37,176 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The executor's flags, and `func=run`."""
-    p.add_argument(
+# Not TANDEM_EXECUTOR_TLS_*: the scheduler reads those for its client certificate. The API key
+# variables are the scheduler's too, on purpose: the same secret on both sides.
+SECURITY = Group(
+    "security (who may drive the executor)",
+    "Beyond loopback, require mutual TLS (--tls-ca) or an API key: anyone else who reaches the "
+    "port could reset the executor or step it.",
+)
+
+FLAGS = (
+    flag(
         "--model",
-        default=_env("MODEL", str(DEFAULT_MODEL)),
+        env="MODEL",
+        default=str(DEFAULT_MODEL),
         help="checkpoint directory (HF format, safetensors), or ORG/NAME already in the Hugging Face cache "
-        "[TANDEM_MODEL; default: the embedded tandem-tiny-pydoc]",
-    )
-    p.add_argument(
+        "(default: the embedded tandem-tiny-pydoc)",
+    ),
+    flag(
         "--revision",
-        default=_env("REVISION"),
-        help="branch, tag or commit of an ORG/NAME --model in the cache (default main) [TANDEM_REVISION]",
-    )
-    p.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda or cuda:N [TANDEM_DEVICE]")
-    p.add_argument(
-        "--host", default=_env("EXECUTOR_HOST", DEFAULT_HOST), help="address to bind [TANDEM_EXECUTOR_HOST]"
-    )
-    p.add_argument(
+        env="REVISION",
+        help="branch, tag or commit of an ORG/NAME --model in the cache (default main)",
+    ),
+    flag("--device", env="DEVICE", default="cpu", help="cpu, cuda or cuda:N"),
+    flag("--host", env="EXECUTOR_HOST", default=DEFAULT_HOST, help="address to bind"),
+    flag(
         "--port",
+        env="EXECUTOR_PORT",
         type=int,
-        default=_env("EXECUTOR_PORT", DEFAULT_PORT),
-        help=f"gRPC port (default {DEFAULT_PORT}) [TANDEM_EXECUTOR_PORT]",
-    )
-    p.add_argument(
+        default=EXECUTOR_PORT,
+        help=f"gRPC port (default {EXECUTOR_PORT})",
+    ),
+    flag(
         "--metrics-port",
+        env="EXECUTOR_METRICS_PORT",
         type=int,
-        default=_env("EXECUTOR_METRICS_PORT", DEFAULT_METRICS_PORT),
-        help=f"Prometheus /metrics port, 0 = off (default {DEFAULT_METRICS_PORT}) [TANDEM_EXECUTOR_METRICS_PORT]",
-    )
-    p.add_argument(
-        "--dtype",
-        default=_env("DTYPE"),
-        help="weights and KV dtype (default: the checkpoint's) [TANDEM_DTYPE]",
-    )
-    p.add_argument(
+        default=EXECUTOR_METRICS_PORT,
+        help=f"Prometheus /metrics port, 0 = off (default {EXECUTOR_METRICS_PORT})",
+    ),
+    flag("--dtype", env="DTYPE", help="weights and KV dtype (default: the checkpoint's)"),
+    flag(
         "--kv-cache-dtype",
+        env="KV_CACHE_DTYPE",
         choices=("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3"),
-        default=_env("KV_CACHE_DTYPE", "auto"),
+        default="auto",
         help="KV cache element type: auto (the model dtype), or fp8 (= fp8_e4m3: half the bytes of bf16, "
-        "twice the blocks; per-layer k/v scales from the checkpoint, else 1.0) [TANDEM_KV_CACHE_DTYPE]",
-    )
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=_env("BLOCK_SIZE", 16),
-        help="tokens per KV block (default 16) [TANDEM_BLOCK_SIZE]",
-    )
-    p.add_argument(
+        "twice the blocks; per-layer k/v scales from the checkpoint, else 1.0)",
+    ),
+    flag("--block-size", env="BLOCK_SIZE", type=int, default=16, help="tokens per KV block (default 16)"),
+    flag(
         "--kv-cache-gb",
+        env="KV_CACHE_GB",
         type=float,
-        default=_env("KV_CACHE_GB", 1.0),
-        help="KV cache size in GiB when --num-kv-blocks is not given (default 1) [TANDEM_KV_CACHE_GB]",
-    )
-    p.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=_env("NUM_KV_BLOCKS"),
-        help="number of KV blocks, overrides --kv-cache-gb [TANDEM_NUM_KV_BLOCKS]",
-    )
-    p.add_argument(
+        default=1.0,
+        help="KV cache size in GiB when --num-kv-blocks is not given (default 1)",
+    ),
+    flag(
+        "--num-kv-blocks", env="NUM_KV_BLOCKS", type=int, help="number of KV blocks, overrides --kv-cache-gb"
+    ),
+    flag(
         "--gpu-memory-utilization",
+        env="GPU_MEMORY_UTILIZATION",
         type=float,
-        default=_env("GPU_MEMORY_UTILIZATION", 0.9),
-        help="fraction of GPU memory the executor may use, in (0, 1] (default 0.9) [TANDEM_GPU_MEMORY_UTILIZATION]",
-    )
-    p.add_argument(
+        default=0.9,
+        help="fraction of GPU memory the executor may use, in (0, 1] (default 0.9)",
+    ),
+    flag(
         "--max-num-seqs",
+        env="MAX_NUM_SEQS",
         type=int,
-        default=_env("MAX_NUM_SEQS", 256),
-        help="most sequences in one step (default 256) [TANDEM_MAX_NUM_SEQS]",
-    )
-    p.add_argument(
+        default=MAX_NUM_SEQS,
+        help=f"most sequences in one step (default {MAX_NUM_SEQS})",
+    ),
+    flag(
         "--max-num-batched-tokens",
+        env="MAX_NUM_BATCHED_TOKENS",
         type=int,
-        default=_env("MAX_NUM_BATCHED_TOKENS", 8192),
-        help="most tokens in one step (default 8192) [TANDEM_MAX_NUM_BATCHED_TOKENS]",
-    )
-    p.add_argument(
+        default=MAX_NUM_BATCHED_TOKENS,
+        help=f"most tokens in one step (default {MAX_NUM_BATCHED_TOKENS})",
+    ),
+    flag(
         "--max-model-len",
+        env="MAX_MODEL_LEN",
         type=int,
-        default=_env("MAX_MODEL_LEN"),
-        help="context limit in tokens (default: the model's) [TANDEM_MAX_MODEL_LEN]",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=_env_flag("ENFORCE_EAGER"),
-        help="never use CUDA graphs [TANDEM_ENFORCE_EAGER=1]",
-    )
-    p.add_argument(
+        help="context limit in tokens (default: the model's)",
+    ),
+    flag("--enforce-eager", env="ENFORCE_EAGER", switch=True, help="never use CUDA graphs"),
+    flag(
         "--attention-backend",
-        default=_env("ATTENTION_BACKEND", "auto"),
-        help="auto, flash, triton or torch (default auto: flash if installed, else triton on CUDA, torch on "
-        "CPU) [TANDEM_ATTENTION_BACKEND]",
-    )
-    p.add_argument(
+        env="ATTENTION_BACKEND",
+        default="auto",
+        help="auto, flash, triton or torch (default auto: flash if installed, else triton on CUDA, torch on CPU)",
+    ),
+    flag(
         "--fused-ops",
+        env="FUSED_OPS",
         choices=("auto", "on", "off"),
-        default=_env("FUSED_OPS", "auto"),
+        default="auto",
         help="Triton kernels for residual + RMSNorm, SiLU-and-mul, q/k norm + rotary and temperature-only "
-        "sampling (default auto: on with CUDA and triton) [TANDEM_FUSED_OPS]",
-    )
-    p.add_argument(
+        "sampling (default auto: on with CUDA and triton)",
+    ),
+    flag(
         "--tensor-parallel-size",
         "-tp",
+        env="TENSOR_PARALLEL_SIZE",
         type=int,
-        default=_env("TENSOR_PARALLEL_SIZE", 1),
-        help="ranks behind this executor, one GPU each on CUDA (default 1) [TANDEM_TENSOR_PARALLEL_SIZE]",
-    )
-    p.add_argument(
+        default=1,
+        help="ranks behind this executor, one GPU each on CUDA (default 1)",
+    ),
+    flag(
         "--tp-master-addr",
-        default=_env("TP_MASTER_ADDR", "127.0.0.1"),
-        help="rendezvous address of the tensor-parallel ranks (default 127.0.0.1) [TANDEM_TP_MASTER_ADDR]",
-    )
-    p.add_argument(
+        env="TP_MASTER_ADDR",
+        default="127.0.0.1",
+        help="rendezvous address of the tensor-parallel ranks (default 127.0.0.1)",
+    ),
+    flag(
         "--tp-master-port",
+        env="TP_MASTER_PORT",
         type=int,
-        default=_env("TP_MASTER_PORT", DEFAULT_TP_MASTER_PORT),
+        default=DEFAULT_TP_MASTER_PORT,
         help=f"rendezvous port of the tensor-parallel ranks (default {DEFAULT_TP_MASTER_PORT}, torch's own; "
-        "two TP executors on one host need different ports) [TANDEM_TP_MASTER_PORT]",
-    )
-    p.add_argument(
+        "two TP executors on one host need different ports)",
+    ),
+    flag(
         "--grace",
+        env="EXECUTOR_GRACE",
         type=float,
-        default=_env("EXECUTOR_GRACE", GRACE_SECONDS),
-        help=f"seconds a running step may take to finish on SIGTERM (default {GRACE_SECONDS:g}) "
-        "[TANDEM_EXECUTOR_GRACE]",
-    )
-    p.add_argument(
+        default=GRACE_SECONDS,
+        help=f"seconds a running step may take to finish on SIGTERM (default {GRACE_SECONDS:g})",
+    ),
+    flag(
         "--owner-lease-seconds",
+        env="EXECUTOR_OWNER_LEASE_SECONDS",
         type=float,
-        default=_env("EXECUTOR_OWNER_LEASE_SECONDS", DEFAULT_OWNER_LEASE_SECONDS),
+        default=DEFAULT_OWNER_LEASE_SECONDS,
         help="the scheduler that called Reset owns the executor while its Step stream is open and for "
         "this long after its last call; until then Reset and Step from anyone else are refused "
-        f"(default {DEFAULT_OWNER_LEASE_SECONDS:g}) [TANDEM_EXECUTOR_OWNER_LEASE_SECONDS]",
-    )
-    # Not TANDEM_EXECUTOR_TLS_*: the scheduler reads those for its client certificate. The API key
-    # variables are the scheduler's too, on purpose: the same secret on both sides.
-    security = p.add_argument_group(
-        "security (who may drive the executor)",
-        "Beyond loopback, require mutual TLS (--tls-ca) or an API key: anyone else who reaches the "
-        "port could reset the executor or step it.",
-    )
-    security.add_argument(
+        f"(default {DEFAULT_OWNER_LEASE_SECONDS:g})",
+    ),
+    flag(
         "--api-key",
-        default=_env("EXECUTOR_API_KEY"),
+        env="EXECUTOR_API_KEY",
+        group=SECURITY,
         help="Describe, Step and Reset need 'authorization: Bearer <key>' (the scheduler's "
         "--executor-api-key; health and reflection excepted); prefer --api-key-file or the "
-        "environment, which other users cannot read from the process list [TANDEM_EXECUTOR_API_KEY]",
-    )
-    security.add_argument(
+        "environment, which other users cannot read from the process list",
+    ),
+    flag(
         "--api-key-file",
-        default=_env("EXECUTOR_API_KEY_FILE"),
-        help="file of accepted API keys, one a line [TANDEM_EXECUTOR_API_KEY_FILE]",
-    )
-    security.add_argument(
+        env="EXECUTOR_API_KEY_FILE",
+        group=SECURITY,
+        help="file of accepted API keys, one a line",
+    ),
+    flag(
         "--tls-cert",
-        default=_env("EXECUTOR_SERVER_TLS_CERT"),
-        help="serve TLS: this executor's certificate chain, PEM [TANDEM_EXECUTOR_SERVER_TLS_CERT]",
-    )
-    security.add_argument(
-        "--tls-key",
-        default=_env("EXECUTOR_SERVER_TLS_KEY"),
-        help="its private key, PEM [TANDEM_EXECUTOR_SERVER_TLS_KEY]",
-    )
-    security.add_argument(
+        env="EXECUTOR_SERVER_TLS_CERT",
+        group=SECURITY,
+        help="serve TLS: this executor's certificate chain, PEM",
+    ),
+    flag("--tls-key", env="EXECUTOR_SERVER_TLS_KEY", group=SECURITY, help="its private key, PEM"),
+    flag(
         "--tls-ca",
-        default=_env("EXECUTOR_SERVER_TLS_CA"),
-        help="mutual TLS: accept only clients whose certificate this CA signed, PEM "
-        "[TANDEM_EXECUTOR_SERVER_TLS_CA]",
-    )
+        env="EXECUTOR_SERVER_TLS_CA",
+        group=SECURITY,
+        help="mutual TLS: accept only clients whose certificate this CA signed, PEM",
+    ),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The executor's flags (FLAGS), and `func=run`."""
+    add_flags(p, FLAGS)
     p.set_defaults(func=run)
 
 

@@ -13,6 +13,7 @@ from executor_service.hub import resolve_model
 from executor_service.model_config import ModelConfig, load_model_config
 from executor_service.models import get_model_class
 from executor_service.parallel import check_tp_layout, rank_device
+from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 
 DTYPES = {
     "float32": torch.float32,
@@ -41,8 +42,8 @@ class ExecutorConfig:
     kv_cache_gb: float = 1.0
     # Fraction of the GPU's memory the executor may use (the KV cache is sized from it on CUDA).
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     attention_backend: str = "auto"
     # The KV cache's element type: auto (the model dtype), a dtype name, or fp8 / fp8_e4m3 (e4m3

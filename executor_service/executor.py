@@ -45,7 +45,10 @@ __all__ = ["LocalExecutor", "PlanError"]
 
 class LocalExecutor:
     """The executor in-process: `describe()`, `step(plan)` (or `send(plan)` then
-    `receive(plan)`, two steps in flight), `reset()`; `close()` stops the tensor-parallel ranks."""
+    `receive(plan)`, two steps in flight), `reset()`; `close()` stops the tensor-parallel ranks.
+    It implements protos.executor.Executor and the servicer's ServedExecutor."""
+
+    takes_plans_ahead = True
 
     def __init__(
         self, config: ExecutorConfig, on_workers: Callable[[WorkerProcesses], None] | None = None
@@ -177,6 +180,11 @@ class LocalExecutor:
             self._broadcast(parallel.TPMessage("reset"))
         self._unsent_token_ids = []
         return drop_all(self.runner, self.seqs)
+
+    @property
+    def num_graph_steps(self) -> int:
+        """Steps the model runner replayed from a CUDA graph."""
+        return self.runner.num_graph_steps
 
     def failed_ranks(self) -> list[tuple[int, int | None]]:
         """(rank, exit code) of the ranks 1..N-1 that are no longer running."""

@@ -14,20 +14,38 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from executor_service.metrics import ExecutorMetrics
 from executor_service.ownership import LogThrottle, NotOwner, Ownership, Session, session_of
 from executor_service.plan_validation import PlanError, StepOrderError, check_step_order
+from protos.executor import Executor
 from protos.parsing import MalformedMessage, deserializer
 from protos.plan import StepPlan, info_to_proto, plan_from_proto, result_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 
-if TYPE_CHECKING:
-    from executor_service.executor import LocalExecutor
+
+class ServedExecutor(Executor, Protocol):
+    """What the servicer needs of its executor beyond protos.executor.Executor (LocalExecutor and
+    the test fakes declare all of it). `overlaps_steps`: a step sent behind a running one overlaps
+    it, so the Step handler launches each plan as it arrives; `ready()`: the oldest step sent is
+    done; `tp_size`: ranks behind it; `failed_ranks()`: (rank, exit code) of ranks 1.. that
+    exited; `num_graph_steps`: steps replayed from a CUDA graph; `seqs`: the sequences held."""
+
+    overlaps_steps: bool
+    tp_size: int
+    seqs: dict
+
+    @property
+    def num_graph_steps(self) -> int: ...
+
+    def ready(self) -> bool: ...
+
+    def failed_ranks(self) -> list[tuple[int, int | None]]: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +179,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     2 cores, measured with bench/throughput.py)."""
 
     def __init__(self, metrics: ExecutorMetrics, ownership: Ownership | None = None) -> None:
-        self.executor: LocalExecutor | None = None
+        self.executor: ServedExecutor | None = None
         self.metrics = metrics
         self.ownership = ownership if ownership is not None else Ownership()
         self._lock = threading.Lock()
@@ -188,7 +206,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         else:
             logger.warning("a step still runs after %.1f s; stopping anyway", timeout)
 
-    def _executor(self, context: grpc.ServicerContext) -> LocalExecutor:
+    def _executor(self, context: grpc.ServicerContext) -> ServedExecutor:
         if self._closed:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
         if self.executor is None:
@@ -213,7 +231,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         admission = _StreamAdmission(self.ownership, session)
         try:
-            if getattr(executor, "overlaps_steps", False):
+            if executor.overlaps_steps:
                 yield from self._step_overlapped(executor, request_iterator, admission, context)
             else:
                 yield from self._step_one_at_a_time(request_iterator, admission, context)
@@ -226,7 +244,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     def _step_overlapped(
         self,
-        executor: LocalExecutor,
+        executor: ServedExecutor,
         request_iterator: Iterator[pb.StepPlan],
         admission: _StreamAdmission,
         context: grpc.ServicerContext,
@@ -277,7 +295,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     in_flight.clear()
 
     def _receive(
-        self, executor: LocalExecutor, in_flight: _StreamSteps, context: grpc.ServicerContext
+        self, executor: ServedExecutor, in_flight: _StreamSteps, context: grpc.ServicerContext
     ) -> pb.StepResult:
         plan, t0, graph_steps = in_flight[0]
         with self._lock:
@@ -318,7 +336,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def _dead_ranks(self, wait: float = 2.0) -> list[tuple[int, int | None]]:
         """The ranks that exited; a collective can fail a moment before its peer's exit is seen."""
         executor = self.executor
-        if getattr(executor, "workers", None) is None:
+        if executor.tp_size == 1:
             return []
         deadline = time.monotonic() + wait
         while not (dead := executor.failed_ranks()) and time.monotonic() < deadline:
@@ -411,6 +429,6 @@ def executor_handler(servicer: ExecutorServicer) -> grpc.GenericRpcHandler:
     )
 
 
-def _num_graph_steps(executor: LocalExecutor) -> int:
+def _num_graph_steps(executor: ServedExecutor) -> int:
     """Steps the model runner replayed from a CUDA graph (0 for executors without one)."""
-    return getattr(getattr(executor, "runner", None), "num_graph_steps", 0)
+    return executor.num_graph_steps

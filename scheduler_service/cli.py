@@ -10,8 +10,15 @@ import socket
 import sys
 from collections.abc import Callable
 
-from protos.defaults import DEFAULT_MODEL, SCHEDULER_METRICS_PORT, SCHEDULER_PORT
-from protos.defaults import env as _env
+from protos.defaults import (
+    DEFAULT_HOST,
+    DEFAULT_MODEL,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    SCHEDULER_METRICS_PORT,
+    SCHEDULER_PORT,
+)
+from protos.flags import Group, add_flags, flag
 from protos.plan import ExecutorInfo
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
 from scheduler_service.executor_client import DEFAULT_STEP_TIMEOUT_S
@@ -35,176 +42,181 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The scheduler's flags, and `func=run`."""
-    address = _env("EXECUTOR_ADDRESS")
-    p.add_argument(
+SECURITY = Group(
+    "security",
+    "--api-key, --tls-cert and --tls-key guard the client-facing port. The scheduler's side of "
+    "mutual TLS with the executor (the executor's --tls-ca) is --executor-tls-ca with "
+    "--executor-tls-cert and --executor-tls-key: a client certificate signed by the CA that the "
+    "executor's --tls-ca names.",
+)
+
+FLAGS = (
+    flag(
         "--executor",
-        default=address,
-        required=address is None,
+        env="EXECUTOR_ADDRESS",
+        required=True,
         metavar="HOST:PORT",
-        help="executor service address [TANDEM_EXECUTOR_ADDRESS]",
-    )
-    p.add_argument(
-        "--host", default=_env("SCHEDULER_HOST", "127.0.0.1"), help="address to bind [TANDEM_SCHEDULER_HOST]"
-    )
-    p.add_argument(
+        help="executor service address",
+    ),
+    flag("--host", env="SCHEDULER_HOST", default=DEFAULT_HOST, help="address to bind"),
+    flag(
         "--port",
+        env="SCHEDULER_PORT",
         type=int,
-        default=_env("SCHEDULER_PORT", SCHEDULER_PORT),
-        help=f"gRPC port (default {SCHEDULER_PORT}) [TANDEM_SCHEDULER_PORT]",
-    )
-    p.add_argument(
+        default=SCHEDULER_PORT,
+        help=f"gRPC port (default {SCHEDULER_PORT})",
+    ),
+    flag(
         "--metrics-port",
+        env="SCHEDULER_METRICS_PORT",
         type=int,
-        default=_env("SCHEDULER_METRICS_PORT", SCHEDULER_METRICS_PORT),
-        help=f"Prometheus /metrics port, 0 = off (default {SCHEDULER_METRICS_PORT}) [TANDEM_SCHEDULER_METRICS_PORT]",
-    )
-    p.add_argument(
+        default=SCHEDULER_METRICS_PORT,
+        help=f"Prometheus /metrics port, 0 = off (default {SCHEDULER_METRICS_PORT})",
+    ),
+    flag(
         "--max-num-seqs",
+        env="MAX_NUM_SEQS",
         type=int,
-        default=_env("MAX_NUM_SEQS", 256),
-        help="most running requests (default 256; capped by the executor's) [TANDEM_MAX_NUM_SEQS]",
-    )
-    p.add_argument(
+        default=MAX_NUM_SEQS,
+        help=f"most running requests (default {MAX_NUM_SEQS}; capped by the executor's)",
+    ),
+    flag(
         "--max-num-batched-tokens",
+        env="MAX_NUM_BATCHED_TOKENS",
         type=int,
-        default=_env("MAX_NUM_BATCHED_TOKENS", 8192),
-        help="most tokens in one step (default 8192; capped by the executor's) [TANDEM_MAX_NUM_BATCHED_TOKENS]",
-    )
-    p.add_argument(
+        default=MAX_NUM_BATCHED_TOKENS,
+        help=f"most tokens in one step (default {MAX_NUM_BATCHED_TOKENS}; capped by the executor's)",
+    ),
+    flag(
         "--max-prefill-tokens-while-decoding",
+        env="MAX_PREFILL_TOKENS_WHILE_DECODING",
         type=int,
-        default=_env("MAX_PREFILL_TOKENS_WHILE_DECODING", 0),
+        default=0,
         help="while requests decode, most prefill tokens in one step, for a steady inter-token latency "
-        "(vLLM's --long-prefill-token-threshold; default 0 = max-num-batched-tokens) "
-        "[TANDEM_MAX_PREFILL_TOKENS_WHILE_DECODING]",
-    )
-    p.add_argument(
+        "(vLLM's --long-prefill-token-threshold; default 0 = max-num-batched-tokens)",
+    ),
+    flag(
         "--max-queue",
+        env="MAX_QUEUE",
         type=int,
-        default=_env("MAX_QUEUE", DEFAULT_MAX_QUEUE),
+        default=DEFAULT_MAX_QUEUE,
         help="most requests waiting beyond the free batch slots; one more is refused with "
-        f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUE}; 0 = no limit) [TANDEM_MAX_QUEUE]",
-    )
-    p.add_argument(
+        f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUE}; 0 = no limit)",
+    ),
+    flag(
         "--max-plans-in-flight",
+        env="MAX_PLANS_IN_FLIGHT",
         type=int,
         choices=(1, 2),
-        default=_env("MAX_PLANS_IN_FLIGHT", 2),
+        default=2,
         help="step plans sent before the oldest result is back (default 2: the next step is scheduled "
-        "and on its way while the executor runs one) [TANDEM_MAX_PLANS_IN_FLIGHT]",
-    )
-    p.add_argument(
+        "and on its way while the executor runs one)",
+    ),
+    flag(
         "--max-queued-tokens",
+        env="MAX_QUEUED_TOKENS",
         type=int,
-        default=_env("MAX_QUEUED_TOKENS", DEFAULT_MAX_QUEUED_TOKENS),
+        default=DEFAULT_MAX_QUEUED_TOKENS,
         help="most prompt tokens of requests waiting for their first output; a request that would "
-        f"go over is refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUED_TOKENS}; "
-        "0 = no limit) [TANDEM_MAX_QUEUED_TOKENS]",
-    )
-    p.add_argument(
+        f"go over is refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUED_TOKENS}; 0 = no limit)",
+    ),
+    flag(
         "--max-logprobs",
+        env="MAX_LOGPROBS",
         type=int,
-        default=_env("MAX_LOGPROBS", DEFAULT_MAX_LOGPROBS),
+        default=DEFAULT_MAX_LOGPROBS,
         help="most top logprobs per token a request may ask for; more is refused with "
-        f"INVALID_ARGUMENT (default {DEFAULT_MAX_LOGPROBS}, as vLLM) [TANDEM_MAX_LOGPROBS]",
-    )
-    p.add_argument(
+        f"INVALID_ARGUMENT (default {DEFAULT_MAX_LOGPROBS}, as vLLM)",
+    ),
+    flag(
         "--stream-interval",
+        env="STREAM_INTERVAL",
         type=int,
-        default=_env("STREAM_INTERVAL", 1),
-        help="fewest tokens per streamed chunk, except the last (default 1) [TANDEM_STREAM_INTERVAL]",
-    )
-    p.add_argument(
+        default=1,
+        help="fewest tokens per streamed chunk, except the last (default 1)",
+    ),
+    flag(
         "--tokenizer",
-        default=_env("TOKENIZER"),
-        help="directory with tokenizer.json (default: the embedded model's when the executor serves it) "
-        "[TANDEM_TOKENIZER]",
-    )
-    p.add_argument(
+        env="TOKENIZER",
+        help="directory with tokenizer.json (default: the embedded model's when the executor serves it)",
+    ),
+    flag(
         "--shutdown-timeout",
         "--grace",
+        env="SHUTDOWN_TIMEOUT",
+        env_fallbacks=("SCHEDULER_GRACE",),
         dest="shutdown_timeout",
         type=float,
-        default=_env("SHUTDOWN_TIMEOUT", _env("SCHEDULER_GRACE", 30.0)),
-        help="on SIGTERM, seconds the requests in flight may take to finish (default 30) "
-        "[TANDEM_SHUTDOWN_TIMEOUT]",
-    )
-    p.add_argument(
+        default=30.0,
+        help="on SIGTERM, seconds the requests in flight may take to finish (default 30)",
+    ),
+    flag(
         "--executor-recovery-timeout",
+        env="EXECUTOR_RECOVERY_TIMEOUT",
         type=float,
-        default=_env("EXECUTOR_RECOVERY_TIMEOUT", 300.0),
+        default=300.0,
         help="seconds accepted requests wait for a lost executor to come back before failing "
-        "UNAVAILABLE (default 300) [TANDEM_EXECUTOR_RECOVERY_TIMEOUT]",
-    )
-    p.add_argument(
+        "UNAVAILABLE (default 300)",
+    ),
+    flag(
         "--executor-step-timeout",
+        env="EXECUTOR_STEP_TIMEOUT",
         type=float,
-        default=_env("EXECUTOR_STEP_TIMEOUT", DEFAULT_STEP_TIMEOUT_S),
+        default=DEFAULT_STEP_TIMEOUT_S,
         help="seconds a step's result may be awaited before the executor is taken for hung (a stopped "
         "process, a wedged device): NOT_SERVING, then recovery as after a crash; raise it for models "
-        f"whose largest prefill step takes longer (default {DEFAULT_STEP_TIMEOUT_S:g}; 0 = no limit) "
-        "[TANDEM_EXECUTOR_STEP_TIMEOUT]",
-    )
-    security = p.add_argument_group(
-        "security",
-        "--api-key, --tls-cert and --tls-key guard the client-facing port. The scheduler's side of "
-        "mutual TLS with the executor (the executor's --tls-ca) is --executor-tls-ca with "
-        "--executor-tls-cert and --executor-tls-key: a client certificate signed by the CA that the "
-        "executor's --tls-ca names.",
-    )
-    security.add_argument(
+        f"whose largest prefill step takes longer (default {DEFAULT_STEP_TIMEOUT_S:g}; 0 = no limit)",
+    ),
+    flag(
         "--api-key",
-        default=_env("API_KEY"),
+        env="API_KEY",
+        group=SECURITY,
         help="clients must send it as 'authorization: Bearer <key>' (health checks excepted); "
-        "prefer --api-key-file or the environment, which other users cannot read from the process "
-        "list [TANDEM_API_KEY]",
-    )
-    security.add_argument(
-        "--api-key-file",
-        default=_env("API_KEY_FILE"),
-        help="file of accepted API keys, one a line [TANDEM_API_KEY_FILE]",
-    )
-    security.add_argument(
-        "--tls-cert", default=_env("TLS_CERT"), help="serve TLS: certificate chain, PEM [TANDEM_TLS_CERT]"
-    )
-    security.add_argument("--tls-key", default=_env("TLS_KEY"), help="its private key, PEM [TANDEM_TLS_KEY]")
-    security.add_argument(
+        "prefer --api-key-file or the environment, which other users cannot read from the process list",
+    ),
+    flag("--api-key-file", env="API_KEY_FILE", group=SECURITY, help="file of accepted API keys, one a line"),
+    flag("--tls-cert", env="TLS_CERT", group=SECURITY, help="serve TLS: certificate chain, PEM"),
+    flag("--tls-key", env="TLS_KEY", group=SECURITY, help="its private key, PEM"),
+    flag(
         "--executor-tls-ca",
-        default=_env("EXECUTOR_TLS_CA"),
+        env="EXECUTOR_TLS_CA",
+        group=SECURITY,
         help="the scheduler's --tls-ca: talk TLS to the executor, trusting this CA (PEM) for the "
-        "executor's certificate; one CA may sign both sides [TANDEM_EXECUTOR_TLS_CA]",
-    )
-    security.add_argument(
+        "executor's certificate; one CA may sign both sides",
+    ),
+    flag(
         "--executor-tls-cert",
-        default=_env("EXECUTOR_TLS_CERT"),
+        env="EXECUTOR_TLS_CERT",
+        group=SECURITY,
         help="client certificate for mutual TLS with the executor (PEM), signed by the CA of the "
-        "executor's --tls-ca [TANDEM_EXECUTOR_TLS_CERT]",
-    )
-    security.add_argument(
-        "--executor-tls-key",
-        default=_env("EXECUTOR_TLS_KEY"),
-        help="its private key, PEM [TANDEM_EXECUTOR_TLS_KEY]",
-    )
-    security.add_argument(
+        "executor's --tls-ca",
+    ),
+    flag("--executor-tls-key", env="EXECUTOR_TLS_KEY", group=SECURITY, help="its private key, PEM"),
+    flag(
         "--executor-api-key",
-        default=_env("EXECUTOR_API_KEY"),
-        help="the executor's --api-key: sent to it on every call [TANDEM_EXECUTOR_API_KEY, the "
-        "executor's variable too]",
-    )
-    security.add_argument(
+        env="EXECUTOR_API_KEY",
+        group=SECURITY,
+        help="the executor's --api-key, sent to it on every call (the variable is the executor's too)",
+    ),
+    flag(
         "--executor-api-key-file",
-        default=_env("EXECUTOR_API_KEY_FILE"),
+        env="EXECUTOR_API_KEY_FILE",
+        group=SECURITY,
         help="file holding the executor's API key; the first key in it is sent, so that a file of "
-        "keys being rotated serves both services [TANDEM_EXECUTOR_API_KEY_FILE]",
-    )
-    security.add_argument(
+        "keys being rotated serves both services",
+    ),
+    flag(
         "--executor-tls-server-name",
-        default=_env("EXECUTOR_TLS_SERVER_NAME"),
-        help="name to expect in the executor's certificate (default: the host of --executor) "
-        "[TANDEM_EXECUTOR_TLS_SERVER_NAME]",
-    )
+        env="EXECUTOR_TLS_SERVER_NAME",
+        group=SECURITY,
+        help="name to expect in the executor's certificate (default: the host of --executor)",
+    ),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The scheduler's flags (FLAGS), and `func=run`."""
+    add_flags(p, FLAGS)
     p.set_defaults(func=run)
 
 

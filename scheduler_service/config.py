@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from protos.plan import ExecutorInfo
 
 logger = logging.getLogger(__name__)
@@ -25,8 +26,8 @@ DEFAULT_MAX_LOGPROBS = 20
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     # None = the executor's max_model_len.
     max_model_len: int | None = None

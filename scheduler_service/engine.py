@@ -1,7 +1,7 @@
 """The synchronous engine: requests in, schedule -> execute -> update, outputs out.
 
-With an executor that can take a plan before answering the last one (`send` / `receive`:
-RemoteExecutor and LocalExecutor), two plans are in flight: step N+1 is scheduled and sent before step N's result is
+With an executor that takes a plan before answering the last one (`takes_plans_ahead`,
+protos/executor.py: RemoteExecutor and LocalExecutor), two plans are in flight: step N+1 is scheduled and sent before step N's result is
 read, so the executor never waits for the scheduler or the network between steps."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections import deque
 from collections.abc import Iterable as Iter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from protos.plan import ExecutorInfo, StepPlan, StepResult
+from protos.executor import Executor
+from protos.plan import StepPlan, StepResult
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.sampling_params import InvalidRequestError, SamplingParams, verify_request
 from scheduler_service.scheduler import Scheduler
@@ -23,54 +23,6 @@ from scheduler_service.sequence import Sequence, SequenceStatus, TokenLogprob
 _FINISHED = SequenceStatus.FINISHED
 logger = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 10.0
-
-
-class Executor(Protocol):
-    """LocalExecutor (in-process model runner) or RemoteExecutor (the gRPC stream). An executor
-    may also have `send(plan)`, `receive(plan) -> StepResult` (results in plan order) and
-    `discard()` (forget plans sent and not received) to take two plans in flight."""
-
-    def describe(self) -> ExecutorInfo: ...
-
-    def step(self, plan: StepPlan) -> StepResult: ...
-
-    def reset(self) -> int: ...
-
-
-class RunOnSend:
-    """send / receive / discard over an executor that only has step(): each plan runs when it
-    is sent. Once one fails, later plans (built on it) are not run: the engine discards them."""
-
-    def __init__(self, executor: Executor) -> None:
-        self.executor = executor
-        self._results: deque[StepResult | BaseException] = deque()
-
-    def describe(self) -> ExecutorInfo:
-        return self.executor.describe()
-
-    def reset(self) -> int:
-        return self.executor.reset()
-
-    def step(self, plan: StepPlan) -> StepResult:
-        return self.executor.step(plan)
-
-    def send(self, plan: StepPlan) -> None:
-        if self._results and isinstance(self._results[-1], BaseException):
-            self._results.append(RuntimeError(f"step {plan.step_id} not run: an earlier step failed"))
-            return
-        try:
-            self._results.append(self.executor.step(plan))
-        except Exception as e:
-            self._results.append(e)
-
-    def receive(self, plan: StepPlan) -> StepResult:
-        out = self._results.popleft()
-        if isinstance(out, BaseException):
-            raise out
-        return out
-
-    def discard(self) -> None:
-        self._results.clear()
 
 
 @dataclass(slots=True)
@@ -116,12 +68,10 @@ class LLMEngine:
         self.info = executor.describe()
         self.scheduler = Scheduler(self.config, self.info, first_step_id)
         self.limits = self.scheduler.limits
-        takes_plans_ahead = hasattr(executor, "send")
         depth = self.config.max_plans_in_flight
         if depth is None:  # two where the executor works while the next plan travels
-            depth = 2 if takes_plans_ahead else 1
+            depth = 2 if executor.takes_plans_ahead else 1
         self.max_plans_in_flight = depth
-        self._pipe = executor if takes_plans_ahead else RunOnSend(executor)
         # (plan, when it was sent; None for a plan with nothing for the executor), oldest first.
         self._in_flight: deque[tuple[StepPlan, float | None]] = deque()
         self._next_request_id = 0
@@ -197,7 +147,7 @@ class LLMEngine:
             if sent_at is None:
                 result = StepResult(step_id=plan.step_id)
             else:
-                result = self._pipe.receive(plan)
+                result = self.executor.receive(plan)
                 self.last_step_seconds = time.perf_counter() - sent_at
         except BaseException:
             self._abandon_in_flight()
@@ -213,7 +163,7 @@ class LLMEngine:
             self._in_flight.append((plan, None))
             return
         self._in_flight.append((plan, time.perf_counter()))
-        self._pipe.send(plan)
+        self.executor.send(plan)
 
     def _abandon_in_flight(self) -> None:
         """Undo the bookkeeping of every plan in flight, newest first; the executor forgets them."""
@@ -221,7 +171,7 @@ class LLMEngine:
             self.last_plan = self._in_flight[0][0]
         self.scheduler.abandon([plan for plan, _ in self._in_flight])
         self._in_flight.clear()
-        self._pipe.discard()
+        self.executor.discard()
 
     def fail_requests(self, request_ids: Iter[int], error: str) -> list[RequestOutput]:
         """Finish unfinished requests with "abort" and `error` (e.g. the plan they were in was

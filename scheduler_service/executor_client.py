@@ -163,12 +163,14 @@ class _StepStream:
 
 
 class RemoteExecutor:
-    """The Executor protocol (`describe`, `step`, `reset`) against an executor service.
+    """The Executor protocol (protos/executor.py) against an executor service.
 
     `step(plan)` is `send(plan)` then `receive(plan)`; the engine sends the next plan before it
     receives the last result (two in flight), and the executor answers in order. Any error
     closes the Step stream, dropping the plans in it; the next `send()` opens a new one.
     """
+
+    takes_plans_ahead = True  # the executor runs a plan while the next one travels
 
     def __init__(
         self,

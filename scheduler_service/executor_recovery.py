@@ -118,12 +118,10 @@ class ExecutorRecovery:
         # Plans of the dropped engine may still be in flight (a result it could not apply):
         # forget them now (RemoteExecutor closes their Step stream), or one could run after the
         # Reset of the next connect and its error or result would be taken for a new plan's.
-        discard = getattr(self.executor, "discard", None)
-        if discard is not None:
-            try:
-                discard()
-            except Exception:
-                logger.exception("discarding the plans in flight failed")
+        try:
+            self.executor.discard()
+        except Exception:
+            logger.exception("discarding the plans in flight failed")
         self._next_step_id = engine.scheduler.next_step_id
         for seq in engine.scheduler.unfinished():
             seq.reset_for_recompute()

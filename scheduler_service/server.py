@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.defaults import GENERATION_MAX_MESSAGE_BYTES
+from protos.defaults import GENERATION_MAX_MESSAGE_BYTES, SCHEDULER_PORT
 from protos.parsing import deserializer
 from protos.plan import ExecutorInfo
 from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port, bind_address
@@ -77,7 +77,7 @@ class SchedulerServer:
         *,
         tokenizer_for: Callable[[ExecutorInfo], Tokenizer | None] = lambda info: None,
         host: str = "127.0.0.1",
-        port: int = 50051,
+        port: int = SCHEDULER_PORT,
         metrics_port: int | None = None,
         stream_interval: int = 1,
         api_keys: list[str] | None = None,

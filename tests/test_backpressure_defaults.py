@@ -14,6 +14,7 @@ import grpc
 import pytest
 from helpers.scheduler_server import request, wait_serving
 
+from protos.executor import StepOnlyExecutor
 from protos.plan import ExecutorInfo, StepPlan, StepResult
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_service import cli
@@ -72,7 +73,7 @@ def test_the_defaults_are_finite_and_the_cli_passes_them_on(monkeypatch):
     assert f"default {DEFAULT_MAX_QUEUED_TOKENS}; 0 = no limit" in text
 
 
-class BlockedExecutor:
+class BlockedExecutor(StepOnlyExecutor):
     """Describes a roomy executor; every step waits for `go`, then is rejected (INVALID_ARGUMENT),
     which fails only the requests in it."""
 

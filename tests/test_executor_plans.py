@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor, PlanError
+from protos.executor import StepOnlyExecutor
 from protos.plan import NewSequence, StepPlan, StepSamplingParams
 
 NUM_KV_BLOCKS = 32
@@ -285,7 +286,7 @@ def test_a_refused_step_in_flight_fails_in_order_and_stops_the_next(executor):
     assert len(executor.seqs[2].token_ids) == 5 and -1 not in executor.seqs[2].token_ids
 
 
-class _Recorder:
+class _Recorder(StepOnlyExecutor):
     """A LocalExecutor run one step at a time, keeping every plan and result."""
 
     def __init__(self, executor: LocalExecutor) -> None:

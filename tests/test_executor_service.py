@@ -31,6 +31,7 @@ from executor_service import cli
 from executor_service.metrics import step_kind
 from executor_service.plan_validation import PlanError
 from executor_service.server import ExecutorServer
+from protos.executor import StepOnlyExecutor
 from protos.plan import ExecutorInfo, NewSequence, StepPlan, StepResult, StepSamplingParams, plan_to_proto
 from protos.session import session_metadata
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
@@ -89,7 +90,7 @@ def local(qwen3_tied):
     return make_executor(qwen3_tied, **EXECUTOR_OPTIONS)
 
 
-class CountingExecutor:
+class CountingExecutor(StepOnlyExecutor):
     """Wraps an executor and counts the steps and tokens it was asked to run."""
 
     def __init__(self, executor) -> None:
@@ -376,8 +377,12 @@ def test_loading_executor_answers_unavailable(qwen3_tied, tmp_path):
 # -- in-process server with a fake executor ------------------------------------------------
 
 
-class FakeExecutor:
+class FakeExecutor(StepOnlyExecutor):
     """Echoes each scheduled seq id as its token; step 1 fails, step 2 answers the wrong step id."""
+
+    overlaps_steps = False  # the servicer's ServedExecutor
+    tp_size = 1
+    num_graph_steps = 0
 
     def __init__(self) -> None:
         self.seqs: dict = {}  # the sequences held, as LocalExecutor's (the server's gauge counts them)

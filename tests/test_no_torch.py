@@ -23,12 +23,13 @@ import scheduler_service
 for module in pkgutil.iter_modules(scheduler_service.__path__):
     importlib.import_module(f"scheduler_service.{module.name}")
 
+from protos.executor import StepOnlyExecutor
 from protos.plan import ExecutorInfo, StepResult
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.sampling_params import SamplingParams
 
-class TinyExecutor:
+class TinyExecutor(StepOnlyExecutor):
     def __init__(self):
         self.tokens = {}
     def describe(self):

@@ -95,6 +95,8 @@ def test_random_aborts_refusals_and_preemption(requests, num_kv_blocks, budget, 
 class _PipelinedRecorder:
     """A LocalExecutor taking two plans in flight, keeping every plan and result in plan order."""
 
+    takes_plans_ahead = True
+
     def __init__(self, executor) -> None:
         self.executor = executor
         self.plans = []

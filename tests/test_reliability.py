@@ -34,12 +34,14 @@ from helpers.scheduler_server import (
 )
 
 from client import AsyncTandemClient, Final, TandemClient, TandemError
+from client.client import channel_options
 from client.defaults import DEFAULT_MODEL, free_port
 from client.llm import LLM
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
 from executor_service.metrics import ExecutorMetrics
 from executor_service.servicer import ExecutorServicer, executor_handler
+from protos.executor import StepOnlyExecutor
 from protos.plan import StepPlan
 from protos.tandem.v1 import executor_pb2 as epb
 from protos.tandem.v1 import executor_pb2_grpc as epb_grpc
@@ -481,7 +483,7 @@ def test_executor_away_past_the_recovery_timeout_is_unavailable(qwen3_tied):
         channel.close()
 
 
-class ConnectAttempts:
+class ConnectAttempts(StepOnlyExecutor):
     """Wraps an executor and records when each connect attempt (a Describe) was made."""
 
     def __init__(self, inner) -> None:
@@ -779,8 +781,6 @@ class CorruptOneResult(ExecutorServicer):
         self.stall_s = stall_s
         self.batched = 0
         self.corrupted_step: int | None = None
-        # The bad result waits for this: until the test has its other requests admitted.
-        self.release = threading.Event()
         # (step id, whether it starts sequences) of every plan read, in order, over all streams.
         self.plans: list[tuple[int, bool]] = []
 
@@ -794,7 +794,6 @@ class CorruptOneResult(ExecutorServicer):
             if len(out.seq_ids) >= 2:
                 self.batched += 1
                 if self.batched == self.corrupt_at:
-                    self.release.wait(30)
                     self.corrupted_step = out.step_id
                     k = out.num_tokens[-1]
                     yield epb.StepResult(
@@ -838,18 +837,15 @@ def test_a_step_in_flight_at_a_real_reset_is_not_applied(qwen3_tied, reference, 
             first = [stub.Generate(request(p, max_tokens, ignore_eos=True)) for p in prompts[:2]]
             for call in first:
                 next(call)  # running (max_num_seqs=2): the other two wait behind them
+            # The other two go through the client's retry policy: on a loaded machine they can
+            # arrive after the bad result, while no executor is connected, and be refused at first.
+            retrying = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=channel_options(None))
+            later = pb_grpc.GenerationServiceStub(retrying)
             with ThreadPoolExecutor(2) as pool:
                 futures = [
-                    pool.submit(lambda p=p: collect(stub.Generate(request(p, max_tokens, ignore_eos=True))))
+                    pool.submit(lambda p=p: collect(later.Generate(request(p, max_tokens, ignore_eos=True))))
                     for p in prompts[2:]
                 ]
-                # Both waiting before the bad result comes back (on a loaded machine they could
-                # arrive after it, while no executor is connected, and be refused).
-                deadline = time.monotonic() + 30
-                while metrics(server)[("tandem_scheduler_requests_waiting",)] < 2:
-                    assert time.monotonic() < deadline, "the other two requests were never admitted"
-                    time.sleep(0.01)
-                servicer.release.set()
                 for call in first:
                     with pytest.raises(grpc.RpcError) as e:
                         list(call)
@@ -862,6 +858,7 @@ def test_a_step_in_flight_at_a_real_reset_is_not_applied(qwen3_tied, reference, 
             assert len(collect(stub.Generate(request([5, 6], 3)))[0]) == 3
             wait_idle(server)
             channel.close()
+            retrying.close()
         # K+1 was scheduled behind K (two in flight): the new engine's first plan, which starts
         # the re-run requests, is K+2.
         k = servicer.corrupted_step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protos.executor import StepOnlyExecutor
 from protos.plan import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
@@ -28,7 +29,7 @@ def _mix(prev: int, token: int) -> int:
     return (prev * 1_000_003 + token * 7919 + 1) % (2**61 - 1)
 
 
-class FakeExecutor:
+class FakeExecutor(StepOnlyExecutor):
     """Mirrors the StepPlan docstring. Its KV cache stores, per slot, a hash of the whole
     prefix up to that token; a sampled token is a function of that hash, so a wrong block
     table or a bad prefix-cache hit changes the output (and fails an explicit check first)."""
@@ -181,6 +182,8 @@ def greedy(max_tokens: int | None = 8, **kw) -> SamplingParams:
 
 class CountingPipe:
     """The fake executor behind send / receive, counting how many plans were out at once."""
+
+    takes_plans_ahead = True
 
     def __init__(self, executor: FakeExecutor, fail_step: int | None = None, fail_steps=()) -> None:
         self.executor = executor

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
+from protos.executor import StepOnlyExecutor
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import EngineOptions
 from scheduler_service.config import SchedulerConfig
@@ -86,7 +87,7 @@ def collect(responses) -> tuple[list[int], list[str], pb.GenerateFinal, list[int
     return ids, texts, final, sizes
 
 
-class FlakyExecutor:
+class FlakyExecutor(StepOnlyExecutor):
     """A LocalExecutor that is unreachable until `up` is set, and rejects plans for one prompt."""
 
     POISON = 397

@@ -1,0 +1,93 @@
+"""A service's command-line flags as one table: each `Flag` is declared once (name, environment
+twin, type, default, help) and `add_flags` turns the table into argparse arguments. The twin's
+value, when set, replaces the default (argparse then applies `type` to it, as to any string
+default), and `[TANDEM_X]` is written into the help here, not by each flag."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ENV_PREFIX = "TANDEM_"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class Group:
+    """An argparse argument group: a heading and a paragraph in --help."""
+
+    title: str
+    description: str | None = None
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag and its TANDEM_<env> environment twin.
+
+    `names`: the option strings, the first one canonical ("--port", or "--tensor-parallel-size",
+    "-tp"). `env`: the twin without its prefix; `env_fallbacks` are older names read when it is
+    unset. `switch` makes a store_true flag whose twin is on for 1 / true / yes / on. A flag whose
+    `required` is true is required only while its twin is unset."""
+
+    names: tuple[str, ...]
+    env: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    choices: Sequence[Any] | None = None
+    metavar: str | None = None
+    dest: str | None = None
+    switch: bool = False
+    required: bool = False
+    env_fallbacks: tuple[str, ...] = ()
+    group: Group | None = None
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return tuple(ENV_PREFIX + n for n in (self.env, *self.env_fallbacks))
+
+    def environment_default(self) -> Any:
+        """The default as the environment has it now: the first twin that is set, else `default`."""
+        for name in self.env_names:
+            value = os.environ.get(name)
+            if value is not None:
+                return value.strip().lower() in _TRUE if self.switch else value
+        return bool(self.default) if self.switch else self.default
+
+    def full_help(self) -> str:
+        twin = ENV_PREFIX + self.env + ("=1" if self.switch else "")
+        return f"{self.help} [{twin}]"
+
+
+def flag(*names: str, env: str, help: str, **options: Any) -> Flag:
+    """`Flag(names, ...)` with the option strings written as in add_argument."""
+    return Flag(names=names, env=env, help=help, **options)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> dict[str, argparse.Action]:
+    """Add the table's flags to `parser` (in groups where they name one); canonical name -> action.
+    Each twin is read just before its flag is added, so the environment at parser-building time
+    decides the defaults."""
+    groups: dict[Group, argparse._ArgumentGroup] = {}
+    actions: dict[str, argparse.Action] = {}
+    for f in flags:
+        target: argparse._ActionsContainer = parser
+        if f.group is not None:
+            if f.group not in groups:
+                groups[f.group] = parser.add_argument_group(f.group.title, f.group.description)
+            target = groups[f.group]
+        default = f.environment_default()
+        kwargs: dict[str, Any] = {"default": default, "help": f.full_help()}
+        if f.switch:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(type=f.type, choices=f.choices, metavar=f.metavar)
+        if f.dest is not None:
+            kwargs["dest"] = f.dest
+        if f.required:
+            kwargs["required"] = default is None
+        actions[f.names[0]] = target.add_argument(*f.names, **kwargs)
+    return actions

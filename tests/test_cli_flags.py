@@ -1,0 +1,84 @@
+"""The services' flag tables (protos/flags.py): one declaration per flag, its TANDEM_* twin written
+into the help once, and the defaults that deployments rely on."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from executor_service import cli as executor_cli
+from protos.flags import add_flags, flag
+from scheduler_service import cli as scheduler_cli
+from tests.helpers.deploy import _env_value
+
+CLIS = {"executor": executor_cli, "scheduler": scheduler_cli}
+REQUIRED = {"scheduler": {"TANDEM_EXECUTOR_ADDRESS": "executor:50052"}, "executor": {}}
+
+
+def _parse(verb, monkeypatch, environ=(), argv=()):
+    for f in CLIS[verb].FLAGS:
+        for name in f.env_names:
+            monkeypatch.delenv(name, raising=False)
+    for name, value in {**REQUIRED[verb], **dict(environ)}.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    CLIS[verb].add_arguments(parser)
+    return parser, parser.parse_args(list(argv))
+
+
+def test_key_defaults(monkeypatch):
+    _, executor = _parse("executor", monkeypatch)
+    _, scheduler = _parse("scheduler", monkeypatch)
+    assert (executor.port, executor.metrics_port) == (50052, 9102)
+    assert (scheduler.port, scheduler.metrics_port) == (50051, 9101)
+    for args in (executor, scheduler):
+        assert (args.max_num_seqs, args.max_num_batched_tokens) == (256, 8192)
+    assert scheduler.shutdown_timeout == 30.0 and scheduler.max_plans_in_flight == 2
+    assert executor.enforce_eager is False and executor.kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize("verb", sorted(CLIS))
+def test_every_flag_names_its_twin_once_and_reads_it(verb, monkeypatch):
+    parser, defaults = _parse(verb, monkeypatch)
+    actions = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    for f in CLIS[verb].FLAGS:
+        action = actions[f.names[0]]
+        twin = "TANDEM_" + f.env
+        assert action.help.count(twin) == 1, f"{f.names[0]}: {action.help!r}"
+        text, expected = _env_value(action, getattr(defaults, action.dest))
+        _, parsed = _parse(verb, monkeypatch, {twin: text})
+        assert getattr(parsed, action.dest) == expected, f"{twin}={text} did not set {f.names[0]}"
+
+
+def test_the_flag_beats_its_twin_and_the_twin_beats_the_fallback(monkeypatch):
+    env = {"TANDEM_SHUTDOWN_TIMEOUT": "4", "TANDEM_SCHEDULER_GRACE": "9"}
+    _, args = _parse("scheduler", monkeypatch, env)
+    assert args.shutdown_timeout == 4.0
+    _, args = _parse("scheduler", monkeypatch, {"TANDEM_SCHEDULER_GRACE": "9"})
+    assert args.shutdown_timeout == 9.0
+    _, args = _parse("scheduler", monkeypatch, env, ["--grace", "2"])
+    assert args.shutdown_timeout == 2.0
+
+
+def test_a_required_flag_is_optional_once_its_twin_is_set(monkeypatch):
+    monkeypatch.delenv("TANDEM_X_ADDRESS", raising=False)
+    table = [flag("--executor", env="X_ADDRESS", required=True, help="address")]
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(parser, table)
+    with pytest.raises(SystemExit):
+        parser.parse_args([])
+    monkeypatch.setenv("TANDEM_X_ADDRESS", "h:1")
+    parser = argparse.ArgumentParser()
+    add_flags(parser, table)
+    assert parser.parse_args([]).executor == "h:1"
+
+
+def test_a_switch_twin_is_on_for_true_words(monkeypatch):
+    table = [flag("--enforce-eager", env="ENFORCE_EAGER", switch=True, help="never use CUDA graphs")]
+    for value, expected in (("1", True), ("yes", True), ("ON", True), ("0", False), ("", False)):
+        monkeypatch.setenv("TANDEM_ENFORCE_EAGER", value)
+        parser = argparse.ArgumentParser()
+        (action,) = add_flags(parser, table).values()
+        assert parser.parse_args([]).enforce_eager is expected
+        assert action.help.endswith("[TANDEM_ENFORCE_EAGER=1]")
