@@ -245,11 +245,11 @@ class Scheduler:
             num_scheduled.append(n)
             num_computed.append(c)
             seq.num_computed_tokens = c + n
-            if caching and (c + n) // bs > seq.num_registered_blocks:
-                registered += bm.cache_full_blocks(seq, c + n)
             budget -= n
-            if remaining > 1:
+            if remaining > 1:  # a prefill: its blocks may serve sequences admitted behind it
                 prefill_left -= n
+                if caching and (c + n) // bs > seq.num_registered_blocks:
+                    registered += bm.cache_full_blocks(seq, c + n)
             i += 1
 
         # After a preemption, admitting new work would only thrash the cache.
