@@ -10,8 +10,11 @@ Two plans may be in flight (the executor's side: executor_service/steps_in_fligh
 is scheduled before step N's result is back, counting on one more token for every sequence N samples (`num_pending_tokens`); the executor
 feeds what it sampled into N+1 itself. Stop checks lag by one step: a sequence that stops at N
 computes one token in N+1 whose result is dropped. A sequence whose pending tokens reach its
-length limit is not scheduled again. Blocks enter the prefix cache only once the step that wrote
-their last position has returned (`num_kv_written`): a step in flight may still fail.
+length limit is not scheduled again. Blocks enter the prefix cache once a plan that writes their
+last position is scheduled, so that requests arriving together share a prefix computed once (the
+executor runs plans in order and, within a step, stores every token's KV before attention reads
+it). A plan that fails takes the plans behind it along, and `abandon` takes the blocks they
+registered out of the cache again.
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ class Scheduler:
         self._in_flight: dict[int, tuple[list[Sequence], list[tuple[Sequence, int]]]] = {}
         # Sequences failed inside schedule(), returned by the next update().
         self._failed: list[Sequence] = []
+        # step id -> the blocks its plan put in the prefix cache (taken out again if it never runs).
+        self._cached_by_step: dict[int, list[int]] = {}
         self.stats = SchedulerStats(num_total_blocks=limits.num_kv_blocks)
+        self._prefill_budget = config.max_prefill_tokens_while_decoding
 
     # -- requests -------------------------------------------------------------------------
 
@@ -95,7 +101,9 @@ class Scheduler:
                 held.setdefault(seq_id, True)
             for seq_id in plan.seq_ids:
                 held.setdefault(seq_id, seq_id not in new_ids)
+        bs = self.limits.block_size
         for plan in reversed(plans):
+            self.block_manager.uncache(self._cached_by_step.pop(plan.step_id, ()))
             entry = self._in_flight.pop(plan.step_id, None)
             for seq in entry[0] if entry is not None else ():
                 seq.num_pending_tokens = max(0, seq.num_pending_tokens - 1)
@@ -107,6 +115,7 @@ class Scheduler:
                 if seq is None or seq_id in new_ids:
                     continue
                 seq.num_computed_tokens = computed
+                seq.num_registered_blocks = min(seq.num_registered_blocks, computed // bs)
                 if num_new and seq.status is _RUNNING:  # the executor never got these blocks
                     self.block_manager.release_tail(seq, num_new)
             for new in reversed(plan.new_seqs):
@@ -178,7 +187,15 @@ class Scheduler:
         # Scheduled sequences that sample this step, and those that do not (a prefill chunk).
         sampling: list[Sequence] = []
         partial: list[tuple[Sequence, int]] = []
+        caching = bm.enable_prefix_caching
+        registered: list[int] = []  # blocks this plan puts in the prefix cache
         preempted = False
+        # Prefill tokens this step may still carry: all of the budget, or less while sequences decode.
+        prefill_left = budget
+        if self._prefill_budget and any(
+            len(s.token_ids) + s.num_pending_tokens - s.num_computed_tokens == 1 for s in running
+        ):
+            prefill_left = self._prefill_budget
 
         i = 0
         while i < len(running) and budget > 0:
@@ -191,6 +208,11 @@ class Scheduler:
                 i += 1  # it stops with "length" once the results in flight are in
                 continue
             n = remaining if remaining <= budget else budget
+            if remaining > 1 and n > prefill_left:  # a prefill chunk
+                if not prefill_left:
+                    i += 1
+                    continue
+                n = prefill_left
             # Inline, not bm.can_append: most decode steps fit in the last block, and two method
             # calls per sequence were 10-25% of the step's scheduling cost.
             if c + n > len(seq.block_table) * bs:
@@ -224,19 +246,30 @@ class Scheduler:
             num_computed.append(c)
             seq.num_computed_tokens = c + n
             budget -= n
+            if remaining > 1:  # a prefill: its blocks may serve sequences admitted behind it
+                prefill_left -= n
+                if caching and (c + n) // bs > seq.num_registered_blocks:
+                    registered += bm.cache_full_blocks(seq, c + n)
             i += 1
 
         # After a preemption, admitting new work would only thrash the cache.
         if not preempted:
-            self._schedule_waiting(plan, budget, sampling, partial)
+            self._schedule_waiting(plan, min(budget, prefill_left), sampling, partial, registered)
         self._in_flight[plan.step_id] = (sampling, partial)
+        if registered:
+            self._cached_by_step[plan.step_id] = registered
         self.stats.num_chunked_prefills += len(partial)
         self.stats.num_steps += 1
         self._refresh_gauges()
         return plan
 
     def _schedule_waiting(
-        self, plan: StepPlan, budget: int, sampling: list[Sequence], partial: list[tuple[Sequence, int]]
+        self,
+        plan: StepPlan,
+        budget: int,
+        sampling: list[Sequence],
+        partial: list[tuple[Sequence, int]],
+        registered: list[int],
     ) -> None:
         """Admit waiting sequences in arrival order into plan, sampling or partial."""
         bm = self.block_manager
@@ -270,6 +303,8 @@ class Scheduler:
             plan.num_computed_tokens.append(num_cached)
             plan.num_new_blocks.append(0)
             seq.num_computed_tokens = num_cached + n
+            if bm.enable_prefix_caching:  # the next admission may hit these blocks
+                registered += bm.cache_full_blocks(seq, num_cached + n)
             if seq.num_computed_tokens < len(seq.token_ids):
                 partial.append((seq, seq.num_computed_tokens))
             else:
@@ -310,6 +345,7 @@ class Scheduler:
         if result.step_id != plan.step_id or plan.step_id not in self._in_flight:
             raise RuntimeError(f"result for step {result.step_id} does not match plan {plan.step_id}")
         sampling, partial = self._in_flight.pop(plan.step_id)
+        self._cached_by_step.pop(plan.step_id, None)
         if len(result.seq_ids) != len(sampling):
             raise RuntimeError(
                 f"step {plan.step_id}: executor sampled {len(result.seq_ids)} sequences, expected {len(sampling)}"
