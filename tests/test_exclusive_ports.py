@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -23,9 +24,9 @@ pytestmark = pytest.mark.slow
 START_TIMEOUT = 60.0
 
 
-def _scheduler(port: int, metrics_port: int, log: Path) -> Service:
+def _scheduler(port: int, metrics_port: int, http_port: int, log: Path) -> Service:
     argv = [sys.executable, "-m", "scheduler_service", "--executor", f"127.0.0.1:{free_port()}"]
-    argv += ["--port", str(port), "--metrics-port", str(metrics_port)]
+    argv += ["--port", str(port), "--metrics-port", str(metrics_port), "--http-port", str(http_port)]
     return Service("scheduler", argv, log, env=CHILD_ENV, cwd=ROOT)
 
 
@@ -42,13 +43,14 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def first(tmp_path_factory):
-    """A scheduler holding a gRPC port and a metrics port (its executor never comes: it listens
-    NOT_SERVING, which is all these tests need)."""
-    port, metrics_port = free_port(), free_port()
-    scheduler = _scheduler(port, metrics_port, tmp_path_factory.mktemp("ports") / "first.log")
+    """A scheduler holding a gRPC port, a metrics port and an HTTP port (its executor never comes:
+    it listens NOT_SERVING, which is all these tests need)."""
+    port, metrics_port, http_port = free_port(), free_port(), free_port()
+    scheduler = _scheduler(port, metrics_port, http_port, tmp_path_factory.mktemp("ports") / "first.log")
     scheduler.start()
     with TandemClient(f"127.0.0.1:{port}") as client:
         _first_health(client, scheduler)
+    scheduler.http_port = http_port
     yield scheduler, port, metrics_port
     scheduler.stop(5.0)
 
@@ -61,6 +63,10 @@ def _assert_still_serving(first) -> None:
             assert client.health(timeout=2.0) == "NOT_SERVING"
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
         assert b"tandem_scheduler_executor_up" in response.read()
+    for _ in range(10):  # no executor: the HTTP API's health says so
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{scheduler.http_port}/health", timeout=5)
+        assert e.value.code == 503
 
 
 def _assert_refused(done: subprocess.CompletedProcess, port: int, holder_pid: int) -> None:
@@ -70,13 +76,13 @@ def _assert_refused(done: subprocess.CompletedProcess, port: int, holder_pid: in
     assert f"port {port} is already in use (pid {holder_pid}: " in errors[0], done.stderr
 
 
-@pytest.mark.parametrize("which", ["grpc", "metrics"])
+@pytest.mark.parametrize("which", ["grpc", "metrics", "http"])
 def test_a_second_scheduler_on_a_port_in_use_exits_naming_it(first, which):
     scheduler, port, metrics_port = first
-    taken = port if which == "grpc" else metrics_port
-    ports = (taken, free_port()) if which == "grpc" else (free_port(), taken)
-    argv = ["scheduler_service", "--executor", f"127.0.0.1:{free_port()}"]
-    done = _run(argv + ["--port", str(ports[0]), "--metrics-port", str(ports[1])])
+    taken = {"grpc": port, "metrics": metrics_port, "http": scheduler.http_port}[which]
+    ports = {name: taken if name == which else free_port() for name in ("grpc", "metrics", "http")}
+    argv = ["scheduler_service", "--executor", f"127.0.0.1:{free_port()}", "--port", str(ports["grpc"])]
+    done = _run(argv + ["--metrics-port", str(ports["metrics"]), "--http-port", str(ports["http"])])
     _assert_refused(done, taken, scheduler.process.pid)
     _assert_still_serving(first)
 
