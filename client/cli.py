@@ -230,7 +230,7 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    from client import up
+    from client import chat, up
 
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
@@ -239,6 +239,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_log_level(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(sub)
+    chat.add_parser(sub)
     up.add_parser(sub)
     _add_service_parsers(sub, _command_of(argv))
     return parser

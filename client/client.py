@@ -25,6 +25,7 @@ from client.messages import (
     Final,
     ModelInfo,
     TandemError,
+    chat_request,
     generate_request,
     item_from_response,
     model_info_from_proto,
@@ -168,6 +169,23 @@ class TandemClient:
     def generate(self, prompt: str | list[int], *, request_id: str = "", **sampling) -> GenerationStream:
         """Stream a generation: Chunks, then one Final. Sampling arguments: see SamplingParams."""
         request = generate_request(prompt, request_id, **sampling)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        return GenerationStream(call, request_id)
+
+    def chat(
+        self,
+        messages: list[dict],
+        *,
+        request_id: str = "",
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        **sampling,
+    ) -> GenerationStream:
+        """Stream the assistant's reply to `messages` ({"role", "content"} dicts), rendered by the
+        server with the model's chat template (`chat_template_kwargs`: e.g. enable_thinking)."""
+        request = chat_request(
+            messages, request_id, chat_template_kwargs=chat_template_kwargs, tools=tools, **sampling
+        )
         call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         return GenerationStream(call, request_id)
 

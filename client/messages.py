@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -152,6 +153,27 @@ def generate_request(prompt: str | list[int], request_id: str = "", **sampling) 
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise TypeError("prompt must be a string or a list of token ids (ints)")
         request.token_ids.ids.extend(ids)
+    return request
+
+
+def chat_request(
+    messages: list[dict],
+    request_id: str = "",
+    *,
+    chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+    **sampling,
+) -> pb.GenerateRequest:
+    """A conversation ({"role", "content"} dicts) for the server to render with its chat template."""
+    request = pb.GenerateRequest(sampling_params=sampling_params(**sampling), request_id=request_id)
+    for message in messages:
+        request.chat.messages.add(role=message["role"], content=message.get("content") or "")
+    if chat_template_kwargs:
+        request.chat.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
+    if tools:
+        request.chat.tools_json = json.dumps(tools)
+    if not messages:
+        request.chat.SetInParent()
     return request
 
 

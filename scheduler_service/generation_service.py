@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from scheduler_service.request_handling import (
     NO_TOKENIZER,
     TOKENIZE_INLINE_CHARS,
     OutputProcessor,
+    chat_template,
     check_text_prompt,
     verify_request_id,
     verify_tokenizer,
@@ -61,6 +63,26 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+def render_chat(tokenizer, chat: pb.Chat) -> str:
+    """The prompt text of a Chat message; InvalidRequestError for bad JSON or what the template refuses."""
+    fields = {}
+    for name, raw in (
+        ("chat_template_kwargs_json", chat.chat_template_kwargs_json),
+        ("tools_json", chat.tools_json),
+    ):
+        try:
+            fields[name] = json.loads(raw) if raw else None
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"chat.{name} is not JSON: {e}") from None
+    kwargs = fields["chat_template_kwargs_json"] or {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat.chat_template_kwargs_json must be a JSON object")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    if not messages:
+        raise InvalidRequestError("chat.messages is empty")
+    return chat_template(tokenizer).render(messages, tools=fields["tools_json"], **kwargs)
+
+
 # The largest chunk a stream sends (see GenerationServicer.__init__).
 _MAX_CHUNK_BYTES = 2 * 2**20
 
@@ -96,18 +118,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         params = sampling_params_from_proto(request.sampling_params)
         tokenizer = self.engine.tokenizer
         verify_tokenizer(params, tokenizer, NO_TOKENIZER)
-        if request.WhichOneof("prompt") == "text":
+        kind = request.WhichOneof("prompt")
+        if kind in ("text", "chat"):
             # No work for a prompt that cannot be served: no executor (UNAVAILABLE), no tokenizer,
             # or a text too long to fit (a lower bound on its tokens, without tokenizing).
             engine = self.engine.check_admitting()
-            text = request.text  # each read of the field decodes it anew
+            text = request.text if kind == "text" else render_chat(tokenizer, request.chat)
             tokenizer = check_text_prompt(tokenizer, text, params, engine.limits.max_model_len)
+            special = kind == "text"  # a chat template writes its own special tokens
             if len(text) > TOKENIZE_INLINE_CHARS:
                 # encode_off_gil: a long text in a thread that leaves the event loop (health, other
                 # streams) running.
-                prompt = await asyncio.to_thread(tokenizer.encode_off_gil, text)
+                prompt = await asyncio.to_thread(tokenizer.encode_off_gil, text, special)
             else:
-                prompt = tokenizer.encode(text)
+                prompt = tokenizer.encode(text, special)
         else:
             prompt = list(request.token_ids.ids)
         return self.engine.add_request(request_id, prompt, params, arrival, timeout)

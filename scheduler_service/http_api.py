@@ -21,13 +21,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from protos.api_keys import AUTHORIZATION, ApiKeys
 from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.errors import InvalidRequestError, TandemRequestError
 from scheduler_service.openai_protocol import HTTP_STATUS, ChatRequest, CompletionRequest, error_body
 from scheduler_service.reasoning import ReasoningParser
 from scheduler_service.request_handling import (
     TOKENIZE_INLINE_CHARS,
     OutputProcessor,
+    chat_template,
     check_text_prompt,
     verify_tokenizer,
 )
@@ -86,7 +86,6 @@ class OpenAIServer:
         self.engine = engine
         self.metrics = engine.metrics
         self._keys = ApiKeys(api_keys) if api_keys else None
-        self._templates: dict[int, ChatTemplate | None] = {}
         self.app = self._build_app()
 
     # -- the app ----------------------------------------------------------------------------
@@ -158,15 +157,6 @@ class OpenAIServer:
 
     # -- admission --------------------------------------------------------------------------
 
-    def chat_template(self) -> ChatTemplate | None:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            return None
-        key = id(tokenizer)
-        if key not in self._templates:
-            self._templates[key] = ChatTemplate.load(tokenizer.path)
-        return self._templates[key]
-
     async def _encode(self, text: str, params: SamplingParams, add_special_tokens: bool) -> list[int]:
         engine = self.engine.check_admitting()
         tokenizer = check_text_prompt(
@@ -182,12 +172,7 @@ class OpenAIServer:
         """The prompts, and the template when `chat`."""
         if not chat:
             return body.prompts(), None
-        template = self.chat_template()
-        if template is None:
-            raise InvalidRequestError(
-                "this model has no chat template (chat_template.jinja or chat_template in "
-                "tokenizer_config.json beside the tokenizer): use /v1/completions"
-            )
+        template = chat_template(self.engine.tokenizer, NO_TOKENIZER)
         text = template.render(
             body.template_messages(),
             tools=body.tools,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.errors import InvalidRequestError
 from scheduler_service.sampling_params import SamplingParams, verify_prompt_length
@@ -69,6 +70,21 @@ def tokenize(
 ) -> list[int]:
     """The prompt's token ids, after check_text_prompt."""
     return check_text_prompt(tokenizer, text, params, max_model_len, no_tokenizer).encode(text)
+
+
+def chat_template(tokenizer: Tokenizer | None, no_tokenizer: str = NO_TOKENIZER) -> ChatTemplate:
+    """The template that renders chat messages into a prompt; InvalidRequestError without one.
+    The rendered text is tokenized without special tokens (the template writes its own), as
+    transformers' apply_chat_template."""
+    if tokenizer is None:
+        raise InvalidRequestError(no_tokenizer)
+    template = tokenizer.chat_template
+    if template is None:
+        raise InvalidRequestError(
+            "this model has no chat template (chat_template.jinja, or chat_template in "
+            "tokenizer_config.json, beside its tokenizer.json): send a text prompt"
+        )
+    return template
 
 
 @dataclass(slots=True)

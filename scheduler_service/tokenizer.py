@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+from scheduler_service.chat_template import ChatTemplate
 
 # How many times fewer UTF-8 bytes a normalizer's output can have than its input: NFC composes
 # three Hangul jamo (9 bytes) into one syllable (3), NFKC maps a 4-byte mathematical letter to
@@ -28,6 +31,11 @@ class Tokenizer:
         self.path = file.parent
         # The most bytes of text one token stands for (None: no sound bound for this tokenizer).
         self.max_bytes_per_token = _max_bytes_per_token(json.loads(self._tok.to_str()))
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """The checkpoint's chat template (chat_template.jinja or tokenizer_config.json), if any."""
+        return ChatTemplate.load(self.path)
 
     @property
     def vocab_size(self) -> int:

@@ -224,3 +224,42 @@ def test_concurrent_streams_with_cancels_leak_no_block(services, model):
             break
         time.sleep(0.2)
     assert (used, running) == (0, 0), services.logs()
+
+
+def test_grpc_chat_equals_http_chat(api, model, services):
+    messages = [{"role": "user", "content": "Write a function."}]
+    http = api.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    with TandemClient(services.address, api_key=KEY) as client:
+        stream = client.chat(messages, max_tokens=16, temperature=0.0)
+        chunks = list(stream)
+    text = "".join(c.text for c in chunks[:-1])
+    assert chunks[-1].prompt_tokens == http.usage.prompt_tokens
+    message = http.choices[0].message
+    expected = message.content or ""
+    if getattr(message, "reasoning_content", None) is not None:
+        expected = f"<think>{message.reasoning_content}</think>{expected}"
+    assert text == expected
+
+
+def test_tandem_chat_cli_streams_replies(api, model, services):
+    import subprocess
+    import sys
+
+    from helpers.services import CHILD_ENV, ROOT
+
+    expected = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "client.cli", "chat", "--server", services.address, "--api-key", KEY]
+        + ["--max-tokens", "12"],
+        input="Hi\nAgain\n\n",
+        capture_output=True,
+        text=True,
+        env=CHILD_ENV,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    replies = done.stdout.split("\n")
+    assert replies[0] == expected.choices[0].message.content.split("\n")[0]

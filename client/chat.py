@@ -1,0 +1,89 @@
+"""`tandem chat`: an interactive conversation with a server, each reply streamed as it is generated.
+The server renders the conversation with the model's chat template (gRPC's Chat prompt)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from client.client import TandemClient
+from client.defaults import DEFAULT_RETRIES, DEFAULT_SERVER, env
+from client.generate import _error, _print_streaming
+from client.messages import TandemError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="chat with a server interactively (the model's chat template; replies stream)",
+        description="Type a message and press Enter; an empty line or Ctrl-D ends the conversation.",
+    )
+    p.add_argument(
+        "--server",
+        default=None,
+        help=f"scheduler address HOST:PORT (default {DEFAULT_SERVER}; env TANDEM_SERVER)",
+    )
+    p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    p.add_argument("--no-thinking", action="store_true", help="Qwen3: enable_thinking=false in the template")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=env("TIMEOUT"),
+        help="deadline per reply, seconds (env TANDEM_TIMEOUT)",
+    )
+    p.add_argument("--api-key", default=env("API_KEY"), help="sent as a bearer token (env TANDEM_API_KEY)")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        default=env("TLS", "") not in ("", "0"),
+        help="connect over TLS (env TANDEM_TLS=1)",
+    )
+    p.add_argument(
+        "--tls-ca", default=env("TLS_CA"), help="connect over TLS, trusting this CA (PEM; env TANDEM_TLS_CA)"
+    )
+    p.set_defaults(func=run_chat)
+
+
+def run_chat(args: argparse.Namespace, stdin=None, out=None) -> int:
+    stdin, out = stdin or sys.stdin, out or sys.stdout
+    address = args.server or env("SERVER") or DEFAULT_SERVER
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    kwargs = {"enable_thinking": False} if args.no_thinking else None
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = stdin.isatty()
+    try:
+        client = TandemClient(
+            address,
+            timeout=args.timeout,
+            api_key=args.api_key,
+            tls=args.tls,
+            tls_ca=args.tls_ca,
+            retries=DEFAULT_RETRIES,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with client:
+        while True:
+            if interactive:
+                out.write("> ")
+                out.flush()
+            line = stdin.readline()
+            if not line.strip():
+                return 0
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            stream = client.chat(messages, chat_template_kwargs=kwargs, **sampling)
+            try:
+                reply = "".join(_print_streaming(stream, out).text)
+            except TandemError as e:
+                return _error(e, address, client)
+            except KeyboardInterrupt:
+                stream.cancel()
+                out.write("\n")
+                return 130
+            messages.append({"role": "assistant", "content": reply})
