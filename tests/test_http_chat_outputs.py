@@ -1,0 +1,144 @@
+"""Reasoning and tool calls through the HTTP API, whole and streamed: an in-process scheduler whose
+fake executor writes a scripted answer (Qwen3's `<think>` block, then Hermes tool calls), talked to
+with the official `openai` client; and a client that goes away mid-request frees its blocks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from helpers.chat_checkpoint import chat_checkpoint
+from helpers.fake_executor import FakeExecutor
+
+from scheduler_service.async_engine import EngineOptions
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.server import SchedulerServer, ServerThread
+from scheduler_service.tokenizer import Tokenizer
+
+ANSWER = (
+    "<think>\nThe user wants the weather.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+)
+TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+    for name in ("get_weather", "get_time")
+]
+MESSAGES = [{"role": "user", "content": "Weather and time in Paris?"}]
+
+
+class ScriptedExecutor(FakeExecutor):
+    """Every sequence generates `script`'s tokens, then end-of-sequence (or `slow` forever)."""
+
+    def __init__(self, script: list[int], eos: int, vocab_size: int, slow: float = 0.0) -> None:
+        super().__init__(num_kv_blocks=256, block_size=4, max_model_len=1024, eos_token_ids=(eos,))
+        self.info.vocab_size = vocab_size
+        self.script, self.eos, self.slow = script, eos, slow
+        self.num_prompt: dict[int, int] = {}
+
+    def _validate(self, plan) -> None:
+        """(The fake's own checks assume its small vocabulary; this one speaks the tokenizer's.)"""
+
+    def step(self, plan):
+        for s in plan.new_seqs:
+            self.num_prompt[s.seq_id] = len(s.token_ids)
+        result = super().step(plan)
+        for i, sid in enumerate(result.seq_ids):
+            state = self.seqs[sid]
+            n = len(state.token_ids) - 1 - self.num_prompt[sid]
+            tok = self.script[n] if n < len(self.script) else (self.script[0] if self.slow else self.eos)
+            state.token_ids[-1] = result.token_ids[i] = tok
+        if self.slow:
+            time.sleep(self.slow)
+        return result
+
+
+def _server(checkpoint, slow=0.0):
+    tokenizer = Tokenizer(checkpoint)
+    script = tokenizer.encode(ANSWER, add_special_tokens=False)
+    executor = ScriptedExecutor(script, eos=0, vocab_size=tokenizer.vocab_size, slow=slow)
+    options = EngineOptions(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024))
+    server = SchedulerServer(executor, options, tokenizer_for=lambda info: tokenizer, port=0, http_port=0)
+    return server, executor
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return chat_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def api(checkpoint):
+    server, _ = _server(checkpoint)
+    with ServerThread(server):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0)
+        deadline = time.monotonic() + 20
+        while httpx.get(f"http://127.0.0.1:{server.http_port}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield client
+
+
+def test_reasoning_and_tool_calls_whole(api):
+    got = api.chat.completions.create(
+        model="fake", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0
+    )
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "\nThe user wants the weather.\n"
+    calls = choice.message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "°C"}
+    assert calls[0].id != calls[1].id
+
+
+def test_reasoning_and_tool_calls_streamed_equal_the_whole_answer(api):
+    chunks = list(
+        api.chat.completions.create(
+            model="fake", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0, stream=True
+        )
+    )
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert deltas[0].delta.role == "assistant"
+    reasoning = "".join(getattr(d.delta, "reasoning_content", None) or "" for d in deltas)
+    assert reasoning == "\nThe user wants the weather.\n"
+    calls = [call for d in deltas for call in d.delta.tool_calls or ()]
+    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather"), (1, "get_time")]
+    assert json.loads(calls[1].function.arguments) == {"zone": "CET"}
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_without_tools_the_calls_stay_text(api):
+    got = api.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=200, temperature=0)
+    assert got.choices[0].message.tool_calls in (None, [])
+    assert got.choices[0].message.content.lstrip().startswith("<tool_call>")
+    assert got.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_frees_its_blocks(checkpoint, stream):
+    server, executor = _server(checkpoint, slow=0.01)
+    with ServerThread(server) as running:
+        url = f"http://127.0.0.1:{running.http_port}"
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # 900 tokens at 10 ms a step take 9 s: the request must end well before.
+        body = {"model": "fake", "prompt": "hello", "max_tokens": 900, "stream": stream}
+        start = time.monotonic()
+        if stream:  # a few events, then the connection is closed
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                next(lines)
+        else:  # the client gives up waiting for the whole answer
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+        while executor.seqs or running.engine.streams:
+            assert time.monotonic() < start + 5, "the request went on after its client left"
+            time.sleep(0.05)
+        assert running.engine.engine.scheduler.block_manager.num_free_blocks == 256
