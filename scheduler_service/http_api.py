@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -184,10 +185,12 @@ class OpenAIServer:
 
     async def _admit(self, body, chat: bool, timeout: float | None) -> tuple[list[_Choice], str]:
         engine = self._engine()
-        if body.model and body.model != engine.info.model:
+        served = engine.info.model
+        # The executor names a local checkpoint by its directory: its path names it too.
+        if body.model and body.model != served and Path(body.model).name != served:
             raise HttpError(
                 404,
-                f"the model {body.model!r} does not exist: this server serves {engine.info.model!r}",
+                f"the model {body.model!r} does not exist: this server serves {served!r}",
                 "model_not_found",
             )
         if chat:

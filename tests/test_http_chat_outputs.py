@@ -142,3 +142,48 @@ def test_a_client_that_goes_away_frees_its_blocks(checkpoint, stream):
             assert time.monotonic() < start + 5, "the request went on after its client left"
             time.sleep(0.05)
         assert running.engine.engine.scheduler.block_manager.num_free_blocks == 256
+
+
+def _wait_health(url, want=200):
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{url}/health").status_code != want:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_full_queue_is_429_and_no_executor_is_503(checkpoint):
+    from scheduler_service.executor_client import ExecutorUnavailable
+
+    server, _ = _server(checkpoint, slow=0.02)
+    server.engine.options.max_queue = 1
+    server.engine.options.config.max_num_seqs = 1
+    with ServerThread(server) as running:
+        url = f"http://127.0.0.1:{running.http_port}"
+        _wait_health(url)
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        first = api.completions.create(model="fake", prompt="a", max_tokens=400, stream=True)
+        next(iter(first))  # running: the one batch slot is taken
+        second = api.completions.create(model="fake", prompt="b", max_tokens=400, stream=True)
+        with pytest.raises(openai.RateLimitError) as e:
+            for _ in range(3):
+                api.completions.create(model="fake", prompt="c", max_tokens=4)
+        assert e.value.status_code == 429
+        assert "queue full" in e.value.body["message"]
+        first.close()
+        second.close()
+
+    class Away(ScriptedExecutor):
+        def describe(self):
+            raise ExecutorUnavailable("no executor at 127.0.0.1:1")
+
+    tokenizer = Tokenizer(checkpoint)
+    away = Away([1], 0, tokenizer.vocab_size)
+    options = EngineOptions(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024))
+    server = SchedulerServer(away, options, tokenizer_for=lambda info: tokenizer, port=0, http_port=0)
+    with ServerThread(server) as running:
+        url = f"http://127.0.0.1:{running.http_port}"
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:
+            api.completions.create(model="fake", prompt="a", max_tokens=4)
+        assert e.value.status_code == 503
+        assert httpx.get(f"{url}/health").status_code == 503
