@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 # How many times fewer UTF-8 bytes a normalizer's output can have than its input: NFC composes
 # three Hangul jamo (9 bytes) into one syllable (3), NFKC maps a 4-byte mathematical letter to
@@ -50,6 +53,12 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self) -> Callable[[int], str | None]:
+        """An incremental decoder of one token stream (tokenizers' DecodeStream, special tokens
+        skipped): each call takes the next id and returns the new text, or None while the text
+        ends inside a character."""
+        return functools.partial(DecodeStream(skip_special_tokens=True).step, self._tok)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
