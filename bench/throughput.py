@@ -116,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the executor's (kv-cache-gb)")
+    p.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=0,
+        help="the scheduler's prefill budget per step while requests decode, both modes (default 0: none)",
+    )
     p.add_argument("--mode", choices=["both", "in-process", "split"], default="both")
     p.add_argument("--executor-arg", action="append", default=[], help="extra executor flag (repeatable)")
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
@@ -256,6 +262,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         tensor_parallel_size=args.tensor_parallel_size,
         max_plans_in_flight=args.max_plans_in_flight,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         **options,
     )
     warm = [r.prompt_token_ids for r in workload[:4]]
@@ -324,6 +331,7 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     scheduler_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     scheduler_argv += ["--stream-interval", str(args.stream_interval)]
     scheduler_argv += ["--max-plans-in-flight", str(args.max_plans_in_flight)]
+    scheduler_argv += ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
     scheduler_argv += args.scheduler_arg
     executor = Service("executor", executor_argv, log_dir / "executor.log")
     scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log")

@@ -51,6 +51,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_plans_in_flight: int | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_prefill_tokens_while_decoding: int = 0,
         **executor_options,
     ):
         # Imported here: torch loads when an LLM is made, not when this module is imported.
@@ -75,6 +76,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 max_plans_in_flight=max_plans_in_flight,
                 max_logprobs=max_logprobs,
+                max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
             ),
         )
         # The executor resolved a hub id to its cached snapshot.

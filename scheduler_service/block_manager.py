@@ -103,13 +103,17 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's full blocks whose tokens are all known and whose KV is written by a
-        step whose result is back (seq.num_kv_written, never a step still in flight)."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> list[int]:
+        """Register seq's full blocks whose tokens are all known and whose KV is written by the
+        first num_tokens positions (default seq.num_kv_written: by steps whose results are back).
+        Returns the blocks newly registered."""
         if not self.enable_prefix_caching:
-            return
+            return _NO_BLOCKS
         bs = self.block_size
-        num_full = min(seq.num_kv_written, len(seq.token_ids)) // bs
+        if num_tokens is None:
+            num_tokens = seq.num_kv_written
+        num_full = min(num_tokens, len(seq.token_ids)) // bs
+        registered = []
         for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             h = self.block_hash(seq, i)
@@ -119,8 +123,20 @@ class BlockManager:
                 block.block_hash = h
                 block.token_ids = seq.token_ids[i * bs : (i + 1) * bs]
                 self.cached_block_ids[h] = block.block_id
+                registered.append(block.block_id)
         if num_full > seq.num_registered_blocks:
             seq.num_registered_blocks = num_full
+        return registered
+
+    def uncache(self, block_ids: Seq[int]) -> None:
+        """Take blocks out of the prefix cache (registered for a plan that never ran)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            h = block.block_hash
+            if h is not None and self.cached_block_ids.get(h) == block_id:
+                del self.cached_block_ids[h]
+                block.block_hash = None
+                block.token_ids = None
 
     # -- allocation -----------------------------------------------------------------------
 

@@ -88,6 +88,14 @@ FLAGS = (
         help=f"most tokens in one step (default {MAX_NUM_BATCHED_TOKENS}; capped by the executor's)",
     ),
     flag(
+        "--max-prefill-tokens-while-decoding",
+        env="MAX_PREFILL_TOKENS_WHILE_DECODING",
+        type=int,
+        default=0,
+        help="while requests decode, most prefill tokens in one step, for a steady inter-token latency "
+        "(vLLM's --long-prefill-token-threshold; default 0 = max-num-batched-tokens)",
+    ),
+    flag(
         "--max-queue",
         env="MAX_QUEUE",
         type=int,
@@ -258,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_plans_in_flight=args.max_plans_in_flight,
             max_logprobs=args.max_logprobs,
+            max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         )
         options = EngineOptions(
             config,

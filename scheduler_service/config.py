@@ -37,6 +37,11 @@ class SchedulerConfig:
     max_plans_in_flight: int | None = None
     # The most top logprobs per token a request may ask for.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # While any sequence decodes, a step's prefill tokens (chunks of prompts, recomputes) stay within
+    # this budget, so that a long prompt arriving does not stretch the decodes' inter-token latency
+    # (vLLM's long_prefill_token_threshold, SGLang's chunked prefill size). 0: no budget beyond
+    # max_num_batched_tokens. Off by default until measured on the GPU (W1 and W2).
+    max_prefill_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -45,6 +50,11 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError(
+                "max_prefill_tokens_while_decoding must be >= 0 (0 for no budget), "
+                f"got {self.max_prefill_tokens_while_decoding}"
+            )
         if self.max_plans_in_flight not in (None, 1, 2):
             raise ValueError(f"max_plans_in_flight must be 1 or 2, got {self.max_plans_in_flight}")
         if self.max_model_len is not None and self.max_model_len < 2:

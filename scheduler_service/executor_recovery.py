@@ -98,6 +98,7 @@ class ExecutorRecovery:
         logger.info("connected to executor at %s: %s", self.options.executor_address, engine.info)
         self.metrics.reset_stats_baseline()
         self.metrics.executor_up.set(1)
+        self.metrics.set_executor(engine.info, engine.limits.max_model_len)
         self.metrics.update_from_stats(engine.scheduler.stats)
         self.engine = engine
         self.set_health(True)

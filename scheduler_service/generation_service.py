@@ -188,7 +188,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     def _final(self, stream: RequestStream, output: OutputProcessor) -> pb.GenerateFinal:
         reason, stop_reason = output.finish(stream.finish_reason, stream.last_token_id)
-        self.metrics.e2e.observe(time.perf_counter() - stream.arrival)
+        metrics = self.metrics
+        metrics.e2e.observe(time.perf_counter() - stream.arrival)
+        metrics.request_prompt_tokens.observe(stream.num_prompt_tokens)
+        metrics.request_generation_tokens.observe(output.num_tokens)
         return pb.GenerateFinal(
             finish_reason=_FINISH_REASONS[reason],
             prompt_tokens=stream.num_prompt_tokens,

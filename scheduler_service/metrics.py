@@ -9,15 +9,20 @@ from __future__ import annotations
 import logging
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from protos.plan import ExecutorInfo
 from protos.ports import start_metrics_server
 from scheduler_service.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+# End to end: long answers take minutes (vLLM's e2e buckets reach 7680 s).
+_E2E_BUCKETS = (*_LATENCY_BUCKETS, 120, 240, 480, 960, 1920, 3840, 7680)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Tokens of one request: up to the longest max_model_len served (Qwen3's 40960 fits below 65536).
+_REQUEST_TOKEN_BUCKETS = (*_TOKEN_BUCKETS, 32768, 65536, 131072)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 # Counters taken from SchedulerStats, as (metric attribute, stats attribute).
 _STAT_COUNTERS = (
@@ -69,12 +74,25 @@ class SchedulerMetrics:
         self.e2e = Histogram(
             p + "e2e_request_latency_seconds",
             "Arrival to final message",
-            buckets=_LATENCY_BUCKETS,
+            buckets=_E2E_BUCKETS,
             registry=r,
         )
         self.queue_time = Histogram(
             p + "queue_time_seconds", "Arrival to first schedule", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.request_prompt_tokens = Histogram(
+            p + "request_prompt_tokens",
+            "Prompt tokens of each finished request",
+            buckets=_REQUEST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            p + "request_generation_tokens",
+            "Tokens generated for each finished request",
+            buckets=_REQUEST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.info = Info(p[:-1], "The served model, as the executor describes it", registry=r)
         self.tokens_per_step = Histogram(
             p + "tokens_per_step", "Tokens scheduled per step", buckets=_TOKEN_BUCKETS, registry=r
         )
@@ -100,6 +118,17 @@ class SchedulerMetrics:
         self.kv_blocks_used.set(stats.num_used_blocks)
         self.kv_blocks_total.set(stats.num_total_blocks)
         self.kv_usage.set(stats.kv_usage)
+
+    def set_executor(self, info: ExecutorInfo, max_model_len: int) -> None:
+        """The `tandem_scheduler_info` labels, at each connection to an executor."""
+        self.info.info(
+            {
+                "model_name": info.model,
+                "max_model_len": str(max_model_len),
+                "block_size": str(info.block_size),
+                "tensor_parallel_size": str(info.tensor_parallel_size),
+            }
+        )
 
     def reset_stats_baseline(self) -> None:
         """A new engine (after a reconnect) counts its stats from zero again."""

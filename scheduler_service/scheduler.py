@@ -10,8 +10,11 @@ Two plans may be in flight (their lifecycle: steps_in_flight.py): step N+1 is sc
 step N's result is back, counting on one more token for every sequence N samples
 (`num_pending_tokens`); the executor feeds what it sampled into N+1 itself. Stop checks lag by one step: a sequence that stops at N
 computes one token in N+1 whose result is dropped. A sequence whose pending tokens reach its
-length limit is not scheduled again. Blocks enter the prefix cache only once the step that wrote
-their last position has returned (`num_kv_written`): a step in flight may still fail.
+length limit is not scheduled again. Blocks enter the prefix cache once a plan that writes their
+last position is scheduled, so that requests arriving together share a prefix computed once (the
+executor runs plans in order and, within a step, stores every token's KV before attention reads
+it). A plan that fails takes the plans behind it along, and `abandon` takes the blocks they
+registered out of the cache again.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Scheduler:
         # Sequences failed inside schedule(), returned by the next update().
         self._failed: list[Sequence] = []
         self.stats = SchedulerStats(num_total_blocks=limits.num_kv_blocks)
+        self._prefill_budget = config.max_prefill_tokens_while_decoding
 
     # -- requests -------------------------------------------------------------------------
 
@@ -135,7 +139,15 @@ class Scheduler:
         # Scheduled sequences that sample this step, and those that do not (a prefill chunk).
         sampling: list[Sequence] = []
         partial: list[tuple[Sequence, int]] = []
+        caching = bm.enable_prefix_caching
+        registered: list[int] = []  # blocks this plan puts in the prefix cache
         preempted = False
+        # Prefill tokens this step may still carry: all of the budget, or less while sequences decode.
+        prefill_left = budget
+        if self._prefill_budget and any(
+            len(s.token_ids) + s.num_pending_tokens - s.num_computed_tokens == 1 for s in running
+        ):
+            prefill_left = self._prefill_budget
 
         i = 0
         while i < len(running) and budget > 0:
@@ -148,6 +160,11 @@ class Scheduler:
                 i += 1  # it stops with "length" once the results in flight are in
                 continue
             n = remaining if remaining <= budget else budget
+            if remaining > 1 and n > prefill_left:  # a prefill chunk
+                if not prefill_left:
+                    i += 1
+                    continue
+                n = prefill_left
             # Inline, not bm.can_append: most decode steps fit in the last block, and two method
             # calls per sequence were 10-25% of the step's scheduling cost.
             if c + n > len(seq.block_table) * bs:
@@ -181,19 +198,28 @@ class Scheduler:
             num_computed.append(c)
             seq.num_computed_tokens = c + n
             budget -= n
+            if remaining > 1:  # a prefill: its blocks may serve sequences admitted behind it
+                prefill_left -= n
+                if caching and (c + n) // bs > seq.num_registered_blocks:
+                    registered += bm.cache_full_blocks(seq, c + n)
             i += 1
 
         # After a preemption, admitting new work would only thrash the cache.
         if not preempted:
-            self._schedule_waiting(plan, budget, sampling, partial)
-        self.in_flight.scheduled(plan, sampling, partial)
+            self._schedule_waiting(plan, min(budget, prefill_left), sampling, partial, registered)
+        self.in_flight.scheduled(plan, sampling, partial, registered)
         self.stats.num_chunked_prefills += len(partial)
         self.stats.num_steps += 1
         self._refresh_gauges()
         return plan
 
     def _schedule_waiting(
-        self, plan: StepPlan, budget: int, sampling: list[Sequence], partial: list[tuple[Sequence, int]]
+        self,
+        plan: StepPlan,
+        budget: int,
+        sampling: list[Sequence],
+        partial: list[tuple[Sequence, int]],
+        registered: list[int],
     ) -> None:
         """Admit waiting sequences in arrival order into plan, sampling or partial."""
         bm = self.block_manager
@@ -227,6 +253,8 @@ class Scheduler:
             plan.num_computed_tokens.append(num_cached)
             plan.num_new_blocks.append(0)
             seq.num_computed_tokens = num_cached + n
+            if bm.enable_prefix_caching:  # the next admission may hit these blocks
+                registered += bm.cache_full_blocks(seq, num_cached + n)
             if seq.num_computed_tokens < len(seq.token_ids):
                 partial.append((seq, seq.num_computed_tokens))
             else:

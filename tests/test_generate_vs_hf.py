@@ -92,6 +92,17 @@ def test_prefix_cache_hits_match_transformers(qwen3_untied):
     assert_matches_hf(qwen3_untied, first + rest, warm + outputs)
 
 
+def test_a_prefix_shared_by_prompts_of_one_call_is_computed_once(qwen3_untied):
+    """Eight prompts with a common 64-token prefix in one call, no warm-up: the first computes the
+    prefix, the seven admitted beside it in the same step read its blocks (issue 16 item 4)."""
+    shared = make_prompts([64], seed=7)[0]
+    prompts = make_prompts([2, 5, 9, 14, 20, 27, 33, 41], seed=8, prefix=shared)
+    llm = LLM(str(qwen3_untied), num_kv_blocks=64, block_size=16)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == [0] + [64] * 7
+    assert_matches_hf(qwen3_untied, prompts, outputs)
+
+
 def test_preemption_matches_transformers(qwen3_tied):
     """With too few KV blocks for the whole batch, sequences are preempted and recomputed."""
     prompts = make_prompts([30, 31, 32, 33, 34, 35, 36, 37], seed=14)

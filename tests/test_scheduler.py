@@ -490,3 +490,93 @@ def test_failed_plans_with_two_in_flight_fail_only_their_requests(
     assert set(got) | failed == set(range(len(requests))) and not set(got) & failed
     assert all(got[j] == ref[j] for j in got)
     assert not executor.seqs
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_prefill_budget_while_decoding_bounds_each_step_and_still_progresses(in_flight):
+    config = SchedulerConfig(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=8)
+    ex = FakeExecutor()
+    engine = LLMEngine(CountingPipe(ex) if in_flight == 2 else ex, config)
+    prompt_len = {}
+    a = engine.add_request(prompt(6), greedy(40))
+    prompt_len[a] = 6
+    engine.step()
+    for n, seed in ((50, 1), (30, 2)):
+        prompt_len[engine.add_request(prompt(n, seed=seed), greedy(4))] = n
+    finished = run(engine)
+    decoding_plans = 0
+    for plan in ex.plans:
+        entries = list(zip(plan.seq_ids, plan.num_computed_tokens, plan.num_scheduled_tokens, strict=True))
+        prefill = sum(n for seq_id, c, n in entries if c < prompt_len[seq_id])
+        if any(c >= prompt_len[seq_id] for seq_id, c, _ in entries):  # a sequence decodes
+            decoding_plans += 1
+            assert prefill <= 8, plan
+    assert decoding_plans > 10
+    # Nobody starves: the two prompts (80 tokens) are through in about 80 / 8 steps while a decodes.
+    assert all(len(finished[i].token_ids) == (40 if i == a else 4) for i in prompt_len)
+    # The same tokens as without a budget (the fake's tokens are a function of the prefix).
+    reference, _ = make_engine(SchedulerConfig(max_num_batched_tokens=64))
+    for i, seed in zip(prompt_len, (0, 1, 2), strict=True):
+        reference.add_request(prompt(prompt_len[i], seed=seed), greedy(40 if i == a else 4))
+    expected = run(reference)
+    assert [finished[i].token_ids for i in prompt_len] == [expected[i].token_ids for i in prompt_len]
+
+
+def test_prefill_budget_leaves_a_step_without_decodes_alone():
+    # W1-like offline use: every prompt arrives at once, nothing decodes yet.
+    plans = []
+    for budget in (0, 8):
+        engine, ex = make_engine(
+            SchedulerConfig(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=budget)
+        )
+        for i in range(4):
+            engine.add_request(prompt(20, seed=i), greedy(3))
+        engine.step()
+        engine.step()
+        plans.append([(p.seq_ids, p.num_scheduled_tokens) for p in ex.plans])
+    assert plans[0][0] == plans[1][0] and sum(plans[1][0][1]) == 64  # the whole step prefills
+    # Once three of them decode, the fourth's last 16 tokens go 8 at a time.
+    assert plans[0][1] == ([0, 1, 2, 3], [1, 1, 1, 16]) and plans[1][1] == ([0, 1, 2, 3], [1, 1, 1, 8])
+
+
+def test_prefill_budget_is_validated():
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 0"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=-1)
+
+
+# -- a shared prefix computed once -------------------------------------------------------------
+
+
+def test_prompts_arriving_together_compute_their_shared_prefix_once():
+    shared = prompt(64, seed=3)
+    prompts = [[*shared, *prompt(3 + i, seed=10 + i)] for i in range(8)]
+    engine, ex = make_engine()  # blocks of 4
+    ids = [engine.add_request(p, greedy(5)) for p in prompts]
+    finished = run(engine)
+    # All eight in the first step: the first computes the 64 tokens, the others start after them.
+    assert ex.plans[0].num_computed_tokens == [0] + [64] * 7
+    assert [finished[i].num_cached_tokens for i in ids] == [0] + [64] * 7
+    reference, _ = make_engine(SchedulerConfig(enable_prefix_caching=False))
+    ref_ids = [reference.add_request(p, greedy(5)) for p in prompts]
+    expected = run(reference)
+    assert [finished[i].token_ids for i in ids] == [expected[i].token_ids for i in ref_ids]
+
+
+def test_a_failed_plan_takes_the_prefix_it_shared_out_of_the_cache():
+    """Step 1 computes a prefix that the requests beside it share; it is refused, and so is step 2
+    behind it: the blocks step 1 registered must not serve a later request (the fake executor
+    checks every KV it reads)."""
+    shared = prompt(16, seed=3)
+    executor = FakeExecutor()
+    engine = LLMEngine(CountingPipe(executor, fail_step=1))
+    first = [engine.add_request([*shared, 7 + i], greedy(3)) for i in range(3)]
+    with pytest.raises(ValueError, match="step 1 rejected"):
+        engine.step()
+    engine.fail_requests(engine.last_plan.seq_ids, "rejected")
+    assert not engine.scheduler.block_manager.cached_block_ids
+    late = engine.add_request([*shared, 20], greedy(3))
+    finished = run(engine)
+    assert finished[late].num_cached_tokens == 0 and not set(first) & set(finished)
+    ref_engine, _ = make_engine()
+    r = ref_engine.add_request([*shared, 20], greedy(3))
+    assert run(ref_engine)[r].token_ids == finished[late].token_ids

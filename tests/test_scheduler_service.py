@@ -83,6 +83,12 @@ def test_sixteen_concurrent_streams_match_the_offline_llm(service, reference):
     assert after[stop] + after[length] - before.get(stop, 0) - before.get(length, 0) == len(PROMPTS)
     assert after[("tandem_scheduler_time_to_first_token_seconds_count",)] >= len(PROMPTS)
     assert after[("tandem_scheduler_executor_up",)] == 1
+    prompt_sum = ("tandem_scheduler_request_prompt_tokens_sum",)
+    assert after[prompt_sum] - before.get(prompt_sum, 0) == sum(len(e.prompt_token_ids) for e in expected)
+    generated = ("tandem_scheduler_request_generation_tokens_sum",)
+    assert after[generated] - before.get(generated, 0) == received
+    [(labels, value)] = [(k[1:], v) for k, v in after.items() if k[0] == "tandem_scheduler_info"]
+    assert value == 1 and ("model_name", reference.executor.describe().model) in labels
 
 
 BAD_REQUESTS = [

@@ -145,14 +145,19 @@ class FakeExecutor(StepOnlyExecutor):
             assert all(0 <= b < info.num_kv_blocks for b in table), f"block id out of range: {table}"
             assert len(table) * bs >= c + n, f"seq {sid}: {len(table)} blocks for {c + n} tokens"
             tables[sid] = table
-        # A block written this step must belong to no other live sequence.
+        # A block written this step belongs to no other live sequence, except one that this step
+        # fills (the prefix cache shares it as soon as it is scheduled) and that no other writes.
         owners: dict[int, set[int]] = {}
         for sid, s in held.items():
             for b in tables.get(sid, s.block_table):
                 owners.setdefault(b, set()).add(sid)
+        writers: dict[int, int] = {}
         for sid, n, c in zip(plan.seq_ids, plan.num_scheduled_tokens, plan.num_computed_tokens, strict=True):
-            for b in {tables[sid][p // bs] for p in range(c, c + n)}:
-                assert owners[b] == {sid}, f"seq {sid} writes block {b} shared with {owners[b] - {sid}}"
+            for i in {p // bs for p in range(c, c + n)}:
+                b = tables[sid][i]
+                assert writers.setdefault(b, sid) == sid, f"seqs {writers[b]} and {sid} write block {b}"
+                shared = owners[b] - {sid}
+                assert not shared or c + n >= (i + 1) * bs, f"seq {sid} writes block {b} shared with {shared}"
 
 
 def _chain(s: _SeqState, p: int) -> int:

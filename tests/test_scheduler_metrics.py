@@ -1,0 +1,44 @@
+"""The scheduler's Prometheus metrics, without a service: bucket ranges and the info metric."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from helpers.fake_executor import FakeExecutor
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler_service.metrics import SchedulerMetrics
+
+
+def samples(m: SchedulerMetrics) -> dict[tuple, float]:
+    text = generate_latest(m.registry).decode()
+    return {
+        (s.name, *sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_a_long_answer_lands_in_a_finite_e2e_bucket():
+    m = SchedulerMetrics()
+    m.e2e.observe(300.0)  # a 5-minute answer: +Inf only before issue 16
+    s = samples(m)
+    assert s[("tandem_scheduler_e2e_request_latency_seconds_bucket", ("le", "240.0"))] == 0
+    assert s[("tandem_scheduler_e2e_request_latency_seconds_bucket", ("le", "480.0"))] == 1
+    # TTFT keeps its fine buckets.
+    assert ("tandem_scheduler_time_to_first_token_seconds_bucket", ("le", "0.001")) in s
+
+
+def test_request_token_histograms_and_model_name():
+    m = SchedulerMetrics()
+    m.request_prompt_tokens.observe(40000)
+    m.request_generation_tokens.observe(3)
+    info = replace(FakeExecutor().info, model="org/some-model")
+    m.set_executor(info, max_model_len=2048)
+    s = samples(m)
+    assert s[("tandem_scheduler_request_prompt_tokens_bucket", ("le", "32768.0"))] == 0
+    assert s[("tandem_scheduler_request_prompt_tokens_bucket", ("le", "65536.0"))] == 1
+    assert s[("tandem_scheduler_request_generation_tokens_bucket", ("le", "4.0"))] == 1
+    [labels] = [k[1:] for k in s if k[0] == "tandem_scheduler_info"]
+    assert ("model_name", "org/some-model") in labels and ("max_model_len", "2048") in labels
