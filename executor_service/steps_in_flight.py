@@ -1,8 +1,7 @@
 """Two steps in flight, the executor's side: a step is launched on the device before the one
 before it has been collected, so the host prepares step N+1 while the device runs step N.
 
-A step's lifecycle here (the scheduler's side: scheduler_service/engine.py sends and receives,
-scheduler.py schedules ahead and abandons):
+A step's lifecycle here (the scheduler's side: scheduler_service/steps_in_flight.py):
 
 1. **applied** (`apply_plan`, on every rank): the plan's drops, new sequences and new blocks change
    the per-sequence state;

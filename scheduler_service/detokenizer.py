@@ -1,8 +1,11 @@
 """Incremental detokenization with stop strings, one instance per request.
 
-Text is released only when it is final: never a broken UTF-8 tail (a decoded window ending
-in U+FFFD waits for the next token: vLLM's prefix_offset / read_offset technique), and never
-characters that may still turn out to begin a stop string.
+Text is released only when it is final: never a broken UTF-8 tail (tokenizers' DecodeStream,
+`Tokenizer.decode_stream`, holds a window ending in U+FFFD until the next token: vLLM's
+prefix_offset / read_offset technique; it gives the text the hand-written version of it gave,
+token for token), and never characters that may still turn out to begin a stop string (the
+library has no stop strings: that hold-back is ours). At the end, flush() releases what is held,
+a broken tail included as U+FFFD, as decode() of all the tokens would (DecodeStream has no flush).
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler_service.tokenizer import Tokenizer
-
-_REPLACEMENT = "\ufffd"
 
 
 @dataclass(slots=True)
@@ -32,8 +33,9 @@ class IncrementalDetokenizer:
         self.stop = [s for s in stop if s]
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._step = tokenizer.decode_stream()
+        # Characters of text the stream has produced (released or held).
+        self._num_chars = 0
         # Decoded text not yet released: a possible start of a stop string.
         self._held = ""
         self.stopped: str | None = None
@@ -41,18 +43,20 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
         if self.stopped is not None:
             return DetokenizerUpdate("", 0, self.stopped)
+        step = self._step
         if not self.stop:
             self.token_ids.extend(token_ids)
-            text = self._decode_tail()
-            if text or len(token_ids) <= 1:
-                return DetokenizerUpdate(text, len(token_ids))
-            # The batch ends inside a character: release what precedes it, token by token.
-            del self.token_ids[-len(token_ids) :]
+            text = "".join([t for t in map(step, token_ids) if t])
+            self._num_chars += len(text)
+            return DetokenizerUpdate(text, len(token_ids))
         # Token by token: a stop string ends the output at the token that completed it.
         out = []
         for i, tok in enumerate(token_ids):
             self.token_ids.append(tok)
-            self._held += self._decode_tail()
+            text = step(tok)
+            if text:
+                self._num_chars += len(text)
+                self._held += text
             hit = self._find_stop()
             if hit is not None:
                 index, stop = hit
@@ -70,26 +74,11 @@ class IncrementalDetokenizer:
         """Everything still held back, once the request has finished without a stop string."""
         if self.stopped is not None:
             return ""
-        text = self._held + self._decode(self._prefix_offset)[len(self._decode_prefix()) :]
+        tail = self.tokenizer.decode(self.token_ids)[self._num_chars :]
+        self._num_chars += len(tail)
+        text = self._held + tail
         self._held = ""
-        self._prefix_offset = self._read_offset = len(self.token_ids)
         return text
-
-    def _decode(self, start: int, end: int | None = None) -> str:
-        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
-
-    def _decode_prefix(self) -> str:
-        return self._decode(self._prefix_offset, self._read_offset)
-
-    def _decode_tail(self) -> str:
-        """New complete text since the last read; advances the offsets when there is some."""
-        prefix_text = self._decode_prefix()
-        new_text = self._decode(self._prefix_offset)
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
-            return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.token_ids)
-        return new_text[len(prefix_text) :]
 
     def _find_stop(self) -> tuple[int, str] | None:
         best = None

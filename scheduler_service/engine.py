@@ -1,14 +1,14 @@
 """The synchronous engine: requests in, schedule -> execute -> update, outputs out.
 
 With an executor that takes a plan before answering the last one (`takes_plans_ahead`,
-protos/executor.py: RemoteExecutor and LocalExecutor), two plans are in flight: step N+1 is scheduled and sent before step N's result is
-read, so the executor never waits for the scheduler or the network between steps."""
+protos/executor.py: RemoteExecutor and LocalExecutor), two plans are in flight: step N+1 is
+scheduled and sent before step N's result is read, so the executor never waits for the scheduler
+or the network between steps (the plans' lifecycle: steps_in_flight.py)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable as Iter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -72,8 +72,8 @@ class LLMEngine:
         if depth is None:  # two where the executor works while the next plan travels
             depth = 2 if executor.takes_plans_ahead else 1
         self.max_plans_in_flight = depth
-        # (plan, when it was sent; None for a plan with nothing for the executor), oldest first.
-        self._in_flight: deque[tuple[StepPlan, float | None]] = deque()
+        # The plans scheduled and not yet applied (steps_in_flight.py).
+        self._in_flight = self.scheduler.in_flight
         self._next_request_id = 0
         self._last_status = (time.monotonic(), 0, 0)
         # The plan whose result the last step() applied (or that failed), and the seconds from
@@ -141,7 +141,8 @@ class LLMEngine:
                 self._send(scheduler.schedule())
             while len(in_flight) < self.max_plans_in_flight and scheduler.can_schedule_ahead():
                 self._send(scheduler.schedule())
-            plan, sent_at = in_flight[0]
+            oldest = in_flight.oldest()
+            plan, sent_at = oldest.plan, oldest.sent_at
             self.last_plan = plan
             self.last_step_seconds = 0.0
             if sent_at is None:
@@ -152,25 +153,21 @@ class LLMEngine:
         except BaseException:
             self._abandon_in_flight()
             raise
-        in_flight.popleft()
         outputs = [_to_output(seq) for seq in scheduler.update(plan, result)]
         if time.monotonic() - self._last_status[0] >= STATUS_INTERVAL_S:
             self._log_status()
         return outputs
 
     def _send(self, plan: StepPlan) -> None:
-        if not (plan.seq_ids or plan.finished_seq_ids or plan.preempted_seq_ids):
-            self._in_flight.append((plan, None))
-            return
-        self._in_flight.append((plan, time.perf_counter()))
-        self.executor.send(plan)
+        if plan.seq_ids or plan.finished_seq_ids or plan.preempted_seq_ids:
+            self._in_flight.sent(plan)
+            self.executor.send(plan)
 
     def _abandon_in_flight(self) -> None:
         """Undo the bookkeeping of every plan in flight, newest first; the executor forgets them."""
         if self._in_flight:
-            self.last_plan = self._in_flight[0][0]
-        self.scheduler.abandon([plan for plan, _ in self._in_flight])
-        self._in_flight.clear()
+            self.last_plan = self._in_flight.oldest().plan
+        self.scheduler.abandon()
         self.executor.discard()
 
     def fail_requests(self, request_ids: Iter[int], error: str) -> list[RequestOutput]:

@@ -6,9 +6,9 @@ a number of tokens under a token budget (decode = 1, chunked prefill = a slice),
 sequences first, then waiting ones in arrival order. When the cache runs out, the newest
 running sequence is preempted by recompute.
 
-Two plans may be in flight (the executor's side: executor_service/steps_in_flight.py): step N+1
-is scheduled before step N's result is back, counting on one more token for every sequence N samples (`num_pending_tokens`); the executor
-feeds what it sampled into N+1 itself. Stop checks lag by one step: a sequence that stops at N
+Two plans may be in flight (their lifecycle: steps_in_flight.py): step N+1 is scheduled before
+step N's result is back, counting on one more token for every sequence N samples
+(`num_pending_tokens`); the executor feeds what it sampled into N+1 itself. Stop checks lag by one step: a sequence that stops at N
 computes one token in N+1 whose result is dropped. A sequence whose pending tokens reach its
 length limit is not scheduled again. Blocks enter the prefix cache once a plan that writes their
 last position is scheduled, so that requests arriving together share a prefix computed once (the
@@ -28,6 +28,7 @@ from scheduler_service.block_manager import BlockManager
 from scheduler_service.config import SchedulerConfig, resolve_limits
 from scheduler_service.sequence import Sequence, SequenceStatus
 from scheduler_service.stats import SchedulerStats
+from scheduler_service.steps_in_flight import PlansInFlight
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +51,10 @@ class Scheduler:
         self._next_step_id = first_step_id
         # Sequences the executor holds that finished since the last plan.
         self._finished_ids: list[int] = []
-        # step id -> (the scheduled sequences that sample, and those that do not: prefill chunks,
-        # each with the number of positions whose KV the step writes).
-        self._in_flight: dict[int, tuple[list[Sequence], list[tuple[Sequence, int]]]] = {}
+        # Plans scheduled and not yet applied, oldest first.
+        self.in_flight = PlansInFlight()
         # Sequences failed inside schedule(), returned by the next update().
         self._failed: list[Sequence] = []
-        # step id -> the blocks its plan put in the prefix cache (taken out again if it never runs).
-        self._cached_by_step: dict[int, list[int]] = {}
         self.stats = SchedulerStats(num_total_blocks=limits.num_kv_blocks)
         self._prefill_budget = config.max_prefill_tokens_while_decoding
 
@@ -86,58 +84,12 @@ class Scheduler:
         self._refresh_gauges()
         return True
 
-    def abandon(self, plans: list[StepPlan]) -> None:
-        """Undo schedule()'s bookkeeping for plans the executor did not run (oldest first: a
-        refused plan and the one sent behind it; a refused plan changes no executor state), so
-        that failing the first plan's requests leaves all consistent. Sequences the plans admitted
-        go back to the front of the queue; the executor is told to drop exactly the sequences it
-        still holds that are no longer running."""
-        # Whether the executor held each sequence before the oldest plan: not if that plan (or a
-        # later one, before any other mention) sent it as new.
-        held: dict[int, bool] = {}
-        for plan in plans:
-            new_ids = {s.seq_id for s in plan.new_seqs}
-            for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
-                held.setdefault(seq_id, True)
-            for seq_id in plan.seq_ids:
-                held.setdefault(seq_id, seq_id not in new_ids)
-        bs = self.limits.block_size
-        for plan in reversed(plans):
-            self.block_manager.uncache(self._cached_by_step.pop(plan.step_id, ()))
-            entry = self._in_flight.pop(plan.step_id, None)
-            for seq in entry[0] if entry is not None else ():
-                seq.num_pending_tokens = max(0, seq.num_pending_tokens - 1)
-            new_ids = {s.seq_id for s in plan.new_seqs}
-            for seq_id, computed, num_new in zip(
-                plan.seq_ids, plan.num_computed_tokens, plan.num_new_blocks, strict=True
-            ):
-                seq = self.seqs.get(seq_id)
-                if seq is None or seq_id in new_ids:
-                    continue
-                seq.num_computed_tokens = computed
-                seq.num_registered_blocks = min(seq.num_registered_blocks, computed // bs)
-                if num_new and seq.status is _RUNNING:  # the executor never got these blocks
-                    self.block_manager.release_tail(seq, num_new)
-            for new in reversed(plan.new_seqs):
-                seq = self.seqs.get(new.seq_id)
-                if seq is None or seq.status is not _RUNNING:
-                    continue
-                self.running.remove(seq)
-                self.block_manager.free(seq)
-                seq.status = SequenceStatus.WAITING
-                seq.num_computed_tokens = seq.num_kv_written = seq.num_pending_tokens = 0
-                self.waiting.appendleft(seq)
-        to_drop = set(self._finished_ids)
-        for seq_id, was_held in held.items():
-            seq = self.seqs.get(seq_id)
-            running = seq is not None and seq.status is _RUNNING
-            if seq is not None:
-                seq.sent = was_held and running
-            if was_held and not running:
-                to_drop.add(seq_id)
-            else:
-                to_drop.discard(seq_id)
-        self._finished_ids = sorted(to_drop)
+    def abandon(self) -> None:
+        """Undo the bookkeeping of every plan in flight (steps_in_flight.py): the executor ran
+        none of them."""
+        self._finished_ids = self.in_flight.abandon(
+            self.seqs, self.running, self.waiting, self.block_manager, self._finished_ids
+        )
         self._refresh_gauges()
 
     def has_unfinished(self) -> bool:
@@ -255,9 +207,7 @@ class Scheduler:
         # After a preemption, admitting new work would only thrash the cache.
         if not preempted:
             self._schedule_waiting(plan, min(budget, prefill_left), sampling, partial, registered)
-        self._in_flight[plan.step_id] = (sampling, partial)
-        if registered:
-            self._cached_by_step[plan.step_id] = registered
+        self.in_flight.scheduled(plan, sampling, partial, registered)
         self.stats.num_chunked_prefills += len(partial)
         self.stats.num_steps += 1
         self._refresh_gauges()
@@ -342,10 +292,10 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Apply the executor's sampled tokens: append, stop checks, free finished blocks.
         Returns the sequences that got a token or finished, each with num_new_tokens set."""
-        if result.step_id != plan.step_id or plan.step_id not in self._in_flight:
+        if result.step_id != plan.step_id:
             raise RuntimeError(f"result for step {result.step_id} does not match plan {plan.step_id}")
-        sampling, partial = self._in_flight.pop(plan.step_id)
-        self._cached_by_step.pop(plan.step_id, None)
+        applied = self.in_flight.applied(plan)
+        sampling, partial = applied.sampling, applied.partial
         if len(result.seq_ids) != len(sampling):
             raise RuntimeError(
                 f"step {plan.step_id}: executor sampled {len(result.seq_ids)} sequences, expected {len(sampling)}"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from functools import cached_property
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from scheduler_service.chat_template import ChatTemplate
 
@@ -32,7 +34,7 @@ class Tokenizer:
         # The most bytes of text one token stands for (None: no sound bound for this tokenizer).
         self.max_bytes_per_token = _max_bytes_per_token(json.loads(self._tok.to_str()))
 
-    @cached_property
+    @functools.cached_property
     def chat_template(self) -> ChatTemplate | None:
         """The checkpoint's chat template (chat_template.jinja or tokenizer_config.json), if any."""
         return ChatTemplate.load(self.path)
@@ -62,6 +64,12 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self) -> Callable[[int], str | None]:
+        """An incremental decoder of one token stream (tokenizers' DecodeStream, special tokens
+        skipped): each call takes the next id and returns the new text, or None while the text
+        ends inside a character."""
+        return functools.partial(DecodeStream(skip_special_tokens=True).step, self._tok)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
