@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from client.client import TandemClient
-from client.defaults import DEFAULT_RETRIES, DEFAULT_SERVER, env
-from client.generate import _error, _print_streaming
+from client.defaults import DEFAULT_SERVER, env
+from client.generate import _error, _print_streaming, client_from_args
 from client.messages import TandemError
 
 
@@ -56,17 +55,8 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None) -> int:
     kwargs = {"enable_thinking": False} if args.no_thinking else None
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = stdin.isatty()
-    try:
-        client = TandemClient(
-            address,
-            timeout=args.timeout,
-            api_key=args.api_key,
-            tls=args.tls,
-            tls_ca=args.tls_ca,
-            retries=DEFAULT_RETRIES,
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    client = client_from_args(address, args)
+    if client is None:
         return 2
     with client:
         while True:

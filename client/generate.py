@@ -9,6 +9,7 @@ import sys
 import grpc
 
 from client.client import GenerationStream, TandemClient
+from client.defaults import DEFAULT_RETRIES
 from client.messages import Chunk, CompletionBuilder, TandemError
 
 
@@ -44,21 +45,28 @@ def _print_streaming(stream: GenerationStream, out) -> CompletionBuilder:
     return builder
 
 
-def generate_remote(address: str, prompts: list, args: argparse.Namespace, sampling: dict) -> int:
-    out = sys.stdout
-    status = 0
+def client_from_args(address: str, args: argparse.Namespace) -> TandemClient | None:
+    """The client the CLI's connection flags describe; None, with the error printed, for bad ones."""
     try:
-        client = TandemClient(
+        return TandemClient(
             address,
             timeout=args.timeout,
             api_key=args.api_key,
             tls=args.tls,
             tls_ca=args.tls_ca,
-            tls_server_name=args.tls_server_name,
-            retries=args.retries,
+            tls_server_name=getattr(args, "tls_server_name", None),
+            retries=getattr(args, "retries", DEFAULT_RETRIES),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def generate_remote(address: str, prompts: list, args: argparse.Namespace, sampling: dict) -> int:
+    out = sys.stdout
+    status = 0
+    client = client_from_args(address, args)
+    if client is None:
         return 2
     with client:
         # Start every request before reading any: the server batches them together.
