@@ -21,7 +21,7 @@ import grpc
 import pytest
 from executor_fixtures import MiniScheduler, make_executor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.cluster import Cluster, _check_identical, _stream, token_prompts
+from helpers.cluster import Cluster, _check_identical, start_streams, token_prompts
 from helpers.services import CHILD_ENV, ROOT
 from helpers.tls import CA
 
@@ -334,12 +334,7 @@ def test_a_second_scheduler_serves_nothing_and_the_first_streams_finish_exactly(
 
         async def run():
             async with AsyncTandemClient(cluster.address, timeout=120) as client:
-                tasks = [
-                    asyncio.ensure_future(
-                        _stream(client, p, progress, i, max_tokens=max_tokens, ignore_eos=True)
-                    )
-                    for i, p in enumerate(prompts)
-                ]
+                tasks = start_streams(client, prompts, progress, max_tokens)
                 while min(progress) < 2:
                     await asyncio.sleep(0.005)
                 at_intrusion = list(progress)

@@ -22,7 +22,14 @@ import grpc
 import pytest
 from checkpoints import build_qwen3
 from grpc_health.v1 import health_pb2
-from helpers.cluster import Cluster, _check_identical, _kill_and_recover, _stream, token_prompts
+from helpers.cluster import (
+    Cluster,
+    _check_identical,
+    _kill_and_recover,
+    _stream,
+    start_streams,
+    token_prompts,
+)
 from helpers.scheduler_server import (
     FlakyExecutor,
     collect,
@@ -151,10 +158,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(qwen3_tied, refe
         async with AsyncTandemClient(
             cluster.address, timeout=120, retries=0
         ) as client:  # the server's own refusal
-            tasks = [
-                asyncio.ensure_future(_stream(client, p, progress, i, max_tokens=max_tokens, ignore_eos=True))
-                for i, p in enumerate(prompts)
-            ]
+            tasks = start_streams(client, prompts, progress, max_tokens)
             while min(progress) < 1:
                 await asyncio.sleep(0.005)
             cluster.scheduler.process.send_signal(signal.SIGTERM)
@@ -210,10 +214,7 @@ def test_a_hung_executor_is_noticed_within_the_step_timeout_and_recovered_when_i
 
     async def run():
         async with AsyncTandemClient(cluster.address, timeout=120) as client:
-            tasks = [
-                asyncio.ensure_future(_stream(client, p, progress, i, max_tokens=max_tokens, ignore_eos=True))
-                for i, p in enumerate(prompts)
-            ]
+            tasks = start_streams(client, prompts, progress, max_tokens)
             while min(progress) < 4:
                 await asyncio.sleep(0.005)
             cluster.executor.process.send_signal(signal.SIGSTOP)

@@ -120,6 +120,15 @@ async def _stream(client, prompt, progress: list[int], i: int, **sampling):
     return ids, final
 
 
+def start_streams(client, prompts, progress: list[int], max_tokens: int) -> list[asyncio.Future]:
+    """One greedy stream per prompt (ignore_eos), running on the loop; progress[i] counts the tokens
+    stream i has received; each task ends with (token ids, Final)."""
+    return [
+        asyncio.ensure_future(_stream(client, p, progress, i, max_tokens=max_tokens, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+
+
 def _kill_and_recover(
     cluster: Cluster, prompts, max_tokens: int, ready, restart_args=(), kill=None
 ) -> tuple[list, list[int]]:
@@ -130,10 +139,7 @@ def _kill_and_recover(
 
     async def run():
         async with AsyncTandemClient(cluster.address, timeout=180) as client:
-            tasks = [
-                asyncio.ensure_future(_stream(client, p, progress, i, max_tokens=max_tokens, ignore_eos=True))
-                for i, p in enumerate(prompts)
-            ]
+            tasks = start_streams(client, prompts, progress, max_tokens)
             deadline = time.monotonic() + 60
             # In a thread: `ready` may scrape metrics over HTTP, which would hold up the event loop
             # and with it the streams' requests, so that some would reach the scheduler late.
