@@ -70,7 +70,7 @@ class _Request(BaseModel):
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
-            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            top_k=0 if self.top_k is None else self.top_k,
             top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p,
             seed=self.seed,

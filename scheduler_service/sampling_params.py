@@ -15,6 +15,8 @@ __all__ = ["InvalidRequestError", "SamplingParams", "verify_prompt_length", "ver
 # string at every token).
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# OpenAI's range for presence_penalty and frequency_penalty.
+MAX_ABS_PENALTY = 2.0
 _FLOAT_FIELDS = (
     "temperature",
     "min_p",
@@ -42,6 +44,9 @@ class SamplingParams:
     logprobs: int = 0
 
     def __post_init__(self) -> None:
+        # -1 is vLLM's "off", the same as 0.
+        if self.top_k == -1:
+            self.top_k = 0
         self.verify()
 
     def verify(self) -> None:
@@ -61,7 +66,12 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             _fail(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            _fail(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            _fail(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if abs(getattr(self, name)) > MAX_ABS_PENALTY:
+                _fail(
+                    f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {getattr(self, name)}"
+                )
         if not 0 <= self.min_p <= 1:
             _fail(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:

@@ -14,7 +14,9 @@ from scheduler_service.sampling_params import InvalidRequestError, SamplingParam
         ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
         ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
         ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
-        ({"top_k": -1}, "top_k must be >= 0 (0 disables it), got -1"),
+        ({"top_k": -2}, "top_k must be >= 0 (0 or -1 disables it), got -2"),
+        ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2], got 3.0"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty must be in [-2, 2], got -2.5"),
         ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
         ({"min_p": -0.1}, "min_p must be in [0, 1], got -0.1"),
         ({"min_p": 1.1}, "min_p must be in [0, 1], got 1.1"),
@@ -104,3 +106,9 @@ def test_bad_scheduler_config(kwargs, message):
     with pytest.raises(ValueError) as exc:
         SchedulerConfig(**kwargs)
     assert str(exc.value) == message
+
+
+def test_top_k_minus_one_is_off_and_penalties_at_the_limit_are_accepted():
+    params = SamplingParams(top_k=-1, presence_penalty=2.0, frequency_penalty=-2.0)
+    assert params.top_k == 0
+    assert params.to_step_params(1).top_k == 0
