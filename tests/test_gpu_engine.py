@@ -136,23 +136,23 @@ def test_families_triton_fp32_match_transformers(family_checkpoint, family):
 
 
 def test_moe_bf16_fused_matches_reference_path(family_checkpoint):
-    """bf16 on the GPU: the fused MoE kernels against the reference expert loop (fused ops off, eager).
-    The checkpoint is random, so greedy steps can be near-ties that bf16 rounding flips (and a router
-    near-tie picks another expert): only prompts whose first 8 greedy steps have a top-1/top-2 margin
-    over 0.1 in the reference run are compared, and at least three of the 24 must qualify (at 0.25,
-    1 of 12 did on the H200)."""
+    """bf16 on the GPU: the fused MoE kernels against the reference expert loop (fused ops off, eager),
+    on the first generated token of 24 prompts (one prefill each, so both paths see the same tokens).
+    Over several greedy steps the two bf16 paths drift apart on this random checkpoint: a router
+    near-tie in one layer picks another expert and the continuations part (the fp32 family tests hold
+    the fused path token-identical to transformers). Here: the greedy token agrees wherever the
+    reference's top-1/top-2 margin exceeds 0.1, and the chosen token's logprob is within 0.1."""
     path = family_checkpoint("qwen3_moe")
     prompts = make_prompts([5, 17, 40, 9, 23, 31, 12, 28, 7, 35, 19, 44] * 2, seed=0)
-    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
-    loop_llm = LLM(
-        str(path), device="cuda", dtype="bfloat16", num_kv_blocks=128, fused_ops="off", enforce_eager=True
-    )
-    loop = loop_llm.generate(prompts, params, use_tqdm=False)
-    del loop_llm
-    clear = [
-        i for i, out in enumerate(loop)
-        if min(lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in out.logprobs) > 0.1
-    ]  # fmt: skip
-    assert len(clear) >= 3, f"only {len(clear)} prompts with clear margins"
-    _, fused = _generate(path, [prompts[i] for i in clear], 8, dtype="bfloat16", num_kv_blocks=128)
-    assert fused == [loop[i].token_ids for i in clear]
+    params = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=2)
+    runs = []
+    for options in ({"fused_ops": "off", "enforce_eager": True}, {}):
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=128, **options)
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    loop, fused = runs
+    clear = [i for i, out in enumerate(loop) if out.logprobs[0].top_logprobs[0][1] - out.logprobs[0].top_logprobs[1][1] > 0.1]
+    assert len(clear) >= 12, f"only {len(clear)} of 24 prompts with clear margins"
+    assert [fused[i].token_ids for i in clear] == [loop[i].token_ids for i in clear]
+    drift = [abs(f.logprobs[0].top_logprobs[0][1] - r.logprobs[0].top_logprobs[0][1]) for f, r in zip(fused, loop)]
+    assert max(drift) < 0.1, f"top-1 logprobs differ by up to {max(drift):.3f}"
