@@ -135,6 +135,9 @@ def bench_prefill(num_seqs: int, length: int, block_size: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of decode configurations")
+    parser.add_argument(
+        "--sweep-fp8", action="store_true", help="only the fp8 decode grid (block size 16; K/V widened to q's dtype or fp16)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     shapes = [(256, 1024), (8, 8192)]
@@ -161,6 +164,20 @@ def main() -> None:
             if block_size == 16:
                 headline = tbs
         print(f"decode kernel fp8 b{batch}x{context}: {headline:.2f} TB/s")
+    if args.sweep_fp8:
+        for batch, context in shapes:
+            results = []
+            for block_n, warps, stages, f16 in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True)):
+                cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": f16}
+                try:
+                    _, tbs, used = bench_decode(batch, context, 16, cfg, None, FP8)
+                except Exception as e:  # out of shared memory, say
+                    print(f"  {cfg}: {type(e).__name__}")
+                    continue
+                results.append((tbs, used, cfg))
+            for tbs, used, cfg in sorted(results, key=lambda r: -r[0])[:6]:
+                print(f"sweep fp8 b{batch}x{context} bs16: {tbs:.2f} TB/s of fp8 bytes splits {used} {cfg}")
+        return
     for block_size in (16, 256):
         bench_prefill(64, 512, block_size)
     if args.sweep:

@@ -326,6 +326,8 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
         str(scheduler_port),
         "--metrics-port",
         str(scheduler_metrics),
+        "--http-port",  # W1 measures the gRPC front end
+        "0",
     ]
     scheduler_argv += ["--max-num-seqs", str(args.max_num_seqs)]
     scheduler_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]

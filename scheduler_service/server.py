@@ -136,7 +136,13 @@ class SchedulerServer:
                 ),
             )
         if self.http_port is not None:
-            from scheduler_service.http_api import HttpServer, OpenAIServer
+            try:
+                from scheduler_service.http_api import HttpServer, OpenAIServer
+            except ImportError as e:
+                raise SystemExit(
+                    f"the HTTP API (--http-port {self.http_port}) needs fastapi and uvicorn ({e}); "
+                    "install them, or pass --http-port 0 to serve gRPC only"
+                ) from None
 
             sock = bind_http_socket(self.host, self.http_port)
             self.http_port = sock.getsockname()[1]

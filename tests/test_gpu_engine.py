@@ -153,6 +153,7 @@ def test_moe_bf16_fused_matches_reference_path(family_checkpoint):
     loop, fused = runs
     clear = [i for i, out in enumerate(loop) if out.logprobs[0].top_logprobs[0][1] - out.logprobs[0].top_logprobs[1][1] > 0.1]
     assert len(clear) >= 12, f"only {len(clear)} of 24 prompts with clear margins"
-    assert [fused[i].token_ids for i in clear] == [loop[i].token_ids for i in clear]
     drift = [abs(f.logprobs[0].top_logprobs[0][1] - r.logprobs[0].top_logprobs[0][1]) for f, r in zip(fused, loop)]
+    table = [(i, loop[i].logprobs[0].top_logprobs, fused[i].logprobs[0].top_logprobs) for i in range(len(prompts))]
+    assert [fused[i].token_ids for i in clear] == [loop[i].token_ids for i in clear], table
     assert max(drift) < 0.1, f"top-1 logprobs differ by up to {max(drift):.3f}"

@@ -120,6 +120,7 @@ def paged_attention_kernel(
     ROWS: tl.constexpr,  # 0: every sequence; 1: only query length 1; 2: only query length > 1
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (Triton would use TF32), ignored for 16-bit
     KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
+    FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -157,6 +158,8 @@ def paged_attention_kernel(
 
     q_off = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if KV_FP8 and FP8_DOT_F16:
+        q = q.to(tl.float16)
 
     # Keys this tile needs: 0 .. its last query position (causal), split evenly in BLOCK_N tiles.
     kv_end = tl.minimum(first_pos + BLOCK_Q, context_len)
@@ -386,6 +389,7 @@ def paged_decode(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FP8_DOT_F16=cfg.get("FP8_DOT_F16", False),
     )  # fmt: skip
 
 

@@ -15,7 +15,10 @@ def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = torch.zeros(m, groups * 128, dtype=torch.float32, device=x.device)
     padded[:, :k] = x.float()
     g = padded.view(m, groups, 128)
-    scale = g.abs().amax(-1).clamp(min=1e-10) / FP8_MAX
+    amax = g.abs().amax(-1).clamp(min=1e-10)
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (an ulp off
+    # the kernel's correctly rounded division); tensor by tensor is IEEE division on every device.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, -1)[:, :k], scale
 
@@ -48,6 +51,15 @@ def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: 
     torch.testing.assert_close(fp8_linear(x, w_q, w_s), out, atol=0, rtol=0)
     exact = x.float() @ w.float().T
     return ((out.float() - exact).norm() / exact.norm()).item()
+
+
+def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """The W8A8 linear in torch: the activations quantized as the kernel does, then fp32 math on the
+    dequantized operands, cast to x's dtype (what fp8_linear computes, in another summation order)."""
+    shape = x.shape
+    a_q, a_s = reference_quantize(x.reshape(-1, shape[-1]))
+    out = _dequantize_rows(a_q, a_s) @ dequantize_weight_blocks(weight, weight_scale_inv, torch.float32).T
+    return out.to(x.dtype).view(*shape[:-1], weight.shape[0])
 
 
 def _dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
