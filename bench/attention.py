@@ -159,7 +159,7 @@ def main() -> None:
             ms, tbs, splits = bench_decode(batch, context, block_size, kv_dtype=FP8)
             print(
                 f"decode fp8 b{batch}x{context} block size {block_size}: {ms * 1e3:.1f} us, "
-                f"{tbs:.2f} TB/s of fp8 bytes (splits {splits}, {tk.DECODE_CONFIG})"
+                f"{tbs:.2f} TB/s of fp8 bytes (splits {splits}, {tk.DECODE_CONFIG_FP8})"
             )
             if block_size == 16:
                 headline = tbs

@@ -81,6 +81,7 @@ for what in "$@"; do
     # Issue 17 (fp8): the kernel, GEMM and engine tests, the fp8 decode bandwidth and GEMM figures,
     # the accuracy figures on the GPU, W1 with an fp8 KV cache, W4 (FP8 Qwen3-8B, then bf16 of the run).
     fp8-tests) TAIL=20 stage fp8-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_gemm.py tests/test_fp8_kv.py -k "fp8 or w8a8 or quantize" ;;
+    fp8-profile) TAIL=40 stage fp8-profile "$PY" bench/profile_step.py --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
     fp8-attention) TAIL=20 stage fp8-attention "$PY" bench/attention.py ;;
     fp8-gemm) TAIL=30 stage fp8-gemm "$PY" bench/fp8_gemm.py ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;

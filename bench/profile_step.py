@@ -70,6 +70,7 @@ def run(args: argparse.Namespace, model: str, fused_ops: str) -> None:
         max_num_batched_tokens=args.batch * args.context,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/profile_step.py needs a CUDA device")

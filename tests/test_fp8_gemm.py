@@ -28,7 +28,8 @@ def test_w8a8_block_gemm(m, n, k):
 
 
 @pytest.mark.gpu
-def test_fp8_checkpoint_greedy_matches_torch_w8a8_on_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_fp8_checkpoint_greedy_matches_torch_w8a8_on_gpu(tmp_path, monkeypatch, enforce_eager):
     """A Qwen3 FP8 checkpoint served with fp8 weights through the Triton W8A8 GEMM (CUDA graphs, the
     fused ops) against the same engine with every fp8 linear replaced by the W8A8 math in torch, in
     fp32 so that only the summation order differs: the greedy continuations agree. (Against the
@@ -52,13 +53,49 @@ def test_fp8_checkpoint_greedy_matches_torch_w8a8_on_gpu(tmp_path, monkeypatch):
     for patched in (False, True):
         if patched:
             monkeypatch.setattr(fp8_gemm_triton, "fp8_linear", reference_fp8_linear)
-        llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="float32", num_kv_blocks=64)
+        llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="float32", num_kv_blocks=64, enforce_eager=enforce_eager)
         assert llm.executor.runner.model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
         runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         del llm
     got, want = runs
     agree = sum(next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want))
     assert agree >= 0.9 * sum(map(len, want)), f"greedy prefixes agree on {agree} of {sum(map(len, want))} tokens"
+
+
+@pytest.mark.gpu
+def test_every_fp8_linear_of_the_engine_matches_torch_w8a8(tmp_path):
+    """Each fp8 linear layer of a served FP8 checkpoint (eager, bf16), on the inputs the engine gives
+    it: its output against the W8A8 math in torch on the same input (fp32 math, bf16 rounding)."""
+    from checkpoints import build_qwen3, quantize_checkpoint_fp8
+    from helpers.fp8_gemm_checks import reference_fp8_linear
+    from helpers.hf_reference import make_prompts
+
+    from client.llm import LLM
+    from scheduler_service.sampling_params import SamplingParams
+
+    src = build_qwen3(tmp_path / "bf", hidden_size=256, head_dim=64, intermediate_size=384,
+                      num_hidden_layers=2, initializer_range=0.1, seed=3)  # fmt: skip
+    quantize_checkpoint_fp8(src, tmp_path / "fp8")
+    llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", num_kv_blocks=64, enforce_eager=True)
+    errors: dict[str, float] = {}
+
+    def check(name):
+        def hook(module, inputs, output):
+            x = inputs[0]
+            want = reference_fp8_linear(x.float(), module.weight, module.weight_scale_inv)
+            if module.bias is not None:
+                want = want + module.bias.float()
+            err = ((output.float() - want).norm() / want.norm().clamp(min=1e-30)).item()
+            errors[name] = max(errors.get(name, 0.0), err)
+
+        return hook
+
+    for name, module in llm.executor.runner.model.named_modules():
+        if getattr(module, "weight_scale_inv", None) is not None:
+            module.register_forward_hook(check(name))
+    llm.generate(make_prompts([3, 17, 40, 100], seed=4), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(errors) >= 8, errors  # q/k/v, o, gate/up and down of both layers at least
+    assert max(errors.values()) < 1e-2, errors
 
 
 @pytest.mark.gpu
