@@ -46,6 +46,7 @@ for group, block_size, cfg in ((2, 16, None), (8, 16, {"BLOCK_M": 16, "BLOCK_N":
     check_prefill(b, config=cfg)
 """,
     "fp8_kv": """
+import itertools
 # e4m3 caches: the store byte-exact (large values saturate, tiny ones are subnormal), then decode,
 # prefill after a prefix and mixed steps, with unit and non-unit scales.
 for dtype in (torch.bfloat16, f16):
@@ -55,10 +56,12 @@ for dtype in (torch.bfloat16, f16):
     check_store_fp8(to_fp8(b, 1.0, 1.0))
     check_store_fp8(to_fp8(make_batch([7, 2], [7, 30], 4, 2, 48, 16, dtype, "cpu"), 0.02, 3.0))
 for scales in ((1.0, 1.0), (0.05, 2.5)):
-    for splits in (1, 3):
-        check_attention_fp8(to_fp8(make_batch([1] * 4, [20, 1, 40, 17], 8, 2, 32, 16, f16, "cpu", num_padding=2), *scales), splits)
+    for splits, keys_as_rows in itertools.product((1, 3), (False, True)):
+        cfg = {"KEYS_AS_ROWS": keys_as_rows, "BLOCK_N": 16}
+        check_attention_fp8(to_fp8(make_batch([1] * 4, [20, 1, 40, 17], 8, 2, 32, 16, f16, "cpu", num_padding=2), *scales), splits, decode_config=cfg)
     b = make_batch([5, 20, 1, 33, 1], [21, 20, 9, 50, 70], 4, 2, 32, 16, f16, "cpu", seed=1, num_padding=1)
     check_attention_fp8(to_fp8(b, *scales), 2)
+    check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"KEYS_AS_ROWS": True})
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})
 """,
     "fp8_gemm": """
@@ -69,6 +72,8 @@ for dtype in (torch.bfloat16, f16):
 small = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 check_gemm(5, 72, 256, torch.float32, "cpu", small)  # partial N tile, two K steps
 check_gemm(17, 160, 384, torch.float32, "cpu", small)  # partial M tile, N scale blocks of 128
+check_gemm(17, 160, 384, torch.float32, "cpu", {**small, "SPLIT_K": 2})  # K in two shares of 1 and 2 steps
+check_gemm(5, 72, 256, torch.float32, "cpu", {**small, "SPLIT_K": 4})  # more shares than steps: empty ones
 from helpers.fp8_gemm_checks import check_fp8_linear_layers
 check_fp8_linear_layers("cpu")
 """,

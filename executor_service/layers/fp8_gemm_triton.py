@@ -71,9 +71,11 @@ def w8a8_block_matmul_kernel(
     BLOCK_K: tl.constexpr,  # == the scale block along K (128)
     SCALE_N: tl.constexpr,  # rows of W per weight scale (128)
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # > 1: each program sums a 1/SPLIT_K share of K into fp32 c (zeroed), atomically
 ):
     # a [M, K] e4m3 row-major, b [N, K] e4m3 (the checkpoint's layout), c [M, N].
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     # Grouped order: GROUP_M row tiles share each column tile of W while it is in L2.
     group = pid // (GROUP_M * num_n)
@@ -91,7 +93,13 @@ def w8a8_block_matmul_kernel(
     a_s_ptrs = a_s_ptr + rm.to(tl.int64) * stride_asm
     b_s_ptrs = b_s_ptr + (rn // SCALE_N).to(tl.int64) * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(tl.cdiv(K, BLOCK_K)):
+    num_kb = tl.cdiv(K, BLOCK_K)
+    kb_per_split = tl.cdiv(num_kb, SPLIT_K)
+    kb_lo = split * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, num_kb)
+    a_ptrs += kb_lo * BLOCK_K
+    b_ptrs += kb_lo * BLOCK_K
+    for kb in range(kb_lo, kb_hi):
         k_mask = rk < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -101,7 +109,10 @@ def w8a8_block_matmul_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        tl.atomic_add(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
 
 
 def gemm_config(m: int) -> dict:
@@ -128,13 +139,19 @@ def w8a8_block_matmul(
     if m == 0:
         return out
     cfg = {**gemm_config(m), **(config or {})}
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    split_k = cfg.get("SPLIT_K", 1)
+    # Split over K, the partial sums meet in fp32 (the order of the atomic adds varies: not bitwise
+    # reproducible run to run, so only where bench/fp8_gemm.py --sweep found it faster).
+    c = out if split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=a_q.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
     w8a8_block_matmul_kernel[grid](
-        a_q, weight, out, a_s, weight_scale_inv, m, n, k,
-        a_q.stride(0), weight.stride(0), out.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SCALE_N=GROUP, GROUP_M=8,
+        a_q, weight, c, a_s, weight_scale_inv, m, n, k,
+        a_q.stride(0), weight.stride(0), c.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SCALE_N=GROUP, GROUP_M=8, SPLIT_K=split_k,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    if split_k > 1:
+        out.copy_(c)
     return out
 
 

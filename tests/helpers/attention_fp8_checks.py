@@ -36,7 +36,9 @@ def check_store_fp8(batch: dict) -> None:
         assert torch.equal(got, quantize_kv(x[keep], scale).view(torch.uint8))
 
 
-def check_attention_fp8(batch: dict, num_splits: int = 1, config: dict | None = None) -> None:
+def check_attention_fp8(
+    batch: dict, num_splits: int = 1, config: dict | None = None, decode_config: dict | None = None
+) -> None:
     """Store, decode rows and prefill rows over e4m3 caches against torch_ref in fp32 over the same
     caches (its store quantizes the same way; it dequantizes before SDPA, the kernels fold the scales
     into the scores and the output: not the same order, so within the 16-bit tolerance)."""
@@ -63,7 +65,9 @@ def check_attention_fp8(batch: dict, num_splits: int = 1, config: dict | None = 
     has_decode, has_prefill = 1 in ctx.query_lens_host, any(n > 1 for n in ctx.query_lens_host)
     if has_decode:
         rows = 1 if has_prefill else 0
-        tk.paged_decode(q, *caches, out, *meta, batch["scale"], num_splits, rows=rows, kv_scales=kv_scales)
+        tk.paged_decode(
+            q, *caches, out, *meta, batch["scale"], num_splits, rows=rows, config=decode_config, kv_scales=kv_scales
+        )  # fmt: skip
     if has_prefill:
         tk.paged_prefill(
             q, *caches, out, *meta, ctx.max_seqlen_q, batch["scale"], rows=2 if has_decode else 0,

@@ -48,7 +48,8 @@ def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: 
     ref = _dequantize_rows(a_q, a_s) @ dequantize_weight_blocks(w_q, w_s, torch.float32).T
     tol = 1e-2 if dtype != torch.float32 else 1e-4
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
-    torch.testing.assert_close(fp8_linear(x, w_q, w_s), out, atol=0, rtol=0)
+    if (config or {}).get("SPLIT_K", 1) == 1:  # the same sums in the same order as the default tiles
+        torch.testing.assert_close(fp8_linear(x, w_q, w_s), out, atol=0, rtol=0)
     exact = x.float() @ w.float().T
     return ((out.float() - exact).norm() / exact.norm()).item()
 
