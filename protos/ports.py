@@ -33,13 +33,16 @@ def add_grpc_port(
     host: str,
     port: int,
     credentials: grpc.ServerCredentials | None = None,
+    shared: bool = False,
 ) -> int:
     """Bind `server` (built with EXCLUSIVE_PORT_OPTION) to host:port; returns the bound port
-    (port 0 picks one). Raises PortInUseError or OSError naming the address."""
+    (port 0 picks one). Raises PortInUseError or OSError naming the address. `shared`: one of a
+    service's API server processes, which share the port (SO_REUSEPORT; their engine core holds
+    the port's lock, port_lock)."""
     address = bind_address(host, port)
     # gRPC binds every address a name resolves to and starts if any one succeeds: `localhost`
     # would get [::1]:P beside another server's 127.0.0.1:P. Each address must be free.
-    for resolved in _resolve(host, port) if port else ():
+    for resolved in _resolve(host, port) if port and not shared else ():
         if _is_bound(resolved, port):
             raise listen_error(resolved, port, "address in use")
     try:
@@ -148,3 +151,29 @@ def _is_bound(host: str, port: int) -> bool:
         except OSError as e:
             return e.errno == errno.EADDRINUSE
     return False
+
+
+def port_lock(host: str, port: int):
+    """An exclusive lock on host:port for a service whose processes share the port (the scheduler
+    service's API servers, SO_REUSEPORT): another such service on the port is refused here, as
+    an exclusive bind refuses one process's second server. Kept open (and so held) for the life of
+    the returned file; raises PortInUseError naming the holder."""
+    import fcntl
+    import tempfile
+
+    folder = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / "tandem-ports"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / f"{host.strip('[]').replace(':', '_') or 'any'}-{port}.lock"
+    lock = open(path, "a+")  # noqa: SIM115 (held open on purpose)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise PortInUseError(f"port {port} is already in use ({holder})") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()}: {_command(Path('/proc/self'))}" if Path("/proc/self").exists() else f"pid {os.getpid()}")
+    lock.flush()
+    return lock

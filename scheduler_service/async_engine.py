@@ -85,6 +85,9 @@ class AsyncEngine:
         self._tracker.stop()
         self._thread.join(timeout)
 
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
     def add_request(
         self,
         request_id: str,
@@ -101,6 +104,17 @@ class AsyncEngine:
         self._check_queue(engine, len(prompt_token_ids))
         deadline = time.monotonic() + timeout if timeout is not None else None
         return self._tracker.add(request_id, prompt_token_ids, params, arrival, deadline)
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        timeout: float | None = None,
+    ) -> RequestStream:
+        """add_request, for the front ends: API server processes admit over IPC (api_server.py)."""
+        return self.add_request(request_id, prompt_token_ids, params, arrival, timeout)
 
     def check_admitting(self) -> LLMEngine:
         """The connected engine; TandemRequestError (UNAVAILABLE) while shutting down or without an executor

@@ -138,6 +138,15 @@ FLAGS = (
         f"INVALID_ARGUMENT (default {DEFAULT_MAX_LOGPROBS}, as vLLM)",
     ),
     flag(
+        "--api-server-count",
+        env="API_SERVER_COUNT",
+        type=int,
+        default=None,
+        help="API server processes for the client-facing work (gRPC, HTTP, tokenization, "
+        "streaming) beside the engine core's process, all on one client port; 0 = everything in one "
+        "process (default: from the cores, 0 below 8 and a quarter of them from 8 on, at most 4)",
+    ),
+    flag(
         "--stream-interval",
         env="STREAM_INTERVAL",
         type=int,
@@ -247,6 +256,13 @@ def tokenizer_resolver(explicit: Tokenizer | None) -> Callable[[ExecutorInfo], T
     return resolve
 
 
+def default_api_server_count(cores: int | None = None) -> int:
+    """A quarter of the cores from 8 on (at most 4); below 8 the processes would share cores
+    with the engine core and the executor's client."""
+    cores = cores or os.cpu_count() or 1
+    return 0 if cores < 8 else min(4, cores // 4)
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the flags, then serve until SIGTERM / SIGINT."""
     from scheduler_service.config import EngineOptions, SchedulerConfig
@@ -264,6 +280,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
         if not 0 <= args.http_port < 65536:
             raise ValueError(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
+        if args.api_server_count is None:
+            args.api_server_count = default_api_server_count()
+        if args.api_server_count < 0:
+            raise ValueError(f"--api-server-count must be >= 0 (0 = one process), got {args.api_server_count}")
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.executor_step_timeout < 0:
@@ -303,6 +323,18 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.api_server_count:
+        from scheduler_service import engine_core
+
+        try:
+            return asyncio.run(
+                engine_core.serve(args, args.api_server_count, executor, options, tokenizer_resolver(tokenizer))
+            )
+        except (OSError, RuntimeError) as e:  # a port already in use
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        finally:
+            executor.close()
     server = SchedulerServer(
         executor,
         options,

@@ -134,7 +134,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 prompt = tokenizer.encode(text, special)
         else:
             prompt = list(request.token_ids.ids)
-        return self.engine.add_request(request_id, prompt, params, arrival, timeout)
+        return await self.engine.submit(request_id, prompt, params, arrival, timeout)
 
     async def Generate(
         self,

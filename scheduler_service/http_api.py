@@ -217,7 +217,7 @@ class OpenAIServer:
                     child = params
                     if body.n > 1 and params.seed is not None:
                         child = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
-                    stream = self.engine.add_request(f"{request_id}-{p}-{j}", ids, child, arrival, timeout)
+                    stream = await self.engine.submit(f"{request_id}-{p}-{j}", ids, child, arrival, timeout)
                     choice = _Choice(len(choices), stream, OutputProcessor(self.engine.tokenizer, child))
                     if template is not None and template.thinks:
                         choice.reasoning = ReasoningParser(prompt)

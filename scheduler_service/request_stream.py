@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from scheduler_service.engine import RequestOutput
 from scheduler_service.errors import ErrorCode, TandemRequestError
@@ -61,6 +61,9 @@ class StreamTable:
     def __init__(self, metrics: SchedulerMetrics) -> None:
         self.metrics = metrics
         self._streams: dict[int, RequestStream] = {}
+        # Called after each dispatch with the streams it wrote to (the engine core forwards them
+        # to their API servers, engine_core.py); None in one process.
+        self.listener: Callable[[list[RequestStream]], None] | None = None
         # Prompt tokens of live requests that have had no output yet (--max-queued-tokens).
         self.num_queued_tokens = 0
 
@@ -95,10 +98,13 @@ class StreamTable:
         streams = self._streams
         ttft = self.metrics.ttft
         itl = self.metrics.itl
+        touched: list[RequestStream] | None = [] if self.listener is not None else None
         for out in outputs:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue  # aborted while the step ran
+            if touched is not None:
+                touched.append(stream)
             if stream.queued_tokens:
                 self._dequeue(stream)
             new = out.new_token_ids
@@ -126,3 +132,7 @@ class StreamTable:
             if stream is not None:
                 self._dequeue(stream)
                 stream.fail(failure)
+                if touched is not None:
+                    touched.append(stream)
+        if touched:
+            self.listener(touched)

@@ -72,9 +72,11 @@ def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
 class SchedulerServer:
     def __init__(
         self,
-        executor: Executor,
-        options: EngineOptions,
+        executor: Executor | None = None,
+        options: EngineOptions | None = None,
         *,
+        engine_factory: Callable | None = None,
+        metrics: SchedulerMetrics | None = None,
         tokenizer_for: Callable[[ExecutorInfo], Tokenizer | None] = lambda info: None,
         host: str = "127.0.0.1",
         port: int = SCHEDULER_PORT,
@@ -84,17 +86,26 @@ class SchedulerServer:
         tls_credentials: grpc.ServerCredentials | None = None,
         http_port: int | None = None,
         http_tls: tuple[str, str] | None = None,
+        http_socket=None,
+        reuse_port: bool = False,
     ) -> None:
         """`api_keys`: callers must send one as a bearer token (health checks excepted);
         `tls_credentials`: serve TLS (scheduler_service.security.server_credentials);
         `http_port`: also serve the OpenAI-compatible HTTP API there (None: not; 0: any free port),
-        with TLS when `http_tls` (certificate chain file, key file)."""
+        with TLS when `http_tls` (certificate chain file, key file), or on `http_socket`, bound.
+
+        The engine is an AsyncEngine over `executor`, or in an API server process
+        `engine_factory(metrics, on_health)` (api_server.RemoteEngine), with `metrics` its relay
+        and `reuse_port` to share the client port with the other API servers."""
         self.host = host
         self.port = port
         # None: no /metrics endpoint; 0: any free port (see self.metrics_port after start()).
         self.metrics_port = metrics_port
-        self.metrics = SchedulerMetrics()
-        self.engine = AsyncEngine(executor, options, self.metrics, tokenizer_for, self._on_health)
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        if engine_factory is not None:
+            self.engine = engine_factory(self.metrics, self._on_health)
+        else:
+            self.engine = AsyncEngine(executor, options, self.metrics, tokenizer_for, self._on_health)
         self.servicer = GenerationServicer(self.engine, stream_interval)
         self.health = health.aio.HealthServicer()
         self.api_keys = list(api_keys or [])
@@ -102,6 +113,8 @@ class SchedulerServer:
         self._server: grpc.aio.Server | None = None
         self.http_port = http_port
         self.http_tls = http_tls
+        self._http_socket = http_socket
+        self.reuse_port = reuse_port
         self._http = None
         self._health_tasks: set[asyncio.Task] = set()
 
@@ -111,7 +124,8 @@ class SchedulerServer:
         if self.api_keys:
             refused = self.metrics.requests_failed.labels(grpc.StatusCode.UNAUTHENTICATED.name)
             interceptors.append(ApiKeyInterceptor(self.api_keys, refused.inc))
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        options = [*SERVER_OPTIONS[:-1], ("grpc.so_reuseport", 1)] if self.reuse_port else SERVER_OPTIONS
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         server.add_generic_rpc_handlers((_generation_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", SERVICE_NAME):
@@ -122,7 +136,7 @@ class SchedulerServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, server)
-        self.port = add_grpc_port(server, self.host, self.port, self.tls_credentials)
+        self.port = add_grpc_port(server, self.host, self.port, self.tls_credentials, shared=self.reuse_port)
         if self.metrics_port is not None:  # bound before serving: a port in use fails the start
             self.metrics_port = self.metrics.serve(self.metrics_port, self.host)
         if not _is_loopback(self.host) and (self.tls_credentials is None or not self.api_keys):
@@ -135,7 +149,7 @@ class SchedulerServer:
                     if not on
                 ),
             )
-        if self.http_port is not None:
+        if self.http_port is not None or self._http_socket is not None:
             try:
                 from scheduler_service.http_api import HttpServer, OpenAIServer
             except ImportError as e:
@@ -144,7 +158,7 @@ class SchedulerServer:
                     "install them, or pass --http-port 0 to serve gRPC only"
                 ) from None
 
-            sock = bind_http_socket(self.host, self.http_port)
+            sock = self._http_socket or bind_http_socket(self.host, self.http_port)
             self.http_port = sock.getsockname()[1]
             cert, key = self.http_tls or (None, None)
             self._http = HttpServer(OpenAIServer(self.engine, self.api_keys).app, sock, cert, key)
@@ -187,8 +201,9 @@ class SchedulerServer:
         if self._server is not None:
             # Long enough for the last messages of finished streams to be written.
             await self._server.stop(1.0)
-        await asyncio.to_thread(self.engine.shutdown)
-        self.metrics.shutdown()
+        await self.engine.aclose()
+        if isinstance(self.metrics, SchedulerMetrics):
+            self.metrics.shutdown()
 
 
 async def serve_until_signal(server: SchedulerServer, grace: float = 30.0) -> None:

@@ -1,0 +1,243 @@
+"""The engine core of a scheduler service split over processes (`--api-server-count N`, N >= 1).
+
+This process runs what must be one: the scheduler, the block manager and the executor stream with
+its plans in flight (AsyncEngine's engine thread), the /metrics endpoint, and the executor's
+ownership. N API server processes (api_server.py) do the client-facing work and share the client
+port. Between them, ZeroMQ (engine_ipc.py): `CoreBridge` admits their requests into the engine
+(its queue limits: --max-queue, --max-queued-tokens), and after each engine step sends every API
+server one message with its requests' new tokens, so the step loop never waits on a client and
+never writes to one.
+
+Lifecycle: the core takes the client port's lock (protos.ports.port_lock: a second service on the
+port is refused), binds the HTTP socket once for all API servers (they inherit it), starts them
+and waits until each serves; it stops when one exits unexpectedly (exit code 1: the service is no
+longer whole), and on SIGTERM / SIGINT stops admitting, lets each API server drain its streams
+(--shutdown-timeout), then stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import zmq
+import zmq.asyncio
+
+from protos.ports import _is_bound, bind_address, bind_http_socket, listen_error, port_lock
+from scheduler_service import engine_ipc as ipc
+from scheduler_service.api_server import SPEC_ENV
+from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.errors import TandemRequestError
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.request_stream import RequestStream
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 60.0
+
+
+class CoreBridge:
+    """The engine core's end of the IPC (runs on the core's asyncio loop)."""
+
+    def __init__(self, engine: AsyncEngine, metrics: SchedulerMetrics, address: str) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.address = address
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self._peers: set[bytes] = set()
+        self.ready: dict[bytes, int] = {}  # API server identity -> pid, once it serves
+        # Requests admitted for an API server: engine id -> (its identity, the core's stream).
+        self._remote: dict[int, tuple[bytes, RequestStream]] = {}
+        self._task: asyncio.Task | None = None
+        engine.streams.listener = self._forward
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._task = loop.create_task(self._read())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._socket.close()
+        self._context.term()
+
+    def broadcast_state(self) -> None:
+        frame = self._state()
+        for peer in self._peers:
+            self._send(peer, frame)
+
+    def _state(self) -> bytes:
+        engine = self.engine.engine
+        return ipc.pack(
+            "state",
+            ipc.state_to_wire(
+                engine.info if engine is not None else None,
+                engine.limits if engine is not None else None,
+                self.engine.not_connected_message() if engine is None else "",
+                self.engine._admitting,
+            ),
+        )
+
+    def _send(self, peer: bytes, frame: bytes) -> None:
+        try:
+            self._socket.send_multipart([peer, frame], zmq.NOBLOCK)
+        except zmq.Again:  # its queue is full: it stopped reading (gone); its streams end with it
+            logger.warning("API server %s is not reading; a message to it was dropped", peer.decode())
+
+    async def _read(self) -> None:
+        while True:
+            peer, frame = await self._socket.recv_multipart()
+            message = ipc.unpack(frame)
+            try:
+                self._handle(peer, message)
+            except Exception:
+                logger.exception("API server %s: message %r failed", peer.decode(), message[0])
+
+    def _handle(self, peer: bytes, message: list) -> None:
+        kind = message[0]
+        if kind == "add":
+            key, request_id, prompt, params, arrival, timeout = message[1:]
+            try:
+                stream = self.engine.add_request(request_id, prompt, ipc.params_from_wire(params), arrival, timeout)
+            except TandemRequestError as e:
+                self._send(peer, ipc.pack("refused", key, e.code.name, e.message))
+                return
+            self._remote[stream.engine_id] = (peer, stream)
+            self._send(peer, ipc.pack("added", key, stream.engine_id))
+        elif kind == "abort":
+            owned = self._remote.pop(message[1], None)
+            if owned is not None:
+                self.engine.abort(owned[1])
+        elif kind == "metrics":
+            for name, labels, method, value in message[1]:
+                metric = getattr(self.metrics, name)
+                getattr(metric.labels(*labels) if labels else metric, method)(value)
+        elif kind == "hello":
+            self._peers.add(peer)
+            self._send(peer, self._state())
+        elif kind == "ready":
+            self.ready[peer] = message[1]
+
+    def _forward(self, streams: list[RequestStream]) -> None:
+        """StreamTable's listener: one message per API server with this step's news."""
+        batches: dict[bytes, list] = {}
+        remote = self._remote
+        for stream in streams:
+            owned = remote.get(stream.engine_id)
+            if owned is None:
+                continue
+            ids, logprobs = stream.take()
+            failure = stream.failure
+            if failure is not None:
+                entry = [stream.engine_id, [], None, 0, True, "abort", failure.code.name, failure.message]
+            else:
+                entry = [
+                    stream.engine_id, ids, ipc.logprobs_to_wire(logprobs), stream.num_cached_tokens,
+                    stream.finished, stream.finish_reason, None, None,
+                ]  # fmt: skip
+            if stream.finished:
+                del remote[stream.engine_id]
+            batches.setdefault(owned[0], []).append(entry)
+        for peer, entries in batches.items():
+            self._send(peer, ipc.pack("out", entries))
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host.strip("[]"), 0))
+        return probe.getsockname()[1]
+
+
+def _spec_args(args) -> dict:
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+
+
+async def serve(args, count: int, executor, options, tokenizer_for) -> int:
+    """Run the engine core and `count` API servers until SIGTERM / SIGINT; returns the exit code."""
+    metrics = SchedulerMetrics()
+    port = args.port or _free_port(args.host)
+    lock = port_lock(args.host, port)
+    if _is_bound(args.host, port):
+        lock.close()
+        raise listen_error(args.host, port, "address in use")
+    http_socket = bind_http_socket(args.host, args.http_port) if args.http_port else None
+    if args.metrics_port:
+        metrics.serve(args.metrics_port, args.host)
+    loop = asyncio.get_running_loop()
+    bridge: CoreBridge | None = None
+    engine = AsyncEngine(
+        executor, options, metrics, tokenizer_for, lambda serving: bridge.broadcast_state() if bridge else None
+    )
+    bridge = CoreBridge(engine, metrics, ipc.ipc_address())
+    bridge.start(loop)
+    engine.start(loop)
+    children = []
+    for index in range(count):
+        spec = {"args": _spec_args(args), "index": index, "port": port, "ipc": bridge.address, "parent_pid": os.getpid()}
+        pass_fds = ()
+        if http_socket is not None:
+            spec["http_fd"] = http_socket.fileno()
+            pass_fds = (http_socket.fileno(),)
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "scheduler_service.api_server"],
+                env={**os.environ, SPEC_ENV: json.dumps(spec)},
+                pass_fds=pass_fds,
+            )
+        )
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while len(bridge.ready) < count:
+            if any(c.poll() is not None for c in children) or time.monotonic() > deadline or stop.is_set():
+                print("error: an API server did not start (see its error above)", file=sys.stderr)
+                return 2
+            await asyncio.sleep(0.05)
+        logger.info(
+            "scheduler serving on %s: the engine core and %d API server processes (pids %s)",
+            bind_address(args.host, port),
+            count,
+            ", ".join(str(c.pid) for c in children),
+        )
+        while not stop.is_set():
+            if any(c.poll() is not None for c in children):
+                logger.error("an API server exited unexpectedly: stopping the scheduler service")
+                code = 1
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        logger.info("stopping: new requests refused, API servers draining for up to %.1f s", args.shutdown_timeout)
+    finally:
+        engine.stop_admitting()
+        bridge.broadcast_state()
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + args.shutdown_timeout + 10
+        while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+        await engine.aclose()
+        bridge.close()
+        metrics.shutdown()
+        if http_socket is not None:
+            http_socket.close()
+        lock.close()
+    return code
