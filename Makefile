@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The list type
 
-.PHONY: install up test test-fast lint check format protos
+.PHONY: install up test test-fast test-api-servers lint check format protos
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +28,12 @@ test: install
 # The tests not marked slow (no service processes, no long model runs): under 3 minutes on 2 cores.
 test-fast: install
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
+
+# The process-level tests against a scheduler split into its engine core and two API servers.
+test-api-servers: install
+	TANDEM_API_SERVER_COUNT=2 $(PY) -m pytest -q -n 2 tests/test_e2e_services.py tests/test_reliability.py \
+		tests/test_exclusive_ports.py tests/test_executor_owner.py tests/test_request_limits.py \
+		tests/test_client_cli.py tests/test_executor_security.py tests/test_http_api.py
 
 lint: install
 	$(PY) -m ruff check .

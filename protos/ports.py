@@ -105,10 +105,24 @@ def port_holder(port: int) -> str | None:
         try:
             for fd in (proc / "fd").iterdir():
                 if os.readlink(fd) in inodes:
-                    return f"pid {proc.name}: {_command(proc)}"
+                    return _holder(proc)
         except OSError:  # gone, or not ours to read
             continue
     return "by a process of another user"
+
+
+def _holder(proc: Path) -> str:
+    """'pid N: command'; for an API server process of the scheduler service, its engine core's
+    (the process that was started), with the API server's pid after it."""
+    command = _command(proc)
+    if "scheduler_service.api_server" in command:
+        try:
+            status = (proc / "status").read_text()
+            parent = Path("/proc") / next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
+            return f"pid {parent.name}: {_command(parent)}; its API server pid {proc.name}"
+        except (OSError, StopIteration):
+            pass
+    return f"pid {proc.name}: {command}"
 
 
 def _listening_inodes(port: int) -> set[str]:

@@ -1,0 +1,156 @@
+"""The scheduler service split over processes (`--api-server-count 2`): the engine core and two API
+server processes on one client port, as real processes on localhost, driven through the client.
+The rest of the process-level suite runs against this layout too with TANDEM_API_SERVER_COUNT=2
+(`make test-api-servers`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from helpers.processes import alive, descendants
+from helpers.services import CHILD_ENV, NUM_KV_BLOCKS, ROOT, Services
+
+from client import AsyncTandemClient, Final, TandemClient, TandemError
+from client.llm import LLM
+from scheduler_service.cli import default_api_server_count
+from scheduler_service.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The list type", "Exceptions are", "A class definition", "The for statement"]
+
+
+@pytest.fixture(scope="module")
+def split(qwen3_tied, tmp_path_factory):
+    services = Services(
+        qwen3_tied, tmp_path_factory.mktemp("split_logs"), ["--api-server-count", "2", "--max-queued-tokens", "600"]
+    )
+    try:
+        services.start()
+        yield services
+    finally:
+        services.stop()
+
+
+def _api_servers(services: Services) -> list[int]:
+    return [
+        pid
+        for pid in descendants(services.scheduler.process.pid)
+        if b"scheduler_service.api_server" in open(f"/proc/{pid}/cmdline", "rb").read()
+    ]
+
+
+def test_default_api_server_count_follows_the_cores():
+    assert [default_api_server_count(n) for n in (1, 2, 4, 7, 8, 12, 16, 64)] == [0, 0, 0, 0, 2, 3, 4, 4]
+
+
+def test_two_api_servers_stream_what_one_process_computes(split, qwen3_tied):
+    assert len(_api_servers(split)) == 2
+    rng_prompts = [[(7 * i + 3 * j) % 397 + 2 for j in range(5 + i)] for i in range(20)]
+    prompts = PROMPTS + rng_prompts
+    reference = LLM(str(qwen3_tied), num_kv_blocks=NUM_KV_BLOCKS)
+    expected = reference.generate(prompts, SamplingParams(max_tokens=16), use_tqdm=False)
+    before = split.metrics("scheduler")
+
+    async def one(client, prompt):
+        ids, final = [], None
+        async for item in client.generate(prompt, max_tokens=16):
+            if isinstance(item, Final):
+                final = item
+            else:
+                ids += item.token_ids
+        return ids, final
+
+    async def run():
+        # A channel per stream: the kernel spreads connections over the two API servers.
+        clients = [AsyncTandemClient(split.address) for _ in prompts]
+        try:
+            return await asyncio.gather(*(one(c, p) for c, p in zip(clients, prompts)))
+        finally:
+            for c in clients:
+                await c.close()
+
+    results = asyncio.run(run())
+    for i, ((ids, final), want) in enumerate(zip(results, expected)):
+        assert ids == want.token_ids, f"prompt {i} diverged"
+        assert final.finish_reason == want.finish_reason
+    # One /metrics, the engine core's, with the API servers' series relayed into it.
+    deadline = time.monotonic() + 5
+    while True:
+        after = split.metrics("scheduler")
+        finished = after.get("tandem_scheduler_requests_finished_total", 0) - before.get("tandem_scheduler_requests_finished_total", 0)
+        if finished == len(prompts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert finished == len(prompts)
+    e2e = "tandem_scheduler_e2e_request_latency_seconds_count"
+    assert after[e2e] - before.get(e2e, 0) == len(prompts)
+    ttft = "tandem_scheduler_time_to_first_token_seconds_count"
+    assert after[ttft] - before.get(ttft, 0) == len(prompts)
+    assert after["tandem_scheduler_generation_tokens_total"] - before["tandem_scheduler_generation_tokens_total"] == sum(
+        len(ids) for ids, _ in results
+    )
+
+
+def test_the_engine_cores_limits_and_the_executors_reach_the_client(split):
+    with TandemClient(split.address) as client:
+        # --max-queued-tokens: checked by the engine core, refused over IPC.
+        with pytest.raises(TandemError) as err:
+            list(client.generate([i % 500 + 2 for i in range(700)], max_tokens=4))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--max-queued-tokens (600)" in err.value.message
+        # --max-logprobs: checked in the API server against the limits the core sent it.
+        with pytest.raises(TandemError) as err:
+            list(client.generate("The list type", max_tokens=4, logprobs=300))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--max-logprobs" in err.value.message
+        # A deadline is the engine core's to enforce, then the API server's to report.
+        with TandemClient(split.address, timeout=0.5) as hurried, pytest.raises(TandemError) as err:
+            list(hurried.generate("The list type", max_tokens=1000, ignore_eos=True))
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Still serving.
+        assert [t for c in client.generate("The list type", max_tokens=4) for t in getattr(c, "token_ids", [])]
+
+
+def test_a_cancelled_stream_frees_its_blocks_in_the_core(split):
+    with TandemClient(split.address) as client:
+        stream = client.generate("The list type", max_tokens=1000, ignore_eos=True)
+        next(iter(stream))
+        stream.cancel()
+    deadline = time.monotonic() + 10
+    while split.metrics("scheduler")["tandem_scheduler_kv_cache_usage_ratio"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    m = split.metrics("scheduler")
+    assert m["tandem_scheduler_requests_running"] == 0 and m["tandem_scheduler_kv_cache_usage_ratio"] == 0
+
+
+def test_a_second_split_service_on_the_port_is_refused(split):
+    second = subprocess.run(
+        [sys.executable, "-m", "scheduler_service", "--executor", split.executor_address, "--port",
+         str(split.scheduler_port), "--metrics-port", "0", "--api-server-count", "2"],
+        env=CHILD_ENV, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert second.returncode == 2, second.stderr
+    assert f"port {split.scheduler_port} is already in use (pid {split.scheduler.process.pid}: " in second.stderr
+
+
+def test_api_servers_end_with_their_engine_core(qwen3_tied, tmp_path):
+    services = Services(qwen3_tied, tmp_path, ["--api-server-count", "2"])
+    try:
+        services.start()
+        children = _api_servers(services)
+        assert len(children) == 2
+        os.kill(services.scheduler.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in children)
+    finally:
+        services.stop()
