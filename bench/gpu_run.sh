@@ -64,6 +64,9 @@ for what in "$@"; do
     w1-off) TAIL=12 stage w1-off "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --fused-ops off ;;
     w1-one) TAIL=12 stage w1-one "$PY" bench/throughput.py --workload w1 --device cuda --max-plans-in-flight 1 ;;
     w1-split) TAIL=12 stage w1-split "$PY" bench/throughput.py --workload w1 --device cuda ;;
+    # Issue 16's target: every token streamed, the scheduler split into its engine core and API servers.
+    w1-split1) TAIL=12 stage w1-split1 "$PY" bench/throughput.py --workload w1 --device cuda --stream-interval 1 ;;
+    w1-split1-one) TAIL=12 stage w1-split1-one "$PY" bench/throughput.py --workload w1 --device cuda --mode split --stream-interval 1 --api-server-count 0 ;;
     # BENCH.md W2 (issue 16): Poisson arrivals, every token streamed, 4 client processes; the JSON beside the log.
     w2) TAIL=30 STAGE_TIMEOUT=580 stage w2 "$PY" bench/serve.py --workload w2 --device cuda --request-rate 8 24 48 --num-processes 4 --json "$OUT/w2.json" ;;
     w2-prefix) TAIL=30 STAGE_TIMEOUT=580 stage w2-prefix "$PY" bench/serve.py --workload w2 --device cuda --request-rate 24 --shared-prefix ${SHARED_PREFIX:-512} --num-processes 4 --json "$OUT/w2-prefix.json" ;;

@@ -173,6 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fp8: the built checkpoint is a random FP8 block-scaled one (--shape qwen3-8b)",
     )
     p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
+    p.add_argument(
+        "--api-server-count", type=int, default=None, help="the scheduler's --api-server-count (default: its own)"
+    )
     args = p.parse_args(argv)
     if args.workload == "w4":  # BENCH.md W4: Qwen3-8B's shape, FP8 weights and an fp8 KV cache
         args.shape, args.quantization, args.kv_cache_dtype = "qwen3-8b", "fp8", "fp8"
@@ -332,6 +335,8 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     scheduler_argv += ["--max-num-seqs", str(args.max_num_seqs)]
     scheduler_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     scheduler_argv += ["--stream-interval", str(args.stream_interval)]
+    if args.api_server_count is not None:
+        scheduler_argv += ["--api-server-count", str(args.api_server_count)]
     scheduler_argv += ["--max-plans-in-flight", str(args.max_plans_in_flight)]
     scheduler_argv += ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
     scheduler_argv += args.scheduler_arg
@@ -390,6 +395,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children
+
+
 def scrape(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -413,10 +429,14 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
         wait_serving(scheduler, ports["scheduler"])
         asyncio.run(stream_all(ports["scheduler"], workload, args.temperature, warm_up=True))
         before = scrape(ports["executor_metrics"])
+        api_servers = child_pids(scheduler.process.pid)  # --api-server-count: the scheduler is the engine core
         cpu_before = {s.name: cpu_seconds(s.process.pid) for s in services}
+        api_before = sum(cpu_seconds(pid) for pid in api_servers)
         client_cpu = time.process_time()
         tokens, elapsed = asyncio.run(stream_all(ports["scheduler"], workload, args.temperature))
         cpu = {s.name: cpu_seconds(s.process.pid) - cpu_before[s.name] for s in services}
+        if api_servers:
+            cpu[f"{len(api_servers)} API servers"] = sum(cpu_seconds(pid) for pid in api_servers) - api_before
         cpu["client"] = time.process_time() - client_cpu
         after = scrape(ports["executor_metrics"])
         steps = {
@@ -492,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
             + f"{floor(elapsed)})",
             flush=True,
         )
+        print(
+            f"{'engine core' if len(steps['cpu']) > 3 else 'scheduler'} CPU per output token: "
+            f"{steps['cpu']['scheduler'] / max(tokens, 1) * 1e6:.1f} us",
+            flush=True,
+        )
         if tokens != num_output:
             print(f"warning: the client received {tokens} tokens, expected {num_output}", file=sys.stderr)
     if len(results) == 2:
@@ -508,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                                      ("fp8 KV", args.kv_cache_dtype in ("fp8", "fp8_e4m3"))) if on]  # fmt: skip
         note = f" ({', '.join(fp8)})" if fp8 else ""
         for mode, rate in results.items():
-            print(f"{label} {mode}{note}: {rate:.0f} output tok/s")
+            interval = f", stream interval {args.stream_interval}" if mode == "split" and args.stream_interval == 1 else ""
+            print(f"{label} {mode}{interval}{note}: {rate:.0f} output tok/s")
     if args.peer:
         peer = run_peer(args.peer)
         print(
