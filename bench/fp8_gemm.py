@@ -60,7 +60,10 @@ def sweep(name: str, n: int, k: int, w_q: torch.Tensor, w_s: torch.Tensor) -> No
             results.append((t, cfg))
         weight_bytes = n * k
         for t, cfg in sorted(results, key=lambda r: r[0])[:3]:
-            print(f"sweep {name} m={m}: {t * 1e3:.1f} us ({weight_bytes / t / 1e9:.2f} TB/s of weights) {cfg}", flush=True)
+            print(
+                f"sweep {name} m={m}: {t * 1e3:.1f} us ({weight_bytes / t / 1e9:.2f} TB/s of weights) {cfg}",
+                flush=True,
+            )
 
 
 def scaled_mm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor):

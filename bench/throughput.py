@@ -174,7 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
     p.add_argument(
-        "--api-server-count", type=int, default=None, help="the scheduler's --api-server-count (default: its own)"
+        "--api-server-count",
+        type=int,
+        default=None,
+        help="the scheduler's --api-server-count (default: its own)",
     )
     args = p.parse_args(argv)
     if args.workload == "w4":  # BENCH.md W4: Qwen3-8B's shape, FP8 weights and an fp8 KV cache
@@ -429,7 +432,9 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
         wait_serving(scheduler, ports["scheduler"])
         asyncio.run(stream_all(ports["scheduler"], workload, args.temperature, warm_up=True))
         before = scrape(ports["executor_metrics"])
-        api_servers = child_pids(scheduler.process.pid)  # --api-server-count: the scheduler is the engine core
+        api_servers = child_pids(
+            scheduler.process.pid
+        )  # --api-server-count: the scheduler is the engine core
         cpu_before = {s.name: cpu_seconds(s.process.pid) for s in services}
         api_before = sum(cpu_seconds(pid) for pid in api_servers)
         client_cpu = time.process_time()
@@ -533,7 +538,11 @@ def main(argv: list[str] | None = None) -> int:
                                      ("fp8 KV", args.kv_cache_dtype in ("fp8", "fp8_e4m3"))) if on]  # fmt: skip
         note = f" ({', '.join(fp8)})" if fp8 else ""
         for mode, rate in results.items():
-            interval = f", stream interval {args.stream_interval}" if mode == "split" and args.stream_interval == 1 else ""
+            interval = (
+                f", stream interval {args.stream_interval}"
+                if mode == "split" and args.stream_interval == 1
+                else ""
+            )
             print(f"{label} {mode}{interval}{note}: {rate:.0f} output tok/s")
     if args.peer:
         peer = run_peer(args.peer)

@@ -118,7 +118,9 @@ def _holder(proc: Path) -> str:
     if "scheduler_service.api_server" in command:
         try:
             status = (proc / "status").read_text()
-            parent = Path("/proc") / next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
+            parent = Path("/proc") / next(
+                line.split()[1] for line in status.splitlines() if line.startswith("PPid:")
+            )
             return f"pid {parent.name}: {_command(parent)}; its API server pid {proc.name}"
         except (OSError, StopIteration):
             pass
@@ -188,6 +190,10 @@ def port_lock(host: str, port: int):
         raise PortInUseError(f"port {port} is already in use ({holder})") from None
     lock.seek(0)
     lock.truncate()
-    lock.write(f"pid {os.getpid()}: {_command(Path('/proc/self'))}" if Path("/proc/self").exists() else f"pid {os.getpid()}")
+    lock.write(
+        f"pid {os.getpid()}: {_command(Path('/proc/self'))}"
+        if Path("/proc/self").exists()
+        else f"pid {os.getpid()}"
+    )
     lock.flush()
     return lock

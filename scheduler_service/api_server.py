@@ -41,7 +41,7 @@ from scheduler_service.config import SchedulerLimits
 from scheduler_service.errors import ErrorCode, TandemRequestError
 from scheduler_service.request_stream import RequestStream, StreamTable
 from scheduler_service.sampling_params import SamplingParams, verify_request
-from scheduler_service.tokenizer import Tokenizer
+from scheduler_service.tokenizer import Tokenizer, tokenizer_resolver
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _METRICS_FLUSH_S = 0.1
 
 
 class _RelayedMetric:
-    __slots__ = ("_relay", "_name", "_labels")
+    __slots__ = ("_labels", "_name", "_relay")
 
     def __init__(self, relay: MetricsRelay, name: str, labels: tuple = ()) -> None:
         self._relay, self._name, self._labels = relay, name, labels
@@ -224,7 +224,12 @@ class RemoteEngine:
                 self._send("metrics", records)
 
     async def _read(self) -> None:
-        handlers = {"state": self._on_state, "added": self._on_added, "refused": self._on_refused, "out": self._on_out}
+        handlers = {
+            "state": self._on_state,
+            "added": self._on_added,
+            "refused": self._on_refused,
+            "out": self._on_out,
+        }
         while True:
             message = ipc.unpack(await self._socket.recv())
             try:
@@ -280,7 +285,6 @@ class RemoteEngine:
 
 
 async def _serve(spec: dict) -> int:
-    from scheduler_service.cli import tokenizer_resolver
     from scheduler_service.security import load_api_keys, server_credentials
     from scheduler_service.server import SchedulerServer
 

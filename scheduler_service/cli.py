@@ -8,11 +8,9 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
 
 from protos.defaults import (
     DEFAULT_HOST,
-    DEFAULT_MODEL,
     HTTP_PORT,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
@@ -20,10 +18,9 @@ from protos.defaults import (
     SCHEDULER_PORT,
 )
 from protos.flags import Group, add_flags, flag
-from protos.plan import ExecutorInfo
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
 from scheduler_service.executor_client import DEFAULT_STEP_TIMEOUT_S
-from scheduler_service.tokenizer import Tokenizer
+from scheduler_service.tokenizer import Tokenizer, tokenizer_resolver
 
 logger = logging.getLogger(__name__)
 
@@ -238,24 +235,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def tokenizer_resolver(explicit: Tokenizer | None) -> Callable[[ExecutorInfo], Tokenizer | None]:
-    """--tokenizer if given, else the embedded model's when the executor serves that model."""
-
-    def resolve(info: ExecutorInfo) -> Tokenizer | None:
-        if explicit is not None:
-            return explicit
-        if info.model == DEFAULT_MODEL.name and Tokenizer.exists(DEFAULT_MODEL):
-            return Tokenizer(DEFAULT_MODEL)
-        logger.warning(
-            "no tokenizer for model %r: text prompts are refused and responses carry token ids only "
-            "(start with --tokenizer DIR)",
-            info.model,
-        )
-        return None
-
-    return resolve
-
-
 def default_api_server_count(cores: int | None = None) -> int:
     """A quarter of the cores from 8 on (at most 4); below 8 the processes would share cores
     with the engine core and the executor's client."""
@@ -283,7 +262,9 @@ def run(args: argparse.Namespace) -> int:
         if args.api_server_count is None:
             args.api_server_count = default_api_server_count()
         if args.api_server_count < 0:
-            raise ValueError(f"--api-server-count must be >= 0 (0 = one process), got {args.api_server_count}")
+            raise ValueError(
+                f"--api-server-count must be >= 0 (0 = one process), got {args.api_server_count}"
+            )
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.executor_step_timeout < 0:
@@ -328,7 +309,9 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             return asyncio.run(
-                engine_core.serve(args, args.api_server_count, executor, options, tokenizer_resolver(tokenizer))
+                engine_core.serve(
+                    args, args.api_server_count, executor, options, tokenizer_resolver(tokenizer)
+                )
             )
         except (OSError, RuntimeError) as e:  # a port already in use
             print(f"error: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ longer whole), and on SIGTERM / SIGINT stops admitting, lets each API server dra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -107,7 +108,9 @@ class CoreBridge:
         if kind == "add":
             key, request_id, prompt, params, arrival, timeout = message[1:]
             try:
-                stream = self.engine.add_request(request_id, prompt, ipc.params_from_wire(params), arrival, timeout)
+                stream = self.engine.add_request(
+                    request_id, prompt, ipc.params_from_wire(params), arrival, timeout
+                )
             except TandemRequestError as e:
                 self._send(peer, ipc.pack("refused", key, e.code.name, e.message))
                 return
@@ -176,14 +179,24 @@ async def serve(args, count: int, executor, options, tokenizer_for) -> int:
     loop = asyncio.get_running_loop()
     bridge: CoreBridge | None = None
     engine = AsyncEngine(
-        executor, options, metrics, tokenizer_for, lambda serving: bridge.broadcast_state() if bridge else None
+        executor,
+        options,
+        metrics,
+        tokenizer_for,
+        lambda serving: bridge.broadcast_state() if bridge else None,
     )
     bridge = CoreBridge(engine, metrics, ipc.ipc_address())
     bridge.start(loop)
     engine.start(loop)
     children = []
     for index in range(count):
-        spec = {"args": _spec_args(args), "index": index, "port": port, "ipc": bridge.address, "parent_pid": os.getpid()}
+        spec = {
+            "args": _spec_args(args),
+            "index": index,
+            "port": port,
+            "ipc": bridge.address,
+            "parent_pid": os.getpid(),
+        }
         pass_fds = ()
         if http_socket is not None:
             spec["http_fd"] = http_socket.fileno()
@@ -217,11 +230,11 @@ async def serve(args, count: int, executor, options, tokenizer_for) -> int:
                 logger.error("an API server exited unexpectedly: stopping the scheduler service")
                 code = 1
                 break
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
-        logger.info("stopping: new requests refused, API servers draining for up to %.1f s", args.shutdown_timeout)
+        logger.info(
+            "stopping: new requests refused, API servers draining for up to %.1f s", args.shutdown_timeout
+        )
     finally:
         engine.stop_admitting()
         bridge.broadcast_state()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from protos.defaults import DEFAULT_MODEL
+from protos.plan import ExecutorInfo
 from scheduler_service.chat_template import ChatTemplate
 
 # How many times fewer UTF-8 bytes a normalizer's output can have than its input: NFC composes
@@ -20,6 +23,9 @@ from scheduler_service.chat_template import ChatTemplate
 _NORMALIZER_SHRINK = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4, "Lowercase": 3, "Prepend": 1}
 # Pre-tokenizers that keep every byte of their input (Split keeps its matches unless "Removed").
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Punctuation"}
+
+
+logger = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -125,3 +131,21 @@ def _shrink(normalizer: dict | None) -> int | None:
             product *= factor
         return product
     return _NORMALIZER_SHRINK.get(normalizer.get("type"))
+
+
+def tokenizer_resolver(explicit: Tokenizer | None) -> Callable[[ExecutorInfo], Tokenizer | None]:
+    """--tokenizer if given, else the embedded model's when the executor serves that model."""
+
+    def resolve(info: ExecutorInfo) -> Tokenizer | None:
+        if explicit is not None:
+            return explicit
+        if info.model == DEFAULT_MODEL.name and Tokenizer.exists(DEFAULT_MODEL):
+            return Tokenizer(DEFAULT_MODEL)
+        logger.warning(
+            "no tokenizer for model %r: text prompts are refused and responses carry token ids only "
+            "(start with --tokenizer DIR)",
+            info.model,
+        )
+        return None
+
+    return resolve

@@ -30,7 +30,9 @@ PROMPTS = ["The list type", "Exceptions are", "A class definition", "The for sta
 @pytest.fixture(scope="module")
 def split(qwen3_tied, tmp_path_factory):
     services = Services(
-        qwen3_tied, tmp_path_factory.mktemp("split_logs"), ["--api-server-count", "2", "--max-queued-tokens", "600"]
+        qwen3_tied,
+        tmp_path_factory.mktemp("split_logs"),
+        ["--api-server-count", "2", "--max-queued-tokens", "600"],
     )
     try:
         services.start()
@@ -85,7 +87,9 @@ def test_two_api_servers_stream_what_one_process_computes(split, qwen3_tied):
     deadline = time.monotonic() + 5
     while True:
         after = split.metrics("scheduler")
-        finished = after.get("tandem_scheduler_requests_finished_total", 0) - before.get("tandem_scheduler_requests_finished_total", 0)
+        finished = after.get("tandem_scheduler_requests_finished_total", 0) - before.get(
+            "tandem_scheduler_requests_finished_total", 0
+        )
         if finished == len(prompts) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -94,9 +98,9 @@ def test_two_api_servers_stream_what_one_process_computes(split, qwen3_tied):
     assert after[e2e] - before.get(e2e, 0) == len(prompts)
     ttft = "tandem_scheduler_time_to_first_token_seconds_count"
     assert after[ttft] - before.get(ttft, 0) == len(prompts)
-    assert after["tandem_scheduler_generation_tokens_total"] - before["tandem_scheduler_generation_tokens_total"] == sum(
-        len(ids) for ids, _ in results
-    )
+    assert after["tandem_scheduler_generation_tokens_total"] - before[
+        "tandem_scheduler_generation_tokens_total"
+    ] == sum(len(ids) for ids, _ in results)
 
 
 def test_the_engine_cores_limits_and_the_executors_reach_the_client(split):
@@ -116,7 +120,9 @@ def test_the_engine_cores_limits_and_the_executors_reach_the_client(split):
             list(hurried.generate("The list type", max_tokens=1000, ignore_eos=True))
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         # Still serving.
-        assert [t for c in client.generate("The list type", max_tokens=4) for t in getattr(c, "token_ids", [])]
+        assert [
+            t for c in client.generate("The list type", max_tokens=4) for t in getattr(c, "token_ids", [])
+        ]
 
 
 def test_a_cancelled_stream_frees_its_blocks_in_the_core(split):
@@ -125,7 +131,10 @@ def test_a_cancelled_stream_frees_its_blocks_in_the_core(split):
         next(iter(stream))
         stream.cancel()
     deadline = time.monotonic() + 10
-    while split.metrics("scheduler")["tandem_scheduler_kv_cache_usage_ratio"] > 0 and time.monotonic() < deadline:
+    while (
+        split.metrics("scheduler")["tandem_scheduler_kv_cache_usage_ratio"] > 0
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     m = split.metrics("scheduler")
     assert m["tandem_scheduler_requests_running"] == 0 and m["tandem_scheduler_kv_cache_usage_ratio"] == 0
@@ -138,7 +147,9 @@ def test_a_second_split_service_on_the_port_is_refused(split):
         env=CHILD_ENV, cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert second.returncode == 2, second.stderr
-    assert f"port {split.scheduler_port} is already in use (pid {split.scheduler.process.pid}: " in second.stderr
+    assert (
+        f"port {split.scheduler_port} is already in use (pid {split.scheduler.process.pid}: " in second.stderr
+    )
 
 
 def test_api_servers_end_with_their_engine_core(qwen3_tied, tmp_path):

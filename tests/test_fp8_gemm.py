@@ -66,7 +66,9 @@ def test_fp8_checkpoint_greedy_matches_torch_w8a8_on_gpu(tmp_path, monkeypatch):
         del llm
     got, want = runs
     agree = sum(next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want))
-    assert agree >= 0.75 * sum(map(len, want)), f"greedy prefixes agree on {agree} of {sum(map(len, want))} tokens"
+    assert agree >= 0.75 * sum(map(len, want)), (
+        f"greedy prefixes agree on {agree} of {sum(map(len, want))} tokens"
+    )
 
 
 @pytest.mark.gpu
@@ -100,7 +102,9 @@ def test_every_fp8_linear_of_the_engine_matches_torch_w8a8(tmp_path):
     for name, module in llm.executor.runner.model.named_modules():
         if getattr(module, "weight_scale_inv", None) is not None:
             module.register_forward_hook(check(name))
-    llm.generate(make_prompts([3, 17, 40, 100], seed=4), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        make_prompts([3, 17, 40, 100], seed=4), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert len(errors) >= 8, errors  # q/k/v, o, gate/up and down of both layers at least
     assert max(errors.values()) < 1e-2, errors
 

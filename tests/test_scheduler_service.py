@@ -28,6 +28,7 @@ from scheduler_service.async_engine import EngineOptions
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.server import ServerThread
+from scheduler_service.tokenizer import tokenizer_resolver
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ BAD_REQUESTS = [
     (request([5], temperature=float("nan")), "temperature must be a finite number"),
     (request([5], top_p=0.0), "top_p must be in (0, 1]"),
     (request([5], top_p=1.5), "top_p must be in (0, 1]"),
-    (request([5], top_k=-1), "top_k must be >= 0"),
+    (request([5], top_k=-2), "top_k must be >= 0 (0 or -1 disables it)"),
     (request([5], max_tokens=-3), "max_tokens must be >= 1"),
     (request([5], min_p=2.0), "min_p must be in [0, 1]"),
     (request([5], repetition_penalty=0.0), "repetition_penalty must be > 0"),
@@ -328,7 +329,7 @@ def test_cli_flags_have_environment_twins(monkeypatch):
     assert args.func is cli.run
     args.stream_interval = 0
     assert cli.run(args) == 2  # refused before anything starts
-    embedded = cli.tokenizer_resolver(None)
+    embedded = tokenizer_resolver(None)
     assert embedded(_info("tandem-tiny-pydoc")) is not None
     assert embedded(_info("some-other-model")) is None
 

@@ -310,7 +310,9 @@ def paged_decode_fp8_kernel(
         p_t = tl.exp2(s_t - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p_t, 0)
-        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), _widen(p_t, WIDEN_F32), input_precision=DOT_PRECISION)  # [BLOCK_D, GROUP_PAD]
+        acc_t = acc_t * alpha[None, :] + tl.dot(
+            tl.trans(v), _widen(p_t, WIDEN_F32), input_precision=DOT_PRECISION
+        )  # [BLOCK_D, GROUP_PAD]
         m_i = m_new
 
     o_t = acc_t / tl.where(l_i > 0, l_i, 1.0)[None, :] * v_scale

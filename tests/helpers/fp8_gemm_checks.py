@@ -54,12 +54,16 @@ def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: 
     if split == 1 and config is None:  # the same sums in the same order
         torch.testing.assert_close(fp8_linear(x, w_q, w_s), out, atol=0, rtol=0)
     else:  # other tiles, or atomic adds of split-K in any order
-        torch.testing.assert_close(fp8_linear(x, w_q, w_s).float(), out.float(), atol=tol * ref.abs().max().item(), rtol=tol)
+        torch.testing.assert_close(
+            fp8_linear(x, w_q, w_s).float(), out.float(), atol=tol * ref.abs().max().item(), rtol=tol
+        )
     exact = x.float() @ w.float().T
     return ((out.float() - exact).norm() / exact.norm()).item()
 
 
-def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+def reference_fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
+) -> torch.Tensor:
     """The W8A8 linear in torch: the activations quantized as the kernel does, then fp32 math on the
     dequantized operands, cast to x's dtype (what fp8_linear computes, in another summation order)."""
     shape = x.shape
