@@ -32,6 +32,7 @@ from client.defaults import (
     default_model,
     env,
 )
+from protos.hub import resolve_model
 from protos.service_main import PARENT_PID_ENV
 
 LOG_TAIL_LINES = 20
@@ -47,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=default_model(),
-        help="checkpoint directory (default: the embedded model; env TANDEM_MODEL)",
+        help="checkpoint directory or a Hugging Face id in the local cache (default: the embedded model; "
+        "env TANDEM_MODEL)",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory (default: the model's)")
     p.add_argument("--device", default=env("DEVICE", "cpu"), help="cpu or cuda (env TANDEM_DEVICE)")
@@ -230,6 +232,12 @@ def _wait_serving(service: Service, address: str, timeout: float, stop: threadin
 
 
 def run_up(args: argparse.Namespace) -> int:
+    try:  # a Hugging Face id in the local cache: both services get its snapshot directory
+        args.model = resolve_model(args.model)
+        args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else None
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not (Path(args.model) / "config.json").is_file():
         print(
             f"error: --model {args.model!r} is not a checkpoint directory (no config.json)", file=sys.stderr

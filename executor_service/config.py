@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from executor_service.attention import BACKENDS
-from executor_service.hub import resolve_model
 from executor_service.model_config import ModelConfig, load_model_config
 from executor_service.models import get_model_class
 from executor_service.parallel import check_tp_layout, rank_device
 from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from protos.hub import resolve_model
 
 DTYPES = {
     "float32": torch.float32,

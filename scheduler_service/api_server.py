@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from protos.hub import resolve_model
 from protos.plan import ExecutorInfo
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.config import SchedulerLimits
@@ -290,7 +291,7 @@ async def _serve(spec: dict) -> int:
 
     args = spec["args"]
     index = spec["index"]
-    tokenizer = Tokenizer(args["tokenizer"]) if args.get("tokenizer") else None
+    tokenizer = Tokenizer(resolve_model(args["tokenizer"])) if args.get("tokenizer") else None
     api_keys = load_api_keys(args.get("api_key"), args.get("api_key_file"))
     tls = server_credentials(args["tls_cert"], args["tls_key"]) if args.get("tls_cert") else None
     http_socket = None

@@ -153,7 +153,8 @@ FLAGS = (
     flag(
         "--tokenizer",
         env="TOKENIZER",
-        help="directory with tokenizer.json (default: the embedded model's when the executor serves it)",
+        help="directory with tokenizer.json, or a Hugging Face id in the local cache (default: the "
+        "embedded model's when the executor serves it)",
     ),
     flag(
         "--shutdown-timeout",
@@ -287,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
             max_queued_tokens=args.max_queued_tokens,
             recovery_timeout_s=args.executor_recovery_timeout if args.executor_recovery_timeout > 0 else None,
         )
-        tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
+        tokenizer = Tokenizer(resolve_model(args.tokenizer)) if args.tokenizer else None
         api_keys = load_api_keys(args.api_key, args.api_key_file)
         tls = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
         executor_keys = load_api_keys(args.executor_api_key, args.executor_api_key_file)

@@ -1,4 +1,4 @@
-"""`--model ORG/NAME` from the local Hugging Face cache (executor_service/hub.py): resolved by
+"""`--model ORG/NAME` from the local Hugging Face cache (protos/hub.py): resolved by
 revision, never downloaded, and a one-line error naming where it looked when the snapshot is absent."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from executor_service.hub import resolve_model
+from protos.hub import resolve_model
 
 # Starts service processes or runs models at length: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
@@ -65,3 +65,30 @@ def test_cli_generate_from_the_cache(hub_cache, qwen3_tied):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "looked for" in lines[0] and "models--tiny--qwen3" in lines[0], proc.stderr
+
+
+def test_the_scheduler_and_tandem_up_resolve_hub_ids(hub_cache, monkeypatch, capsys):
+    """`--tokenizer ORG/NAME` on the scheduler (the same cache as the executor's --model), and
+    `tandem up --model ORG/NAME` hands both services the snapshot."""
+    import argparse
+
+    from client import up
+    from scheduler_service.tokenizer import Tokenizer
+
+    snapshot = hub_cache / "snapshots" / COMMIT
+    assert Tokenizer(resolve_model("tiny/qwen3")).encode("def f") == Tokenizer(snapshot).encode("def f")
+
+    class Started(Exception):
+        pass
+
+    def service_argv(args):
+        raise Started(args)
+
+    monkeypatch.setattr(up, "service_argv", service_argv)
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers())
+    with pytest.raises(Started) as started:
+        up.run_up(parser.parse_args(["up", "--model", "tiny/qwen3"]))
+    assert started.value.args[0].model == str(snapshot)
+    assert up.run_up(parser.parse_args(["up", "--model", "tiny/absent"])) == 2
+    assert "not in the Hugging Face cache" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 The cache layout (huggingface_hub's): `$HF_HUB_CACHE` (default `$HF_HOME/hub`, `HF_HOME` defaulting
 to `~/.cache/huggingface`) holds `models--ORG--NAME/refs/<revision>` (a file naming a commit) and
 `models--ORG--NAME/snapshots/<commit>/` (the files). A revision is a branch or tag with a ref
-file, or a commit hash. Read directly, so the executor needs no huggingface_hub."""
+file, or a commit hash. Read directly, so neither service needs huggingface_hub (the executor resolves --model, the
+scheduler --tokenizer, `tandem up` both)."""
 
 from __future__ import annotations
 
