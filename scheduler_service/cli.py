@@ -18,6 +18,7 @@ from protos.defaults import (
     SCHEDULER_PORT,
 )
 from protos.flags import Group, add_flags, flag
+from protos.hub import resolve_model
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
 from scheduler_service.executor_client import DEFAULT_STEP_TIMEOUT_S
 from scheduler_service.tokenizer import Tokenizer, tokenizer_resolver
