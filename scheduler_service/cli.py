@@ -237,10 +237,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity, and a container's CPU quota
+    (cgroup v2 cpu.max) where one is set (os.cpu_count() is the host's)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
 def default_api_server_count(cores: int | None = None) -> int:
     """A quarter of the cores from 8 on (at most 4); below 8 the processes would share cores
     with the engine core and the executor's client."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or available_cores()
     return 0 if cores < 8 else min(4, cores // 4)
 
 
