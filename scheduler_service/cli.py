@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 from protos.defaults import (
     DEFAULT_HOST,
@@ -242,7 +243,7 @@ def available_cores() -> int:
     (cgroup v2 cpu.max) where one is set (os.cpu_count() is the host's)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
         if quota != "max":
             cores = min(cores, max(1, int(quota) // int(period)))
     except (OSError, ValueError):
