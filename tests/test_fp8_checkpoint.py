@@ -90,3 +90,23 @@ def test_block_scales_without_a_quantization_config_are_refused(fp8_qwen3, tmp_p
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"weight_scale_inv' is a block scale, but config\.json has no"):
         LocalExecutor(ExecutorConfig(model=str(tmp_path), num_kv_blocks=64))
+
+
+def test_qwen3_moe_fp8_checkpoint_matches_transformers_on_dequantized_weights(family_checkpoint, tmp_path):
+    """A Qwen3-MoE checkpoint in the Qwen3-*-FP8 format (every expert's gate / up / down in e4m3
+    with block scales, the router as it was), as Qwen3-30B-A3B-FP8 ships: token-identical to
+    transformers on the dequantized weights."""
+    from helpers.hf_reference import MAX_NEW, assert_matches_hf
+    from safetensors.torch import save_file
+
+    src = family_checkpoint("qwen3_moe")
+    dequantized = quantize_checkpoint_fp8(src, tmp_path / "fp8")
+    assert any(".experts.3.down_proj.weight" in n for n in dequantized)
+    reference = tmp_path / "dequantized"
+    shutil.copytree(src, reference, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({n: t.contiguous() for n, t in dequantized.items()}, reference / "model.safetensors")
+    prompts = make_prompts([3, 17, 40], seed=4)
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32", num_kv_blocks=64)
+    assert_matches_hf(
+        reference, prompts, llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    )
