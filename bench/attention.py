@@ -169,11 +169,9 @@ def main() -> None:
     if args.sweep_fp8:
         for batch, context in shapes:
             results = []
-            for block_n, warps, stages, rows in itertools.product(
-                (64, 128, 256), (4, 8), (2, 3, 4), (False, True)
-            ):
-                cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": True,
-                       "KEYS_AS_ROWS": rows}  # fmt: skip
+            grid = itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True))
+            for block_n, warps, stages, f16 in grid:
+                cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": f16}
                 try:
                     _, tbs, used = bench_decode(batch, context, 16, cfg, None, FP8)
                 except Exception as e:  # out of shared memory, say

@@ -88,7 +88,9 @@ def main() -> int:
     args, _ = p.parse_known_args()
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     server = ExecutorServer(args.host, args.port)
-    metrics = start_metrics_server(server.metrics, args.host, args.metrics_port) if args.metrics_port else None
+    metrics = (
+        start_metrics_server(server.metrics, args.host, args.metrics_port) if args.metrics_port else None
+    )
     server.start()
     server.set_executor(StubExecutor(vocab, args.max_num_seqs, args.max_num_batched_tokens))
     stop = threading.Event()

@@ -217,117 +217,6 @@ def paged_attention_kernel(
 
 
 @triton.jit
-def _widen(x, WIDEN_F32: tl.constexpr):
-    if WIDEN_F32:
-        return x.to(tl.float32)
-    return x.to(tl.float16)
-
-
-# Decode over an e4m3 cache with the keys as the rows of both products (s^T = K q^T, o^T = V^T p^T):
-# K and V^T, widened in registers, are the A operands of the MMAs, which Hopper reads from registers,
-# while q^T and p^T (small) are the B operands. Same arguments and results as paged_attention_kernel
-# with BLOCK_Q = 1 and KV_FP8; chosen by DECODE_CONFIG_FP8["KEYS_AS_ROWS"] (bench/attention.py).
-@triton.jit(do_not_specialize=["stride_bt"])
-def paged_decode_fp8_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    out_ptr,
-    partial_out_ptr,
-    partial_lse_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    cu_seqlens_q_ptr,
-    qk_scale,
-    v_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    num_heads,
-    BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    ROWS: tl.constexpr,
-    WIDEN_F32: tl.constexpr,  # K and V are widened to fp32 for fp32 models, else to fp16
-    DOT_PRECISION: tl.constexpr,
-):
-    kv_head = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
-    seq = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if ROWS == 1:  # noqa: SIM102
-        if q_len != 1:
-            return
-    context_len = tl.load(context_lens_ptr + seq)
-    g = tl.arange(0, GROUP_PAD)
-    head = kv_head * GROUP + g
-    g_valid = g < GROUP
-    d = tl.arange(0, BLOCK_D)
-    if BLOCK_D == HEAD_DIM:
-        d_valid = tl.full([BLOCK_D], 1, tl.int1)
-    else:
-        d_valid = d < HEAD_DIM
-    # q^T [BLOCK_D, GROUP_PAD]
-    q_off = q_start.to(tl.int64) * stride_qt + head[None, :] * stride_qh + d[:, None]
-    q_t = _widen(tl.load(q_ptr + q_off, mask=g_valid[None, :] & d_valid[:, None], other=0.0), WIDEN_F32)
-
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc_t = tl.zeros([BLOCK_D, GROUP_PAD], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_off = kv_head * stride_ch + d[None, :]
-    n = tl.arange(0, BLOCK_N)
-    for tile in range(tile_lo, tile_hi):
-        key = tile * BLOCK_N + n
-        key_valid = key < context_len
-        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
-        if BLOCK_D == HEAD_DIM:
-            kv_mask = key_valid[:, None]
-        else:
-            kv_mask = key_valid[:, None] & d_valid[None, :]
-        k = _widen(tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0), WIDEN_F32)  # [BLOCK_N, BLOCK_D]
-        v = _widen(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0), WIDEN_F32)
-        s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, GROUP_PAD], log2 domain
-        s_t = tl.where(key_valid[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p_t = tl.exp2(s_t - m_safe[None, :])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        acc_t = acc_t * alpha[None, :] + tl.dot(
-            tl.trans(v), _widen(p_t, WIDEN_F32), input_precision=DOT_PRECISION
-        )  # [BLOCK_D, GROUP_PAD]
-        m_i = m_new
-
-    o_t = acc_t / tl.where(l_i > 0, l_i, 1.0)[None, :] * v_scale
-    out_mask = g_valid[None, :] & d_valid[:, None]
-    if NUM_SPLITS == 1:
-        o_off = q_start.to(tl.int64) * stride_ot + head[None, :] * stride_oh + d[:, None]
-        tl.store(out_ptr + o_off, o_t.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
-        tl.store(partial_lse_ptr + part, lse, mask=g_valid)
-        tl.store(partial_out_ptr + part[None, :] * HEAD_DIM + d[:, None], o_t, mask=out_mask)
-
-
-@triton.jit
 def split_kv_reduce_kernel(
     partial_out_ptr,
     partial_lse_ptr,
@@ -435,12 +324,7 @@ def _launch(
             num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
         )
         partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    keys_as_rows = meta.pop("KEYS_AS_ROWS", False) and fp8
-    if keys_as_rows:
-        meta.pop("BLOCK_Q"), meta.pop("FP8_DOT_F16", None)
-        meta["WIDEN_F32"] = q.dtype == torch.float32
-    kernel = paged_decode_fp8_kernel if keys_as_rows else paged_attention_kernel
-    kernel[grid](
+    paged_attention_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -466,7 +350,7 @@ def _launch(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **({} if keys_as_rows else {"KV_FP8": fp8}),
+        KV_FP8=fp8,
         **meta,
     )
     if num_splits > 1:
@@ -511,7 +395,7 @@ def paged_decode(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and q.dtype != torch.float32, KEYS_AS_ROWS=cfg.get("KEYS_AS_ROWS", False),
+        FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and q.dtype != torch.float32,
     )  # fmt: skip
 
 
