@@ -99,27 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON (- for stdout)")
     p.add_argument("--warm-up", type=int, default=4, help="short requests before the timed runs")
-    # Started services: throughput.start_services reads these.
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--stream-interval", type=int, default=1, help="the scheduler's (default 1: every token)")
-    p.add_argument(
-        "--max-prefill-tokens-while-decoding",
-        type=int,
-        default=0,
-        help="the scheduler's prefill budget per step while requests decode (default 0: none)",
-    )
-    p.add_argument("--max-plans-in-flight", type=int, choices=[1, 2], default=2)
-    p.add_argument("--fused-ops", choices=["auto", "on", "off"], default="auto")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--executor-cmd", default=None)
-    p.add_argument("--executor-arg", action="append", default=[], help="extra executor flag (repeatable)")
-    p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
-    p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
+    throughput.add_service_flags(p, stream_interval=1)  # every token streamed, as a chat client sees it
     args = p.parse_args(argv)
     if args.workload == "w2":
         args.num_requests = W2_REQUESTS

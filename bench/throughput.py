@@ -81,6 +81,59 @@ class Request:
     max_tokens: int
 
 
+def add_service_flags(p: argparse.ArgumentParser, stream_interval: int) -> None:
+    """The flags of the services a benchmark starts (this one's and bench/serve.py's; start_services
+    reads them)."""
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="the executor's TP size")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the executor's (kv-cache-gb)")
+    p.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=0,
+        help="the scheduler's prefill budget per step while requests decode (default 0: none)",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=stream_interval,
+        help=f"the scheduler's --stream-interval: tokens per streamed chunk (default {stream_interval}; "
+        "1 streams every token)",
+    )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=None,
+        help="the scheduler's --api-server-count (default: its own)",
+    )
+    p.add_argument(
+        "--max-plans-in-flight",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="plans sent before the oldest result is read (default 2; 1: no overlap)",
+    )
+    p.add_argument(
+        "--fused-ops",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the executor's Triton-fused norm/rotary/SiLU kernels (default auto: on CUDA)",
+    )
+    p.add_argument("--kv-cache-dtype", default="auto", help="the executor's --kv-cache-dtype (auto, fp8)")
+    p.add_argument(
+        "--executor-cmd",
+        default=None,
+        help='command that starts the executor (default: "python -m executor_service"), e.g. under a profiler '
+        "or bench/stub_executor.py",
+    )
+    p.add_argument("--executor-arg", action="append", default=[], help="extra executor flag (repeatable)")
+    p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
+    p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -101,9 +154,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--w1-dir", default=None, help="where the w1 checkpoint is built (default: a temp dir per shape)"
     )
-    p.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1, help="the executor's TP size, both modes"
-    )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt-len", type=int, default=16)
     p.add_argument("--max-prompt-len", type=int, default=256)
@@ -111,45 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--temperature", type=float, default=None, help="default 0 (greedy); w1: 0.6")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the executor's (kv-cache-gb)")
-    p.add_argument(
-        "--max-prefill-tokens-while-decoding",
-        type=int,
-        default=0,
-        help="the scheduler's prefill budget per step while requests decode, both modes (default 0: none)",
-    )
     p.add_argument("--mode", choices=["both", "in-process", "split"], default="both")
-    p.add_argument("--executor-arg", action="append", default=[], help="extra executor flag (repeatable)")
-    p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
-    p.add_argument(
-        "--stream-interval",
-        type=int,
-        default=16,
-        help="the scheduler's --stream-interval in the split: tokens per streamed chunk (default 16, as "
-        "a throughput run would set it; 1 streams every token)",
-    )
-    p.add_argument(
-        "--executor-cmd",
-        default=None,
-        help='command that starts the executor (default: "python -m executor_service"), e.g. under a profiler',
-    )
-    p.add_argument(
-        "--fused-ops",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="the executor's Triton-fused norm/rotary/SiLU kernels, in both modes (default auto: on CUDA)",
-    )
-    p.add_argument(
-        "--max-plans-in-flight",
-        type=int,
-        choices=[1, 2],
-        default=2,
-        help="plans sent before the oldest result is read, both modes (default 2; 1: no overlap)",
-    )
+    add_service_flags(p, stream_interval=16)
     p.add_argument(
         "--trace-compiles",
         action="store_true",
@@ -164,20 +177,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "same run and print its output tok/s next to tandem's; PEER_N requests (default all 256)",
     )
     p.add_argument(
-        "--kv-cache-dtype", default="auto", help="the executor's --kv-cache-dtype, both modes (auto, fp8)"
-    )
-    p.add_argument(
         "--quantization",
         choices=["none", "fp8"],
         default="none",
         help="fp8: the built checkpoint is a random FP8 block-scaled one (--shape qwen3-8b)",
-    )
-    p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
-    p.add_argument(
-        "--api-server-count",
-        type=int,
-        default=None,
-        help="the scheduler's --api-server-count (default: its own)",
     )
     args = p.parse_args(argv)
     if args.workload == "w4":  # BENCH.md W4: Qwen3-8B's shape, FP8 weights and an fp8 KV cache
