@@ -65,6 +65,12 @@ class _RelayedMetric:
     def observe(self, value: float) -> None:
         self._relay.records.append([self._name, list(self._labels), "observe", value])
 
+    def dec(self, amount: float = 1) -> None:
+        self._relay.records.append([self._name, list(self._labels), "dec", amount])
+
+    def set(self, value: float) -> None:
+        self._relay.records.append([self._name, list(self._labels), "set", value])
+
 
 class _Ignored:
     def labels(self, *values: str) -> _Ignored:
