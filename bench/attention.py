@@ -136,7 +136,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of decode configurations")
     parser.add_argument(
-        "--sweep-fp8", action="store_true", help="only the fp8 decode grid (block size 16; K/V widened to q's dtype or fp16)"
+        "--sweep-fp8",
+        action="store_true",
+        help="only the fp8 decode grid (block size 16; K/V widened to q's dtype or fp16)",
     )
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -167,7 +169,9 @@ def main() -> None:
     if args.sweep_fp8:
         for batch, context in shapes:
             results = []
-            for block_n, warps, stages, f16 in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True)):
+            for block_n, warps, stages, f16 in itertools.product(
+                (32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True)
+            ):
                 cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": f16}
                 try:
                     _, tbs, used = bench_decode(batch, context, 16, cfg, None, FP8)

@@ -53,13 +53,21 @@ def test_fp8_checkpoint_greedy_matches_torch_w8a8_on_gpu(tmp_path, monkeypatch, 
     for patched in (False, True):
         if patched:
             monkeypatch.setattr(fp8_gemm_triton, "fp8_linear", reference_fp8_linear)
-        llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="float32", num_kv_blocks=64, enforce_eager=enforce_eager)
+        llm = LLM(
+            str(tmp_path / "fp8"),
+            device="cuda",
+            dtype="float32",
+            num_kv_blocks=64,
+            enforce_eager=enforce_eager,
+        )
         assert llm.executor.runner.model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
         runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         del llm
     got, want = runs
     agree = sum(next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want))
-    assert agree >= 0.9 * sum(map(len, want)), f"greedy prefixes agree on {agree} of {sum(map(len, want))} tokens"
+    assert agree >= 0.9 * sum(map(len, want)), (
+        f"greedy prefixes agree on {agree} of {sum(map(len, want))} tokens"
+    )
 
 
 @pytest.mark.gpu
@@ -93,7 +101,9 @@ def test_every_fp8_linear_of_the_engine_matches_torch_w8a8(tmp_path):
     for name, module in llm.executor.runner.model.named_modules():
         if getattr(module, "weight_scale_inv", None) is not None:
             module.register_forward_hook(check(name))
-    llm.generate(make_prompts([3, 17, 40, 100], seed=4), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        make_prompts([3, 17, 40, 100], seed=4), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert len(errors) >= 8, errors  # q/k/v, o, gate/up and down of both layers at least
     assert max(errors.values()) < 1e-2, errors
 

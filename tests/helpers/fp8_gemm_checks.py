@@ -53,7 +53,9 @@ def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: 
     return ((out.float() - exact).norm() / exact.norm()).item()
 
 
-def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+def reference_fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
+) -> torch.Tensor:
     """The W8A8 linear in torch: the activations quantized as the kernel does, then fp32 math on the
     dequantized operands, cast to x's dtype (what fp8_linear computes, in another summation order)."""
     shape = x.shape
