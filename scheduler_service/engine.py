@@ -36,6 +36,9 @@ class RequestOutput:
     error: str | None = None
     # Present when the request asked for logprobs: one entry per new token.
     new_logprobs: list[TokenLogprob] | None = None
+    # With the first tokens of a request that asked for prompt logprobs: one entry per prompt
+    # token from the second (the first has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
     # token_ids and logprobs are slices taken on demand: copying every sequence's output
     # every step would make a step O(total tokens).
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
@@ -219,6 +222,10 @@ def _to_output(seq: Sequence) -> RequestOutput:
         seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0,
         seq.error,
         seq.logprobs[-k:] if k and seq.logprobs is not None else None,
+        # (the first output: as many generated tokens as new ones)
+        seq.prompt_logprobs
+        if k and seq.prompt_logprobs is not None and len(tokens) - k == seq.num_prompt_tokens
+        else None,
         tokens,
         len(tokens),
         seq.logprobs,

@@ -191,7 +191,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             ids, logprobs = stream.take()
             pieces = list(split_tokens(ids, logprobs_to_proto(logprobs), self._chunk_token_bytes))
             for i, (ids, logprobs) in enumerate(pieces):
-                delta = output.add(ids, finished and i == len(pieces) - 1)
+                last = finished and i == len(pieces) - 1
+                delta = output.add(ids, last, stream.finish_reason if last else None)
                 if delta.stopped:
                     ids, logprobs = ids[: delta.num_tokens], logprobs[: delta.num_tokens]
                     self.engine.abort(stream)

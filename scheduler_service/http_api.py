@@ -260,7 +260,7 @@ async def _choice_deltas(
             raise stream.failure
         finished = stream.finished
         ids, logprobs = stream.take()
-        delta = output.add(ids, finished)
+        delta = output.add(ids, finished, stream.finish_reason)
         if delta.stopped:
             logprobs = logprobs[: delta.num_tokens]
             engine.abort(stream)
