@@ -89,8 +89,10 @@ class LLMEngine:
         prompt_token_ids: Seq[int],
         sampling_params: SamplingParams | None = None,
         request_id: int | None = None,
+        name: str | None = None,
     ) -> int:
-        """Queue a request; raises InvalidRequestError if it can never run."""
+        """Queue a request; raises InvalidRequestError if it can never run. `name`: its id in the
+        logs, the one its client knows (default: the engine's request id)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.validate_request(prompt_token_ids, params)
         if request_id is None:
@@ -100,7 +102,7 @@ class LLMEngine:
             self._next_request_id += 1
         elif request_id in self.scheduler.seqs:
             raise ValueError(f"request id {request_id} is already in use")
-        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params))
+        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, name=name))
         return request_id
 
     def adopt(self, seq: Sequence) -> None:

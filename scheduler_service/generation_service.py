@@ -26,7 +26,7 @@ from scheduler_service.request_handling import (
     verify_tokenizer,
 )
 from scheduler_service.request_stream import RequestStream
-from scheduler_service.response_chunks import logprobs_to_proto, split_text, split_tokens
+from scheduler_service.response_chunks import logprobs_to_proto, split_logprobs, split_text, split_tokens
 from scheduler_service.sampling_params import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -60,6 +60,11 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         logprobs=msg.logprobs,
+        n=msg.n or 1,
+        min_tokens=msg.min_tokens,
+        logit_bias=dict(msg.logit_bias),
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 
@@ -113,7 +118,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _admit(
         self, request: pb.GenerateRequest, request_id: str, arrival: float, timeout: float | None
-    ) -> RequestStream:
+    ) -> list[RequestStream]:
+        """One stream per sample (n)."""
         verify_request_id(request.request_id)
         params = sampling_params_from_proto(request.sampling_params)
         tokenizer = self.engine.tokenizer
@@ -134,7 +140,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 prompt = tokenizer.encode(text, special)
         else:
             prompt = list(request.token_ids.ids)
-        return self.engine.add_request(request_id, prompt, params, arrival, timeout)
+        return self.engine.add_requests(request_id, prompt, params, arrival, timeout, request.user)
 
     async def Generate(
         self,
@@ -155,41 +161,95 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
-            stream = await self._admit(request, request_id, arrival, context.time_remaining())
+            streams = await self._admit(request, request_id, arrival, context.time_remaining())
         except TandemRequestError as e:
             await self._fail(context, _STATUS_CODES[e.code], e.message)
         except ValueError as e:  # anything else a request can get wrong
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        output = OutputProcessor(self.engine.tokenizer, stream.params)
-        final = None
+        num_finals = 0
+        failed = False
         try:
-            async for response in self._responses(stream, output, context):
+            async for response in self._samples(streams, context):
                 yield response  # returns once gRPC has taken the message
-                final = response.final if response.WhichOneof("payload") == "final" else None
+                if response.WhichOneof("payload") == "final":
+                    num_finals += 1
+                    reason = next(k for k, v in _FINISH_REASONS.items() if v == response.final.finish_reason)
+                    self.metrics.requests_finished.labels(reason).inc()
+        except TandemRequestError as e:
+            failed = True
+            await self._fail(context, _STATUS_CODES[e.code], e.message)
         finally:
-            if not stream.finished:  # the client cancelled, or its deadline passed
-                self.engine.abort(stream)
-            if final is not None:
-                reason = next(k for k, v in _FINISH_REASONS.items() if v == final.finish_reason)
-                self.metrics.requests_finished.labels(reason).inc()
-            elif stream.failure is None:  # (a failure was counted by _fail)
+            for stream in streams:
+                if not stream.finished:  # the client cancelled, its deadline passed, or a sample failed
+                    self.engine.abort(stream)
+            if num_finals < len(streams) and not failed:
                 # Cancelled, past its deadline, or a message that could not be sent.
                 remaining = context.time_remaining()
                 expired = remaining is not None and remaining <= DEADLINE_SLACK_S
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
                 self.metrics.requests_failed.labels(code.name).inc()
 
-    async def _responses(
-        self, stream: RequestStream, output: OutputProcessor, context: grpc.aio.ServicerContext
+    async def _samples(
+        self, streams: list[RequestStream], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Every sample's responses, interleaved as they come; a failed sample's TandemRequestError
+        is raised."""
+        tokenizer = self.engine.tokenizer
+        if len(streams) == 1:
+            async for response in self._responses(
+                streams[0], OutputProcessor(tokenizer, streams[0].params), 0
+            ):
+                yield response
+            return
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for response in self._responses(
+                    stream, OutputProcessor(tokenizer, stream.params), index
+                ):
+                    await queue.put(response)
+            except TandemRequestError as e:
+                await queue.put(e)
+            else:
+                await queue.put(None)
+
+        tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+        try:
+            left = len(streams)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, TandemRequestError):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _responses(
+        self, stream: RequestStream, output: OutputProcessor, index: int
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One sample's chunks, then its final message; its failure raised as TandemRequestError."""
+        tokenizer = self.engine.tokenizer
+        request_id = stream.request_id
+        prompt_logprobs_sent = stream.params.prompt_logprobs is None
         while True:
             await stream.wait(self.stream_interval)
             if stream.failure is not None:
-                await self._fail(context, _STATUS_CODES[stream.failure.code], stream.failure.message)
+                raise stream.failure
             # Read together with the tokens: more may arrive while the chunks are written.
             finished = stream.finished
             ids, logprobs = stream.take()
-            pieces = list(split_tokens(ids, logprobs_to_proto(logprobs), self._chunk_token_bytes))
+            if not prompt_logprobs_sent and stream.prompt_logprobs is not None:
+                prompt_logprobs_sent = True
+                entries = logprobs_to_proto(stream.prompt_logprobs, tokenizer)
+                for part in split_logprobs(entries, self._chunk_token_bytes):
+                    chunk = pb.GenerateChunk(prompt_logprobs=part)
+                    yield pb.GenerateResponse(request_id=request_id, chunk=chunk, index=index)
+            pieces = list(split_tokens(ids, logprobs_to_proto(logprobs, tokenizer), self._chunk_token_bytes))
             for i, (ids, logprobs) in enumerate(pieces):
                 last = finished and i == len(pieces) - 1
                 delta = output.add(ids, last, stream.finish_reason if last else None)
@@ -200,15 +260,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 if ids or delta.text:
                     texts = split_text(delta.text, self._chunk_text_chars)
                     chunk = pb.GenerateChunk(token_ids=ids, text=texts[0], logprobs=logprobs)
-                    yield pb.GenerateResponse(request_id=stream.request_id, chunk=chunk)
+                    yield pb.GenerateResponse(request_id=request_id, chunk=chunk, index=index)
                     for more in texts[1:]:
                         yield pb.GenerateResponse(
-                            request_id=stream.request_id, chunk=pb.GenerateChunk(text=more)
+                            request_id=request_id, chunk=pb.GenerateChunk(text=more), index=index
                         )
                 if delta.stopped:
                     break
             if finished:
-                yield pb.GenerateResponse(request_id=stream.request_id, final=self._final(stream, output))
+                yield pb.GenerateResponse(
+                    request_id=request_id, final=self._final(stream, output), index=index
+                )
                 return
 
     def _final(self, stream: RequestStream, output: OutputProcessor) -> pb.GenerateFinal:

@@ -135,6 +135,19 @@ class SamplingParams:
             for j in range(self.n)
         ]
 
+    def summary(self) -> str:
+        """The fields set away from their defaults, briefly (for a log line)."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if value == default:
+                continue
+            if f.name in ("stop", "stop_token_ids", "logit_bias"):
+                value = f"{len(value)} entries"
+            parts.append(f"{f.name}={value}")
+        return ", ".join(parts) or "default sampling"
+
     def to_step_params(self, num_prompt_tokens: int) -> StepSamplingParams:
         return StepSamplingParams(
             temperature=self.temperature,

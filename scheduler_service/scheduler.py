@@ -273,13 +273,13 @@ class Scheduler:
             plan.preempted_seq_ids.append(seq.seq_id)
             seq.sent = False
         self.stats.num_preemptions += 1
-        logger.debug("preempted sequence %d (%d tokens)", seq.seq_id, len(seq.token_ids))
+        logger.debug("preempted request %s (%d tokens)", seq.name, len(seq.token_ids))
 
     def _fail_unfittable(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.error = (
-            f"sequence {seq.seq_id} ({len(seq.token_ids)} tokens) does not fit in the KV cache "
+            f"request {seq.name} ({len(seq.token_ids)} tokens) does not fit in the KV cache "
             f"({self.limits.num_kv_blocks} blocks of {self.limits.block_size} tokens)"
         )
         logger.error(seq.error)
@@ -372,6 +372,7 @@ class Scheduler:
         """Mark finished and free the blocks. The caller removes seq from running/waiting."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        logger.debug("request %s finished (%s) after %d tokens", seq.name, reason, seq.num_output_tokens)
         by_reason = self.stats.finished_by_reason
         by_reason[reason] = by_reason.get(reason, 0) + 1
         # Keep the prompt + output blocks in the prefix cache for later requests.

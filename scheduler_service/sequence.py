@@ -38,6 +38,7 @@ class Sequence:
         "finish_reason",
         "logprobs",
         "max_num_tokens",
+        "name",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_kv_written",
@@ -61,8 +62,11 @@ class Sequence:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival: int = 0,
+        name: str | None = None,
     ) -> None:
         self.seq_id = seq_id
+        # The id its client knows the request by, for the logs.
+        self.name = name or str(seq_id)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
