@@ -64,6 +64,7 @@ class _Choice:
     reasoning_text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    sent_prompt_logprobs: bool = False
 
     def split(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
         """A text delta as (reasoning, content, tool calls)."""
@@ -195,14 +196,12 @@ class OpenAIServer:
             )
         if chat:
             num_top = body.num_top_logprobs
-            max_tokens = body.max_completion_tokens or body.max_tokens
             wants_logprobs = body.logprobs
         else:
             num_top = body.logprobs or 0
-            max_tokens = body.max_tokens
             wants_logprobs = body.logprobs is not None
         # The engine reports a sampled token's logprob beside at least one alternative.
-        params = body.sampling_params(max_tokens, max(num_top, 1) if wants_logprobs else 0)
+        params = body.sampling_params(max(num_top, 1) if wants_logprobs else 0)
         verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)
         prompts, template = self._prompts(body, chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -213,12 +212,11 @@ class OpenAIServer:
                 ids = (
                     await self._encode(prompt, params, not chat) if isinstance(prompt, str) else list(prompt)
                 )
-                for j in range(body.n):
-                    child = params
-                    if body.n > 1 and params.seed is not None:
-                        child = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
-                    stream = self.engine.add_request(f"{request_id}-{p}-{j}", ids, child, arrival, timeout)
-                    choice = _Choice(len(choices), stream, OutputProcessor(self.engine.tokenizer, child))
+                name = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+                for stream in self.engine.add_requests(name, ids, params, arrival, timeout, body.user):
+                    choice = _Choice(
+                        len(choices), stream, OutputProcessor(self.engine.tokenizer, stream.params)
+                    )
                     if template is not None and template.thinks:
                         choice.reasoning = ReasoningParser(prompt)
                     if template is not None and body.parses_tools():
@@ -300,9 +298,29 @@ class _ResponseWriter:
         }
 
     def _token(self, token_id: int) -> str:
-        return (
-            self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
-        )
+        return self.tokenizer.token_text(token_id) if self.tokenizer else str(token_id)
+
+    def prompt_logprobs(self, choice: _Choice) -> list | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then for each token a map from
+        token id (its own and its top alternatives') to logprob, rank and text."""
+        # The first sample of a prompt scores it (SamplingParams.for_samples).
+        first = self.choices[choice.index - choice.stream.index]
+        lps = first.stream.prompt_logprobs
+        if lps is None:
+            return None
+        out: list[dict | None] = [None]
+        for lp in lps:
+            entry = {
+                str(lp.token_id): {
+                    "logprob": lp.logprob,
+                    "rank": lp.rank,
+                    "decoded_token": self._token(lp.token_id),
+                }
+            }
+            for rank, (t, v) in enumerate(lp.top_logprobs, 1):
+                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self._token(t)})
+            out.append(entry)
+        return out
 
     def logprobs(self, logprobs: list[TokenLogprob], offset: int = 0) -> dict | None:
         if self.num_top is None:
@@ -363,27 +381,31 @@ class _ResponseWriter:
             self._abort_unfinished()
         for choice in self.choices:
             self.server.metrics.requests_finished.labels(choice.finish_reason or "abort").inc()
-        return JSONResponse(
-            {
-                "id": self.request_id,
-                "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [self._whole_choice(c) for c in self.choices],
-                "usage": self.usage(),
-            }
-        )
+        response = {
+            "id": self.request_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._whole_choice(c) for c in self.choices],
+            "usage": self.usage(),
+        }
+        if self.chat and self.body.prompt_logprobs is not None:  # vLLM's place for them in chat
+            response["prompt_logprobs"] = self.prompt_logprobs(self.choices[0])
+        return JSONResponse(response)
 
     def _whole_choice(self, choice: _Choice) -> dict:
         text = "".join(choice.text)
         logprobs = self.logprobs(choice.logprobs)
         if not self.chat:
-            return {
+            whole = {
                 "index": choice.index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": self._finish_reason(choice),
             }
+            if self.body.prompt_logprobs is not None:
+                whole["prompt_logprobs"] = self.prompt_logprobs(choice)
+            return whole
         reasoning, content, calls = choice.split(text, last=True)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if choice.reasoning is not None:
@@ -420,9 +442,16 @@ class _ResponseWriter:
         lp = self.logprobs(logprobs, sum(len(t) for t in choice.text)) if logprobs else None
         choice.text.append(text)
         if not self.chat:
-            if not text and not last and not logprobs:
+            prompt_lp = None
+            if self.body.prompt_logprobs is not None and not choice.sent_prompt_logprobs:
+                prompt_lp = self.prompt_logprobs(choice)
+                choice.sent_prompt_logprobs = prompt_lp is not None
+            if not text and not last and not logprobs and prompt_lp is None:
                 return None
-            return {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish}
+            delta = {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish}
+            if prompt_lp is not None:  # in the first chunk (vLLM's streamed completions)
+                delta["prompt_logprobs"] = prompt_lp
+            return delta
         reasoning, content, calls = choice.split(text, last)
         delta: dict[str, Any] = {}
         if reasoning:

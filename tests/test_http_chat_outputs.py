@@ -5,6 +5,7 @@ with the official `openai` client; and a client that goes away mid-request frees
 from __future__ import annotations
 
 import json
+import ssl
 import time
 
 import httpx
@@ -56,12 +57,14 @@ class ScriptedExecutor(FakeExecutor):
         return result
 
 
-def _server(checkpoint, slow=0.0):
+def _server(checkpoint, slow=0.0, **kwargs):
     tokenizer = Tokenizer(checkpoint)
     script = tokenizer.encode(ANSWER, add_special_tokens=False)
     executor = ScriptedExecutor(script, eos=0, vocab_size=tokenizer.vocab_size, slow=slow)
     options = EngineOptions(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024))
-    server = SchedulerServer(executor, options, tokenizer_for=lambda info: tokenizer, port=0, http_port=0)
+    server = SchedulerServer(
+        executor, options, tokenizer_for=lambda info: tokenizer, port=0, http_port=0, **kwargs
+    )
     return server, executor
 
 
@@ -187,3 +190,58 @@ def test_a_full_queue_is_429_and_no_executor_is_503(checkpoint):
             api.completions.create(model="fake", prompt="a", max_tokens=4)
         assert e.value.status_code == 503
         assert httpx.get(f"{url}/health").status_code == 503
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_past_its_deadline_a_request_is_504_and_frees_its_blocks(checkpoint, stream):
+    server, executor = _server(checkpoint, slow=0.01)
+    with ServerThread(server) as running:
+        url = f"http://127.0.0.1:{running.http_port}"
+        _wait_health(url)
+        # 900 tokens at 10 ms a step take 9 s; the deadline is 0.5 s.
+        body = {"model": "fake", "prompt": "hello", "max_tokens": 900, "stream": stream}
+        start = time.monotonic()
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Timeout": "0.5"}, timeout=10)
+        assert time.monotonic() - start < 5
+        if stream:  # the status is sent: the error comes as an event, then [DONE]
+            events = [e for e in r.text.split("\n\n") if e]
+            error = json.loads(events[-2].removeprefix("data: "))["error"]
+            assert events[-1] == "data: [DONE]"
+        else:
+            assert r.status_code == 504
+            error = r.json()["error"]
+        assert "deadline passed" in error["message"] and error["type"] == "timeout"
+        while executor.seqs or running.engine.streams:
+            assert time.monotonic() < start + 5
+            time.sleep(0.05)
+        assert running.engine.engine.scheduler.block_manager.num_free_blocks == 256
+        bad = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Timeout": "soon"})
+        assert bad.status_code == 400 and "x-request-timeout" in bad.json()["error"]["message"]
+
+
+def test_the_http_api_over_tls(checkpoint, tmp_path):
+    from helpers.tls import CA
+
+    ca, other = CA("tandem-test-ca"), CA("another-ca")
+    cert, key = ca.issue("localhost", server=True)
+    files = {}
+    for name, pem in (("cert", cert), ("key", key), ("ca", ca.pem), ("other", other.pem)):
+        files[name] = tmp_path / f"{name}.pem"
+        files[name].write_bytes(pem)
+    ours, theirs = (ssl.create_default_context(cafile=files[name]) for name in ("ca", "other"))
+    server, _ = _server(checkpoint, http_tls=(str(files["cert"]), str(files["key"])))
+    with ServerThread(server) as running:
+        url = f"https://127.0.0.1:{running.http_port}"
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/health", verify=ours).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        trusted = httpx.Client(verify=ours)
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=trusted)
+        got = api.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=200, temperature=0)
+        assert got.choices[0].message.reasoning_content == "\nThe user wants the weather.\n"
+        with pytest.raises(httpx.ConnectError):  # a certificate from a CA the client does not trust
+            httpx.get(f"{url}/health", verify=theirs)
+        with pytest.raises(httpx.HTTPError):  # plaintext to the TLS port
+            httpx.get(f"http://127.0.0.1:{running.http_port}/health", timeout=5)
+        trusted.close()
