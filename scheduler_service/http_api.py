@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from protos.api_keys import AUTHORIZATION, ApiKeys
 from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.chat_output import ChatDelta, ChatOutputParser
 from scheduler_service.errors import InvalidRequestError, TandemRequestError
 from scheduler_service.openai_protocol import HTTP_STATUS, ChatRequest, CompletionRequest, error_body
-from scheduler_service.reasoning import ReasoningParser
 from scheduler_service.request_handling import (
     TOKENIZE_INLINE_CHARS,
     OutputProcessor,
@@ -35,7 +35,6 @@ from scheduler_service.request_handling import (
 from scheduler_service.request_stream import RequestStream
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
-from scheduler_service.tool_calls import ToolCall, ToolCallParser
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; past it: 504
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
@@ -58,29 +57,15 @@ class _Choice:
     index: int
     stream: RequestStream
     output: OutputProcessor
-    reasoning: ReasoningParser | None = None
-    tools: ToolCallParser | None = None
+    # A chat answer's reasoning and tool calls (None: all of it is content).
+    parser: ChatOutputParser | None = None
     text: list[str] = field(default_factory=list)
-    reasoning_text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     sent_prompt_logprobs: bool = False
 
-    def split(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
-        """A text delta as (reasoning, content, tool calls)."""
-        reasoning = ""
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.add(text)
-            if last:
-                more_reasoning, more = self.reasoning.finish()
-                reasoning, text = reasoning + more_reasoning, text + more
-        calls: list[ToolCall] = []
-        if self.tools is not None:
-            text, calls = self.tools.add(text)
-            if last:
-                more, more_calls = self.tools.finish()
-                text, calls = text + more, calls + more_calls
-        return reasoning, text, calls
+    def split(self, text: str, last: bool) -> ChatDelta:
+        return self.parser.add(text, last) if self.parser is not None else ChatDelta(content=text)
 
 
 class OpenAIServer:
@@ -217,10 +202,8 @@ class OpenAIServer:
                     choice = _Choice(
                         len(choices), stream, OutputProcessor(self.engine.tokenizer, stream.params)
                     )
-                    if template is not None and template.thinks:
-                        choice.reasoning = ReasoningParser(prompt)
-                    if template is not None and body.parses_tools():
-                        choice.tools = ToolCallParser()
+                    if template is not None:
+                        choice.parser = ChatOutputParser.for_request(template, prompt, body.parses_tools())
                     choices.append(choice)
         except BaseException:
             for choice in choices:
@@ -282,7 +265,7 @@ class _ResponseWriter:
         self.num_top = (body.num_top_logprobs if body.logprobs else None) if chat else body.logprobs
 
     def _finish_reason(self, choice: _Choice) -> str:
-        if choice.tools is not None and choice.tools.calls:
+        if choice.parser is not None and choice.parser.calls:
             return "tool_calls"
         return choice.finish_reason or "abort"
 
@@ -406,11 +389,12 @@ class _ResponseWriter:
             if self.body.prompt_logprobs is not None:
                 whole["prompt_logprobs"] = self.prompt_logprobs(choice)
             return whole
-        reasoning, content, calls = choice.split(text, last=True)
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-        if choice.reasoning is not None:
-            message["reasoning_content"] = reasoning or None
-        message["tool_calls"] = [c.to_openai() for c in choice.tools.calls] if choice.tools else []
+        split = choice.split(text, last=True)
+        calls = choice.parser.calls if choice.parser is not None else []
+        message: dict[str, Any] = {"role": "assistant", "content": split.content or (None if calls else "")}
+        if choice.parser is not None and choice.parser.reasoning is not None:
+            message["reasoning_content"] = split.reasoning or None
+        message["tool_calls"] = [c.to_openai() for c in calls]
         return {
             "index": choice.index,
             "message": message,
@@ -452,14 +436,14 @@ class _ResponseWriter:
             if prompt_lp is not None:  # in the first chunk (vLLM's streamed completions)
                 delta["prompt_logprobs"] = prompt_lp
             return delta
-        reasoning, content, calls = choice.split(text, last)
+        split = choice.split(text, last)
         delta: dict[str, Any] = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = [c.to_openai(with_index=True) for c in calls]
+        if split.reasoning:
+            delta["reasoning_content"] = split.reasoning
+        if split.content:
+            delta["content"] = split.content
+        if split.tool_calls:  # OpenAI's: a call's index, id and name first, then its arguments
+            delta["tool_calls"] = [c.to_openai() for c in split.tool_calls]
         if not delta and not last and not logprobs:
             return None
         if last:  # the finish reason may be "tool_calls" only now
