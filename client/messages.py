@@ -15,6 +15,7 @@ FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 # Keyword arguments of generate()/complete() and how each is checked before it is sent.
@@ -69,8 +70,20 @@ class TokenLogprob:
 
 
 @dataclass
+class ToolCall:
+    """A tool call of a chat answer, or a piece of one in a Chunk: the first piece of a call
+    has its id and name, the others add to its arguments."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass
 class Chunk:
-    """New tokens of one sample of a request and the text they add (or the prompt's logprobs)."""
+    """New tokens of one sample of a request and the text they add (or the prompt's logprobs).
+    For a chat prompt, `text` is the answer's content, without its reasoning and tool calls."""
 
     token_ids: list[int]
     text: str
@@ -79,6 +92,8 @@ class Chunk:
     index: int = 0
     # The prompt's logprobs from its second token, in the chunks before the first token.
     prompt_logprobs: list[TokenLogprob] | None = None
+    reasoning_content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -109,6 +124,9 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     index: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
+    # A chat answer's reasoning (None when none came) and tool calls.
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The CLI's JSON line: the same keys as the in-process `tandem generate --json`."""
@@ -259,7 +277,10 @@ def _logprobs_from_proto(logprobs) -> list[TokenLogprob]:
 def chunk_from_proto(chunk: pb.GenerateChunk, index: int = 0) -> Chunk:
     logprobs = _logprobs_from_proto(chunk.logprobs) if len(chunk.logprobs) else None
     prompt_logprobs = _logprobs_from_proto(chunk.prompt_logprobs) if len(chunk.prompt_logprobs) else None
-    return Chunk(list(chunk.token_ids), chunk.text, logprobs, index, prompt_logprobs)
+    calls = [ToolCall(c.index, c.id, c.name, c.arguments) for c in chunk.tool_calls]
+    return Chunk(
+        list(chunk.token_ids), chunk.text, logprobs, index, prompt_logprobs, chunk.reasoning_content, calls
+    )
 
 
 def final_from_proto(final: pb.GenerateFinal, request_id: str = "", index: int = 0) -> Final:
@@ -308,6 +329,8 @@ class CompletionBuilder:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None
         self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.reasoning: list[str] | None = None
+        self.tool_calls: dict[int, ToolCall] = {}
         self.final: Final | None = None
 
     def add(self, item: Chunk | Final) -> None:
@@ -315,6 +338,14 @@ class CompletionBuilder:
             self.final = item
             return
         self.text.append(item.text)
+        if item.reasoning_content:
+            self.reasoning = (self.reasoning or []) + [item.reasoning_content]
+        for piece in item.tool_calls:
+            call = self.tool_calls.get(piece.index)
+            if call is None:
+                self.tool_calls[piece.index] = ToolCall(piece.index, piece.id, piece.name, piece.arguments)
+            else:
+                call.arguments += piece.arguments
         self.token_ids.extend(item.token_ids)
         if item.logprobs is not None:
             self.logprobs = (self.logprobs or []) + item.logprobs
@@ -334,6 +365,8 @@ class CompletionBuilder:
             logprobs=self.logprobs,
             index=self.index,
             prompt_logprobs=self.prompt_logprobs,
+            reasoning_content="".join(self.reasoning) if self.reasoning is not None else None,
+            tool_calls=[self.tool_calls[i] for i in sorted(self.tool_calls)],
         )
 
 

@@ -232,13 +232,13 @@ def test_grpc_chat_equals_http_chat(api, model, services):
     with TandemClient(services.address, api_key=KEY) as client:
         stream = client.chat(messages, max_tokens=16, temperature=0.0)
         chunks = list(stream)
+    # the same split as HTTP's: content as text, the <think> block as reasoning_content
     text = "".join(c.text for c in chunks[:-1])
+    reasoning = "".join(c.reasoning_content for c in chunks[:-1])
     assert chunks[-1].prompt_tokens == http.usage.prompt_tokens
     message = http.choices[0].message
-    expected = message.content or ""
-    if getattr(message, "reasoning_content", None) is not None:
-        expected = f"<think>{message.reasoning_content}</think>{expected}"
-    assert text == expected
+    assert text == (message.content or "")
+    assert reasoning == (getattr(message, "reasoning_content", None) or "")
 
 
 def test_tandem_chat_cli_streams_replies(api, model, services):
