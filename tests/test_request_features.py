@@ -5,11 +5,8 @@ stop tokens kept with include_stop_str_in_output and left out without it, n samp
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
-from helpers.hf_reference import LOGPROB_ATOL, _hf_model, make_prompts
+from helpers.hf_reference import assert_prompt_logprobs_match_hf, make_prompts
 
 from client.llm import LLM
 from scheduler_service.errors import InvalidRequestError
@@ -54,37 +51,11 @@ def test_min_tokens_ignores_an_early_end_of_sequence(llm):
     assert stop not in out.token_ids[:3] and out.token_ids[:3] != greedy.token_ids[:3]
 
 
-def _hf_prompt_logprobs(path, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = _hf_model(str(path))(torch.tensor([prompt])).logits[0].float()
-    return logits.log_softmax(-1)  # row t - 1 scores token t
-
-
-def _assert_prompt_logprobs(path, prompt, prompt_logprobs, num_top):
-    ref = _hf_prompt_logprobs(path, prompt)
-    assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
-    for t in range(1, len(prompt)):
-        lp, row = prompt_logprobs[t], ref[t - 1]
-        assert lp.token_id == prompt[t]
-        assert math.isclose(lp.logprob, float(row[prompt[t]]), abs_tol=LOGPROB_ATOL), t
-        assert lp.rank == int((row > row[prompt[t]]).sum()) + 1
-        top = row.topk(num_top)
-        assert [i for i, _ in lp.top_logprobs] == top.indices.tolist()
-        assert [v for _, v in lp.top_logprobs] == pytest.approx(top.values.tolist(), abs=LOGPROB_ATOL)
-        assert lp.token == llm_token_text(path, prompt[t])
-
-
-def llm_token_text(path, token_id: int) -> str:
-    from scheduler_service.tokenizer import Tokenizer
-
-    return Tokenizer(path).token_text(token_id)
-
-
 def test_prompt_logprobs_equal_transformers_log_softmax_over_chunked_prefill(llm, qwen3_tied):
     prompts = make_prompts([40, 3, 1], seed=5)
     outs = llm.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
-        _assert_prompt_logprobs(qwen3_tied, prompt, out.prompt_logprobs, 3)
+        assert_prompt_logprobs_match_hf(qwen3_tied, prompt, out.prompt_logprobs, 3)
     # without prompt_logprobs there are none
     assert _generate(llm, prompts[0], max_tokens=1).prompt_logprobs is None
 
@@ -99,11 +70,11 @@ def test_prompt_logprobs_of_a_cached_prompt_are_recomputed(llm, qwen3_tied):
     scored = _generate(llm, prompt, max_tokens=2, prompt_logprobs=0)
     assert scored.num_cached_tokens == 0
     assert scored.token_ids == first.token_ids
-    _assert_prompt_logprobs(qwen3_tied, prompt, scored.prompt_logprobs, 0)
+    assert_prompt_logprobs_match_hf(qwen3_tied, prompt, scored.prompt_logprobs, 0)
     # n = 2: the first sample scores the prompt, the second shares it through the cache
     both = _generate(llm, prompt, max_tokens=2, prompt_logprobs=1, n=2)
     assert [o.token_ids for o in both.outputs] == [first.token_ids] * 2
-    _assert_prompt_logprobs(qwen3_tied, prompt, both.prompt_logprobs, 1)
+    assert_prompt_logprobs_match_hf(qwen3_tied, prompt, both.prompt_logprobs, 1)
 
 
 def test_prompt_logprobs_over_max_logprobs_is_refused(llm):
