@@ -66,7 +66,10 @@ def prompt_logprobs_batch(
         spans.append((seq.seq_id, c + 1, end - c, num_top))
     if not rows:
         return None
-    on_device = torch.tensor([rows, targets], dtype=torch.int64).to(device)
+    host = torch.tensor([rows, targets], dtype=torch.int64)
+    if device.type == "cuda":  # pinned: the copy does not wait for the steps queued before it
+        host = host.pin_memory()
+    on_device = host.to(device, non_blocking=True)
     return PromptLogprobsBatch(on_device[0], on_device[1], spans)
 
 

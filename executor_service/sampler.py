@@ -35,15 +35,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [n, vocab_size]
-        raw = logits
-        if meta.logit_bias is not None or meta.banned_tokens is not None:
-            logits = apply_logit_bias(logits.float(), meta)
         # Seeded rows keep the unfused path's noise, so that a seeded request's tokens do not
         # depend on which path the rest of its batch takes.
-        if self.fused and meta.temperature_only and not meta.seeded_rows:
-            return SamplerOutput(self._sample_fused(logits, meta))
-        logits = logits.float()
-        raw_logprobs = raw.float().log_softmax(-1) if meta.max_num_logprobs > 0 else None
+        fused = self.fused and meta.temperature_only and not meta.seeded_rows
+        if meta.logit_bias is None and meta.banned_tokens is None:
+            if fused:  # the kernel reads the logits in their own dtype
+                return SamplerOutput(self._sample_fused(logits, meta))
+            raw = logits = logits.float()
+        else:
+            raw = logits.float()
+            logits = apply_logit_bias(raw, meta)
+            if fused:
+                return SamplerOutput(self._sample_fused(logits, meta))
+        raw_logprobs = raw.log_softmax(-1) if meta.max_num_logprobs > 0 else None
         if meta.repetition_penalties is not None:
             logits = apply_penalties(logits, meta)
         greedy = logits.argmax(-1)
@@ -88,7 +92,8 @@ def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         logits = logits.index_put((rows, ids), biases, accumulate=True)
     if meta.banned_tokens is not None:
         rows, ids = meta.banned_tokens
-        logits = logits.index_put((rows, ids), torch.tensor(float("-inf"), device=logits.device))
+        # (a fill on the device: a scalar copied from the host would wait for the GPU)
+        logits = logits.index_put((rows, ids), logits.new_full((), float("-inf")))
     return logits
 
 
