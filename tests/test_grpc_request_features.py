@@ -5,6 +5,7 @@ bad input refused with INVALID_ARGUMENT naming the limit while the service keeps
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -12,7 +13,7 @@ import grpc
 import pytest
 from helpers.scheduler_server import NUM_KV_BLOCKS, make_server, wait_idle
 
-from client import TandemClient, TandemError
+from client import TandemClient, TandemError, cli
 from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.server import ServerThread
@@ -126,3 +127,26 @@ def test_the_logs_name_the_request_and_its_user(client, caplog):
             assert time.monotonic() < deadline, caplog.text
             time.sleep(0.02)
     assert "request req-logged-1 (user 'alice'): 6 prompt tokens, max_tokens=2" in caplog.text
+
+
+def test_tandem_generate_json_with_samples_usage_and_logprobs(server, qwen3_tied, capsys):
+    flags = ["--n", "2", "--temperature", "1", "--seed", "3", "--max-tokens", "3", "--json"]
+    flags += ["--logit-bias", "42=100", "--prompt-logprobs", "1", "--logprobs", "1", "--prompt-ids", "5,6,7"]
+    for where in (
+        ["--server", f"127.0.0.1:{server.port}", "--user", "cli-user"],
+        ["--model", str(qwen3_tied)],
+    ):
+        assert cli.main(["generate", *where, *flags]) == 0
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [line["index"] for line in lines] == [0, 1]
+        for line in lines:
+            assert line["token_ids"] == [42, 42, 42]
+            usage = line["usage"]
+            assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (3, 3, 6)
+            assert [lp["token_id"] for lp in line["logprobs"]] == [42] * 3 and line["logprobs"][0]["token"]
+            prompt_logprobs = line["prompt_logprobs"]
+            assert prompt_logprobs[0] is None and [p["token_id"] for p in prompt_logprobs[1:]] == [6, 7]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--server", f"127.0.0.1:{server.port}", "--logit-bias", "x", "--prompt", "a"])
+    assert e.value.code == 2
+    assert "--logit-bias takes ID=BIAS (e.g. 42=100), got 'x'" in capsys.readouterr().err
