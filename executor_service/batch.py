@@ -39,6 +39,7 @@ def prepare_batch(
     is_driver: bool,
     pending: torch.Tensor | None = None,
     score_prompts: bool = False,
+    bias_logits: bool = False,
 ) -> PreparedBatch:
     """Flatten a mixed batch (prefill chunks and decodes): sequence i computes tokens
     [c, c + n) with c = its num_computed_tokens and n = num_scheduled_tokens[i]. Sampling
@@ -49,7 +50,8 @@ def prepare_batch(
     copy, so this step is launched before that step's tokens reach the host.
 
     `score_prompts`: some sequence held asks for prompt logprobs (every rank looks for the rows
-    they score: the LM head over them is a collective)."""
+    they score: the LM head over them is a collective); `bias_logits`: some sequence held has a
+    logit bias or min_tokens (otherwise the sampling metadata does not look for them)."""
     bs = block_size
     num_seqs = len(seqs)
     q_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
@@ -115,7 +117,7 @@ def prepare_batch(
         context=context,
         logits_indices=logits_indices_d,
         sampling_seqs=sampling_seqs,
-        sampling=SamplingMetadata.build(sampling_seqs, vocab_size, device)
+        sampling=SamplingMetadata.build(sampling_seqs, vocab_size, device, bias_logits)
         if sampling_seqs and is_driver
         else None,
         decode_only=num_tokens == num_seqs,

@@ -136,8 +136,10 @@ class ModelRunner:
         self.block_tables = BlockTables(self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
-        # Sequences held that ask for prompt logprobs: prepare() looks for rows to score only then.
+        # Sequences held that ask for prompt logprobs, and for a logit bias or min_tokens: prepare()
+        # looks for the rows that need them only while some do.
         self._num_scoring_prompts = 0
+        self._num_biasing = 0
         self._graph_safe = backend.graph_safe and self.model.cuda_graph_safe()
         self.kv_cache: KVCache | None = None  # bind_kv_cache() sets it
 
@@ -186,14 +188,19 @@ class ModelRunner:
 
     def add_sequence(self, seq: SequenceState) -> None:
         seq.row = self.block_tables.add(seq.block_table)
-        if seq.sampling_params.prompt_logprobs is not None:
-            self._num_scoring_prompts += 1
+        self._count(seq, 1)
 
     def remove_sequence(self, seq: SequenceState) -> None:
         self.block_tables.free(seq.row)
         seq.row = -1
-        if seq.sampling_params.prompt_logprobs is not None:
-            self._num_scoring_prompts -= 1
+        self._count(seq, -1)
+
+    def _count(self, seq: SequenceState, added: int) -> None:
+        params = seq.sampling_params
+        if params.prompt_logprobs is not None:
+            self._num_scoring_prompts += added
+        if params.logit_bias_token_ids or params.min_tokens:
+            self._num_biasing += added
 
     def append_blocks(self, seq: SequenceState, block_ids: list[int]) -> None:
         seq.block_table.extend(block_ids)
@@ -218,6 +225,7 @@ class ModelRunner:
             self.is_driver,
             pending,
             score_prompts=self._num_scoring_prompts > 0,
+            bias_logits=self._num_biasing > 0,
         )
 
     @torch.inference_mode()

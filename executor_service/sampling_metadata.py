@@ -60,7 +60,10 @@ class SamplingMetadata:
         )
 
     @classmethod
-    def build(cls, seqs: list[SequenceState], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    def build(
+        cls, seqs: list[SequenceState], vocab_size: int, device: torch.device, bias_logits: bool = True
+    ) -> SamplingMetadata:
+        """`bias_logits`: whether a row may have a logit bias or min_tokens (False skips the look)."""
         params = [s.sampling_params for s in seqs]
         temperatures = [p.temperature for p in params]
         all_greedy = all(t == 0 for t in temperatures)
@@ -90,7 +93,9 @@ class SamplingMetadata:
             max_num_logprobs=max(num_logprobs, default=0),
             num_logprobs=num_logprobs,
         )
-        rows = [i for i, p in enumerate(params) if p.logit_bias_token_ids or p.min_tokens]
+        rows = (
+            [i for i, p in enumerate(params) if p.logit_bias_token_ids or p.min_tokens] if bias_logits else []
+        )
         if rows:
             meta.logit_bias, meta.banned_tokens = _biases_and_bans(seqs, rows, device)
         if any(uses_penalties(p) for p in params):
