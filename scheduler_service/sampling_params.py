@@ -113,7 +113,8 @@ class SamplingParams:
         for token_id, bias in self.logit_bias.items():
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 _fail(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
-            if not (math.isfinite(bias) and abs(bias) <= MAX_ABS_LOGIT_BIAS):
+            number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+            if not (number and math.isfinite(bias) and abs(bias) <= MAX_ABS_LOGIT_BIAS):
                 _fail(
                     f"logit_bias[{token_id}] must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
                     f"{MAX_ABS_LOGIT_BIAS:g}], got {bias}"
