@@ -65,7 +65,7 @@ def main() -> None:
     runner = executor.runner
     vocab = runner.vocab_size
     zeros = torch.zeros(n, vocab)
-    runner.execute_model = lambda batch, all_logits=False: zeros[: len(batch.logits_indices)]
+    runner.execute_model = lambda batch, all_logits=False: (zeros[: len(batch.logits_indices)], None)
 
     rng = random.Random(0)
     params = StepSamplingParams(temperature=0.0)

@@ -2,7 +2,7 @@
 
 from client.aio import AsyncGenerationStream, AsyncTandemClient
 from client.client import GenerationStream, TandemClient
-from client.messages import Chunk, Completion, Final, ModelInfo, TandemError, TokenLogprob
+from client.messages import Chunk, Completion, Final, ModelInfo, TandemError, TokenLogprob, ToolCall
 
 __all__ = [
     "AsyncGenerationStream",
@@ -15,4 +15,5 @@ __all__ = [
     "TandemClient",
     "TandemError",
     "TokenLogprob",
+    "ToolCall",
 ]

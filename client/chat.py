@@ -7,8 +7,8 @@ import argparse
 import sys
 
 from client.defaults import DEFAULT_SERVER, env
-from client.generate import _error, _print_streaming, client_from_args
-from client.messages import TandemError
+from client.generate import _error, client_from_args
+from client.messages import Chunk, CompletionBuilder, TandemError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -69,7 +69,7 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None) -> int:
             messages.append({"role": "user", "content": line.rstrip("\n")})
             stream = client.chat(messages, chat_template_kwargs=kwargs, **sampling)
             try:
-                reply = "".join(_print_streaming(stream, out).text)
+                reply = _print_reply(stream, out)
             except TandemError as e:
                 return _error(e, address, client)
             except KeyboardInterrupt:
@@ -77,3 +77,29 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None) -> int:
                 out.write("\n")
                 return 130
             messages.append({"role": "assistant", "content": reply})
+
+
+def _print_reply(stream, out) -> str:
+    """Write a reply as it streams: its reasoning between <think> and </think>, its content, then
+    its tool calls; returns the content (what the conversation keeps)."""
+    builder = CompletionBuilder()
+    thinking = False
+    for item in stream:
+        builder.add(item)
+        if not isinstance(item, Chunk):
+            continue
+        if item.reasoning_content:
+            out.write(("" if thinking else "<think>") + item.reasoning_content)
+            thinking = True
+        if item.text:
+            out.write(("</think>\n" if thinking else "") + item.text)
+            thinking = False
+        out.flush()
+    reply = builder.build()
+    if thinking:
+        out.write("</think>")
+    for call in reply.tool_calls:
+        out.write(f"\n[tool call] {call.name}({call.arguments})")
+    out.write("\n")
+    out.flush()
+    return reply.text

@@ -71,6 +71,30 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--logprobs", type=int, default=None, help="top logprobs per token (adds `logprobs` to --json)"
     )
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (default 1; each printed whole)")
+    p.add_argument(
+        "--min-tokens", type=int, default=None, help="end-of-sequence and stop strings wait this many tokens"
+    )
+    p.add_argument(
+        "--logit-bias",
+        type=_logit_bias,
+        action="append",
+        default=None,
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable)",
+    )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        help="logprobs of the prompt's tokens with N alternatives (adds `prompt_logprobs` to --json)",
+    )
+    p.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        default=None,
+        help="keep the stop string (or stop token's text) at the end of the text",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, when it is done")
     server = p.add_argument_group("with --server")
     server.add_argument(
@@ -89,6 +113,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--api-key", default=env("API_KEY"), help="sent as a bearer token (env TANDEM_API_KEY)"
     )
+    server.add_argument("--user", default="", help="the end user the request is for (logged by the server)")
     server.add_argument(
         "--tls",
         action="store_true",
@@ -130,7 +155,20 @@ SAMPLING_ARGS = (
     "presence_penalty",
     "frequency_penalty",
     "logprobs",
+    "n",
+    "min_tokens",
+    "logit_bias",
+    "prompt_logprobs",
+    "include_stop_str_in_output",
 )
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    try:
+        token_id, bias = text.split("=")
+        return int(token_id), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--logit-bias takes ID=BIAS (e.g. 42=100), got {text!r}") from None
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -138,6 +176,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in SAMPLING_ARGS if getattr(args, name) is not None}
     if not kwargs.get("ignore_eos"):
         kwargs.pop("ignore_eos", None)
+    if "logit_bias" in kwargs:
+        kwargs["logit_bias"] = dict(kwargs["logit_bias"])
     return kwargs
 
 
@@ -169,6 +209,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _generate_in_process(args: argparse.Namespace, prompts) -> int:
     from client.llm import LLM
+    from client.messages import logprobs_json, usage_json
     from scheduler_service.sampling_params import SamplingParams
 
     try:
@@ -186,16 +227,25 @@ def _generate_in_process(args: argparse.Namespace, prompts) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for out in outputs:
-        if args.json:
-            line = {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}
-            if out.logprobs is not None:
-                line["logprobs"] = [
-                    {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": lp.top_logprobs}
-                    for lp in out.logprobs
-                ]
-            print(json.dumps(line))
-        else:
-            print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+        for sample in out.outputs:
+            if args.json:
+                line = {
+                    "token_ids": sample.token_ids,
+                    "text": sample.text,
+                    "finish_reason": sample.finish_reason,
+                    "usage": usage_json(
+                        len(out.prompt_token_ids), len(sample.token_ids), out.num_cached_tokens
+                    ),
+                }
+                if len(out.outputs) > 1:
+                    line["index"] = sample.index
+                if sample.logprobs is not None:
+                    line["logprobs"] = logprobs_json(sample.logprobs)
+                if out.prompt_logprobs is not None:
+                    line["prompt_logprobs"] = [None, *logprobs_json(out.prompt_logprobs[1:])]
+                print(json.dumps(line))
+            else:
+                print(sample.text if sample.text is not None else " ".join(map(str, sample.token_ids)))
     return 0
 
 

@@ -24,6 +24,7 @@ from client.messages import (
     CompletionBuilder,
     Final,
     ModelInfo,
+    SamplesBuilder,
     TandemError,
     chat_request,
     generate_request,
@@ -166,9 +167,13 @@ class TandemClient:
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def generate(self, prompt: str | list[int], *, request_id: str = "", **sampling) -> GenerationStream:
-        """Stream a generation: Chunks, then one Final. Sampling arguments: see SamplingParams."""
-        request = generate_request(prompt, request_id, **sampling)
+    def generate(
+        self, prompt: str | list[int], *, request_id: str = "", user: str = "", **sampling
+    ) -> GenerationStream:
+        """Stream a generation: Chunks, then one Final (one per sample with n > 1, each item
+        carrying its sample's index). Sampling arguments: see SamplingParams; `user`: the end user
+        it is for (logged by the server)."""
+        request = generate_request(prompt, request_id, user=user, **sampling)
         call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         return GenerationStream(call, request_id)
 
@@ -190,9 +195,21 @@ class TandemClient:
         return GenerationStream(call, request_id)
 
     def complete(self, prompt: str | list[int], *, request_id: str = "", **sampling) -> Completion:
-        """The whole generation at once."""
+        """The whole generation at once (one sample: for n > 1, complete_samples)."""
+        if (sampling.get("n") or 1) != 1:
+            raise ValueError("complete() returns one completion; for n > 1 use complete_samples()")
         builder = CompletionBuilder()
         with self.generate(prompt, request_id=request_id, **sampling) as stream:
+            for item in stream:
+                builder.add(item)
+        return builder.build()
+
+    def complete_samples(
+        self, prompt: str | list[int], n: int, *, request_id: str = "", **sampling
+    ) -> list[Completion]:
+        """The request's n samples, whole, in index order."""
+        builder = SamplesBuilder()
+        with self.generate(prompt, request_id=request_id, n=n, **sampling) as stream:
             for item in stream:
                 builder.add(item)
         return builder.build()

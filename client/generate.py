@@ -10,14 +10,7 @@ import grpc
 
 from client.client import GenerationStream, TandemClient
 from client.defaults import DEFAULT_RETRIES
-from client.messages import Chunk, CompletionBuilder, TandemError
-
-
-def _logprobs_json(logprobs) -> list[dict]:
-    return [
-        {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top_logprobs]}
-        for lp in logprobs
-    ]
+from client.messages import Chunk, Completion, CompletionBuilder, SamplesBuilder, TandemError, logprobs_json
 
 
 def _error(e: TandemError, address: str, client: TandemClient) -> int:
@@ -28,6 +21,18 @@ def _error(e: TandemError, address: str, client: TandemClient) -> int:
         return 1
     print(f"error: {e}", file=sys.stderr)
     return 2 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+
+
+def completion_json(completion: Completion, with_index: bool) -> dict:
+    """`--json`'s line: token ids, text, finish reason, usage, and logprobs when asked for."""
+    line = completion.to_json()
+    if with_index:
+        line["index"] = completion.index
+    if completion.logprobs is not None:
+        line["logprobs"] = logprobs_json(completion.logprobs)
+    if completion.prompt_logprobs is not None:
+        line["prompt_logprobs"] = [None, *logprobs_json(completion.prompt_logprobs)]
+    return line
 
 
 def _print_streaming(stream: GenerationStream, out) -> CompletionBuilder:
@@ -71,33 +76,34 @@ def generate_remote(address: str, prompts: list, args: argparse.Namespace, sampl
     with client:
         # Start every request before reading any: the server batches them together.
         try:
-            streams = [client.generate(p, **sampling) for p in prompts]
+            streams = [client.generate(p, user=getattr(args, "user", ""), **sampling) for p in prompts]
         except TypeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        several = (sampling.get("n") or 1) > 1
         try:
             for stream in streams:
                 try:
-                    if args.json:
-                        builder = CompletionBuilder()
+                    if args.json or several:  # n samples are printed whole, one after another
+                        builder = SamplesBuilder()
                         for item in stream:
                             builder.add(item)
+                        completions = builder.build()
                     else:
-                        builder = _print_streaming(stream, out)
+                        completions = [_print_streaming(stream, out).build()]
                 except TandemError as e:
                     status = status or _error(e, address, client)
                     if e.code == grpc.StatusCode.UNAVAILABLE:
                         break
                     continue
-                completion = builder.build()
-                if args.json:
-                    line = completion.to_json()
-                    if completion.logprobs is not None:
-                        line["logprobs"] = _logprobs_json(completion.logprobs)
-                    print(json.dumps(line), flush=True)
-                if completion.finish_reason == "abort":
-                    print("error: the server aborted the request", file=sys.stderr)
-                    status = status or 1
+                for completion in completions:
+                    if args.json:
+                        print(json.dumps(completion_json(completion, several)), flush=True)
+                    elif several:
+                        print(completion.text or " ".join(map(str, completion.token_ids)), flush=True)
+                    if completion.finish_reason == "abort":
+                        print("error: the server aborted the request", file=sys.stderr)
+                        status = status or 1
         except KeyboardInterrupt:
             out.write("\n")
             status = 130

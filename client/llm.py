@@ -15,7 +15,7 @@ from tqdm import tqdm
 from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
 from scheduler_service.engine import LLMEngine, RequestOutput
-from scheduler_service.request_handling import OutputProcessor, tokenize, verify_tokenizer
+from scheduler_service.request_handling import OutputProcessor, name_tokens, tokenize, verify_tokenizer
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
 from scheduler_service.tokenizer import Tokenizer
@@ -25,15 +25,48 @@ NO_TOKENIZER = "this model has no tokenizer.json: pass token ids instead of text
 
 
 @dataclass
-class GenerationOutput:
-    prompt: str | None
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One of a prompt's n samples (vLLM's name)."""
+
+    index: int
     token_ids: list[int]
     text: str | None
     finish_reason: str
-    num_cached_tokens: int
-    # One entry per generated token when the request asked for logprobs.
+    # One entry per generated token when the request asked for logprobs (with the tokens' text
+    # when there is a tokenizer).
     logprobs: list[TokenLogprob] | None = None
+    # The stop string or stop token id that ended it, if any.
+    stop_reason: str | None = None
+
+
+@dataclass
+class GenerationOutput:
+    """A prompt's generation: its samples in `outputs` (one unless SamplingParams.n > 1);
+    token_ids, text, finish_reason and logprobs are the first sample's."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    outputs: list[CompletionOutput]
+    # With prompt_logprobs: None for the first prompt token (nothing precedes it), then one
+    # entry per prompt token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
 
 
 class LLM:
@@ -110,15 +143,21 @@ class LLM:
         encoded = [self._encode(p, sp) for p, sp in zip(prompts, sampling_params)]
         for ids, sp in zip(encoded, sampling_params):
             self.engine.validate_request(ids, sp)
-        request_ids = [self.engine.add_request(ids, sp) for ids, sp in zip(encoded, sampling_params)]
-        order = {rid: i for i, rid in enumerate(request_ids)}
-        # Requests with stop strings are detokenized as they go, to end them at the first one;
-        # the others are decoded once, at the end.
-        streams = {
-            rid: _TextStream(self.tokenizer, sp) for rid, sp in zip(request_ids, sampling_params) if sp.stop
-        }
-        finished: dict[int, GenerationOutput] = {}
-        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        # n samples of a prompt are n requests: (prompt index, sample index) of each.
+        requests: dict[int, tuple[int, int, SamplingParams]] = {}
+        streams: dict[int, _TextStream] = {}
+        for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
+            for j, sample in enumerate(sp.for_samples()):
+                rid = self.engine.add_request(ids, sample)
+                requests[rid] = (i, j, sample)
+                # Requests with stop strings are detokenized as they go, to end them at the first
+                # one; the others are decoded once, at the end.
+                if sample.stop:
+                    streams[rid] = _TextStream(self.tokenizer, sample)
+        finished: dict[int, CompletionOutput] = {}
+        prompt_logprobs: dict[int, list[TokenLogprob]] = {}
+        cached: dict[int, int] = {}
+        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         stats = self.engine.scheduler.stats
         while self.engine.has_unfinished_requests():
             prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
@@ -131,36 +170,52 @@ class LLM:
             )
             for out in outputs:
                 rid = out.request_id
-                if rid not in order or rid in finished:
+                if rid not in requests or rid in finished:
                     continue
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[requests[rid][0]] = out.prompt_logprobs
                 stream = streams.get(rid)
                 if stream is not None and stream.add(out):
                     self.engine.abort_request(rid)  # a stop string ended it
                 elif not out.finished:
                     continue
-                finished[rid] = self._output(out, stream)
+                finished[rid] = self._output(out, stream, *requests[rid][1:])
+                cached.setdefault(requests[rid][0], out.num_cached_tokens)
                 bar.update(1)
         bar.close()
 
-        results = []
-        for prompt, ids, rid in zip(prompts, encoded, request_ids):
-            result = finished[rid]
-            result.prompt = prompt if isinstance(prompt, str) else None
-            result.prompt_token_ids = ids
-            results.append(result)
+        results = [
+            GenerationOutput(prompt if isinstance(prompt, str) else None, ids, cached.get(i, 0), [], None)
+            for i, (prompt, ids) in enumerate(zip(prompts, encoded))
+        ]
+        for rid, (i, _, _) in requests.items():
+            results[i].outputs.append(finished[rid])
+        for i, lps in prompt_logprobs.items():
+            name_tokens(self.tokenizer, lps)
+            results[i].prompt_logprobs = [None, *lps]
         return results
 
-    def _output(self, out: RequestOutput, stream: _TextStream | None) -> GenerationOutput:
+    def _output(
+        self, out: RequestOutput, stream: _TextStream | None, index: int, params: SamplingParams
+    ) -> CompletionOutput:
+        token_ids = list(out.token_ids)
+        logprobs = out.logprobs
+        last = token_ids[-1] if token_ids else None
         if stream is None:
-            token_ids = list(out.token_ids)
-            text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
-            reason, logprobs = out.finish_reason, out.logprobs
+            # A stop token's text is left out, as OutputProcessor leaves it out of a stream.
+            drop = out.finish_reason == "stop" and not params.include_stop_str_in_output
+            text_ids = token_ids[:-1] if drop else token_ids
+            text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else None
+            reason = out.finish_reason or "abort"
+            stop_reason = str(last) if reason == "stop" and last in params.stop_token_ids else ""
         else:
             n = stream.processor.num_tokens
-            token_ids, text = list(out.token_ids[:n]), "".join(stream.text)
-            reason, _ = stream.processor.finish(out.finish_reason, None)
-            logprobs = out.logprobs[:n] if out.logprobs is not None else None
-        return GenerationOutput(None, [], token_ids, text, reason, out.num_cached_tokens, logprobs)
+            token_ids, text = token_ids[:n], "".join(stream.text)
+            reason, stop_reason = stream.processor.finish(out.finish_reason, last)
+            logprobs = logprobs[:n] if logprobs is not None else None
+        if logprobs is not None:
+            name_tokens(self.tokenizer, logprobs)
+        return CompletionOutput(index, token_ids, text, reason, logprobs, stop_reason or None)
 
 
 class _TextStream:
@@ -172,6 +227,6 @@ class _TextStream:
 
     def add(self, out: RequestOutput) -> bool:
         """Whether a stop string ended the request."""
-        delta = self.processor.add(out.new_token_ids, out.finished)
+        delta = self.processor.add(out.new_token_ids, out.finished, out.finish_reason)
         self.text.append(delta.text)
         return delta.stopped

@@ -15,6 +15,7 @@ FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 # Keyword arguments of generate()/complete() and how each is checked before it is sent.
@@ -32,6 +33,11 @@ SAMPLING_FIELDS = {
     "presence_penalty": float,
     "frequency_penalty": float,
     "logprobs": int,
+    "n": int,
+    "min_tokens": int,
+    "logit_bias": dict,
+    "prompt_logprobs": int,
+    "include_stop_str_in_output": bool,
 }
 
 
@@ -56,20 +62,43 @@ class TokenLogprob:
     logprob: float
     # The most likely alternatives: (token id, logprob), best first.
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # The token's text and its alternatives' ("" from a server without a tokenizer).
+    token: str = ""
+    top_tokens: list[str] = field(default_factory=list)
+    # A prompt token's rank in the vocabulary (1: the most likely); None for generated tokens.
+    rank: int | None = None
+
+
+@dataclass
+class ToolCall:
+    """A tool call of a chat answer, or a piece of one in a Chunk: the first piece of a call
+    has its id and name, the others add to its arguments."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str  # JSON text
 
 
 @dataclass
 class Chunk:
-    """New tokens of one request and the text they add."""
+    """New tokens of one sample of a request and the text they add (or the prompt's logprobs).
+    For a chat prompt, `text` is the answer's content, without its reasoning and tool calls."""
 
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    # Which of the request's n samples.
+    index: int = 0
+    # The prompt's logprobs from its second token, in the chunks before the first token.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    reasoning_content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
 class Final:
-    """The last message of a generation: why it ended and how many tokens it counted."""
+    """The last message of a sample: why it ended and how many tokens it counted."""
 
     finish_reason: str | None  # "stop", "length" or "abort"
     prompt_tokens: int
@@ -78,11 +107,12 @@ class Final:
     # The stop string or stop token id that ended the request; None otherwise.
     stop_reason: str | None
     request_id: str = ""
+    index: int = 0
 
 
 @dataclass
 class Completion:
-    """A whole generation, as complete() returns it."""
+    """A whole generation (one sample), as complete() returns it."""
 
     text: str
     token_ids: list[int]
@@ -92,10 +122,50 @@ class Completion:
     cached_tokens: int = 0
     stop_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
+    # A chat answer's reasoning (None when none came) and tool calls.
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The CLI's JSON line: the same keys as the in-process `tandem generate --json`."""
-        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": usage_json(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
+        }
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """Token counts as OpenAI's `usage` names them."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "cached_tokens": cached_tokens,
+    }
+
+
+def logprobs_json(logprobs: list) -> list[dict]:
+    """Logprobs (the client's TokenLogprob or the offline LLM's) as the CLI's JSON prints them."""
+    out = []
+    for lp in logprobs:
+        tops = lp.top_tokens or [""] * len(lp.top_logprobs)
+        entry = {
+            "token_id": lp.token_id,
+            "token": lp.token or "",
+            "logprob": lp.logprob,
+            "top_logprobs": [
+                {"token_id": t, "token": text, "logprob": v}
+                for (t, v), text in zip(lp.top_logprobs, tops, strict=True)
+            ],
+        }
+        if lp.rank is not None:
+            entry["rank"] = lp.rank
+        out.append(entry)
+    return out
 
 
 @dataclass
@@ -128,7 +198,13 @@ def sampling_params(**kwargs) -> pb.SamplingParams:
         kind = SAMPLING_FIELDS[name]
         if name == "stop" and isinstance(value, str):
             value = [value]
-        if kind is list:
+        if kind is dict:  # logit_bias: token id -> bias
+            if not isinstance(value, dict):
+                raise TypeError(f"{name} must be a dict of token id -> bias, got {value!r}")
+            if any(isinstance(k, bool) or not isinstance(k, int) for k in value):
+                raise TypeError(f"{name} keys must be token ids (integers), got {list(value)!r}")
+            value = {int(k): float(v) for k, v in value.items()}
+        elif kind is list:
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
                 raise TypeError(f"{name} must be a list, got {value!r}")
             value = [int(v) for v in value] if name == "stop_token_ids" else [str(v) for v in value]
@@ -144,8 +220,12 @@ def sampling_params(**kwargs) -> pb.SamplingParams:
     return pb.SamplingParams(**values)
 
 
-def generate_request(prompt: str | list[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(sampling_params=sampling_params(**sampling), request_id=request_id)
+def generate_request(
+    prompt: str | list[int], request_id: str = "", *, user: str = "", **sampling
+) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        sampling_params=sampling_params(**sampling), request_id=request_id, user=user
+    )
     if isinstance(prompt, str):
         request.text = prompt
     else:
@@ -162,10 +242,13 @@ def chat_request(
     *,
     chat_template_kwargs: dict | None = None,
     tools: list[dict] | None = None,
+    user: str = "",
     **sampling,
 ) -> pb.GenerateRequest:
     """A conversation ({"role", "content"} dicts) for the server to render with its chat template."""
-    request = pb.GenerateRequest(sampling_params=sampling_params(**sampling), request_id=request_id)
+    request = pb.GenerateRequest(
+        sampling_params=sampling_params(**sampling), request_id=request_id, user=user
+    )
     for message in messages:
         request.chat.messages.add(role=message["role"], content=message.get("content") or "")
     if chat_template_kwargs:
@@ -177,17 +260,30 @@ def chat_request(
     return request
 
 
-def chunk_from_proto(chunk: pb.GenerateChunk) -> Chunk:
-    logprobs = None
-    if len(chunk.logprobs):
-        logprobs = [
-            TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
-            for lp in chunk.logprobs
-        ]
-    return Chunk(list(chunk.token_ids), chunk.text, logprobs)
+def _logprobs_from_proto(logprobs) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(
+            lp.token_id,
+            lp.logprob,
+            [(t.token_id, t.logprob) for t in lp.top_logprobs],
+            lp.token,
+            [t.token for t in lp.top_logprobs],
+            lp.rank or None,
+        )
+        for lp in logprobs
+    ]
 
 
-def final_from_proto(final: pb.GenerateFinal, request_id: str = "") -> Final:
+def chunk_from_proto(chunk: pb.GenerateChunk, index: int = 0) -> Chunk:
+    logprobs = _logprobs_from_proto(chunk.logprobs) if len(chunk.logprobs) else None
+    prompt_logprobs = _logprobs_from_proto(chunk.prompt_logprobs) if len(chunk.prompt_logprobs) else None
+    calls = [ToolCall(c.index, c.id, c.name, c.arguments) for c in chunk.tool_calls]
+    return Chunk(
+        list(chunk.token_ids), chunk.text, logprobs, index, prompt_logprobs, chunk.reasoning_content, calls
+    )
+
+
+def final_from_proto(final: pb.GenerateFinal, request_id: str = "", index: int = 0) -> Final:
     return Final(
         finish_reason=FINISH_REASONS.get(final.finish_reason),
         prompt_tokens=final.prompt_tokens,
@@ -195,6 +291,7 @@ def final_from_proto(final: pb.GenerateFinal, request_id: str = "") -> Final:
         cached_tokens=final.cached_tokens,
         stop_reason=final.stop_reason or None,
         request_id=request_id,
+        index=index,
     )
 
 
@@ -202,9 +299,9 @@ def item_from_response(response: pb.GenerateResponse, request_id: str = "") -> C
     """A stream message as the client yields it (None for an empty payload)."""
     kind = response.WhichOneof("payload")
     if kind == "chunk":
-        return chunk_from_proto(response.chunk)
+        return chunk_from_proto(response.chunk, response.index)
     if kind == "final":
-        return final_from_proto(response.final, response.request_id or request_id)
+        return final_from_proto(response.final, response.request_id or request_id, response.index)
     return None
 
 
@@ -226,10 +323,14 @@ def model_info_from_proto(info: pb.GetModelInfoResponse) -> ModelInfo:
 class CompletionBuilder:
     """Accumulates a stream of chunks and its final message into a Completion."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.reasoning: list[str] | None = None
+        self.tool_calls: dict[int, ToolCall] = {}
         self.final: Final | None = None
 
     def add(self, item: Chunk | Final) -> None:
@@ -237,9 +338,19 @@ class CompletionBuilder:
             self.final = item
             return
         self.text.append(item.text)
+        if item.reasoning_content:
+            self.reasoning = (self.reasoning or []) + [item.reasoning_content]
+        for piece in item.tool_calls:
+            call = self.tool_calls.get(piece.index)
+            if call is None:
+                self.tool_calls[piece.index] = ToolCall(piece.index, piece.id, piece.name, piece.arguments)
+            else:
+                call.arguments += piece.arguments
         self.token_ids.extend(item.token_ids)
         if item.logprobs is not None:
             self.logprobs = (self.logprobs or []) + item.logprobs
+        if item.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + item.prompt_logprobs
 
     def build(self) -> Completion:
         final = self.final
@@ -252,4 +363,28 @@ class CompletionBuilder:
             cached_tokens=final.cached_tokens if final else 0,
             stop_reason=final.stop_reason if final else None,
             logprobs=self.logprobs,
+            index=self.index,
+            prompt_logprobs=self.prompt_logprobs,
+            reasoning_content="".join(self.reasoning) if self.reasoning is not None else None,
+            tool_calls=[self.tool_calls[i] for i in sorted(self.tool_calls)],
         )
+
+
+class SamplesBuilder:
+    """A CompletionBuilder per sample of a request (n), by the items' index."""
+
+    def __init__(self) -> None:
+        self.samples: dict[int, CompletionBuilder] = {}
+
+    def add(self, item: Chunk | Final) -> None:
+        builder = self.samples.get(item.index)
+        if builder is None:
+            builder = self.samples[item.index] = CompletionBuilder(item.index)
+        builder.add(item)
+
+    def build(self) -> list[Completion]:
+        """The samples in index order; a sample's missing prompt logprobs are the first one's."""
+        completions = [self.samples[i].build() for i in sorted(self.samples)]
+        for c in completions[1:]:
+            c.prompt_logprobs = c.prompt_logprobs or completions[0].prompt_logprobs
+        return completions

@@ -11,6 +11,7 @@ import torch
 
 from executor_service.block_tables import BlockTables
 from executor_service.context import Context
+from executor_service.prompt_logprobs import PromptLogprobsBatch, prompt_logprobs_batch
 from executor_service.sampling_metadata import SamplingMetadata
 from executor_service.sequence import SequenceState
 
@@ -24,6 +25,8 @@ class PreparedBatch:
     sampling_seqs: list[SequenceState]  # the sequences that sample, in batch order
     sampling: SamplingMetadata | None
     decode_only: bool = False
+    # The prompt tokens this step scores for prompt logprobs (prompt_logprobs.py), if any.
+    prompt_logprobs: PromptLogprobsBatch | None = None
 
 
 def prepare_batch(
@@ -35,6 +38,8 @@ def prepare_batch(
     device: torch.device,
     is_driver: bool,
     pending: torch.Tensor | None = None,
+    score_prompts: bool = False,
+    bias_logits: bool = False,
 ) -> PreparedBatch:
     """Flatten a mixed batch (prefill chunks and decodes): sequence i computes tokens
     [c, c + n) with c = its num_computed_tokens and n = num_scheduled_tokens[i]. Sampling
@@ -42,7 +47,11 @@ def prepare_batch(
 
     `pending`: the token ids sampled by the step still in flight, on the device. An input token
     still a -1 placeholder is taken from it (row `pending_row` of its sequence) by a device-side
-    copy, so this step is launched before that step's tokens reach the host."""
+    copy, so this step is launched before that step's tokens reach the host.
+
+    `score_prompts`: some sequence held asks for prompt logprobs (every rank looks for the rows
+    they score: the LM head over them is a collective); `bias_logits`: some sequence held has a
+    logit bias or min_tokens (otherwise the sampling metadata does not look for them)."""
     bs = block_size
     num_seqs = len(seqs)
     q_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
@@ -108,10 +117,13 @@ def prepare_batch(
         context=context,
         logits_indices=logits_indices_d,
         sampling_seqs=sampling_seqs,
-        sampling=SamplingMetadata.build(sampling_seqs, vocab_size, device)
+        sampling=SamplingMetadata.build(sampling_seqs, vocab_size, device, bias_logits)
         if sampling_seqs and is_driver
         else None,
         decode_only=num_tokens == num_seqs,
+        prompt_logprobs=prompt_logprobs_batch(seqs, num_scheduled_tokens, cu_q, device)
+        if score_prompts
+        else None,
     )
 
 

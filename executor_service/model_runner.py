@@ -24,9 +24,14 @@ from executor_service.layers.attention import Attention
 from executor_service.layers.fusable import Fusable
 from executor_service.layers.linear import convert_to_fp8
 from executor_service.loader import checkpoint_tensor_files, load_weights
+from executor_service.prompt_logprobs import (
+    PromptLogprobsOutput,
+    compute_prompt_logprobs,
+    prompt_logprobs_results,
+)
 from executor_service.sampler import Sampler, SamplerOutput
 from executor_service.sequence import SequenceState
-from protos.plan import TokenLogprobs
+from protos.plan import PromptLogprobs, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ class Launch:
     host_token_ids: torch.Tensor | None = None
     # Logprobs copied to the host behind the sampler, when a row asked for them (CUDA).
     host_logprobs: SamplerOutput | None = None
+    # Prompt logprobs scored this step (rank 0), on the host on CUDA.
+    prompt_logprobs: PromptLogprobsOutput | None = None
     done: torch.cuda.Event | None = None
     prepare_seconds: float = 0.0
     forward_seconds: float = 0.0
@@ -69,6 +76,7 @@ class RunOutput:
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
     logits: torch.Tensor | None = None  # [num_tokens, vocab_size], only with all_logits=True
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -128,6 +136,10 @@ class ModelRunner:
         self.block_tables = BlockTables(self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
+        # Sequences held that ask for prompt logprobs, and for a logit bias or min_tokens: prepare()
+        # looks for the rows that need them only while some do.
+        self._num_scoring_prompts = 0
+        self._num_biasing = 0
         self._graph_safe = backend.graph_safe and self.model.cuda_graph_safe()
         self.kv_cache: KVCache | None = None  # bind_kv_cache() sets it
 
@@ -176,10 +188,19 @@ class ModelRunner:
 
     def add_sequence(self, seq: SequenceState) -> None:
         seq.row = self.block_tables.add(seq.block_table)
+        self._count(seq, 1)
 
     def remove_sequence(self, seq: SequenceState) -> None:
         self.block_tables.free(seq.row)
         seq.row = -1
+        self._count(seq, -1)
+
+    def _count(self, seq: SequenceState, added: int) -> None:
+        params = seq.sampling_params
+        if params.prompt_logprobs is not None:
+            self._num_scoring_prompts += added
+        if params.logit_bias_token_ids or params.min_tokens:
+            self._num_biasing += added
 
     def append_blocks(self, seq: SequenceState, block_ids: list[int]) -> None:
         seq.block_table.extend(block_ids)
@@ -203,12 +224,17 @@ class ModelRunner:
             self.device,
             self.is_driver,
             pending,
+            score_prompts=self._num_scoring_prompts > 0,
+            bias_logits=self._num_biasing > 0,
         )
 
     @torch.inference_mode()
-    def execute_model(self, batch: PreparedBatch, all_logits: bool = False) -> torch.Tensor | None:
-        """Logits [num_sampling_seqs, vocab] (or [num_tokens, vocab] with all_logits, for tests);
-        None on ranks other than 0, and with tensor parallelism when no row samples."""
+    def execute_model(
+        self, batch: PreparedBatch, all_logits: bool = False
+    ) -> tuple[torch.Tensor | None, PromptLogprobsOutput | None]:
+        """Logits [num_sampling_seqs, vocab] (or [num_tokens, vocab] with all_logits, for tests),
+        None on ranks other than 0 and with tensor parallelism when no row samples; and the
+        prompt logprobs the batch scores (rank 0)."""
         if batch.decode_only and self.graphs is not None and self.graphs.can_run(len(batch.input_ids)):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.context)
             self.num_graph_steps += 1
@@ -218,11 +244,14 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions)
             finally:
                 reset_context()
+        prompt = None
+        if batch.prompt_logprobs is not None:
+            prompt = compute_prompt_logprobs(self.model, hidden, batch.prompt_logprobs)
         if not all_logits:
             hidden = hidden[batch.logits_indices]
         if self.tp_size > 1 and hidden.shape[0] == 0:
-            return None  # nothing to gather: every rank knows it from the plan
-        return self.model.compute_logits(hidden)
+            return None, prompt  # nothing to gather: every rank knows it from the plan
+        return self.model.compute_logits(hidden), prompt
 
     @torch.inference_mode()
     def launch(
@@ -236,13 +265,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = self.prepare(seqs, num_scheduled_tokens, pending)
         t1 = time.perf_counter()
-        logits = self.execute_model(batch, all_logits)
+        logits, prompt = self.execute_model(batch, all_logits)
         sampled = None
         if batch.sampling is not None:
             sampled = self.sampler(logits[batch.logits_indices] if all_logits else logits, batch.sampling)
         # Logits are kept only when asked for: with two steps in flight, each would hold [n, vocab].
         launch = Launch(batch, logits if all_logits else None, sampled, prepare_seconds=t1 - t0)
-        if sampled is not None and self.device.type == "cuda":
+        launch.prompt_logprobs = prompt
+        on_cuda = self.device.type == "cuda"
+        if sampled is not None and on_cuda:
             launch.host_token_ids = _to_host(sampled.sampled_token_ids)
             if sampled.sampled_logprobs is not None:
                 launch.host_logprobs = SamplerOutput(
@@ -251,6 +282,14 @@ class ModelRunner:
                     _to_host(sampled.top_token_ids),
                     _to_host(sampled.top_logprobs),
                 )
+        if prompt is not None and on_cuda:
+            launch.prompt_logprobs = PromptLogprobsOutput(
+                *(
+                    _to_host(t)
+                    for t in (prompt.token_logprobs, prompt.ranks, prompt.top_logprobs, prompt.top_token_ids)
+                )
+            )
+        if on_cuda and (sampled is not None or prompt is not None):
             launch.done = torch.cuda.Event()
             launch.done.record()
         if self.tp_size > 1 and batch.sampling_seqs:
@@ -268,9 +307,14 @@ class ModelRunner:
         """Wait for a launched step; its sampled ids (and logprobs) on the host."""
         t0 = time.perf_counter()
         out = RunOutput(sampled_token_ids=[], logits=launch.logits if all_logits else None)
+        if launch.done is not None:
+            launch.done.synchronize()
+        if launch.prompt_logprobs is not None:
+            out.prompt_logprobs = prompt_logprobs_results(
+                launch.batch.prompt_logprobs, launch.prompt_logprobs
+            )
         if launch.sampled is not None:
             if launch.done is not None:
-                launch.done.synchronize()
                 out.sampled_token_ids = launch.host_token_ids.tolist()
             else:
                 out.sampled_token_ids = launch.sampled.sampled_token_ids.tolist()

@@ -203,4 +203,22 @@ def sampling_problem(p: StepSamplingParams, vocab_size: int) -> str | None:
         return f"logprobs {p.logprobs} must be in [0, {vocab_size}]"
     if p.num_prompt_tokens < 0:
         return f"num_prompt_tokens {p.num_prompt_tokens} must be >= 0"
+    if p.min_tokens < 0:
+        return f"min_tokens {p.min_tokens} must be >= 0"
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= vocab_size:
+        return f"prompt_logprobs {p.prompt_logprobs} must be in [0, {vocab_size}]"
+    if len(p.logit_bias_token_ids) != len(p.logit_bias_values):
+        return (
+            f"logit_bias columns of mismatched lengths: {len(p.logit_bias_token_ids)} token ids but "
+            f"{len(p.logit_bias_values)} values"
+        )
+    if len(p.logit_bias_token_ids) > vocab_size:
+        return (
+            f"logit_bias has {len(p.logit_bias_token_ids)} entries, more than the vocabulary ({vocab_size})"
+        )
+    if bad := _first(p.logit_bias_values, lambda v: not math.isfinite(v)):
+        return f"logit_bias_values[{bad[0]}] = {bad[1]} must be finite"
+    for name in ("stop_token_ids", "logit_bias_token_ids"):
+        if bad := _first(getattr(p, name), lambda t: not 0 <= t < vocab_size):
+            return f"{name}[{bad[0]}] = {bad[1]} is outside the vocabulary [0, {vocab_size})"
     return None

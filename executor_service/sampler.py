@@ -1,8 +1,11 @@
-"""Token sampling: penalties, greedy / temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling: logit bias, min_tokens, penalties, greedy / temperature, min-p, top-k, top-p,
+per-request seeds, logprobs.
 
-Semantics follow vLLM: repetition penalty over prompt + generated tokens (divide positive logits,
-multiply negative ones), presence and frequency penalties over generated tokens, then temperature,
-min-p, top-k and top-p. Logprobs are computed from the model's raw logits."""
+Semantics follow vLLM: the logit bias is added and the stop tokens of a sequence short of its
+min_tokens are banned first (on both paths: the fused one samples the biased logits); then the
+repetition penalty over prompt + generated tokens (divide positive logits, multiply negative ones),
+presence and frequency penalties over generated tokens, then temperature, min-p, top-k and top-p.
+Logprobs are computed from the model's raw logits."""
 
 from __future__ import annotations
 
@@ -34,10 +37,17 @@ class Sampler:
         # logits: [n, vocab_size]
         # Seeded rows keep the unfused path's noise, so that a seeded request's tokens do not
         # depend on which path the rest of its batch takes.
-        if self.fused and meta.temperature_only and not meta.seeded_rows:
-            return SamplerOutput(self._sample_fused(logits, meta))
-        logits = logits.float()
-        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs > 0 else None
+        fused = self.fused and meta.temperature_only and not meta.seeded_rows
+        if meta.logit_bias is None and meta.banned_tokens is None:
+            if fused:  # the kernel reads the logits in their own dtype
+                return SamplerOutput(self._sample_fused(logits, meta))
+            raw = logits = logits.float()
+        else:
+            raw = logits.float()
+            logits = apply_logit_bias(raw, meta)
+            if fused:
+                return SamplerOutput(self._sample_fused(logits, meta))
+        raw_logprobs = raw.log_softmax(-1) if meta.max_num_logprobs > 0 else None
         if meta.repetition_penalties is not None:
             logits = apply_penalties(logits, meta)
         greedy = logits.argmax(-1)
@@ -72,6 +82,19 @@ class Sampler:
             g = torch.Generator(device=self.device).manual_seed(seed)
             q[row].exponential_(generator=g)
         return (probs / q.clamp_min_(1e-20)).argmax(-1)
+
+
+def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """A new tensor (the model's logits stay as they were): the rows' biases added, then their
+    banned tokens at -inf."""
+    if meta.logit_bias is not None:
+        rows, ids, biases = meta.logit_bias
+        logits = logits.index_put((rows, ids), biases, accumulate=True)
+    if meta.banned_tokens is not None:
+        rows, ids = meta.banned_tokens
+        # (a fill on the device: a scalar copied from the host would wait for the GPU)
+        logits = logits.index_put((rows, ids), logits.new_full((), float("-inf")))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -43,6 +43,10 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None = None  # [n, max_output], padded with vocab_size
     max_num_logprobs: int = 0
     num_logprobs: tuple[int, ...] = ()
+    # Rows' logit_bias as (rows, token ids, biases), [k] each; None when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Stop tokens of rows short of their min_tokens as (rows, token ids), [k] each: banned.
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def temperature_only(self) -> bool:
@@ -56,7 +60,10 @@ class SamplingMetadata:
         )
 
     @classmethod
-    def build(cls, seqs: list[SequenceState], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    def build(
+        cls, seqs: list[SequenceState], vocab_size: int, device: torch.device, bias_logits: bool = True
+    ) -> SamplingMetadata:
+        """`bias_logits`: whether a row may have a logit bias or min_tokens (False skips the look)."""
         params = [s.sampling_params for s in seqs]
         temperatures = [p.temperature for p in params]
         all_greedy = all(t == 0 for t in temperatures)
@@ -86,6 +93,11 @@ class SamplingMetadata:
             max_num_logprobs=max(num_logprobs, default=0),
             num_logprobs=num_logprobs,
         )
+        rows = (
+            [i for i, p in enumerate(params) if p.logit_bias_token_ids or p.min_tokens] if bias_logits else []
+        )
+        if rows:
+            meta.logit_bias, meta.banned_tokens = _biases_and_bans(seqs, rows, device)
         if any(uses_penalties(p) for p in params):
             meta.repetition_penalties = _to_device(
                 [p.repetition_penalty for p in params], torch.float32, device
@@ -101,6 +113,31 @@ class SamplingMetadata:
                 [s.token_ids[s.num_prompt_tokens :] for s in seqs], vocab_size, device
             )
         return meta
+
+
+def _biases_and_bans(seqs: list[SequenceState], rows: list[int], device: torch.device) -> tuple:
+    """(logit_bias, banned_tokens) of SamplingMetadata for the rows that have either."""
+    bias_rows, bias_ids, biases, ban_rows, ban_ids = [], [], [], [], []
+    for i in rows:
+        seq = seqs[i]
+        p = seq.sampling_params
+        bias_rows += [i] * len(p.logit_bias_token_ids)
+        bias_ids += p.logit_bias_token_ids
+        biases += p.logit_bias_values
+        # Tokens generated so far: the one sampled now is token number num_generated + 1.
+        if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens:
+            ban_rows += [i] * len(p.stop_token_ids)
+            ban_ids += p.stop_token_ids
+    bias = ban = None
+    if bias_rows:
+        bias = (
+            _to_device(bias_rows, torch.long, device),
+            _to_device(bias_ids, torch.long, device),
+            _to_device(biases, torch.float32, device),
+        )
+    if ban_rows:
+        ban = (_to_device(ban_rows, torch.long, device), _to_device(ban_ids, torch.long, device))
+    return bias, ban
 
 
 def mix_seed(seed: int, num_tokens: int) -> int:

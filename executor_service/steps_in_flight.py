@@ -70,6 +70,7 @@ def step_result(plan: StepPlan, sampling_seqs: list[SequenceState], out: RunOutp
         prepare_seconds=out.prepare_seconds,
         forward_seconds=out.forward_seconds,
         sample_seconds=out.sample_seconds,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 

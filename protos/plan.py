@@ -26,6 +26,12 @@ class StepSamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int = 0
     num_prompt_tokens: int = 0
+    # The features below travel only with the sequences that use them (empty columns otherwise).
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # with min_tokens only
+    logit_bias_token_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
+    prompt_logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -77,6 +83,19 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """The prompt tokens token_ids[first_token_index : first_token_index + k] as one step scored them."""
+
+    seq_id: int
+    first_token_index: int
+    token_logprobs: list[float]
+    ranks: list[int]
+    # Top-N alternatives, flattened, N per scored token.
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     seq_ids: list[int] = field(default_factory=list)
@@ -87,6 +106,7 @@ class StepResult:
     prepare_seconds: float = 0.0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -125,9 +145,15 @@ def _sampling_to_proto(p: StepSamplingParams) -> pb.StepSamplingParams:
         frequency_penalty=p.frequency_penalty,
         logprobs=p.logprobs,
         num_prompt_tokens=p.num_prompt_tokens,
+        min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids,
+        logit_bias_token_ids=p.logit_bias_token_ids,
+        logit_bias_values=p.logit_bias_values,
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -143,6 +169,11 @@ def _sampling_from_proto(msg: pb.StepSamplingParams) -> StepSamplingParams:
         frequency_penalty=msg.frequency_penalty,
         logprobs=msg.logprobs,
         num_prompt_tokens=msg.num_prompt_tokens,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=list(msg.stop_token_ids),
+        logit_bias_token_ids=list(msg.logit_bias_token_ids),
+        logit_bias_values=list(msg.logit_bias_values),
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -210,6 +241,17 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
         prepare_seconds=result.prepare_seconds,
         forward_seconds=result.forward_seconds,
         sample_seconds=result.sample_seconds,
+        prompt_logprobs=[
+            pb.PromptLogprobs(
+                seq_id=p.seq_id,
+                first_token_index=p.first_token_index,
+                token_logprobs=p.token_logprobs,
+                ranks=p.ranks,
+                top_token_ids=p.top_token_ids,
+                top_logprobs=p.top_logprobs,
+            )
+            for p in result.prompt_logprobs
+        ],
     )
 
 
@@ -231,6 +273,17 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
         prepare_seconds=msg.prepare_seconds,
         forward_seconds=msg.forward_seconds,
         sample_seconds=msg.sample_seconds,
+        prompt_logprobs=[
+            PromptLogprobs(
+                seq_id=p.seq_id,
+                first_token_index=p.first_token_index,
+                token_logprobs=list(p.token_logprobs),
+                ranks=list(p.ranks),
+                top_token_ids=list(p.top_token_ids),
+                top_logprobs=list(p.top_logprobs),
+            )
+            for p in msg.prompt_logprobs
+        ],
     )
 
 

@@ -116,6 +116,7 @@ class _Output:
     request_id: int
     new_token_ids: list[int]
     new_logprobs: list | None
+    prompt_logprobs: list | None
     num_cached_tokens: int
     finished: bool
     finish_reason: str | None
@@ -184,18 +185,24 @@ class RemoteEngine:
         params: SamplingParams,
         arrival: float,
         timeout: float | None = None,
-    ) -> RequestStream:
-        """Checked here against the executor's limits, then admitted by the core (its queue
-        limits) or refused: raises TandemRequestError as AsyncEngine.submit does."""
+        user: str | None = None,
+    ) -> list[RequestStream]:
+        """The request's params.n samples, checked here against the executor's limits, then
+        admitted by the core (its queue limits) or refused: raises TandemRequestError as
+        AsyncEngine.submit does."""
         engine = self.check_admitting()
-        params.verify()
+        samples = params.for_samples()
+        samples[0].verify()
         limits = engine.limits
-        verify_request(prompt_token_ids, params, limits.vocab_size, limits.max_model_len, limits.max_logprobs)
+        verify_request(
+            prompt_token_ids, samples[0], limits.vocab_size, limits.max_model_len, limits.max_logprobs
+        )
         self._next_key += 1
         key = self._next_key
         future = asyncio.get_running_loop().create_future()
-        self._pending[key] = (future, request_id, len(prompt_token_ids), params, arrival)
-        self._send("add", key, request_id, prompt_token_ids, ipc.params_to_wire(params), arrival, timeout)
+        self._pending[key] = (future, request_id, len(prompt_token_ids), samples, arrival)
+        wire = ipc.params_to_wire(params)
+        self._send("add", key, request_id, prompt_token_ids, wire, arrival, timeout, user)
         return await future
 
     def abort(self, stream: RequestStream) -> None:
@@ -261,15 +268,20 @@ class RemoteEngine:
             self.on_health(serving)
         self.state_received.set()
 
-    def _on_added(self, key: int, engine_id: int) -> None:
-        future, request_id, num_prompt_tokens, params, arrival = self._pending.pop(key)
-        stream = RequestStream(request_id, engine_id, num_prompt_tokens, params, arrival)
+    def _on_added(self, key: int, engine_ids: list[int]) -> None:
+        future, request_id, num_prompt_tokens, samples, arrival = self._pending.pop(key)
         if future.cancelled():  # the caller went away while the core admitted it
-            self._send("abort", engine_id)
+            for engine_id in engine_ids:
+                self._send("abort", engine_id)
             return
-        # Registered before any output for it can be read (outputs follow on the same socket).
-        self.streams.add(stream)
-        future.set_result(stream)
+        streams = [
+            RequestStream(request_id, engine_id, num_prompt_tokens, sample, arrival, j)
+            for j, (engine_id, sample) in enumerate(zip(engine_ids, samples, strict=True))
+        ]
+        # Registered before any output for them can be read (outputs follow on the same socket).
+        for stream in streams:
+            self.streams.add(stream)
+        future.set_result(streams)
 
     def _on_refused(self, key: int, code: str, message: str) -> None:
         future = self._pending.pop(key)[0]
@@ -278,12 +290,21 @@ class RemoteEngine:
 
     def _on_out(self, entries: list) -> None:
         outputs, failures = [], {}
-        for engine_id, ids, logprobs, cached, finished, reason, code, message in entries:
+        for engine_id, ids, logprobs, prompt_logprobs, cached, finished, reason, code, message in entries:
             if code is not None:
                 failures[engine_id] = ipc.failure_from_wire(code, message)
                 continue
             outputs.append(
-                _Output(engine_id, ids, ipc.logprobs_from_wire(logprobs), cached, finished, reason, message)
+                _Output(
+                    engine_id,
+                    ids,
+                    ipc.logprobs_from_wire(logprobs),
+                    ipc.logprobs_from_wire(prompt_logprobs),
+                    cached,
+                    finished,
+                    reason,
+                    message,
+                )
             )
         self.streams.dispatch(outputs, failures, time.perf_counter())
 

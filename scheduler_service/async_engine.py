@@ -24,7 +24,7 @@ from scheduler_service.executor_client import ExecutorError, ExecutorUnavailable
 from scheduler_service.executor_recovery import ExecutorRecovery
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request_stream import RequestStream, StreamTable
-from scheduler_service.request_tracker import Failures, RequestTracker
+from scheduler_service.request_tracker import Failures, RequestTracker, some
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import Sequence as Seq
 from scheduler_service.tokenizer import Tokenizer
@@ -95,15 +95,45 @@ class AsyncEngine:
         params: SamplingParams,
         arrival: float,
         timeout: float | None = None,
+        user: str | None = None,
     ) -> RequestStream:
-        """Validate and queue; raises TandemRequestError (InvalidRequestError, QueueFullError, or
-        UNAVAILABLE while shutting down or without an executor).
-        `timeout`: seconds left until the call's deadline (None: no deadline)."""
+        """Validate and queue one sample (params.n must be 1); see add_requests."""
+        if params.n != 1:
+            raise ValueError(f"add_request takes one sample (n = 1), got n = {params.n}: use add_requests")
+        return self.add_requests(request_id, prompt_token_ids, params, arrival, timeout, user)[0]
+
+    def add_requests(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        timeout: float | None = None,
+        user: str | None = None,
+    ) -> list[RequestStream]:
+        """Validate and queue the request's params.n samples (one stream each, all or none);
+        raises TandemRequestError (InvalidRequestError, QueueFullError, or UNAVAILABLE while
+        shutting down or without an executor). `timeout`: seconds left until the call's deadline
+        (None: no deadline); `user`: the end user it is for, logged."""
         engine = self.check_admitting()
-        engine.validate_request(prompt_token_ids, params)
-        self._check_queue(engine, len(prompt_token_ids))
+        samples = params.for_samples()
+        engine.validate_request(prompt_token_ids, samples[0])
+        self._check_queue(engine, len(prompt_token_ids), len(samples))
         deadline = time.monotonic() + timeout if timeout is not None else None
-        return self._tracker.add(request_id, prompt_token_ids, params, arrival, deadline)
+        # In the engine's logs, a sample of several is the request's id and its index.
+        names = [request_id] if len(samples) == 1 else [f"{request_id}/{j}" for j in range(len(samples))]
+        streams = [
+            self._tracker.add(request_id, prompt_token_ids, sample, arrival, deadline, j, name)
+            for j, (sample, name) in enumerate(zip(samples, names, strict=True))
+        ]
+        logger.info(
+            "request %s%s: %d prompt tokens, %s",
+            request_id,
+            f" (user {user!r})" if user else "",
+            len(prompt_token_ids),
+            params.summary(),
+        )
+        return streams
 
     async def submit(
         self,
@@ -112,9 +142,10 @@ class AsyncEngine:
         params: SamplingParams,
         arrival: float,
         timeout: float | None = None,
-    ) -> RequestStream:
-        """add_request, for the front ends: API server processes admit over IPC (api_server.py)."""
-        return self.add_request(request_id, prompt_token_ids, params, arrival, timeout)
+        user: str | None = None,
+    ) -> list[RequestStream]:
+        """add_requests, for the front ends: API server processes admit over IPC (api_server.py)."""
+        return self.add_requests(request_id, prompt_token_ids, params, arrival, timeout, user)
 
     def check_admitting(self) -> LLMEngine:
         """The connected engine; TandemRequestError (UNAVAILABLE) while shutting down or without an executor
@@ -128,13 +159,13 @@ class AsyncEngine:
             raise TandemRequestError(self.not_connected_message(), ErrorCode.UNAVAILABLE)
         return engine
 
-    def _check_queue(self, engine: LLMEngine, num_tokens: int) -> None:
+    def _check_queue(self, engine: LLMEngine, num_tokens: int, num_samples: int = 1) -> None:
         max_queue = self.options.max_queue
         if max_queue is not None:
             # Requests that will have to wait: beyond the free places in the running batch.
             scheduler = engine.scheduler
             free = engine.limits.max_num_seqs - len(scheduler.running)
-            num_waiting = max(0, self._tracker.num_adds + len(scheduler.waiting) - free)
+            num_waiting = max(0, self._tracker.num_adds + len(scheduler.waiting) + num_samples - 1 - free)
             if num_waiting >= max_queue:
                 raise QueueFullError(f"queue full: {num_waiting} requests waiting (--max-queue {max_queue})")
         max_tokens = self.options.max_queued_tokens
@@ -144,9 +175,10 @@ class AsyncEngine:
                     f"prompt ({num_tokens} tokens) exceeds --max-queued-tokens ({max_tokens})"
                 )
             queued = self.streams.num_queued_tokens
-            if queued + num_tokens > max_tokens:
+            adding = num_tokens * num_samples  # each sample counts its prompt
+            if queued + adding > max_tokens:
                 raise QueueFullError(
-                    f"queue full: {queued} prompt tokens waiting + {num_tokens} would exceed "
+                    f"queue full: {queued} prompt tokens waiting + {adding} would exceed "
                     f"--max-queued-tokens {max_tokens}"
                 )
 
@@ -213,8 +245,11 @@ class AsyncEngine:
         plan = engine.last_plan
         if plan is None:
             return
+        names = [engine.scheduler.seqs[i].name for i in plan.seq_ids if i in engine.scheduler.seqs]
         failed = engine.fail_requests(plan.seq_ids, str(error))
-        logger.error("step %d failed (%s); failed its %d requests", plan.step_id, error, len(failed))
+        logger.error(
+            "step %d failed (%s); failed its %d requests: %s", plan.step_id, error, len(failed), some(names)
+        )
         failure = TandemRequestError(str(error), ErrorCode.INTERNAL)
         self._post([], {out.request_id: failure for out in failed})
 

@@ -26,11 +26,17 @@ class DetokenizerUpdate:
 
 
 class IncrementalDetokenizer:
-    """Feed generated token ids with add(); call flush() when the request finishes."""
+    """Feed generated token ids with add(); call flush() when the request finishes.
+    `include_stop`: the output keeps the stop string that ends it; `min_tokens`: stop strings
+    count only in text that tokens after the first min_tokens complete (vLLM's rule)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = []
         self._step = tokenizer.decode_stream()
@@ -57,10 +63,14 @@ class IncrementalDetokenizer:
             if text:
                 self._num_chars += len(text)
                 self._held += text
+            if len(self.token_ids) <= self.min_tokens:
+                out.append(self._held)
+                self._held = ""
+                continue
             hit = self._find_stop()
             if hit is not None:
                 index, stop = hit
-                out.append(self._held[:index])
+                out.append(self._held[: index + len(stop) if self.include_stop else index])
                 self._held = ""
                 self.stopped = stop
                 return DetokenizerUpdate("".join(out), i + 1, stop)

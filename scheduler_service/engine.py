@@ -36,6 +36,9 @@ class RequestOutput:
     error: str | None = None
     # Present when the request asked for logprobs: one entry per new token.
     new_logprobs: list[TokenLogprob] | None = None
+    # With the first tokens of a request that asked for prompt logprobs: one entry per prompt
+    # token from the second (the first has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
     # token_ids and logprobs are slices taken on demand: copying every sequence's output
     # every step would make a step O(total tokens).
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
@@ -86,8 +89,10 @@ class LLMEngine:
         prompt_token_ids: Seq[int],
         sampling_params: SamplingParams | None = None,
         request_id: int | None = None,
+        name: str | None = None,
     ) -> int:
-        """Queue a request; raises InvalidRequestError if it can never run."""
+        """Queue a request; raises InvalidRequestError if it can never run. `name`: its id in the
+        logs, the one its client knows (default: the engine's request id)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.validate_request(prompt_token_ids, params)
         if request_id is None:
@@ -97,7 +102,7 @@ class LLMEngine:
             self._next_request_id += 1
         elif request_id in self.scheduler.seqs:
             raise ValueError(f"request id {request_id} is already in use")
-        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params))
+        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, name=name))
         return request_id
 
     def adopt(self, seq: Sequence) -> None:
@@ -219,6 +224,10 @@ def _to_output(seq: Sequence) -> RequestOutput:
         seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0,
         seq.error,
         seq.logprobs[-k:] if k and seq.logprobs is not None else None,
+        # (the first output: as many generated tokens as new ones)
+        seq.prompt_logprobs
+        if k and seq.prompt_logprobs is not None and len(tokens) - k == seq.num_prompt_tokens
+        else None,
         tokens,
         len(tokens),
         seq.logprobs,

@@ -35,7 +35,7 @@ from protos.ports import _is_bound, bind_address, bind_http_socket, listen_error
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.api_server import SPEC_ENV
 from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.errors import TandemRequestError
+from scheduler_service.errors import InvalidRequestError, TandemRequestError
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request_stream import RequestStream
 
@@ -106,16 +106,18 @@ class CoreBridge:
     def _handle(self, peer: bytes, message: list) -> None:
         kind = message[0]
         if kind == "add":
-            key, request_id, prompt, params, arrival, timeout = message[1:]
+            key, request_id, prompt, params, arrival, timeout, user = message[1:]
             try:
-                stream = self.engine.add_request(
-                    request_id, prompt, ipc.params_from_wire(params), arrival, timeout
+                streams = self.engine.add_requests(
+                    request_id, prompt, ipc.params_from_wire(params), arrival, timeout, user
                 )
-            except TandemRequestError as e:
-                self._send(peer, ipc.pack("refused", key, e.code.name, e.message))
+            except (TandemRequestError, ValueError) as e:
+                error = e if isinstance(e, TandemRequestError) else InvalidRequestError(str(e))
+                self._send(peer, ipc.pack("refused", key, error.code.name, error.message))
                 return
-            self._remote[stream.engine_id] = (peer, stream)
-            self._send(peer, ipc.pack("added", key, stream.engine_id))
+            for stream in streams:
+                self._remote[stream.engine_id] = (peer, stream)
+            self._send(peer, ipc.pack("added", key, [stream.engine_id for stream in streams]))
         elif kind == "abort":
             owned = self._remote.pop(message[1], None)
             if owned is not None:
@@ -141,11 +143,22 @@ class CoreBridge:
             ids, logprobs = stream.take()
             failure = stream.failure
             if failure is not None:
-                entry = [stream.engine_id, [], None, 0, True, "abort", failure.code.name, failure.message]
-            else:
                 entry = [
-                    stream.engine_id, ids, ipc.logprobs_to_wire(logprobs), stream.num_cached_tokens,
-                    stream.finished, stream.finish_reason, None, None,
+                    stream.engine_id,
+                    [],
+                    None,
+                    None,
+                    0,
+                    True,
+                    "abort",
+                    failure.code.name,
+                    failure.message,
+                ]
+            else:
+                prompt_logprobs, stream.prompt_logprobs = stream.prompt_logprobs, None  # sent once
+                entry = [
+                    stream.engine_id, ids, ipc.logprobs_to_wire(logprobs), ipc.logprobs_to_wire(prompt_logprobs),
+                    stream.num_cached_tokens, stream.finished, stream.finish_reason, None, None,
                 ]  # fmt: skip
             if stream.finished:
                 del remote[stream.engine_id]

@@ -5,15 +5,16 @@ One ROUTER socket in the engine core, one DEALER per API server (its identity `a
 
     API server -> core                          core -> API server
     ["hello"]                                   ["state", state]          (on hello, on each change)
-    ["add", key, request_id, prompt_ids,        ["added", key, engine_id] or
-     params, arrival, timeout]                  ["refused", key, code, message]
+    ["add", key, request_id, prompt_ids,        ["added", key, [engine id of each sample]] or
+     params, arrival, timeout, user]            ["refused", key, code, message]
     ["abort", engine_id]                        ["out", [entry, ...]]     (once per engine step)
     ["metrics", [record, ...]]
 
 `state`: {"info": ExecutorInfo fields or None, "limits": SchedulerLimits fields or None,
 "message": why not connected, "admitting": bool}. `entry`: [engine_id, new token ids,
-logprobs or None, cached tokens, finished, finish reason, failure code or None, failure message]
-with logprobs as [token id, logprob, [[id, logprob], ...]]. `record`: [metric, label values,
+logprobs or None, prompt logprobs or None (once), cached tokens, finished, finish reason, failure
+code or None, failure message] with logprobs as [token id, logprob, [[id, logprob], ...], rank].
+A request of n samples is n engine requests (SamplingParams.for_samples, on both sides). `record`: [metric, label values,
 method, value], a call on the core's SchedulerMetrics (`requests_finished.labels("stop").inc(1)`).
 `arrival` is time.perf_counter() of the API server: CLOCK_MONOTONIC on Linux, one clock for every
 process of the host.
@@ -61,13 +62,13 @@ def params_from_wire(fields: dict) -> SamplingParams:
 def logprobs_to_wire(logprobs: Sequence[TokenLogprob] | None) -> list | None:
     if not logprobs:
         return None
-    return [[lp.token_id, lp.logprob, [list(t) for t in lp.top_logprobs]] for lp in logprobs]
+    return [[lp.token_id, lp.logprob, [list(t) for t in lp.top_logprobs], lp.rank] for lp in logprobs]
 
 
 def logprobs_from_wire(wire: list | None) -> list[TokenLogprob] | None:
     if wire is None:
         return None
-    return [TokenLogprob(t, lp, [(i, v) for i, v in top]) for t, lp, top in wire]
+    return [TokenLogprob(t, lp, [(i, v) for i, v in top], rank) for t, lp, top, rank in wire]
 
 
 def failure_from_wire(code: str, message: str) -> TandemRequestError:

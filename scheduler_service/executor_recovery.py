@@ -27,7 +27,7 @@ from scheduler_service.engine import Executor, LLMEngine
 from scheduler_service.errors import ErrorCode, TandemRequestError
 from scheduler_service.executor_client import ExecutorOwned
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.request_tracker import Failures, RequestTracker
+from scheduler_service.request_tracker import Failures, RequestTracker, some
 from scheduler_service.sequence import Sequence as Seq
 from scheduler_service.tokenizer import Tokenizer
 
@@ -128,7 +128,12 @@ class ExecutorRecovery:
             self.held[seq.seq_id] = seq
         if self._lost_at is None:
             self._lost_at = time.monotonic()
-        logger.error("%s; keeping %d requests until an executor is back", reason, len(self.held))
+        logger.error(
+            "%s; keeping %d requests until an executor is back: %s",
+            reason,
+            len(self.held),
+            some([seq.name for seq in self.held.values()]),
+        )
         metrics = self.metrics
         metrics.requests_running.set(0)
         metrics.requests_waiting.set(len(self.held))

@@ -15,6 +15,8 @@ from protos.parsing import MalformedMessage
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.chat_output import ChatDelta, ChatOutputParser
+from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemRequestError
 from scheduler_service.request_handling import (
     NO_TOKENIZER,
@@ -26,7 +28,7 @@ from scheduler_service.request_handling import (
     verify_tokenizer,
 )
 from scheduler_service.request_stream import RequestStream
-from scheduler_service.response_chunks import logprobs_to_proto, split_text, split_tokens
+from scheduler_service.response_chunks import logprobs_to_proto, split_logprobs, split_text, split_tokens
 from scheduler_service.sampling_params import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -34,6 +36,7 @@ _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 _STATUS_CODES = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
 # The client's own deadline timer fires first and cancels the call, a few ms before ours.
@@ -60,11 +63,17 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         logprobs=msg.logprobs,
+        n=msg.n or 1,
+        min_tokens=msg.min_tokens,
+        logit_bias=dict(msg.logit_bias),
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 
-def render_chat(tokenizer, chat: pb.Chat) -> str:
-    """The prompt text of a Chat message; InvalidRequestError for bad JSON or what the template refuses."""
+def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate]:
+    """The prompt text of a Chat message and its template; InvalidRequestError for bad JSON or
+    what the template refuses."""
     fields = {}
     for name, raw in (
         ("chat_template_kwargs_json", chat.chat_template_kwargs_json),
@@ -80,7 +89,8 @@ def render_chat(tokenizer, chat: pb.Chat) -> str:
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     if not messages:
         raise InvalidRequestError("chat.messages is empty")
-    return chat_template(tokenizer).render(messages, tools=fields["tools_json"], **kwargs)
+    template = chat_template(tokenizer)
+    return template.render(messages, tools=fields["tools_json"], **kwargs), template
 
 
 # The largest chunk a stream sends (see GenerationServicer.__init__).
@@ -113,7 +123,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _admit(
         self, request: pb.GenerateRequest, request_id: str, arrival: float, timeout: float | None
-    ) -> RequestStream:
+    ) -> list[tuple[RequestStream, ChatOutputParser | None]]:
+        """One stream per sample (n), with the parser that splits a Chat prompt's answer."""
         verify_request_id(request.request_id)
         params = sampling_params_from_proto(request.sampling_params)
         tokenizer = self.engine.tokenizer
@@ -123,7 +134,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             # No work for a prompt that cannot be served: no executor (UNAVAILABLE), no tokenizer,
             # or a text too long to fit (a lower bound on its tokens, without tokenizing).
             engine = self.engine.check_admitting()
-            text = request.text if kind == "text" else render_chat(tokenizer, request.chat)
+            if kind == "text":
+                text, template = request.text, None
+            else:
+                text, template = render_chat(tokenizer, request.chat)
             tokenizer = check_text_prompt(tokenizer, text, params, engine.limits.max_model_len)
             special = kind == "text"  # a chat template writes its own special tokens
             if len(text) > TOKENIZE_INLINE_CHARS:
@@ -133,8 +147,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             else:
                 prompt = tokenizer.encode(text, special)
         else:
-            prompt = list(request.token_ids.ids)
-        return await self.engine.submit(request_id, prompt, params, arrival, timeout)
+            prompt, template = list(request.token_ids.ids), None
+        streams = await self.engine.submit(request_id, prompt, params, arrival, timeout, request.user)
+        if template is None:
+            return [(stream, None) for stream in streams]
+        tools = bool(request.chat.tools_json)
+        return [(stream, ChatOutputParser.for_request(template, text, tools)) for stream in streams]
 
     async def Generate(
         self,
@@ -155,60 +173,129 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
-            stream = await self._admit(request, request_id, arrival, context.time_remaining())
+            samples = await self._admit(request, request_id, arrival, context.time_remaining())
         except TandemRequestError as e:
             await self._fail(context, _STATUS_CODES[e.code], e.message)
         except ValueError as e:  # anything else a request can get wrong
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        output = OutputProcessor(self.engine.tokenizer, stream.params)
-        final = None
+        streams = [stream for stream, _ in samples]
+        num_finals = 0
+        failed = False
         try:
-            async for response in self._responses(stream, output, context):
+            # One sample's responses straight from its generator (no generator around it).
+            responses = self._responses(*samples[0]) if len(samples) == 1 else self._samples(samples)
+            async for response in responses:
                 yield response  # returns once gRPC has taken the message
-                final = response.final if response.WhichOneof("payload") == "final" else None
+                if response.WhichOneof("payload") == "final":
+                    num_finals += 1
+                    reason = next(k for k, v in _FINISH_REASONS.items() if v == response.final.finish_reason)
+                    # (the metric counts the engine's reasons: tool calls end in a stop)
+                    self.metrics.requests_finished.labels("stop" if reason == "tool_calls" else reason).inc()
+        except TandemRequestError as e:
+            failed = True
+            await self._fail(context, _STATUS_CODES[e.code], e.message)
         finally:
-            if not stream.finished:  # the client cancelled, or its deadline passed
-                self.engine.abort(stream)
-            if final is not None:
-                reason = next(k for k, v in _FINISH_REASONS.items() if v == final.finish_reason)
-                self.metrics.requests_finished.labels(reason).inc()
-            elif stream.failure is None:  # (a failure was counted by _fail)
+            for stream in streams:
+                if not stream.finished:  # the client cancelled, its deadline passed, or a sample failed
+                    self.engine.abort(stream)
+            if num_finals < len(streams) and not failed:
                 # Cancelled, past its deadline, or a message that could not be sent.
                 remaining = context.time_remaining()
                 expired = remaining is not None and remaining <= DEADLINE_SLACK_S
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
                 self.metrics.requests_failed.labels(code.name).inc()
 
-    async def _responses(
-        self, stream: RequestStream, output: OutputProcessor, context: grpc.aio.ServicerContext
+    async def _samples(
+        self, samples: list[tuple[RequestStream, ChatOutputParser | None]]
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Every sample's responses, interleaved as they come; a failed sample's TandemRequestError
+        is raised."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(samples))
+
+        async def pump(stream: RequestStream, parser: ChatOutputParser | None) -> None:
+            try:
+                async for response in self._responses(stream, parser):
+                    await queue.put(response)
+            except TandemRequestError as e:
+                await queue.put(e)
+            else:
+                await queue.put(None)
+
+        tasks = [asyncio.ensure_future(pump(*sample)) for sample in samples]
+        try:
+            left = len(samples)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, TandemRequestError):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _responses(
+        self, stream: RequestStream, parser: ChatOutputParser | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One sample's chunks, then its final message; its failure raised as TandemRequestError."""
+        tokenizer = self.engine.tokenizer
+        output = OutputProcessor(tokenizer, stream.params)
+        request_id, index = stream.request_id, stream.index
+        prompt_logprobs_sent = stream.params.prompt_logprobs is None
         while True:
             await stream.wait(self.stream_interval)
             if stream.failure is not None:
-                await self._fail(context, _STATUS_CODES[stream.failure.code], stream.failure.message)
+                raise stream.failure
             # Read together with the tokens: more may arrive while the chunks are written.
             finished = stream.finished
             ids, logprobs = stream.take()
-            pieces = list(split_tokens(ids, logprobs_to_proto(logprobs), self._chunk_token_bytes))
+            if not prompt_logprobs_sent and stream.prompt_logprobs is not None:
+                prompt_logprobs_sent = True
+                entries = logprobs_to_proto(stream.prompt_logprobs, tokenizer)
+                for part in split_logprobs(entries, self._chunk_token_bytes):
+                    chunk = pb.GenerateChunk(prompt_logprobs=part)
+                    yield pb.GenerateResponse(request_id=request_id, chunk=chunk, index=index)
+            pieces = list(split_tokens(ids, logprobs_to_proto(logprobs, tokenizer), self._chunk_token_bytes))
             for i, (ids, logprobs) in enumerate(pieces):
-                delta = output.add(ids, finished and i == len(pieces) - 1)
+                last = finished and i == len(pieces) - 1
+                delta = output.add(ids, last, stream.finish_reason if last else None)
                 if delta.stopped:
                     ids, logprobs = ids[: delta.num_tokens], logprobs[: delta.num_tokens]
                     self.engine.abort(stream)
                     stream.finished = finished = True
-                if ids or delta.text:
-                    texts = split_text(delta.text, self._chunk_text_chars)
-                    chunk = pb.GenerateChunk(token_ids=ids, text=texts[0], logprobs=logprobs)
-                    yield pb.GenerateResponse(request_id=stream.request_id, chunk=chunk)
-                    for more in texts[1:]:
-                        yield pb.GenerateResponse(
-                            request_id=stream.request_id, chunk=pb.GenerateChunk(text=more)
-                        )
+                split = ChatDelta(content=delta.text)
+                if parser is not None:
+                    split = parser.add(delta.text, last or delta.stopped)
+                if ids or split.content or split.reasoning or split.tool_calls:
+                    for chunk in self._chunks(split):
+                        if ids:  # the tokens go with the first chunk
+                            chunk.token_ids.extend(ids)
+                            chunk.logprobs.extend(logprobs)
+                            ids = []
+                        yield pb.GenerateResponse(request_id=request_id, chunk=chunk, index=index)
                 if delta.stopped:
                     break
             if finished:
-                yield pb.GenerateResponse(request_id=stream.request_id, final=self._final(stream, output))
+                final = self._final(stream, output)
+                if parser is not None and parser.calls:
+                    final.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+                yield pb.GenerateResponse(request_id=request_id, final=final, index=index)
                 return
+
+    def _chunks(self, split: ChatDelta) -> list[pb.GenerateChunk]:
+        """A delta's text in chunks under the message limit: reasoning, then content, then tool calls."""
+        size = self._chunk_text_chars
+        chunks = [pb.GenerateChunk(reasoning_content=r) for r in split_text(split.reasoning, size) if r]
+        chunks += [pb.GenerateChunk(text=c) for c in split_text(split.content, size) if c]
+        if not chunks:
+            chunks.append(pb.GenerateChunk())
+        chunks[-1].tool_calls.extend(
+            pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "", arguments=d.arguments)
+            for d in split.tool_calls
+        )
+        return chunks
 
     def _final(self, stream: RequestStream, output: OutputProcessor) -> pb.GenerateFinal:
         reason, stop_reason = output.finish(stream.finish_reason, stream.last_token_id)

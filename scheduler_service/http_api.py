@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from protos.api_keys import AUTHORIZATION, ApiKeys
 from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.chat_output import ChatDelta, ChatOutputParser
 from scheduler_service.errors import InvalidRequestError, TandemRequestError
 from scheduler_service.openai_protocol import HTTP_STATUS, ChatRequest, CompletionRequest, error_body
-from scheduler_service.reasoning import ReasoningParser
 from scheduler_service.request_handling import (
     TOKENIZE_INLINE_CHARS,
     OutputProcessor,
@@ -35,7 +35,6 @@ from scheduler_service.request_handling import (
 from scheduler_service.request_stream import RequestStream
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
-from scheduler_service.tool_calls import ToolCall, ToolCallParser
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; past it: 504
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
@@ -58,28 +57,15 @@ class _Choice:
     index: int
     stream: RequestStream
     output: OutputProcessor
-    reasoning: ReasoningParser | None = None
-    tools: ToolCallParser | None = None
+    # A chat answer's reasoning and tool calls (None: all of it is content).
+    parser: ChatOutputParser | None = None
     text: list[str] = field(default_factory=list)
-    reasoning_text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    sent_prompt_logprobs: bool = False
 
-    def split(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
-        """A text delta as (reasoning, content, tool calls)."""
-        reasoning = ""
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.add(text)
-            if last:
-                more_reasoning, more = self.reasoning.finish()
-                reasoning, text = reasoning + more_reasoning, text + more
-        calls: list[ToolCall] = []
-        if self.tools is not None:
-            text, calls = self.tools.add(text)
-            if last:
-                more, more_calls = self.tools.finish()
-                text, calls = text + more, calls + more_calls
-        return reasoning, text, calls
+    def split(self, text: str, last: bool) -> ChatDelta:
+        return self.parser.add(text, last) if self.parser is not None else ChatDelta(content=text)
 
 
 class OpenAIServer:
@@ -195,14 +181,12 @@ class OpenAIServer:
             )
         if chat:
             num_top = body.num_top_logprobs
-            max_tokens = body.max_completion_tokens or body.max_tokens
             wants_logprobs = body.logprobs
         else:
             num_top = body.logprobs or 0
-            max_tokens = body.max_tokens
             wants_logprobs = body.logprobs is not None
         # The engine reports a sampled token's logprob beside at least one alternative.
-        params = body.sampling_params(max_tokens, max(num_top, 1) if wants_logprobs else 0)
+        params = body.sampling_params(max(num_top, 1) if wants_logprobs else 0)
         verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)
         prompts, template = self._prompts(body, chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -213,16 +197,13 @@ class OpenAIServer:
                 ids = (
                     await self._encode(prompt, params, not chat) if isinstance(prompt, str) else list(prompt)
                 )
-                for j in range(body.n):
-                    child = params
-                    if body.n > 1 and params.seed is not None:
-                        child = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
-                    stream = await self.engine.submit(f"{request_id}-{p}-{j}", ids, child, arrival, timeout)
-                    choice = _Choice(len(choices), stream, OutputProcessor(self.engine.tokenizer, child))
-                    if template is not None and template.thinks:
-                        choice.reasoning = ReasoningParser(prompt)
-                    if template is not None and body.parses_tools():
-                        choice.tools = ToolCallParser()
+                name = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+                for stream in await self.engine.submit(name, ids, params, arrival, timeout, body.user):
+                    choice = _Choice(
+                        len(choices), stream, OutputProcessor(self.engine.tokenizer, stream.params)
+                    )
+                    if template is not None:
+                        choice.parser = ChatOutputParser.for_request(template, prompt, body.parses_tools())
                     choices.append(choice)
         except BaseException:
             for choice in choices:
@@ -260,7 +241,7 @@ async def _choice_deltas(
             raise stream.failure
         finished = stream.finished
         ids, logprobs = stream.take()
-        delta = output.add(ids, finished)
+        delta = output.add(ids, finished, stream.finish_reason)
         if delta.stopped:
             logprobs = logprobs[: delta.num_tokens]
             engine.abort(stream)
@@ -284,7 +265,7 @@ class _ResponseWriter:
         self.num_top = (body.num_top_logprobs if body.logprobs else None) if chat else body.logprobs
 
     def _finish_reason(self, choice: _Choice) -> str:
-        if choice.tools is not None and choice.tools.calls:
+        if choice.parser is not None and choice.parser.calls:
             return "tool_calls"
         return choice.finish_reason or "abort"
 
@@ -300,9 +281,29 @@ class _ResponseWriter:
         }
 
     def _token(self, token_id: int) -> str:
-        return (
-            self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
-        )
+        return self.tokenizer.token_text(token_id) if self.tokenizer else str(token_id)
+
+    def prompt_logprobs(self, choice: _Choice) -> list | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then for each token a map from
+        token id (its own and its top alternatives') to logprob, rank and text."""
+        # The first sample of a prompt scores it (SamplingParams.for_samples).
+        first = self.choices[choice.index - choice.stream.index]
+        lps = first.stream.prompt_logprobs
+        if lps is None:
+            return None
+        out: list[dict | None] = [None]
+        for lp in lps:
+            entry = {
+                str(lp.token_id): {
+                    "logprob": lp.logprob,
+                    "rank": lp.rank,
+                    "decoded_token": self._token(lp.token_id),
+                }
+            }
+            for rank, (t, v) in enumerate(lp.top_logprobs, 1):
+                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self._token(t)})
+            out.append(entry)
+        return out
 
     def logprobs(self, logprobs: list[TokenLogprob], offset: int = 0) -> dict | None:
         if self.num_top is None:
@@ -363,32 +364,37 @@ class _ResponseWriter:
             self._abort_unfinished()
         for choice in self.choices:
             self.server.metrics.requests_finished.labels(choice.finish_reason or "abort").inc()
-        return JSONResponse(
-            {
-                "id": self.request_id,
-                "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [self._whole_choice(c) for c in self.choices],
-                "usage": self.usage(),
-            }
-        )
+        response = {
+            "id": self.request_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._whole_choice(c) for c in self.choices],
+            "usage": self.usage(),
+        }
+        if self.chat and self.body.prompt_logprobs is not None:  # vLLM's place for them in chat
+            response["prompt_logprobs"] = self.prompt_logprobs(self.choices[0])
+        return JSONResponse(response)
 
     def _whole_choice(self, choice: _Choice) -> dict:
         text = "".join(choice.text)
         logprobs = self.logprobs(choice.logprobs)
         if not self.chat:
-            return {
+            whole = {
                 "index": choice.index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": self._finish_reason(choice),
             }
-        reasoning, content, calls = choice.split(text, last=True)
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-        if choice.reasoning is not None:
-            message["reasoning_content"] = reasoning or None
-        message["tool_calls"] = [c.to_openai() for c in choice.tools.calls] if choice.tools else []
+            if self.body.prompt_logprobs is not None:
+                whole["prompt_logprobs"] = self.prompt_logprobs(choice)
+            return whole
+        split = choice.split(text, last=True)
+        calls = choice.parser.calls if choice.parser is not None else []
+        message: dict[str, Any] = {"role": "assistant", "content": split.content or (None if calls else "")}
+        if choice.parser is not None and choice.parser.reasoning is not None:
+            message["reasoning_content"] = split.reasoning or None
+        message["tool_calls"] = [c.to_openai() for c in calls]
         return {
             "index": choice.index,
             "message": message,
@@ -420,17 +426,24 @@ class _ResponseWriter:
         lp = self.logprobs(logprobs, sum(len(t) for t in choice.text)) if logprobs else None
         choice.text.append(text)
         if not self.chat:
-            if not text and not last and not logprobs:
+            prompt_lp = None
+            if self.body.prompt_logprobs is not None and not choice.sent_prompt_logprobs:
+                prompt_lp = self.prompt_logprobs(choice)
+                choice.sent_prompt_logprobs = prompt_lp is not None
+            if not text and not last and not logprobs and prompt_lp is None:
                 return None
-            return {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish}
-        reasoning, content, calls = choice.split(text, last)
+            delta = {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish}
+            if prompt_lp is not None:  # in the first chunk (vLLM's streamed completions)
+                delta["prompt_logprobs"] = prompt_lp
+            return delta
+        split = choice.split(text, last)
         delta: dict[str, Any] = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = [c.to_openai(with_index=True) for c in calls]
+        if split.reasoning:
+            delta["reasoning_content"] = split.reasoning
+        if split.content:
+            delta["content"] = split.content
+        if split.tool_calls:  # OpenAI's: a call's index, id and name first, then its arguments
+            delta["tool_calls"] = [c.to_openai() for c in split.tool_calls]
         if not delta and not last and not logprobs:
             return None
         if last:  # the finish reason may be "tool_calls" only now

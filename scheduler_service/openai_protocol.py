@@ -59,11 +59,17 @@ class _Request(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
 
-    def sampling_params(self, max_tokens: int | None, num_logprobs: int) -> SamplingParams:
+    def max_tokens_of(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, num_logprobs: int) -> SamplingParams:
         """Raises InvalidRequestError naming the limit."""
-        if not 1 <= self.n <= 128:
-            raise InvalidRequestError(f"n must be in [1, 128], got {self.n}")
+        max_tokens = self.max_tokens_of()
         if max_tokens is not None and max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -81,7 +87,24 @@ class _Request(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=num_logprobs,
+            n=self.n,
+            min_tokens=self.min_tokens,
+            logit_bias=_logit_bias(self.logit_bias),
+            prompt_logprobs=self.prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias: JSON object keys are token ids as strings."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}") from None
+        out[token_id] = value
+    return out
 
 
 class CompletionRequest(_Request):
@@ -145,6 +168,16 @@ class ChatRequest(_Request):
         if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError('tool_choice: only "auto" and "none" are supported')
         return bool(self.tools) and self.tool_choice != "none"
+
+    def max_tokens_of(self) -> int | None:
+        """max_completion_tokens (OpenAI's newer name) or max_tokens; both must agree if given."""
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequestError(
+                f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
+                "differ: give one of them"
+            )
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def num_top_logprobs(self) -> int:

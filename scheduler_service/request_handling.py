@@ -9,7 +9,8 @@ end call these, so that a request behaves the same whichever way it came:
   before the work, and `tokenize` encodes it;
 - output: an `OutputProcessor` per request turns generated token ids into text deltas that are
   final (incremental detokenization), ends the output at the first stop string (the caller then
-  aborts the request in its engine) and names the finish reason and stop reason.
+  aborts the request in its engine) and names the finish reason and stop reason; `name_tokens`
+  gives logprobs their tokens' text.
 
 Errors are `TandemRequestError` (errors.py); only a transport maps their codes to its own.
 """
@@ -23,6 +24,7 @@ from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.errors import InvalidRequestError
 from scheduler_service.sampling_params import SamplingParams, verify_prompt_length
+from scheduler_service.sequence import TokenLogprob
 from scheduler_service.tokenizer import Tokenizer
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -87,6 +89,16 @@ def chat_template(tokenizer: Tokenizer | None, no_tokenizer: str = NO_TOKENIZER)
     return template
 
 
+def name_tokens(tokenizer: Tokenizer | None, logprobs: Sequence[TokenLogprob]) -> None:
+    """Fill in each entry's token text (and its alternatives'), when there is a tokenizer."""
+    if tokenizer is None:
+        return
+    text = tokenizer.token_text
+    for lp in logprobs:
+        lp.token = text(lp.token_id)
+        lp.top_tokens = [text(t) for t, _ in lp.top_logprobs]
+
+
 @dataclass(slots=True)
 class OutputDelta:
     # Final text: never a broken UTF-8 tail, never a possible start of a stop string.
@@ -99,28 +111,47 @@ class OutputDelta:
 
 class OutputProcessor:
     """One request's output on its way to the user. Feed each batch of generated ids to add()
-    (with `finished` on the engine's last one); once `stop_string` is set, abort the request in
-    the engine and send nothing more."""
+    (with `finished` and the engine's finish reason on the last one); once `stop_string` is set,
+    abort the request in the engine and send nothing more.
+
+    A stop token's text (an end-of-sequence token, or one of stop_token_ids) is left out of the
+    text, as vLLM does, unless include_stop_str_in_output; its id stays in the output."""
 
     def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams) -> None:
         self.params = params
-        self._detokenizer = IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
+        self._detokenizer = (
+            IncrementalDetokenizer(
+                tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens
+            )
+            if tokenizer is not None
+            else None
+        )
         self.stop_string: str | None = None
         self.num_tokens = 0
 
-    def add(self, token_ids: Sequence[int], finished: bool) -> OutputDelta:
+    def add(self, token_ids: Sequence[int], finished: bool, engine_reason: str | None = None) -> OutputDelta:
         detokenizer = self._detokenizer
         if detokenizer is None:
             self.num_tokens += len(token_ids)
             return OutputDelta("", len(token_ids), False)
-        update = detokenizer.add(token_ids)
+        # The engine's "stop" is a stop token, the last id.
+        drop_stop_token = (
+            finished
+            and engine_reason == "stop"
+            and len(token_ids) > 0
+            and not self.params.include_stop_str_in_output
+        )
+        update = detokenizer.add(token_ids[:-1] if drop_stop_token else token_ids)
         text = update.text
+        num_tokens = update.num_tokens
         if update.stop_string is not None:
             self.stop_string = update.stop_string
-        elif finished:
-            text += detokenizer.flush()
-        self.num_tokens += update.num_tokens
-        return OutputDelta(text, update.num_tokens, update.stop_string is not None)
+        else:
+            num_tokens = len(token_ids)
+            if finished:
+                text += detokenizer.flush()
+        self.num_tokens += num_tokens
+        return OutputDelta(text, num_tokens, update.stop_string is not None)
 
     def finish(self, engine_reason: str | None, last_token_id: int | None) -> tuple[str, str]:
         """(finish reason, stop reason): "stop" with the stop string or the stop token id that

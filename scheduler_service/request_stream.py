@@ -16,9 +16,17 @@ class RequestStream:
     """Written by StreamTable.dispatch (one batch per engine step), read by the RPC handler."""
 
     def __init__(
-        self, request_id: str, engine_id: int, num_prompt_tokens: int, params: SamplingParams, arrival: float
+        self,
+        request_id: str,
+        engine_id: int,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        arrival: float,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Which of the request's n samples this is.
+        self.index = index
         self.engine_id = engine_id
         self.num_prompt_tokens = num_prompt_tokens
         self.params = params
@@ -26,6 +34,8 @@ class RequestStream:
         # Tokens (and logprobs) not yet written to the client.
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        # The prompt's, when the request asked for them (with its first tokens).
+        self.prompt_logprobs: list[TokenLogprob] | None = None
         self.last_token_id: int | None = None
         self.num_cached_tokens = 0
         self.finished = False
@@ -119,6 +129,8 @@ class StreamTable:
                 stream.last_token_id = new[-1]
                 if out.new_logprobs:
                     stream.logprobs.extend(out.new_logprobs)
+                if out.prompt_logprobs is not None:
+                    stream.prompt_logprobs = out.prompt_logprobs
             stream.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 stream.finished = True

@@ -9,6 +9,7 @@ streams through `post`.
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,11 +21,14 @@ from scheduler_service.request_stream import RequestStream, StreamTable
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import Sequence as Seq
 
+logger = logging.getLogger(__name__)
+
 Failures = dict[int, TandemRequestError]
 # Hands one batch of step outputs and failures to the streams, on the asyncio loop.
 Post = Callable[[Sequence[RequestOutput], Failures | None], None]
-# (engine id, prompt token ids, sampling params, arrival (perf_counter), deadline (monotonic) or None)
-Add = tuple[int, list[int], SamplingParams, float, float | None]
+# (engine id, prompt token ids, sampling params, arrival (perf_counter), deadline (monotonic) or
+# None, its name in the engine's logs)
+Add = tuple[int, list[int], SamplingParams, float, float | None, str]
 
 
 class RequestTracker:
@@ -58,12 +62,18 @@ class RequestTracker:
         params: SamplingParams,
         arrival: float,
         deadline: float | None,
+        index: int = 0,
+        name: str | None = None,
     ) -> RequestStream:
+        """A stream for sample `index` of the request; `name`: its id in the engine's logs
+        (default request_id)."""
         with self._cond:
             self._next_id += 1
-            stream = RequestStream(request_id, self._next_id, len(prompt_token_ids), params, arrival)
+            stream = RequestStream(request_id, self._next_id, len(prompt_token_ids), params, arrival, index)
             self.streams.add(stream)
-            self._adds.append((stream.engine_id, prompt_token_ids, params, arrival, deadline))
+            self._adds.append(
+                (stream.engine_id, prompt_token_ids, params, arrival, deadline, name or request_id)
+            )
             self._cond.notify()
         return stream
 
@@ -111,16 +121,19 @@ class RequestTracker:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
         failures: Failures = {}
-        for engine_id, prompt, params, arrival, deadline in adds:
+        for engine_id, prompt, params, arrival, deadline, name in adds:
             try:
-                engine.add_request(prompt, params, request_id=engine_id)
+                engine.add_request(prompt, params, request_id=engine_id, name=name)
                 self.arrivals[engine_id] = arrival
                 if deadline is not None:
                     heapq.heappush(self._deadlines, (deadline, engine_id))
             except ValueError as e:  # the limits changed since the asyncio side validated
+                logger.info("request %s refused by the engine: %s", name, e)
                 failures[engine_id] = TandemRequestError(str(e), ErrorCode.INVALID_ARGUMENT)
         for engine_id in aborts:
-            engine.abort_request(engine_id)
+            seq = engine.scheduler.seqs.get(engine_id)
+            if engine.abort_request(engine_id):
+                logger.info("request %s aborted after %d tokens", seq.name, seq.num_output_tokens)
             self.arrivals.pop(engine_id, None)
         if aborts:
             self.metrics.update_from_stats(engine.scheduler.stats)
@@ -141,6 +154,7 @@ class RequestTracker:
             if seq is not None and engine.abort_request(engine_id):
                 self.arrivals.pop(engine_id, None)
                 where = "while queued" if seq.num_output_tokens == 0 else "while generating"
+                logger.info("request %s: its deadline passed %s", seq.name, where)
                 failures[engine_id] = _expired(where)
         # Entries of requests that finished long before their deadline: drop them now and then.
         if len(deadlines) > 1024 and len(deadlines) > 4 * len(seqs):
@@ -189,6 +203,12 @@ class RequestTracker:
                     del self._adds[i]
                     return True
         return False
+
+
+def some(names: list[str], limit: int = 8) -> str:
+    """Request ids for a log line: the first `limit`, and how many more."""
+    head = ", ".join(names[:limit])
+    return head + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _expired(where: str) -> TandemRequestError:

@@ -8,20 +8,40 @@ from collections.abc import Iterator
 
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.sequence import TokenLogprob
+from scheduler_service.tokenizer import Tokenizer
 
 # A token id in the packed column: at most a 5-byte varint.
 _ID_BYTES = 5
 
 
-def logprobs_to_proto(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+def logprobs_to_proto(
+    logprobs: list[TokenLogprob], tokenizer: Tokenizer | None = None
+) -> list[pb.TokenLogprob]:
+    """With a tokenizer, each token named by its text."""
+    text = tokenizer.token_text if tokenizer is not None else lambda token_id: ""
     return [
         pb.TokenLogprob(
             token_id=lp.token_id,
             logprob=lp.logprob,
-            top_logprobs=[pb.Logprob(token_id=t, logprob=v) for t, v in lp.top_logprobs],
+            top_logprobs=[pb.Logprob(token_id=t, logprob=v, token=text(t)) for t, v in lp.top_logprobs],
+            token=text(lp.token_id),
+            rank=lp.rank or 0,
         )
         for lp in logprobs
     ]
+
+
+def split_logprobs(logprobs: list[pb.TokenLogprob], max_bytes: int) -> Iterator[list[pb.TokenLogprob]]:
+    """Consecutive slices of logprobs of at most max_bytes each (prompt logprobs, sent alone)."""
+    start, size = 0, 0
+    for i, lp in enumerate(logprobs):
+        entry = lp.ByteSize() + 5
+        if i > start and size + entry > max_bytes:
+            yield logprobs[start:i]
+            start, size = i, 0
+        size += entry
+    if start < len(logprobs):
+        yield logprobs[start:]
 
 
 def split_tokens(

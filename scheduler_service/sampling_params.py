@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,11 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 # OpenAI's range for presence_penalty and frequency_penalty.
 MAX_ABS_PENALTY = 2.0
+# OpenAI's limits on logit_bias: 300 entries, each bias in [-100, 100].
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ABS_LOGIT_BIAS = 100.0
+# Samples of one request (n), as the HTTP API has always allowed.
+MAX_N = 128
 _FLOAT_FIELDS = (
     "temperature",
     "min_p",
@@ -42,6 +48,16 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int = 0
+    # Samples generated from the prompt (front ends run them as n requests: for_samples()).
+    n: int = 1
+    # Stop tokens (end-of-sequence and stop_token_ids) and stop strings wait for this many tokens.
+    min_tokens: int = 0
+    # OpenAI's logit_bias: token id -> bias added to its logit before sampling.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Top alternatives per prompt token with the prompt's logprobs (0: each token's own); None: none.
+    prompt_logprobs: int | None = None
+    # Keep the stop string, or the stop token's text, at the end of the output (vLLM's option).
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # -1 is vLLM's "off", the same as 0.
@@ -81,6 +97,57 @@ class SamplingParams:
         for i, t in enumerate(self.stop_token_ids):
             if t < 0:
                 _fail(f"stop_token_ids[{i}] must be >= 0, got {t}")
+        if not 1 <= self.n <= MAX_N:
+            _fail(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.min_tokens < 0:
+            _fail(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            _fail(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        self._verify_logit_bias()
+
+    def _verify_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            _fail(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+        for token_id, bias in self.logit_bias.items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                _fail(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+            if not (number and math.isfinite(bias) and abs(bias) <= MAX_ABS_LOGIT_BIAS):
+                _fail(
+                    f"logit_bias[{token_id}] must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                    f"{MAX_ABS_LOGIT_BIAS:g}], got {bias}"
+                )
+
+    def for_samples(self) -> list[SamplingParams]:
+        """The n samples as n requests of n = 1 each, sharing the prompt through the prefix cache;
+        a seeded request's samples take seeds seed, seed + 1, ... (so they differ); the first
+        sample alone scores the prompt (prompt_logprobs)."""
+        if self.n == 1:
+            return [self]
+        return [
+            dataclasses.replace(
+                self,
+                n=1,
+                seed=None if self.seed is None else (self.seed + j) % 2**64,
+                prompt_logprobs=self.prompt_logprobs if j == 0 else None,
+            )
+            for j in range(self.n)
+        ]
+
+    def summary(self) -> str:
+        """The fields set away from their defaults, briefly (for a log line)."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if value == default:
+                continue
+            if f.name in ("stop", "stop_token_ids", "logit_bias"):
+                value = f"{len(value)} entries"
+            parts.append(f"{f.name}={value}")
+        return ", ".join(parts) or "default sampling"
 
     def to_step_params(self, num_prompt_tokens: int) -> StepSamplingParams:
         return StepSamplingParams(
@@ -94,6 +161,10 @@ class SamplingParams:
             frequency_penalty=self.frequency_penalty,
             logprobs=self.logprobs,
             num_prompt_tokens=num_prompt_tokens,
+            min_tokens=self.min_tokens,
+            logit_bias_token_ids=list(self.logit_bias),
+            logit_bias_values=[float(v) for v in self.logit_bias.values()],
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -121,6 +192,17 @@ def verify_request(
     for i, t in enumerate(params.stop_token_ids):
         if t >= vocab_size:
             _fail(f"stop_token_ids[{i}] = {t} is outside the vocabulary (size {vocab_size})")
+    for t in params.logit_bias:
+        if t >= vocab_size:
+            _fail(f"logit_bias token id {t} is outside the vocabulary (size {vocab_size})")
+    if params.prompt_logprobs is not None:
+        if params.prompt_logprobs > vocab_size:
+            _fail(f"prompt_logprobs ({params.prompt_logprobs}) exceeds the vocabulary size ({vocab_size})")
+        if max_logprobs is not None and params.prompt_logprobs > max_logprobs:
+            _fail(
+                f"prompt_logprobs ({params.prompt_logprobs}) exceeds max_logprobs ({max_logprobs}; the "
+                "scheduler's --max-logprobs)"
+            )
 
 
 def verify_prompt_length(

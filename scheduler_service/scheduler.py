@@ -228,7 +228,7 @@ class Scheduler:
         running = self.running
         while waiting and budget > 0 and len(running) < self.limits.max_num_seqs:
             seq = waiting[0]
-            cached = bm.find_cached_blocks(seq)
+            cached = bm.find_cached_blocks(seq) if not seq.scores_prompt else []
             num_cached = len(cached) * bs
             n = min(len(seq.token_ids) - num_cached, budget)
             if not bm.can_allocate(seq, n, cached):
@@ -273,13 +273,13 @@ class Scheduler:
             plan.preempted_seq_ids.append(seq.seq_id)
             seq.sent = False
         self.stats.num_preemptions += 1
-        logger.debug("preempted sequence %d (%d tokens)", seq.seq_id, len(seq.token_ids))
+        logger.debug("preempted request %s (%d tokens)", seq.name, len(seq.token_ids))
 
     def _fail_unfittable(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.error = (
-            f"sequence {seq.seq_id} ({len(seq.token_ids)} tokens) does not fit in the KV cache "
+            f"request {seq.name} ({len(seq.token_ids)} tokens) does not fit in the KV cache "
             f"({self.limits.num_kv_blocks} blocks of {self.limits.block_size} tokens)"
         )
         logger.error(seq.error)
@@ -310,6 +310,10 @@ class Scheduler:
         bs = self.limits.block_size
         token_ids = result.token_ids
         logprobs = {lp.seq_id: lp for lp in result.logprobs} if result.logprobs else None
+        for lp in result.prompt_logprobs:
+            seq = seqs.get(lp.seq_id)
+            if seq is not None and seq.prompt_logprobs is not None:
+                seq.append_prompt_logprobs(lp)
         any_finished = False
         num_generated = 0
         offset = 0
@@ -335,7 +339,8 @@ class Scheduler:
             reason = None
             for tok in token_ids[offset : offset + k] if k != 1 else (token_ids[offset],):
                 tokens.append(tok)
-                if tok in seq.stop_ids:
+                # (the executor bans stop tokens short of min_tokens: this only checks it)
+                if tok in seq.stop_ids and len(tokens) - seq.num_prompt_tokens > seq.step_params.min_tokens:
                     reason = "stop"
                     break
                 if len(tokens) >= seq.max_num_tokens:
@@ -367,6 +372,7 @@ class Scheduler:
         """Mark finished and free the blocks. The caller removes seq from running/waiting."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        logger.debug("request %s finished (%s) after %d tokens", seq.name, reason, seq.num_output_tokens)
         by_reason = self.stats.finished_by_reason
         by_reason[reason] = by_reason.get(reason, 0) + 1
         # Keep the prompt + output blocks in the prefix cache for later requests.

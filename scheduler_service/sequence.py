@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from protos.plan import NewSequence, StepSamplingParams, TokenLogprobs
+from protos.plan import NewSequence, PromptLogprobs, StepSamplingParams, TokenLogprobs
 from scheduler_service.sampling_params import SamplingParams
 
 
@@ -17,11 +17,16 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """A sampled token's logprob and the top alternatives (token id, logprob), best first."""
+    """A token's logprob and the top alternatives (token id, logprob), best first; a prompt
+    token's also its rank in the vocabulary (1: the most likely)."""
 
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
+    rank: int | None = None
+    # The tokens' text, filled in by a front end with a tokenizer (request_handling.name_tokens).
+    token: str | None = None
+    top_tokens: list[str] | None = None
 
 
 class Sequence:
@@ -33,6 +38,7 @@ class Sequence:
         "finish_reason",
         "logprobs",
         "max_num_tokens",
+        "name",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_kv_written",
@@ -40,6 +46,7 @@ class Sequence:
         "num_pending_tokens",
         "num_prompt_tokens",
         "num_registered_blocks",
+        "prompt_logprobs",
         "sampling_params",
         "sent",
         "seq_id",
@@ -55,8 +62,11 @@ class Sequence:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival: int = 0,
+        name: str | None = None,
     ) -> None:
         self.seq_id = seq_id
+        # The id its client knows the request by, for the logs.
+        self.name = name or str(seq_id)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
@@ -67,6 +77,10 @@ class Sequence:
         self.error: str | None = None
         # One entry per output token when the request asked for logprobs, else None.
         self.logprobs: list[TokenLogprob] | None = [] if sampling_params.logprobs > 0 else None
+        # When the request asked for prompt logprobs: one entry per prompt token from the second.
+        self.prompt_logprobs: list[TokenLogprob] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None
+        )
         # Tokens whose KV is in the cache (or will be once the steps in flight complete).
         self.num_computed_tokens = 0
         # Of those, the ones written by steps whose results are back: only these blocks may be
@@ -115,6 +129,13 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt logprobs are still to come: its prompt is computed, not read from the
+        prefix cache (the executor scores only the positions it computes)."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens - 1
+
     def set_stop_rules(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         """Which sampled tokens stop this sequence ("stop"), and at what length ("length")."""
         params = self.sampling_params
@@ -122,6 +143,8 @@ class Sequence:
         if not params.ignore_eos:
             stop_ids.update(eos_token_ids)
         self.stop_ids = frozenset(stop_ids)
+        if params.min_tokens:  # the executor bans them until then
+            self.step_params.stop_token_ids = sorted(stop_ids)
         self.max_num_tokens = max_model_len
         if params.max_tokens is not None:
             self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + params.max_tokens)
@@ -148,6 +171,24 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             sampling_params=self.step_params,
         )
+
+    def append_prompt_logprobs(self, lp: PromptLogprobs) -> None:
+        """Record the prompt tokens a step scored; tokens scored before (a recompute) are skipped."""
+        lps = self.prompt_logprobs
+        num_top = len(lp.top_token_ids) // max(len(lp.token_logprobs), 1)
+        # prompt_logprobs[j] is token j + 1's
+        for j in range(len(lps) + 1 - lp.first_token_index, len(lp.token_logprobs)):
+            if j < 0:
+                return  # a gap: never, since a scoring sequence skips the prefix cache
+            top = slice(j * num_top, (j + 1) * num_top)
+            lps.append(
+                TokenLogprob(
+                    self.token_ids[lp.first_token_index + j],
+                    lp.token_logprobs[j],
+                    list(zip(lp.top_token_ids[top], lp.top_logprobs[top], strict=True)),
+                    lp.ranks[j],
+                )
+            )
 
     def append_logprobs(self, lp: TokenLogprobs, num_before: int) -> None:
         """Record the logprobs of the tokens appended after position num_before."""

@@ -39,6 +39,7 @@ class Tokenizer:
         self.path = file.parent
         # The most bytes of text one token stands for (None: no sound bound for this tokenizer).
         self.max_bytes_per_token = _max_bytes_per_token(json.loads(self._tok.to_str()))
+        self._token_texts: dict[int, str] = {}
 
     @functools.cached_property
     def chat_template(self) -> ChatTemplate | None:
@@ -70,6 +71,13 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (logprobs name their tokens by it)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     def decode_stream(self) -> Callable[[int], str | None]:
         """An incremental decoder of one token stream (tokenizers' DecodeStream, special tokens

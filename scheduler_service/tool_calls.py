@@ -1,12 +1,18 @@
 """Tool calls in the Hermes format that Qwen3's chat template asks for, as vLLM's hermes parser:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks become OpenAI `tool_calls`; the
-text before the first one is the content, text after it is dropped. A block that is not valid JSON
-stays in the content as written. Streamed and whole outputs go through the same parser: a call is
-sent as one delta once its block is closed (or at the end, when it parses)."""
+text before the first one is the content, text after it is dropped.
+
+A call streams as OpenAI's deltas do: its index, id and function name once the block's text reads
+`{"name": "...", "arguments":`, then fragments of the arguments as the model writes them, up to the
+brace that closes the block's object. A call's `arguments` is the concatenation of its fragments:
+the model's own JSON text, so that whole and streamed answers agree whatever the pieces. A block of
+another shape is parsed when it closes (one delta for the call), and one that is not a call (not
+JSON, no name) stays in the content as written."""
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -14,6 +20,10 @@ from scheduler_service.reasoning import held_back
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+# The start of a call whose arguments can stream: `{"name": "<name>", "arguments": `.
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+# What may still turn out to be the end of the call's object: spaces and its closing brace.
+_CLOSING = re.compile(r"\s*\}?\s*$")
 
 
 @dataclass(slots=True)
@@ -23,13 +33,36 @@ class ToolCall:
     name: str
     arguments: str  # JSON
 
-    def to_openai(self, with_index: bool = False) -> dict:
-        call = {
+    def to_openai(self) -> dict:
+        return {
             "id": self.id,
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
-        return {"index": self.index, **call} if with_index else call
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A piece of call `index`: its id and name (the call's first delta), and arguments text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_openai(self) -> dict:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def _new_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def parse_tool_call(body: str, index: int) -> ToolCall | None:
@@ -42,62 +75,134 @@ def parse_tool_call(body: str, index: int) -> ToolCall | None:
     arguments = call.get("arguments", {})
     return ToolCall(
         index=index,
-        id=f"chatcmpl-tool-{uuid.uuid4().hex}",
+        id=_new_id(),
         name=call["name"],
         arguments=arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
     )
 
 
 class ToolCallParser:
-    """Feed content deltas to add(), then finish(); each returns (content delta, new tool calls)."""
+    """Feed content deltas to add(), then finish(); each returns (content delta, tool call
+    deltas). `calls` holds the calls so far, whole."""
 
     def __init__(self) -> None:
         self._buffer = ""
-        self._in_call = False
+        # "text" (outside a block), "header" (in a block, before its arguments), "arguments"
+        # (streaming them), "string" (arguments given as a JSON string: decoded at the end).
+        self._state = "text"
+        self._body = ""  # a block's text while its header is not yet read
+        self._held = ""  # arguments text not yet sent: it may close the object
+        self._started = False  # whether the arguments' first character has come
         self.calls: list[ToolCall] = []
 
-    def add(self, text: str) -> tuple[str, list[ToolCall]]:
+    def add(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._buffer += text
-        content, calls = "", []
+        content, deltas = "", []
         while True:
-            if self._in_call:
-                end = self._buffer.find(TOOL_CALL_END)
-                if end < 0:
-                    return content, calls
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(TOOL_CALL_END) :]
-                self._in_call = False
-                content += self._close(body, calls)
+            if self._state == "text":
+                start = self._buffer.find(TOOL_CALL_START)
+                if start < 0:
+                    keep = held_back(self._buffer, TOOL_CALL_START)
+                    text, self._buffer = (
+                        self._buffer[: len(self._buffer) - keep],
+                        self._buffer[len(self._buffer) - keep :],
+                    )
+                    if not self.calls:
+                        content += text
+                    return content, deltas
+                if not self.calls:
+                    content += self._buffer[:start]
+                self._buffer = self._buffer[start + len(TOOL_CALL_START) :]
+                self._state, self._body = "header", ""
                 continue
-            start = self._buffer.find(TOOL_CALL_START)
-            if start < 0:
-                keep = held_back(self._buffer, TOOL_CALL_START)
-                text, self._buffer = (
+            end = self._buffer.find(TOOL_CALL_END)
+            closed = end >= 0
+            if closed:
+                piece, self._buffer = self._buffer[:end], self._buffer[end + len(TOOL_CALL_END) :]
+            else:
+                keep = held_back(self._buffer, TOOL_CALL_END)
+                piece, self._buffer = (
                     self._buffer[: len(self._buffer) - keep],
                     self._buffer[len(self._buffer) - keep :],
                 )
-                if not self.calls:
-                    content += text
-                return content, calls
-            if not self.calls:
-                content += self._buffer[:start]
-            self._buffer = self._buffer[start + len(TOOL_CALL_START) :]
-            self._in_call = True
+            content += self._in_block(piece, closed, deltas)
+            if not closed:
+                return content, deltas
+            self._state = "text"
 
-    def _close(self, body: str, calls: list[ToolCall]) -> str:
-        call = parse_tool_call(body.strip(), len(self.calls))
-        if call is None:
-            return "" if self.calls else TOOL_CALL_START + body + TOOL_CALL_END
-        self.calls.append(call)
-        calls.append(call)
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """The rest: an unclosed block ends with the answer."""
+        if self._state == "text":
+            rest, self._buffer = self._buffer, ""
+            return ("" if self.calls else rest), []
+        piece, self._buffer = self._buffer, ""
+        deltas: list[ToolCallDelta] = []
+        content = self._in_block(piece, True, deltas, unclosed=True)
+        self._state = "text"
+        return content, deltas
+
+    def _in_block(self, piece: str, closed: bool, deltas: list[ToolCallDelta], unclosed: bool = False) -> str:
+        """Text of a block (all of it when `closed`); returns what goes to the content."""
+        if self._state == "header":
+            self._body += piece
+            match = _HEADER.match(self._body)
+            if match is None:
+                if not closed:
+                    return ""
+                return self._whole_block(self._body, deltas, unclosed)
+            try:
+                name = json.loads(f'"{match.group(1)}"')
+            except json.JSONDecodeError:
+                name = match.group(1)
+            call = ToolCall(len(self.calls), _new_id(), name, "")
+            self.calls.append(call)
+            deltas.append(ToolCallDelta(call.index, call.id, name, ""))
+            self._state, self._held, self._started = "arguments", "", False
+            piece, self._body = self._body[match.end() :], ""
+        self._arguments(piece, closed, deltas)
         return ""
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        rest, self._buffer = self._buffer, ""
-        calls: list[ToolCall] = []
-        if self._in_call:
-            self._in_call = False
-            content = self._close(rest, calls)
-            if content:  # an unclosed block that does not parse: as written
-                content = content[: -len(TOOL_CALL_END)]
-            return content, calls
-        return ("" if self.calls else rest), calls
+    def _arguments(self, piece: str, closed: bool, deltas: list[ToolCallDelta]) -> None:
+        held = self._held + piece
+        if not self._started:
+            held = held.lstrip()
+            if not held:
+                self._held = ""
+                return
+            self._started = True
+            if held.startswith('"'):
+                self._state = "string"
+        if self._state == "string":  # a JSON string: its value is the arguments, sent at the end
+            self._held = held
+            if closed:
+                out = held.rstrip().removesuffix("}").rstrip()
+                try:
+                    value = json.loads(out)
+                except json.JSONDecodeError:
+                    value = out
+                self._send(value if isinstance(value, str) else out, deltas)
+            return
+        if closed:
+            out = held.rstrip()
+            out, self._held = (out[:-1].rstrip() if out.endswith("}") else out), ""
+        else:
+            cut = _CLOSING.search(held).start()
+            out, self._held = held[:cut], held[cut:]
+        self._send(out, deltas)
+
+    def _send(self, arguments: str, deltas: list[ToolCallDelta]) -> None:
+        if arguments:
+            call = self.calls[-1]
+            call.arguments += arguments
+            deltas.append(ToolCallDelta(call.index, arguments=arguments))
+
+    def _whole_block(self, body: str, deltas: list[ToolCallDelta], unclosed: bool) -> str:
+        """A closed block of another shape: a call if it parses, else the content as written."""
+        call = parse_tool_call(body.strip(), len(self.calls))
+        if call is None:
+            if self.calls:
+                return ""
+            return TOOL_CALL_START + body + ("" if unclosed else TOOL_CALL_END)
+        self.calls.append(call)
+        deltas.append(ToolCallDelta(call.index, call.id, call.name, call.arguments))
+        return ""

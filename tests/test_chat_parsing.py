@@ -8,6 +8,7 @@ import json
 import pytest
 from helpers.chat_checkpoint import QWEN3_TEMPLATE, chat_checkpoint
 
+from scheduler_service.chat_output import ChatOutputParser
 from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.errors import InvalidRequestError
 from scheduler_service.reasoning import ReasoningParser
@@ -42,24 +43,24 @@ def test_raise_exception_is_a_400():
 
 
 def _split(output: str, pieces: int, prompt: str = "", tools: bool = True):
-    reasoning_parser, tool_parser = ReasoningParser(prompt), ToolCallParser()
-    reasoning, content, calls = [], [], []
+    """(reasoning, content, [(name, arguments)]) of `output` fed in `pieces` pieces; each call's
+    first delta names it, the others add to its arguments."""
+    parser = ChatOutputParser(ReasoningParser(prompt), ToolCallParser() if tools else None)
+    reasoning, content, calls = [], [], {}
     step = max(1, len(output) // pieces) if pieces else len(output) or 1
     chunks = [output[i : i + step] for i in range(0, len(output), step)] or [""]
     for i, chunk in enumerate(chunks):
-        r, c = reasoning_parser.add(chunk)
-        if i == len(chunks) - 1:
-            r2, c2 = reasoning_parser.finish()
-            r, c = r + r2, c + c2
-        if tools:
-            c, new = tool_parser.add(c)
-            calls += new
-            if i == len(chunks) - 1:
-                c2, new = tool_parser.finish()
-                c, calls = c + c2, calls + new
-        reasoning.append(r)
-        content.append(c)
-    return "".join(reasoning), "".join(content), [(t.name, json.loads(t.arguments)) for t in calls]
+        delta = parser.add(chunk, last=i == len(chunks) - 1)
+        reasoning.append(delta.reasoning)
+        content.append(delta.content)
+        for d in delta.tool_calls:
+            if d.id is not None:
+                assert d.index not in calls and d.index == len(calls)
+                calls[d.index] = [d.name, d.arguments]
+            else:
+                calls[d.index][1] += d.arguments
+    assert [[c.name, c.arguments] for c in parser.calls] == list(calls.values())
+    return "".join(reasoning), "".join(content), [(name, json.loads(args)) for name, args in calls.values()]
 
 
 OUTPUTS = {
@@ -77,6 +78,20 @@ OUTPUTS = {
     ),
     "<tool_call>not json</tool_call>": ("", "<tool_call>not json</tool_call>", []),
     "<think>cut off": ("cut off", "", []),
+    # arguments before the name: parsed when the block closes
+    '<tool_call>{"arguments": {"x": [1, {"y": 2}]}, "name": "f"}</tool_call>': (
+        "",
+        "",
+        [("f", {"x": [1, {"y": 2}]})],
+    ),
+    # arguments as a JSON string
+    '<tool_call>{"name": "g", "arguments": "{\\"q\\": \\"}\\"}"}</tool_call>': ("", "", [("g", {"q": "}"})]),
+    # a block the answer ends in, and braces inside the arguments' strings
+    '<tool_call>\n{"name": "h", "arguments": {"s": "} }", "n": {}}}\n': (
+        "",
+        "",
+        [("h", {"s": "} }", "n": {}})],
+    ),
 }
 
 
@@ -92,3 +107,18 @@ def test_a_block_opened_by_the_prompt_is_reasoning():
         "answer",
         [],
     )
+
+
+def test_tool_call_arguments_stream_as_the_model_writes_them():
+    parser = ToolCallParser()
+    deltas = []
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+    for ch in text:
+        deltas += parser.add(ch)[1]
+    deltas += parser.finish()[1]
+    assert (deltas[0].index, deltas[0].name, deltas[0].arguments) == (0, "get_weather", "")
+    assert deltas[0].to_openai()["type"] == "function" and deltas[0].id.startswith("chatcmpl-tool-")
+    fragments = [d.arguments for d in deltas[1:]]
+    assert len(fragments) > 10 and all(d.id is None for d in deltas[1:])
+    assert "".join(fragments) == '{"city": "Paris", "unit": "C"}' == parser.calls[0].arguments
+    assert deltas[1].to_openai() == {"index": 0, "function": {"arguments": fragments[0]}}

@@ -43,8 +43,15 @@ def test_every_sampling_kwarg_maps_to_its_proto_field():
         presence_penalty=0.3,
         frequency_penalty=0.4,
         logprobs=2,
+        n=3,
+        min_tokens=2,
+        logit_bias={42: 100, 7: -0.5},
+        prompt_logprobs=0,
+        include_stop_str_in_output=True,
     )
     assert sp.max_tokens == 7 and sp.top_k == 3 and sp.seed == 42 and sp.logprobs == 2
+    assert sp.n == 3 and sp.min_tokens == 2 and dict(sp.logit_bias) == {42: 100.0, 7: -0.5}
+    assert sp.HasField("prompt_logprobs") and sp.prompt_logprobs == 0 and sp.include_stop_str_in_output
     assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
     assert sp.min_p == pytest.approx(0.1) and sp.repetition_penalty == pytest.approx(1.2)
     assert sp.presence_penalty == pytest.approx(0.3) and sp.frequency_penalty == pytest.approx(0.4)
@@ -71,6 +78,8 @@ def test_a_single_stop_string_is_a_list_of_one():
         ({"top_k": 1.5}, "top_k must be an integer"),
         ({"max_tokens": True}, "max_tokens must be an integer"),
         ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+        ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
+        ({"logit_bias": {"a": 1}}, "logit_bias keys must be token ids"),
     ],
 )
 def test_bad_kwargs_fail_before_anything_is_sent(kwargs, message):
@@ -334,7 +343,9 @@ def test_cli_generate_against_a_server(fake_server, capsys):
     address, _ = fake_server
     assert cli.main(["generate", "--server", address, "one", "two", "--max-tokens", "3", "--json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert lines == [{"token_ids": [1, 2, 3], "text": "t1 t2 t3 ", "finish_reason": "length"}] * 2
+    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "cached_tokens": 1}
+    line = {"token_ids": [1, 2, 3], "text": "t1 t2 t3 ", "finish_reason": "length", "usage": usage}
+    assert lines == [line] * 2
     assert cli.main(["generate", "--server", address, "one", "--max-tokens", "5"]) == 0
     assert capsys.readouterr().out == "t1 t2 t3 t4 t5 \n"
     assert cli.main(["generate", "--server", address, "x", "--temperature", "99"]) == 2

@@ -277,12 +277,22 @@ BAD_SAMPLING = {
     "frequency_penalty": [NAN, INF, -INF],
     "logprobs": [-1, VOCAB + 1, 2**31 - 1],
     "num_prompt_tokens": [-1, -(2**31)],
+    "min_tokens": [-1],
+    "prompt_logprobs": [-1, VOCAB + 1],
+    "stop_token_ids": [[VOCAB], [-1]],
+    "logit_bias_token_ids": [[VOCAB]],
+    "logit_bias_values": [[NAN], [INF]],
 }
 
 
 def bad_sampling(draw, plan: StepPlan) -> None:
     name = draw(st.sampled_from(sorted(BAD_SAMPLING)))
-    setattr(plan.new_seqs[0].sampling_params, name, draw(st.sampled_from(BAD_SAMPLING[name])))
+    params = plan.new_seqs[0].sampling_params
+    setattr(params, name, draw(st.sampled_from(BAD_SAMPLING[name])))
+    if name == "logit_bias_values":  # a column of the right length, one bad value
+        params.logit_bias_token_ids = [1]
+    elif name == "logit_bias_token_ids":
+        params.logit_bias_values = [1.0]
 
 
 def unknown_tokens(draw, plan: StepPlan) -> None:

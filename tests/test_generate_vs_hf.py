@@ -146,7 +146,9 @@ def test_cli_generate_json_matches_transformers(qwen3_untied):
     for prompt, line in zip(prompts, lines):
         expected, _ = hf_greedy(qwen3_untied, prompt)
         assert line["token_ids"] == expected
-        assert set(line) == {"token_ids", "text", "finish_reason"}
+        assert set(line) == {"token_ids", "text", "finish_reason", "usage"}
+        assert line["usage"]["prompt_tokens"] == len(prompt)
+        assert line["usage"]["completion_tokens"] == len(expected)
 
 
 def test_cli_text_prompt(qwen3_tied):

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import trained_prompts
-from helpers.hf_reference import GREEDY_SEEDS, MAX_NEW, assert_matches_hf, make_prompts
+from helpers.hf_reference import (
+    GREEDY_SEEDS,
+    MAX_NEW,
+    assert_matches_hf,
+    assert_prompt_logprobs_match_hf,
+    make_prompts,
+)
 
 from client.defaults import DEFAULT_MODEL
 from client.llm import LLM
@@ -162,3 +168,23 @@ def test_moe_bf16_fused_is_as_accurate_as_the_reference_path(family_checkpoint):
     table = list(zip(truth, loop, fused))
     assert [fused[i][0][0] for i in clear] == [truth[i][0][0] for i in clear], table
     assert error(fused) <= 1.5 * error(loop) + 0.005, (error(fused), error(loop), table)
+
+
+def test_request_features_on_cuda_with_fused_ops(qwen3_tied):
+    """logit_bias and min_tokens through the fused sampler (greedy and temperature rows take the
+    one-pass kernel after the bias), prompt_logprobs over chunked prefill with the Triton
+    backend: the CPU reference path's answers (fp32)."""
+    options = dict(dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16, max_num_seqs=8)
+    llm = LLM(str(qwen3_tied), device="cuda", attention_backend="triton", fused_ops="on", **options)
+    assert llm.executor.runner.sampler.fused
+    prompt = make_prompts([40], seed=5)[0]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=6, temperature=temperature, logit_bias={42: 100})
+        assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == [42] * 6
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    held = llm.generate(
+        prompt, SamplingParams(max_tokens=16, logit_bias={0: 100}, min_tokens=5), use_tqdm=False
+    )[0]
+    assert held.token_ids == greedy.token_ids + [0]
+    scored = llm.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    assert_prompt_logprobs_match_hf(qwen3_tied, prompt, scored.prompt_logprobs, 3)

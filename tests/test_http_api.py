@@ -232,13 +232,13 @@ def test_grpc_chat_equals_http_chat(api, model, services):
     with TandemClient(services.address, api_key=KEY) as client:
         stream = client.chat(messages, max_tokens=16, temperature=0.0)
         chunks = list(stream)
+    # the same split as HTTP's: content as text, the <think> block as reasoning_content
     text = "".join(c.text for c in chunks[:-1])
+    reasoning = "".join(c.reasoning_content for c in chunks[:-1])
     assert chunks[-1].prompt_tokens == http.usage.prompt_tokens
     message = http.choices[0].message
-    expected = message.content or ""
-    if getattr(message, "reasoning_content", None) is not None:
-        expected = f"<think>{message.reasoning_content}</think>{expected}"
-    assert text == expected
+    assert text == (message.content or "")
+    assert reasoning == (getattr(message, "reasoning_content", None) or "")
 
 
 def test_tandem_chat_cli_streams_replies(api, model, services):
@@ -263,3 +263,25 @@ def test_tandem_chat_cli_streams_replies(api, model, services):
     assert done.returncode == 0, done.stderr
     replies = done.stdout.split("\n")
     assert replies[0] == expected.choices[0].message.content.split("\n")[0]
+
+
+def test_request_features_across_the_split_services(api, model, services):
+    """logit_bias, min_tokens and prompt_logprobs travel the executor's gRPC step protocol too."""
+    with TandemClient(services.address, api_key=KEY) as client:
+        eos = client.model_info().eos_token_ids[0]
+        grpc_scored = client.complete(PROMPT, max_tokens=1, prompt_logprobs=1)
+    forced = api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, logit_bias={"42": 100}, logprobs=0
+    )
+    assert len(set(forced.choices[0].logprobs.tokens)) == 1
+    held = api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=9, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3}
+    )
+    assert (held.usage.completion_tokens, held.choices[0].finish_reason) == (4, "stop")
+    scored = api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 1}
+    )
+    prompt_logprobs = scored.choices[0].model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == scored.usage.prompt_tokens and prompt_logprobs[0] is None
+    http_values = [next(iter(e.values()))["logprob"] for e in prompt_logprobs[1:]]
+    assert http_values == pytest.approx([lp.logprob for lp in grpc_scored.prompt_logprobs], abs=1e-6)

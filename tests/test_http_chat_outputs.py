@@ -5,6 +5,7 @@ with the official `openai` client; and a client that goes away mid-request frees
 from __future__ import annotations
 
 import json
+import ssl
 import time
 
 import httpx
@@ -13,6 +14,8 @@ import pytest
 from helpers.chat_checkpoint import chat_checkpoint
 from helpers.fake_executor import FakeExecutor
 
+from client import Chunk, TandemClient
+from client.messages import CompletionBuilder
 from scheduler_service.async_engine import EngineOptions
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.server import SchedulerServer, ServerThread
@@ -31,12 +34,15 @@ MESSAGES = [{"role": "user", "content": "Weather and time in Paris?"}]
 
 
 class ScriptedExecutor(FakeExecutor):
-    """Every sequence generates `script`'s tokens, then end-of-sequence (or `slow` forever)."""
+    """Every sequence generates `script`'s tokens, then end-of-sequence (or, `slow` seconds a
+    step, forever); `pause`: seconds a step otherwise."""
 
-    def __init__(self, script: list[int], eos: int, vocab_size: int, slow: float = 0.0) -> None:
+    def __init__(
+        self, script: list[int], eos: int, vocab_size: int, slow: float = 0.0, pause: float = 0.0
+    ) -> None:
         super().__init__(num_kv_blocks=256, block_size=4, max_model_len=1024, eos_token_ids=(eos,))
         self.info.vocab_size = vocab_size
-        self.script, self.eos, self.slow = script, eos, slow
+        self.script, self.eos, self.slow, self.pause = script, eos, slow, pause
         self.num_prompt: dict[int, int] = {}
 
     def _validate(self, plan) -> None:
@@ -51,17 +57,19 @@ class ScriptedExecutor(FakeExecutor):
             n = len(state.token_ids) - 1 - self.num_prompt[sid]
             tok = self.script[n] if n < len(self.script) else (self.script[0] if self.slow else self.eos)
             state.token_ids[-1] = result.token_ids[i] = tok
-        if self.slow:
-            time.sleep(self.slow)
+        if self.slow or self.pause:
+            time.sleep(self.slow or self.pause)
         return result
 
 
-def _server(checkpoint, slow=0.0):
+def _server(checkpoint, slow=0.0, pause=0.0, **kwargs):
     tokenizer = Tokenizer(checkpoint)
     script = tokenizer.encode(ANSWER, add_special_tokens=False)
-    executor = ScriptedExecutor(script, eos=0, vocab_size=tokenizer.vocab_size, slow=slow)
+    executor = ScriptedExecutor(script, eos=0, vocab_size=tokenizer.vocab_size, slow=slow, pause=pause)
     options = EngineOptions(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024))
-    server = SchedulerServer(executor, options, tokenizer_for=lambda info: tokenizer, port=0, http_port=0)
+    server = SchedulerServer(
+        executor, options, tokenizer_for=lambda info: tokenizer, port=0, http_port=0, **kwargs
+    )
     return server, executor
 
 
@@ -71,15 +79,19 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def api(checkpoint):
-    server, _ = _server(checkpoint)
+def server(checkpoint):
+    server, _ = _server(checkpoint, pause=0.003)  # a token a step: streams come in pieces
     with ServerThread(server):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0)
         deadline = time.monotonic() + 20
         while httpx.get(f"http://127.0.0.1:{server.http_port}/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        yield client
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0)
 
 
 def test_reasoning_and_tool_calls_whole(api):
@@ -105,10 +117,57 @@ def test_reasoning_and_tool_calls_streamed_equal_the_whole_answer(api):
     assert deltas[0].delta.role == "assistant"
     reasoning = "".join(getattr(d.delta, "reasoning_content", None) or "" for d in deltas)
     assert reasoning == "\nThe user wants the weather.\n"
-    calls = [call for d in deltas for call in d.delta.tool_calls or ()]
-    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather"), (1, "get_time")]
-    assert json.loads(calls[1].function.arguments) == {"zone": "CET"}
+    # OpenAI's delta format: a call's index, id, type and name first, then fragments of its arguments.
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for call in d.delta.tool_calls or ():
+            if call.id is not None:
+                assert call.index not in calls and call.type == "function" and call.function.name
+                calls[call.index] = {
+                    "id": call.id,
+                    "name": call.function.name,
+                    "arguments": call.function.arguments,
+                }
+            else:
+                assert call.function.name is None
+                calls[call.index]["arguments"] += call.function.arguments
+    fragments = sum(1 for d in deltas for call in d.delta.tool_calls or () if call.id is None)
+    assert fragments > 2  # the arguments came in pieces
+    assert [(i, c["name"]) for i, c in calls.items()] == [(0, "get_weather"), (1, "get_time")]
+    whole = api.chat.completions.create(
+        model="fake", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0
+    )
+    assert [c["arguments"] for c in calls.values()] == [
+        c.function.arguments for c in whole.choices[0].message.tool_calls
+    ]
+    assert json.loads(calls[1]["arguments"]) == {"zone": "CET"}
     assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_grpc_chat_splits_reasoning_and_tool_calls_as_http_does(api, server):
+    whole = api.chat.completions.create(
+        model="fake", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0
+    )
+    with TandemClient(f"127.0.0.1:{server.port}", retries=0) as client:
+        items = list(client.chat(MESSAGES, tools=TOOLS, max_tokens=200))
+        plain = client.complete("Weather?", max_tokens=200)
+    chunks = [i for i in items if isinstance(i, Chunk)]
+    builder = CompletionBuilder()
+    for item in items:
+        builder.add(item)
+    got = builder.build()
+    message = whole.choices[0].message
+    assert got.reasoning_content == message.reasoning_content
+    assert got.text == (message.content or "")
+    assert [(c.index, c.name, c.arguments) for c in got.tool_calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(message.tool_calls)
+    ]
+    assert got.finish_reason == "tool_calls"
+    pieces = [c for chunk in chunks for c in chunk.tool_calls]
+    assert pieces[0].name == "get_weather" and pieces[0].id and pieces[0].arguments == ""
+    assert len(pieces) > 3  # the arguments streamed
+    # a text prompt's answer is not split
+    assert plain.text.startswith("<think>") and plain.reasoning_content is None and not plain.tool_calls
 
 
 def test_without_tools_the_calls_stay_text(api):
@@ -187,3 +246,58 @@ def test_a_full_queue_is_429_and_no_executor_is_503(checkpoint):
             api.completions.create(model="fake", prompt="a", max_tokens=4)
         assert e.value.status_code == 503
         assert httpx.get(f"{url}/health").status_code == 503
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_past_its_deadline_a_request_is_504_and_frees_its_blocks(checkpoint, stream):
+    server, executor = _server(checkpoint, slow=0.01)
+    with ServerThread(server) as running:
+        url = f"http://127.0.0.1:{running.http_port}"
+        _wait_health(url)
+        # 900 tokens at 10 ms a step take 9 s; the deadline is 0.5 s.
+        body = {"model": "fake", "prompt": "hello", "max_tokens": 900, "stream": stream}
+        start = time.monotonic()
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Timeout": "0.5"}, timeout=10)
+        assert time.monotonic() - start < 5
+        if stream:  # the status is sent: the error comes as an event, then [DONE]
+            events = [e for e in r.text.split("\n\n") if e]
+            error = json.loads(events[-2].removeprefix("data: "))["error"]
+            assert events[-1] == "data: [DONE]"
+        else:
+            assert r.status_code == 504
+            error = r.json()["error"]
+        assert "deadline passed" in error["message"] and error["type"] == "timeout"
+        while executor.seqs or running.engine.streams:
+            assert time.monotonic() < start + 5
+            time.sleep(0.05)
+        assert running.engine.engine.scheduler.block_manager.num_free_blocks == 256
+        bad = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Timeout": "soon"})
+        assert bad.status_code == 400 and "x-request-timeout" in bad.json()["error"]["message"]
+
+
+def test_the_http_api_over_tls(checkpoint, tmp_path):
+    from helpers.tls import CA
+
+    ca, other = CA("tandem-test-ca"), CA("another-ca")
+    cert, key = ca.issue("localhost", server=True)
+    files = {}
+    for name, pem in (("cert", cert), ("key", key), ("ca", ca.pem), ("other", other.pem)):
+        files[name] = tmp_path / f"{name}.pem"
+        files[name].write_bytes(pem)
+    ours, theirs = (ssl.create_default_context(cafile=files[name]) for name in ("ca", "other"))
+    server, _ = _server(checkpoint, http_tls=(str(files["cert"]), str(files["key"])))
+    with ServerThread(server) as running:
+        url = f"https://127.0.0.1:{running.http_port}"
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/health", verify=ours).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        trusted = httpx.Client(verify=ours)
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=trusted)
+        got = api.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=200, temperature=0)
+        assert got.choices[0].message.reasoning_content == "\nThe user wants the weather.\n"
+        with pytest.raises(httpx.ConnectError):  # a certificate from a CA the client does not trust
+            httpx.get(f"{url}/health", verify=theirs)
+        with pytest.raises(httpx.HTTPError):  # plaintext to the TLS port
+            httpx.get(f"http://127.0.0.1:{running.http_port}/health", timeout=5)
+        trusted.close()

@@ -56,20 +56,35 @@ def test_plan_round_trips_through_protobuf():
                 ),
             ),
             plan.NewSequence(4, [1], [2], 0, plan.StepSamplingParams()),
+            plan.NewSequence(
+                5,
+                [1, 2],
+                [3],
+                0,
+                plan.StepSamplingParams(
+                    min_tokens=4,
+                    stop_token_ids=[0, 9],
+                    logit_bias_token_ids=[7, 8],
+                    logit_bias_values=[100.0, -0.5],
+                    prompt_logprobs=0,
+                ),
+            ),
         ],
-        seq_ids=[3, 4, 8],
-        num_scheduled_tokens=[3, 1, 1],
-        num_computed_tokens=[0, 0, 40],
+        seq_ids=[3, 4, 5, 8],
+        num_scheduled_tokens=[3, 1, 2, 1],
+        num_computed_tokens=[0, 0, 0, 40],
         new_block_ids=[12],
-        num_new_blocks=[0, 0, 1],
+        num_new_blocks=[0, 0, 0, 1],
         finished_seq_ids=[1],
         preempted_seq_ids=[2],
     )
     wire = plan.plan_to_proto(original).SerializeToString()
     decoded = plan.plan_from_proto(executor_pb2.StepPlan.FromString(wire))
     assert decoded == original
-    # An unset seed stays unset (not 0), a set seed of 0 stays 0.
+    # An unset seed stays unset (not 0), a set seed of 0 stays 0; so does prompt_logprobs.
     assert decoded.new_seqs[1].sampling_params.seed is None
+    assert decoded.new_seqs[1].sampling_params.prompt_logprobs is None
+    assert decoded.new_seqs[2].sampling_params.prompt_logprobs == 0
     zero = plan.StepSamplingParams(seed=0)
     assert plan._sampling_from_proto(plan._sampling_to_proto(zero)).seed == 0
 
@@ -84,6 +99,7 @@ def test_result_and_info_round_trip():
         prepare_seconds=0.25,
         forward_seconds=0.5,
         sample_seconds=0.125,
+        prompt_logprobs=[plan.PromptLogprobs(3, 1, [-0.5, -2.0], [1, 4], [10, 2], [-0.5, -0.75])],
     )
     wire = plan.result_to_proto(result).SerializeToString()
     assert plan.result_from_proto(executor_pb2.StepResult.FromString(wire)) == result

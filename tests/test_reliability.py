@@ -254,9 +254,9 @@ def _rss_bytes(pid: int) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the scheduler's RSS")
 def test_500_streams_with_cancels_and_deadlines(cluster_factory):
-    """Two identical waves of 500 streams after a warm-up one. Each wave cancels and expires
-    some streams (both counts > 0); the others match an undisturbed run. Memory: the second wave
-    leaves the scheduler's RSS where the first left it (no growth per wave), and the first
+    """Four identical waves of 500 streams after a warm-up one. Each wave cancels and expires
+    some streams (both counts > 0); the others match an undisturbed run. Memory: the last wave
+    leaves the scheduler's RSS near where the first left it (no growth per wave), and the first
     leaves it close to the baseline taken after the warm-up."""
     n, max_tokens = 500, 8
     cluster = cluster_factory(DEFAULT_MODEL, num_kv_blocks=2048)
@@ -349,7 +349,7 @@ def test_500_streams_with_cancels_and_deadlines(cluster_factory):
     time.sleep(0.5)
     baseline = _rss_bytes(pid)
     latencies, rss, seconds, counts, after = [], [], [], [], []
-    for _ in range(2):
+    for _ in range(4):
         t0 = time.monotonic()
         outcomes = asyncio.run(wave(True, latencies, rss))
         seconds.append(time.monotonic() - t0)
@@ -360,13 +360,14 @@ def test_500_streams_with_cancels_and_deadlines(cluster_factory):
         f"\nload: {n} requests in {seconds[0]:.1f} s: {counts[0]}; health check latency max "
         f"{1000 * max(latencies):.0f} ms over {len(latencies)} checks; scheduler RSS baseline "
         f"{baseline / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB, after {after[0] / MiB:.1f} MiB; "
-        f"second wave in {seconds[1]:.1f} s: {counts[1]}, RSS after {after[1] / MiB:.1f} MiB "
-        f"({(after[1] - after[0]) / MiB:+.1f} MiB over the first)"
+        f"last wave in {seconds[-1]:.1f} s: {counts[-1]}, RSS after each wave "
+        f"{', '.join(f'{a / MiB:.1f}' for a in after)} MiB"
     )
     assert max(latencies) < 1.0
-    # No growth per wave: a leak would come back with every wave (measured: -2.4 to -1.6 MiB;
-    # 12 KB kept per request, 5.7 MiB a wave, fails this).
-    assert after[1] - after[0] < 4 * MiB, (baseline, peak, after)
+    # No growth per wave: a leak would come back with every wave. The RSS after a wave varies by
+    # up to 5 MiB either way without one (measured over six waves, before and after issue 18's
+    # changes); 12 KB kept per request, 5.7 MiB a wave, would add 17 MiB over three waves.
+    assert after[-1] - after[0] < 8 * MiB, (baseline, peak, after)
     # And the first wave, after a warm-up one, leaves the scheduler near its baseline.
     assert after[0] - baseline < 16 * MiB, (baseline, peak, after)
 

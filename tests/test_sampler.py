@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.sampling_checks import check_logit_bias_and_min_tokens
 
 from executor_service.sampler import Sampler, apply_penalties
 from executor_service.sampling_metadata import SamplingMetadata
@@ -147,3 +148,16 @@ def test_logprobs_are_log_softmax_of_raw_logits():
 def test_no_logprobs_computed_when_no_row_asks():
     out = _sample(_random_logits(2), [_seq(StepSamplingParams()) for _ in range(2)])
     assert out.sampled_logprobs is None and out.top_token_ids is None
+
+
+def test_logit_bias_forces_and_removes_tokens_and_min_tokens_bans_stop_tokens():
+    check_logit_bias_and_min_tokens("cpu", fused=False)
+
+
+def test_plans_without_bias_or_min_tokens_build_neither():
+    meta = SamplingMetadata.build([_seq(StepSamplingParams(temperature=1.0)) for _ in range(3)], V, CPU)
+    assert meta.logit_bias is None and meta.banned_tokens is None
+    # min_tokens reached: nothing banned
+    done = StepSamplingParams(min_tokens=1, stop_token_ids=[0])
+    meta = SamplingMetadata.build([_seq(done, [1, 2, 3], num_prompt=2)], V, CPU)
+    assert meta.banned_tokens is None

@@ -12,6 +12,7 @@ import torch
 from helpers.sampling_checks import (
     check_distribution,
     check_greedy,
+    check_logit_bias_and_min_tokens,
     check_sampler_routing,
     check_seed_isolation,
 )
@@ -37,6 +38,12 @@ def test_sampled_frequencies_follow_softmax(temperature):
 @cuda
 def test_sampler_routes_seeded_batches_to_the_unfused_path():
     check_sampler_routing("cuda")
+
+
+@cuda
+@pytest.mark.parametrize("fused", [True, False])
+def test_logit_bias_and_min_tokens_on_both_sampler_paths(fused):
+    check_logit_bias_and_min_tokens("cuda", fused)
 
 
 @cuda

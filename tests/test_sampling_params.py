@@ -23,6 +23,16 @@ from scheduler_service.sampling_params import InvalidRequestError, SamplingParam
         ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
         ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
         ({"stop_token_ids": [3, -2]}, "stop_token_ids[1] must be >= 0, got -2"),
+        ({"n": 129}, "n must be in [1, 128], got 129"),
+        ({"min_tokens": -1}, "min_tokens must be >= 0, got -1"),
+        ({"min_tokens": 17}, "min_tokens (17) must be <= max_tokens (16)"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be >= 0, got -1"),
+        ({"logit_bias": {5: -100.5}}, "logit_bias[5] must be in [-100, 100], got -100.5"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias[5] must be in [-100, 100], got nan"),
+        ({"logit_bias": {5: "up"}}, "logit_bias[5] must be in [-100, 100], got up"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids (integers >= 0), got '5'"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids (integers >= 0), got -1"),
+        ({"logit_bias": dict.fromkeys(range(301), 0.0)}, "logit_bias has 301 entries; at most 300"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):
@@ -112,3 +122,14 @@ def test_top_k_minus_one_is_off_and_penalties_at_the_limit_are_accepted():
     params = SamplingParams(top_k=-1, presence_penalty=2.0, frequency_penalty=-2.0)
     assert params.top_k == 0
     assert params.to_step_params(1).top_k == 0
+
+
+def test_samples_and_the_plan_fields_of_the_features():
+    params = SamplingParams(n=3, seed=2**64 - 1, prompt_logprobs=1, logit_bias={7: 100}, min_tokens=2)
+    samples = params.for_samples()
+    assert [s.seed for s in samples] == [2**64 - 1, 0, 1] and {s.n for s in samples} == {1}
+    assert [s.prompt_logprobs for s in samples] == [1, None, None]  # the first scores the prompt
+    step = samples[0].to_step_params(5)
+    assert (step.min_tokens, step.logit_bias_token_ids, step.logit_bias_values) == (2, [7], [100.0])
+    assert SamplingParams().to_step_params(5).logit_bias_token_ids == []  # nothing in the plan
+    assert SamplingParams(max_tokens=4, logit_bias={1: 2.0}).summary() == "max_tokens=4, logit_bias=1 entries"

@@ -351,6 +351,37 @@ def test_penalties_and_steps_without_samples_match_tp1(qwen3_tied):
     assert run(tensor_parallel_size=2, tp_master_port=free_port()) == expected
 
 
+def test_prompt_logprobs_logit_bias_and_min_tokens_match_tp1(qwen3_tied):
+    """Every rank runs the LM head over the prompt rows that prompt_logprobs score (a collective,
+    in chunked prefill); rank 0 alone takes their log-softmax and samples with the bias and the
+    min_tokens bans: the same tokens and prompt logprobs as TP=1."""
+    prompts = [prompt_ids(n, seed=60 + n) for n in (37, 6)]
+    params = [
+        SamplingParams(max_tokens=6, prompt_logprobs=2, logit_bias={0: 100}, min_tokens=3),
+        SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={42: 5.0}, prompt_logprobs=0),
+    ]
+
+    def run(**options):
+        llm = LLM(str(qwen3_tied), **{**OPTIONS, "max_num_batched_tokens": 16, "max_num_seqs": 4}, **options)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return [
+                (o.token_ids, [(p.token_id, p.logprob, p.rank) for p in o.prompt_logprobs[1:]]) for o in outs
+            ]
+        finally:
+            llm.executor.close()
+
+    expected = run()
+    assert expected[0][0][-1] == 0 and len(expected[0][0]) == 4  # min_tokens held the end back
+    assert len(expected[1][1]) == len(prompts[1]) - 1
+    got = run(tensor_parallel_size=2, tp_master_port=free_port())
+    for (tokens, scored), (want_tokens, want_scored) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        assert [(t, r) for t, _, r in scored] == [(t, r) for t, _, r in want_scored]
+        # (the ranks' partial sums round differently)
+        assert [v for _, v, _ in scored] == pytest.approx([v for _, v, _ in want_scored], abs=1e-4)
+
+
 def test_a_vocabulary_that_does_not_split_evenly(tmp_path):
     """515 tokens over 2 ranks: shards of 258 and 257, the padding row never sampled; the tokens
     equal TP=1's, untied and tied (where the padded embedding rows are also the LM head's)."""

@@ -87,8 +87,11 @@ for dtype in (torch.float32, torch.bfloat16, f16):
     check_qk_norm_rope(5, 4, 2, 32, dtype, "cpu", with_norm=False, rope=yarn)
 """,
     "sampling": """
-from helpers.sampling_checks import check_distribution, check_greedy, check_sampler_routing, check_seed_isolation
+from helpers.sampling_checks import (
+    check_distribution, check_greedy, check_logit_bias_and_min_tokens, check_sampler_routing, check_seed_isolation
+)
 check_sampler_routing("cpu")
+check_logit_bias_and_min_tokens("cpu", fused=True)
 check_greedy(5, 40, torch.float32, "cpu", block=16)  # 3 tiles, the last one partial
 check_greedy(3, 40, f16, "cpu", block=16)
 check_seed_isolation(24, "cpu", block=16)

@@ -71,3 +71,23 @@ def assert_matches_hf(path, prompts, outputs):
             assert [v for _, v in lp.top_logprobs] == pytest.approx(top.values.tolist(), abs=LOGPROB_ATOL)
     smallest = min(margins)
     assert smallest >= MIN_MARGIN, f"a greedy near-tie: top-1 - top-2 = {smallest:.2e}"
+
+
+def assert_prompt_logprobs_match_hf(path, prompt: list[int], prompt_logprobs, num_top: int) -> None:
+    """prompt_logprobs (LLM's: None, then one TokenLogprob per prompt token) are transformers'
+    log_softmax over the prompt: each token's logprob, rank, top `num_top` and text."""
+    from scheduler_service.tokenizer import Tokenizer
+
+    with torch.no_grad():
+        logits = _hf_model(str(path))(torch.tensor([prompt])).logits[0].float()
+    ref = logits.log_softmax(-1)  # row t - 1 scores token t
+    text = Tokenizer(path).token_text
+    assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
+    for t in range(1, len(prompt)):
+        lp, row = prompt_logprobs[t], ref[t - 1]
+        assert lp.token_id == prompt[t] and lp.token == text(prompt[t])
+        assert math.isclose(lp.logprob, float(row[prompt[t]]), abs_tol=LOGPROB_ATOL), t
+        assert lp.rank == int((row > row[prompt[t]]).sum()) + 1
+        top = row.topk(num_top)
+        assert [i for i, _ in lp.top_logprobs] == top.indices.tolist()
+        assert [v for _, v in lp.top_logprobs] == pytest.approx(top.values.tolist(), abs=LOGPROB_ATOL)

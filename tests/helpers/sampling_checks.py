@@ -96,3 +96,55 @@ def check_sampler_routing(device: str) -> None:
     got = fused(logits, seeded).sampled_token_ids.tolist()
     want = Sampler(0, dev, fused=False)(logits, seeded).sampled_token_ids.tolist()
     assert got[:3] == want[:3], "a seeded row drew other noise on the fused sampler"
+
+
+def check_logit_bias_and_min_tokens(device: str, fused: bool) -> None:
+    """The Sampler (`fused`: its one-pass path, which samples the biased logits) with OpenAI's
+    logit_bias and vLLM's min_tokens: +100 forces a token, greedy or sampled; -100 removes one;
+    a row short of min_tokens never draws its stop tokens, a row that reached it may; rows
+    without either keep their tokens; logprobs stay the model's own."""
+    from executor_service.sampler import Sampler
+    from executor_service.sampling_metadata import SamplingMetadata
+    from executor_service.sequence import SequenceState
+    from protos.plan import StepSamplingParams
+
+    dev = torch.device(device)
+    vocab_size, n = 40, 8
+    logits = torch.randn(n, vocab_size, generator=torch.Generator().manual_seed(5)).to(dev)
+    top = logits.argmax(-1).tolist()
+    stops = [top[4], top[5]]  # the stop tokens are the most likely ones
+
+    def params(i: int) -> StepSamplingParams:
+        if i in (0, 1):  # forced: greedy, then sampled
+            return StepSamplingParams(
+                temperature=float(i), logit_bias_token_ids=[7], logit_bias_values=[100.0]
+            )
+        if i == 2:  # the greedy choice removed
+            return StepSamplingParams(logit_bias_token_ids=[top[2]], logit_bias_values=[-100.0])
+        if i in (4, 5):  # 2 tokens generated (below): short of min_tokens 3, then at min_tokens 2
+            return StepSamplingParams(min_tokens=3 if i == 4 else 2, stop_token_ids=stops)
+        return StepSamplingParams()
+
+    # prompt [1, 2], then 2 generated tokens
+    seqs = [SequenceState(i, [1, 2, 3, 3], [], 0, params(i), 2) for i in range(n)]
+    meta = SamplingMetadata.build(seqs, vocab_size, dev)
+    assert meta.temperature_only  # with fused=True: the one-pass path
+    sampler = Sampler(0, dev, fused=fused)
+    best_allowed = logits[4].index_fill(0, torch.tensor(stops, device=dev), float("-inf")).argmax().item()
+    for _ in range(20):
+        got = sampler(logits, meta).sampled_token_ids.tolist()
+        assert got[0] == got[1] == 7
+        assert got[2] != top[2]
+        assert got[4] == best_allowed
+        assert got[5] == top[5]
+        assert got[3] == top[3] and got[6:] == top[6:]
+    lp = SamplingMetadata.build(
+        [SequenceState(0, [1], [], 0, StepSamplingParams(logprobs=1, **_bias(7)), 1)], vocab_size, dev
+    )
+    out = Sampler(0, dev, fused=fused)(logits[:1], lp)
+    assert out.sampled_token_ids.item() == 7
+    assert abs(out.sampled_logprobs.item() - logits[0].float().log_softmax(-1)[7].item()) < 1e-5
+
+
+def _bias(token_id: int) -> dict:
+    return {"logit_bias_token_ids": [token_id], "logit_bias_values": [100.0]}

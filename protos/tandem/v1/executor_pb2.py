@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/executor.proto\x12\ttandem.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xf3\x02\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x12\n\nnum_layers\x18\x0e \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x0f \x01(\x03\x12\x16\n\x0ekv_cache_dtype\x18\x10 \x01(\t\"\xf0\x01\n\x12StepSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\x05\x42\x07\n\x05_seed\"\x9a\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x62lock_table\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.tandem.v1.StepSamplingParams\"\xf5\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x16.tandem.v1.NewSequence\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x06 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x07 \x03(\x05\x12\x18\n\x10\x66inished_seq_ids\x18\x08 \x03(\x04\x12\x19\n\x11preempted_seq_ids\x18\t \x03(\x04\"\xcb\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x03(\x05\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x17\n\x0fprepare_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x07 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x08 \x01(\x01\"f\n\rTokenLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10sampled_logprobs\x18\x02 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x0e\n\x0cResetRequest\")\n\rResetResponse\x12\x18\n\x10num_dropped_seqs\x18\x01 \x01(\x05\"\x10\n\x0eReleaseRequest\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8c\x02\n\x0f\x45xecutorService\x12\x43\n\x08\x44\x65scribe\x12\x1a.tandem.v1.DescribeRequest\x1a\x1b.tandem.v1.DescribeResponse\x12\x36\n\x04Step\x12\x13.tandem.v1.StepPlan\x1a\x15.tandem.v1.StepResult(\x01\x30\x01\x12:\n\x05Reset\x12\x17.tandem.v1.ResetRequest\x1a\x18.tandem.v1.ResetResponse\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/executor.proto\x12\ttandem.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xf3\x02\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x12\n\nnum_layers\x18\x0e \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x0f \x01(\x03\x12\x16\n\x0ekv_cache_dtype\x18\x10 \x01(\t\"\x87\x03\n\x12StepSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x1c\n\x14logit_bias_token_ids\x18\r \x03(\x05\x12\x19\n\x11logit_bias_values\x18\x0e \x03(\x02\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\x9a\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x62lock_table\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.tandem.v1.StepSamplingParams\"\xf5\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x16.tandem.v1.NewSequence\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x06 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x07 \x03(\x05\x12\x18\n\x10\x66inished_seq_ids\x18\x08 \x03(\x04\x12\x19\n\x11preempted_seq_ids\x18\t \x03(\x04\"\xff\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x03(\x05\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x17\n\x0fprepare_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x07 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x08 \x01(\x01\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.tandem.v1.PromptLogprobs\"f\n\rTokenLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10sampled_logprobs\x18\x02 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x8f\x01\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x19\n\x11\x66irst_token_index\x18\x02 \x01(\x05\x12\x16\n\x0etoken_logprobs\x18\x03 \x03(\x02\x12\r\n\x05ranks\x18\x04 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\"\x0e\n\x0cResetRequest\")\n\rResetResponse\x12\x18\n\x10num_dropped_seqs\x18\x01 \x01(\x05\"\x10\n\x0eReleaseRequest\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8c\x02\n\x0f\x45xecutorService\x12\x43\n\x08\x44\x65scribe\x12\x1a.tandem.v1.DescribeRequest\x1a\x1b.tandem.v1.DescribeResponse\x12\x36\n\x04Step\x12\x13.tandem.v1.StepPlan\x1a\x15.tandem.v1.StepResult(\x01\x30\x01\x12:\n\x05Reset\x12\x17.tandem.v1.ResetRequest\x1a\x18.tandem.v1.ResetResponse\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBERESPONSE']._serialized_start=59
   _globals['_DESCRIBERESPONSE']._serialized_end=430
   _globals['_STEPSAMPLINGPARAMS']._serialized_start=433
-  _globals['_STEPSAMPLINGPARAMS']._serialized_end=673
-  _globals['_NEWSEQUENCE']._serialized_start=676
-  _globals['_NEWSEQUENCE']._serialized_end=830
-  _globals['_STEPPLAN']._serialized_start=833
-  _globals['_STEPPLAN']._serialized_end=1078
-  _globals['_STEPRESULT']._serialized_start=1081
-  _globals['_STEPRESULT']._serialized_end=1284
-  _globals['_TOKENLOGPROBS']._serialized_start=1286
-  _globals['_TOKENLOGPROBS']._serialized_end=1388
-  _globals['_RESETREQUEST']._serialized_start=1390
-  _globals['_RESETREQUEST']._serialized_end=1404
-  _globals['_RESETRESPONSE']._serialized_start=1406
-  _globals['_RESETRESPONSE']._serialized_end=1447
-  _globals['_RELEASEREQUEST']._serialized_start=1449
-  _globals['_RELEASEREQUEST']._serialized_end=1465
-  _globals['_RELEASERESPONSE']._serialized_start=1467
-  _globals['_RELEASERESPONSE']._serialized_end=1502
-  _globals['_EXECUTORSERVICE']._serialized_start=1505
-  _globals['_EXECUTORSERVICE']._serialized_end=1773
+  _globals['_STEPSAMPLINGPARAMS']._serialized_end=824
+  _globals['_NEWSEQUENCE']._serialized_start=827
+  _globals['_NEWSEQUENCE']._serialized_end=981
+  _globals['_STEPPLAN']._serialized_start=984
+  _globals['_STEPPLAN']._serialized_end=1229
+  _globals['_STEPRESULT']._serialized_start=1232
+  _globals['_STEPRESULT']._serialized_end=1487
+  _globals['_TOKENLOGPROBS']._serialized_start=1489
+  _globals['_TOKENLOGPROBS']._serialized_end=1591
+  _globals['_PROMPTLOGPROBS']._serialized_start=1594
+  _globals['_PROMPTLOGPROBS']._serialized_end=1737
+  _globals['_RESETREQUEST']._serialized_start=1739
+  _globals['_RESETREQUEST']._serialized_end=1753
+  _globals['_RESETRESPONSE']._serialized_start=1755
+  _globals['_RESETRESPONSE']._serialized_end=1796
+  _globals['_RELEASEREQUEST']._serialized_start=1798
+  _globals['_RELEASEREQUEST']._serialized_end=1814
+  _globals['_RELEASERESPONSE']._serialized_start=1816
+  _globals['_RELEASERESPONSE']._serialized_end=1851
+  _globals['_EXECUTORSERVICE']._serialized_start=1854
+  _globals['_EXECUTORSERVICE']._serialized_end=2122
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,191 @@
+"""Request features through the HTTP API (the scheduler in-process over a LocalExecutor, talked to
+with the official `openai` client): the same answers as the offline LLM for logit_bias, min_tokens,
+include_stop_str_in_output, n and prompt_logprobs (vLLM's extra fields), max_tokens against
+max_completion_tokens, the user in the logs, and bad input as a 400 naming the limit."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+
+import httpx
+import openai
+import pytest
+from helpers.scheduler_server import NUM_KV_BLOCKS, make_server
+
+from client.llm import LLM
+from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.server import ServerThread
+
+PROMPT = "The list type"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(qwen3_tied, tmp_path_factory):
+    """The conftest checkpoint with a plain chat template."""
+    path = tmp_path_factory.mktemp("with_template") / "qwen3"
+    shutil.copytree(qwen3_tied, path)
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    thread = ServerThread(make_server(checkpoint, http_port=0))
+    server = thread.start()
+    deadline = time.monotonic() + 20
+    while httpx.get(f"http://127.0.0.1:{server.http_port}/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield server
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(api):
+    return api.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return LLM(str(checkpoint), num_kv_blocks=NUM_KV_BLOCKS)
+
+
+def _offline(reference, **params):
+    return reference.generate(PROMPT, SamplingParams(**params), use_tqdm=False)[0]
+
+
+def test_logit_bias_forces_a_token(api, model, reference):
+    got = api.completions.create(model=model, prompt=PROMPT, max_tokens=5, logit_bias={"42": 100})
+    assert got.choices[0].text == reference.tokenizer.token_text(42) * 5
+    assert (
+        got.choices[0].text == _offline(reference, max_tokens=5, temperature=1.0, logit_bias={42: 100}).text
+    )
+
+
+def test_min_tokens_holds_an_early_end_of_sequence_back(api, model, reference):
+    eos = reference.executor.describe().eos_token_ids[0]
+    kwargs = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0,
+        "logit_bias": {str(eos): 100},
+    }
+    eager = api.completions.create(**kwargs)
+    assert (eager.usage.completion_tokens, eager.choices[0].finish_reason) == (1, "stop")
+    held = api.completions.create(**kwargs, extra_body={"min_tokens": 4})
+    expected = _offline(reference, max_tokens=10, logit_bias={eos: 100}, min_tokens=4)
+    assert held.choices[0].text == expected.text and held.usage.completion_tokens == 5
+
+
+def test_include_stop_str_in_output_keeps_the_stop_text(api, model, reference):
+    full = _offline(reference, max_tokens=16, ignore_eos=True).text
+    stop = full[4:7]
+    kwargs = {"model": model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop": [stop]}
+    extra = {"ignore_eos": True}
+    cut = api.completions.create(**kwargs, extra_body=extra)
+    kept = api.completions.create(**kwargs, extra_body={**extra, "include_stop_str_in_output": True})
+    assert cut.choices[0].text == full[: full.find(stop)]
+    assert kept.choices[0].text == full[: full.find(stop) + len(stop)]
+
+
+def test_n_samples_equal_the_offline_ones(api, model, reference):
+    got = api.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, n=3)
+    expected = _offline(reference, max_tokens=8, temperature=1.0, seed=11, n=3)
+    assert [c.text for c in got.choices] == [o.text for o in expected.outputs]
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)  # counted once
+
+
+def _expected_prompt_logprobs(reference, num_top: int) -> list:
+    text = reference.tokenizer.token_text
+    out = [None]
+    for lp in _offline(reference, max_tokens=1, prompt_logprobs=num_top).prompt_logprobs[1:]:
+        entry = {str(lp.token_id): (round(lp.logprob, 4), lp.rank, text(lp.token_id))}
+        for rank, (t, v) in enumerate(lp.top_logprobs, 1):
+            entry.setdefault(str(t), (round(v, 4), rank, text(t)))
+        out.append(entry)
+    return out
+
+
+def _as_tuples(prompt_logprobs: list) -> list:
+    return [
+        None
+        if e is None
+        else {k: (round(v["logprob"], 4), v["rank"], v["decoded_token"]) for k, v in e.items()}
+        for e in prompt_logprobs
+    ]
+
+
+def test_prompt_logprobs_whole_and_streamed(api, model, reference):
+    expected = _expected_prompt_logprobs(reference, 2)
+    extra = {"prompt_logprobs": 2}
+    got = api.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body=extra)
+    assert _as_tuples(got.choices[0].model_extra["prompt_logprobs"]) == expected
+    chunks = list(
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=3, stream=True, extra_body=extra)
+    )
+    first = chunks[0].choices[0].model_extra["prompt_logprobs"]
+    assert _as_tuples(first) == expected
+    assert all("prompt_logprobs" not in (c.choices[0].model_extra or {}) for c in chunks[1:] if c.choices)
+    assert got.choices[0].model_extra["prompt_logprobs"][0] is None
+
+
+def test_max_tokens_and_max_completion_tokens(api, model):
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=model, messages=messages, max_tokens=4, max_completion_tokens=5)
+    assert "max_tokens (4) and max_completion_tokens (5) differ" in e.value.body["message"]
+    same = api.chat.completions.create(
+        model=model, messages=messages, max_tokens=3, max_completion_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert same.usage.completion_tokens == 3
+    newer = api.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert newer.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"logit_bias": {"3": 150}}, "logit_bias[3] must be in [-100, 100], got 150"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias has 301 entries; at most 300"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias token id 99999 is outside the vocabulary"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids, got 'abc'"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must be <= max_tokens (10)"),
+        ({"prompt_logprobs": 50}, "prompt_logprobs (50) exceeds max_logprobs (20"),
+    ],
+)
+def test_bad_features_are_400_naming_the_limit(server, extra, message):
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    r = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 10, **extra})
+    assert r.status_code == 400
+    assert message in r.json()["error"]["message"]
+    assert httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_the_user_and_the_request_id_are_logged(api, model, caplog):
+    with caplog.at_level(logging.INFO, logger="scheduler_service"):
+        got = api.completions.create(model=model, prompt=PROMPT, max_tokens=2, user="bob-42")
+    assert f"request {got.id} (user 'bob-42')" in caplog.text
+
+
+def test_chat_prompt_logprobs_are_the_response_s(api, model):
+    got = api.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    prompt_logprobs = got.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == got.usage.prompt_tokens and prompt_logprobs[0] is None
+    assert all(len(entry) == 1 for entry in prompt_logprobs[1:])  # each token's own only
