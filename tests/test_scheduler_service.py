@@ -103,7 +103,7 @@ BAD_REQUESTS = [
     (request([5], temperature=float("nan")), "temperature must be a finite number"),
     (request([5], top_p=0.0), "top_p must be in (0, 1]"),
     (request([5], top_p=1.5), "top_p must be in (0, 1]"),
-    (request([5], top_k=-1), "top_k must be >= 0"),
+    (request([5], top_k=-2), "top_k must be >= 0"),  # -1 means off (vLLM)
     (request([5], max_tokens=-3), "max_tokens must be >= 1"),
     (request([5], min_p=2.0), "min_p must be in [0, 1]"),
     (request([5], repetition_penalty=0.0), "repetition_penalty must be > 0"),
