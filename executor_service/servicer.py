@@ -8,10 +8,8 @@ a repeated or older plan is a replay or a second writer, never the scheduler's."
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -21,6 +19,7 @@ import grpc
 from executor_service.metrics import ExecutorMetrics
 from executor_service.ownership import LogThrottle, NotOwner, Ownership, Session, session_of
 from executor_service.plan_validation import PlanError, StepOrderError, check_step_order
+from executor_service.steps_in_flight import END, StreamSteps
 from protos.executor import Executor
 from protos.parsing import MalformedMessage, deserializer
 from protos.plan import StepPlan, info_to_proto, plan_from_proto, result_to_proto
@@ -50,78 +49,6 @@ class ServedExecutor(Executor, Protocol):
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
-
-
-_END = object()  # the Step stream's requests are over
-# How often the Step handler, with a step in flight, checks whether it completed while it waits
-# for the next plan.
-_POLL_S = 0.0002
-
-
-class _PlanReader:
-    """The Step stream's requests, read on a thread of their own, so that the handler can wait
-    for the next plan or for the step in flight, whichever comes first."""
-
-    def __init__(self, requests: Iterator) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._read, args=(requests,), name="step-plans", daemon=True).start()
-
-    def _read(self, requests: Iterator) -> None:
-        try:
-            for msg in requests:
-                self._queue.put(msg)
-        except Exception:  # the RPC ended (cancelled, or aborted by the handler)
-            pass
-        self._queue.put(_END)
-
-    def get(self):
-        return self._queue.get()
-
-    def get_unless(self, ready) -> object | None:
-        """The next request, or None as soon as ready() holds."""
-        while not ready():
-            try:
-                return self._queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-        try:
-            return self._queue.get_nowait()
-        except queue.Empty:
-            return None
-
-
-class _StreamSteps:
-    """A Step stream's steps in flight, oldest first. While there are any, the stream holds
-    `lock`: the executor keeps one stream's steps in flight at a time."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-        self._steps: deque[tuple[StepPlan, float, int]] = deque()
-        # When the last step was answered: a step's time runs from its send or from then,
-        # whichever is later, so that overlapped steps are not counted twice.
-        self.last_answered = 0.0
-
-    def __len__(self) -> int:
-        return len(self._steps)
-
-    def __getitem__(self, i: int) -> tuple[StepPlan, float, int]:
-        return self._steps[i]
-
-    def append(self, step: tuple[StepPlan, float, int]) -> None:
-        if not self._steps:
-            self._lock.acquire()
-        self._steps.append(step)
-
-    def popleft(self) -> tuple[StepPlan, float, int]:
-        step = self._steps.popleft()
-        if not self._steps:
-            self._lock.release()
-        return step
-
-    def clear(self) -> None:
-        if self._steps:
-            self._steps.clear()
-            self._lock.release()
 
 
 def _refuse_malformed(message: object, context: grpc.ServicerContext) -> None:
@@ -222,7 +149,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext
     ) -> Iterator[pb.StepResult]:
         """Plans in, results out in plan order. A plan is launched as it arrives, while the step
-        before it may still run on the device (two in flight, LocalExecutor.send/receive)."""
+        before it may still run on the device (two in flight: steps_in_flight.py)."""
         executor = self._executor(context)
         session = session_of(context)
         try:
@@ -249,20 +176,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         admission: _StreamAdmission,
         context: grpc.ServicerContext,
     ) -> Iterator[pb.StepResult]:
-        reader = _PlanReader(request_iterator)
-        in_flight = _StreamSteps(self._in_flight_lock)
+        in_flight = StreamSteps(request_iterator, self._in_flight_lock)
         try:
             while True:
-                if not in_flight:
-                    msg = reader.get()
-                elif len(in_flight) == 1:
-                    msg = reader.get_unless(executor.ready)
-                else:
-                    msg = None
+                msg = in_flight.next_request(executor.ready)
                 if msg is None:  # the oldest step is done, or two are out
                     yield self._receive(executor, in_flight, context)
                     continue
-                if msg is _END:
+                if msg is END:
                     break
                 try:
                     plan = admission.admit(msg)
@@ -273,7 +194,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 if not context.is_active():  # cancelled: a plan read ahead is not launched
                     break
                 # Waits, outside the executor lock, while another stream has steps in flight.
-                in_flight.append((plan, time.perf_counter(), _num_graph_steps(executor)))
+                in_flight.sending(plan, _num_graph_steps(executor))
                 with self._lock:
                     if self._closed:
                         context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
@@ -295,16 +216,13 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     in_flight.clear()
 
     def _receive(
-        self, executor: ServedExecutor, in_flight: _StreamSteps, context: grpc.ServicerContext
+        self, executor: ServedExecutor, in_flight: StreamSteps, context: grpc.ServicerContext
     ) -> pb.StepResult:
-        plan, t0, graph_steps = in_flight[0]
+        plan = in_flight.oldest().plan
         with self._lock:
             result = self._run_step(executor.receive, plan, context)
-        in_flight.popleft()
-        now = time.perf_counter()
-        seconds = now - max(t0, in_flight.last_answered)
-        in_flight.last_answered = now
-        self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > graph_steps)
+        step, seconds = in_flight.answered()
+        self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > step.num_graph_steps)
         return result_to_proto(result)
 
     def _run_step(self, fn, plan: StepPlan, context: grpc.ServicerContext):

@@ -3,30 +3,44 @@ before it has been collected, so the host prepares step N+1 while the device run
 
 A step's lifecycle here (the scheduler's side: scheduler_service/steps_in_flight.py):
 
-1. **applied** (`apply_plan`, on every rank): the plan's drops, new sequences and new blocks change
+1. **read** (the Step stream, servicer.py): plans are read on a thread of their own
+   (`StreamSteps`) and admitted: well-formed, from the executor's owner, step ids increasing;
+2. **applied** (`apply_plan`, on every rank): the plan's drops, new sequences and new blocks change
    the per-sequence state;
-2. **launched** (`launch_batch`, on every rank): the forward pass and sampling are queued on the
+3. **launched** (`launch_batch`, on every rank): the forward pass and sampling are queued on the
    device; each sampling sequence's next token is a `PLACEHOLDER` (-1) on the host, and a step
-   launched meanwhile reads that token from the device instead (`SequenceState.pending_row`);
-3. **collected** (`ModelRunner.collect`, rank 0): the sampled ids reach the host and
+   launched meanwhile reads that token from the device instead (`SequenceState.pending_row`).
+   On CUDA (`overlaps_steps`) the stream sends each plan as it comes, so a step is launched
+   while the one before it runs; on the CPU a step is done when it is sent;
+4. **collected** (`ModelRunner.collect`, rank 0): the sampled ids reach the host and
    `fill_placeholders` puts them in place; ranks 1..N-1 fill theirs when rank 0's next message
    brings the ids (tp_worker.py keeps their `Unfilled` placeholders, oldest first);
-4. **received** (`LocalExecutor.receive`): the step's `StepResult` goes back to the scheduler,
-   in plan order; or **discarded** (a reset, or the scheduler abandoning its plans): the device
+5. **received** (`LocalExecutor.receive`): the step's `StepResult` goes back to the scheduler,
+   in plan order. The stream answers its oldest step at once when it has two in flight and, with
+   one, as soon as the step is done, unless a plan comes first (`StreamSteps.next_request`); or
+   **discarded** (a reset, a broken stream, or the scheduler abandoning its plans): the device
    work completes and its tokens are kept, the result is dropped.
 
-A step sent after one that failed is not run (`StepInFlight.error`)."""
+A step sent after one that failed is not run (`StepInFlight.error`). The executor keeps one
+stream's steps in flight at a time: a second stream's plans wait until the first's are answered."""
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from executor_service.model_runner import Launch, ModelRunner, RunOutput
 from executor_service.sequence import SequenceState
 from protos.plan import StepPlan, StepResult
+
+if TYPE_CHECKING:  # the servicer imports this module, and it must not load torch
+    import torch
+
+    from executor_service.model_runner import Launch, ModelRunner, RunOutput
 
 # A sampled token not yet on the host.
 PLACEHOLDER = -1
@@ -43,6 +57,94 @@ class StepInFlight:
     error: BaseException | None = None
     launch: Launch | None = None
     placeholders: Placeholders = field(default_factory=list)
+
+
+# The Step stream's requests are over.
+END = object()
+# How often a stream with one step in flight looks whether it is done while it waits for the next
+# plan: a CUDA event has no host-side callback to block on.
+POLL_S = 0.0002
+
+
+@dataclass(slots=True)
+class StepSent:
+    """A plan a Step stream sent to the executor and has not answered yet."""
+
+    plan: StepPlan
+    sent_at: float  # time.perf_counter()
+    num_graph_steps: int  # the executor's CUDA-graph steps before it ran
+
+
+class StreamSteps:
+    """One Step stream's side of stages 1 and 5 on CUDA: the plans it reads ahead, on a thread of
+    their own, so that it can wait for the next plan or for the step in flight, whichever comes
+    first; and the steps it sent and has not answered, oldest first. While it has steps in flight
+    the stream holds `lock`."""
+
+    def __init__(self, requests: Iterator, lock: threading.Lock) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = lock
+        self._sent: deque[StepSent] = deque()
+        # When the last step was answered: a step's time runs from its send or from then,
+        # whichever is later, so that overlapped steps are not counted twice.
+        self._last_answered = 0.0
+        threading.Thread(target=self._read, args=(requests,), name="step-plans", daemon=True).start()
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def __bool__(self) -> bool:
+        return bool(self._sent)
+
+    def _read(self, requests: Iterator) -> None:
+        try:
+            for msg in requests:
+                self._requests.put(msg)
+        except Exception:  # the RPC ended (cancelled, or aborted by the handler)
+            pass
+        self._requests.put(END)
+
+    def next_request(self, ready: Callable[[], bool]) -> object | None:
+        """The next request (a plan, or END), or None when the oldest step is to be answered: at
+        once with two in flight, with one as soon as ready() holds and no plan came first."""
+        if not self._sent:
+            return self._requests.get()
+        if len(self._sent) >= 2:
+            return None
+        while not ready():
+            try:
+                return self._requests.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+        try:
+            return self._requests.get_nowait()
+        except queue.Empty:
+            return None
+
+    def sending(self, plan: StepPlan, num_graph_steps: int) -> None:
+        """`plan` is about to be sent; waits while another stream has steps in flight."""
+        if not self._sent:
+            self._lock.acquire()
+        self._sent.append(StepSent(plan, time.perf_counter(), num_graph_steps))
+
+    def oldest(self) -> StepSent:
+        return self._sent[0]
+
+    def answered(self) -> tuple[StepSent, float]:
+        """Take the oldest step, whose result was just received, and the seconds it ran."""
+        step = self._sent.popleft()
+        if not self._sent:
+            self._lock.release()
+        now = time.perf_counter()
+        seconds = now - max(step.sent_at, self._last_answered)
+        self._last_answered = now
+        return step, seconds
+
+    def clear(self) -> None:
+        """Forget the steps not answered (the executor discards them)."""
+        if self._sent:
+            self._sent.clear()
+            self._lock.release()
 
 
 class Unfilled:

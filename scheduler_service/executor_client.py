@@ -23,6 +23,7 @@ from protos.plan import ExecutorInfo, StepPlan, StepResult, info_from_proto, pla
 from protos.session import default_owner_name, new_session_id, session_metadata
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_service.steps_in_flight import ResultDeadline
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,6 @@ _CLOSE = None  # ends the request iterator
 DEFAULT_STEP_TIMEOUT_S = 10.0
 # How often the watchdog looks at the result awaited.
 _WATCHDOG_POLL_S = 0.1
-# Steps of this many tokens or more teach the watchdog what a token costs.
-_LARGE_STEP_TOKENS = 256
 
 
 class ExecutorError(Exception):
@@ -78,33 +77,26 @@ class PlanRejected(ExecutorError):
 
 
 class _StepWatchdog:
-    """Cancels the Step stream whose awaited result is overdue, so that `receive` fails with
-    ExecutorUnavailable and the engine recovers as from a crash (a hung executor's process may
-    come back later: the next connect resets it and recomputes). One thread polls the deadline.
-
-    A step may take `timeout` (--executor-step-timeout) plus ten times what its scheduled tokens
-    took, per token, in the slowest recent large step (256 tokens or more, whose time is mostly per
-    token): an 8,192-token prefill of a large model on CPU that takes 30 s is a step of its kind,
-    not a hang. A step cancelled as overdue doubles `timeout` for the steps after it (up to 64x)
-    until one is answered, so that a first step longer than the flag is recomputed a few times at
-    most, never forever."""
+    """Cancels the Step stream whose awaited result is past its ResultDeadline
+    (steps_in_flight.py), so that `receive` fails with ExecutorUnavailable and the engine recovers
+    as from a crash (a hung executor's process may come back later: the next connect resets it and
+    recomputes). One thread polls the deadline."""
 
     def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
+        self.deadline = ResultDeadline(timeout)
         self._lock = threading.Lock()
-        # (deadline, stream, seconds allowed) of the result awaited.
+        # (when, stream, seconds allowed) of the result awaited.
         self._armed: tuple[float, _StepStream, float] | None = None
-        self._started = 0.0
-        self._num_tokens = 0
-        self._seconds_per_token = 0.0  # the slowest recent large step's, decaying 0.1% a step
-        self._backoff = 1
         self._closed = threading.Event()
         threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
 
+    @property
+    def timeout(self) -> float:
+        return self.deadline.timeout
+
     def arm(self, stream: _StepStream, num_tokens: int) -> None:
         now = time.monotonic()
-        allowed = self.timeout * self._backoff + 10 * self._seconds_per_token * num_tokens
-        self._started, self._num_tokens = now, num_tokens
+        allowed = self.deadline.awaited(num_tokens, now)
         with self._lock:
             self._armed = (now + allowed, stream, allowed)
 
@@ -112,11 +104,7 @@ class _StepWatchdog:
         with self._lock:
             self._armed = None
         if answered:
-            self._backoff = 1
-            per_token = 0.0
-            if self._num_tokens >= _LARGE_STEP_TOKENS:
-                per_token = (time.monotonic() - self._started) / self._num_tokens
-            self._seconds_per_token = max(per_token, 0.999 * self._seconds_per_token)
+            self.deadline.answered(time.monotonic())
 
     def close(self) -> None:
         self._closed.set()
@@ -128,12 +116,13 @@ class _StepWatchdog:
                 if armed is None or time.monotonic() <= armed[0]:
                     continue
                 self._armed = None
-                self._backoff = min(64, 2 * self._backoff)
+                self.deadline.overdue()
             armed[1].expire(armed[2])
 
 
 class _StepStream:
-    """One Step call: plans go in through a queue, results come out in order."""
+    """One Step call: plans go in through a queue, results come out in plan order (stages 2 and 3
+    of steps_in_flight.py)."""
 
     def __init__(self, stub: pb_grpc.ExecutorServiceStub, metadata: list[tuple[str, str]]) -> None:
         self._requests: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()

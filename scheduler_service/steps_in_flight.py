@@ -6,13 +6,19 @@ A plan's lifecycle here (the executor's side: executor_service/steps_in_flight.p
 1. **scheduled** (`Scheduler.schedule` -> `PlansInFlight.scheduled`): blocks are allocated and
    num_computed_tokens advanced as if the plan had run; each sequence it samples counts one more
    `Sequence.num_pending_tokens` (the number of plans in flight that sample it, so at most 2);
-2. **sent** (`LLMEngine` -> `sent`): the plan goes to the executor and the clock starts; a plan
-   with nothing for the executor is not sent and gets an empty result;
-3. **collected** (`LLMEngine.step`): the executor's result for the oldest plan is read;
+2. **sent** (`LLMEngine` -> `sent`, then `Executor.send`): the plan goes to the executor and the
+   clock starts; a plan with nothing for the executor is not sent and gets an empty result. A
+   remote executor's plans go onto one Step stream (`RemoteExecutor`, executor_client.py), opened
+   by the first plan after the last stream closed;
+3. **collected** (`LLMEngine.step` -> `Executor.receive`): the executor's result for the oldest
+   plan is read. The Step stream's results come in plan order (one of an older step, sent before
+   a reset, is dropped), each within its `ResultDeadline`: an overdue one cancels the stream, and
+   the executor is taken for hung, as after a crash;
 4. **applied** (`Scheduler.update` -> `applied`): its tokens are appended, each sampled sequence
    counts one pending token less; or **abandoned** (`abandon`, every plan in flight at once, when
    the executor failed one): schedule()'s bookkeeping is undone, newest first (the blocks it put
-   in the prefix cache leave it again), and the executor is told to forget them.
+   in the prefix cache leave it again), and the executor is told to forget them
+   (`Executor.discard`: RemoteExecutor closes the Step stream, dropping the plans in it).
 
 Plans are applied oldest first. The pending counts are raised and lowered inline, in schedule()'s
 and update()'s loops over the batch: a second pass over 256 sequences costs 8-23 us, 2-7% of a
@@ -29,6 +35,8 @@ from scheduler_service.block_manager import BlockManager
 from scheduler_service.sequence import Sequence, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
+# Steps of this many tokens or more teach ResultDeadline what a token costs.
+_LARGE_STEP_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -143,3 +151,36 @@ class PlansInFlight:
             else:
                 to_drop.discard(seq_id)
         return sorted(to_drop)
+
+
+class ResultDeadline:
+    """How long the result of a plan sent to a remote executor may be awaited before the executor
+    is taken for hung: `timeout` (--executor-step-timeout) plus ten times what its scheduled tokens
+    took, per token, in the slowest recent large step (256 tokens or more, whose time is mostly
+    per token): an 8,192-token prefill of a large model on CPU that takes 30 s is a step of its
+    kind, not a hang. An overdue result doubles `timeout` for the results after it (up to 64x)
+    until one is answered, so that a first step longer than the flag is recomputed a few times at
+    most, never forever. Times are time.monotonic()."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._awaited_since = 0.0
+        self._num_tokens = 0
+        self._seconds_per_token = 0.0  # the slowest recent large step's, decaying 0.1% a step
+        self._backoff = 1
+
+    def awaited(self, num_tokens: int, now: float) -> float:
+        """The result of a step of `num_tokens` scheduled tokens is awaited from `now`: the seconds
+        it may take."""
+        self._awaited_since, self._num_tokens = now, num_tokens
+        return self.timeout * self._backoff + 10 * self._seconds_per_token * num_tokens
+
+    def answered(self, now: float) -> None:
+        self._backoff = 1
+        per_token = 0.0
+        if self._num_tokens >= _LARGE_STEP_TOKENS:
+            per_token = (now - self._awaited_since) / self._num_tokens
+        self._seconds_per_token = max(per_token, 0.999 * self._seconds_per_token)
+
+    def overdue(self) -> None:
+        self._backoff = min(64, 2 * self._backoff)

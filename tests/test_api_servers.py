@@ -14,8 +14,8 @@ import time
 
 import grpc
 import pytest
-from helpers.processes import alive, descendants
-from helpers.services import CHILD_ENV, NUM_KV_BLOCKS, ROOT, Services
+from helpers.processes import CHILD_ENV, ROOT, alive, descendants
+from helpers.services import NUM_KV_BLOCKS, Services
 
 from client import AsyncTandemClient, Final, TandemClient, TandemError
 from client.llm import LLM
@@ -143,13 +143,11 @@ def test_a_cancelled_stream_frees_its_blocks_in_the_core(split):
 def test_a_second_split_service_on_the_port_is_refused(split):
     second = subprocess.run(
         [sys.executable, "-m", "scheduler_service", "--executor", split.executor_address, "--port",
-         str(split.scheduler_port), "--metrics-port", "0", "--api-server-count", "2"],
+         str(split.port), "--metrics-port", "0", "--api-server-count", "2"],
         env=CHILD_ENV, cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert second.returncode == 2, second.stderr
-    assert (
-        f"port {split.scheduler_port} is already in use (pid {split.scheduler.process.pid}: " in second.stderr
-    )
+    assert f"port {split.port} is already in use (pid {split.scheduler.process.pid}: " in second.stderr
 
 
 def test_api_servers_end_with_their_engine_core(qwen3_tied, tmp_path):

@@ -25,7 +25,6 @@ import yaml
 from helpers.deploy import (
     DEPLOY,
     PROMETHEUS_DIR,
-    ROOT,
     dashboard_queries,
     dockerfile,
     load_prometheus_config,
@@ -33,11 +32,11 @@ from helpers.deploy import (
     require_tool,
     tandem_command,
 )
+from helpers.processes import ServiceProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import TandemClient, TandemError
 from client.defaults import DEFAULT_MODEL, free_port
-from client.up import Service
 
 # Starts service processes or runs models at length: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
@@ -65,7 +64,7 @@ class Prometheus:
         self.url = f"http://{self.address}"
         argv = ["prometheus", f"--config.file={workdir / 'prometheus.yml'}"]
         argv += [f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address={self.address}"]
-        self.service = Service("prometheus", argv + ["--log.level=warn"], workdir / "prometheus.log")
+        self.service = ServiceProcess("prometheus", argv + ["--log.level=warn"], workdir / "prometheus.log")
 
     def start(self, config: dict) -> None:
         (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -107,13 +106,13 @@ class Prometheus:
             time.sleep(0.5)
 
 
-def container_service(verb: str, overrides: dict[str, str], log_dir: Path) -> Service:
+def container_service(verb: str, overrides: dict[str, str], log_dir: Path) -> ServiceProcess:
     """The Dockerfile's ENTRYPOINT + CMD, with its ENV and then `overrides` (as `docker run -e`)."""
     docker = dockerfile(verb)
     entrypoint, cmd = docker.exec_form("ENTRYPOINT"), docker.exec_form("CMD")
     assert entrypoint[0] == "tandem"
     env = {**os.environ, **docker.env, "OMP_NUM_THREADS": "1", **overrides}
-    return Service(verb, tandem_command() + entrypoint[1:] + cmd, log_dir / f"{verb}.log", env=env, cwd=ROOT)
+    return ServiceProcess(verb, tandem_command() + entrypoint[1:] + cmd, log_dir / f"{verb}.log", env=env)
 
 
 def prometheus_config(targets: dict[str, str], rules: Path, self_target: str) -> dict:

@@ -12,17 +12,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import pytest
-from helpers.services import CHILD_ENV, NUM_KV_BLOCKS, ROOT, STARTUP_TIMEOUT, Services, _first_health
+from helpers.processes import CHILD_ENV, ROOT, ServiceProcess
+from helpers.services import NUM_KV_BLOCKS, Services, scheduler_process
 
 from client import AsyncTandemClient, Chunk, Final, TandemClient, TandemError
 from client.defaults import free_port
 from client.llm import LLM
-from client.up import Service
 from scheduler_service.sampling_params import SamplingParams
 
 # Starts service processes or runs models at length: left out of `make test-fast`.
@@ -38,7 +37,7 @@ TEXT_PROMPTS = ["The list type", "Exceptions are", "A class definition", "The fo
 def services(qwen3_tied, tmp_path_factory):
     services = Services(qwen3_tied, tmp_path_factory.mktemp("e2e_logs"))
     try:
-        services.start()
+        services.start_scheduler_first()
         yield services
     finally:
         services.stop()
@@ -198,28 +197,11 @@ def test_a_stop_string_stops_the_same_through_the_services_as_in_process(service
 
 def test_unreachable_executor_is_unavailable_naming_it(tmp_path):
     dead = f"127.0.0.1:{free_port()}"
-    port = free_port()
-    scheduler = Service(
-        "scheduler",
-        [
-            sys.executable,
-            "-m",
-            "scheduler_service",
-            "--executor",
-            dead,
-            "--port",
-            str(port),
-            "--metrics-port",
-            "0",
-        ],
-        tmp_path / "scheduler.log",
-        env=CHILD_ENV,
-        cwd=ROOT,
-    )
+    scheduler = scheduler_process(tmp_path / "scheduler.log", dead)
     scheduler.start()
     try:
-        with TandemClient(f"127.0.0.1:{port}") as client:
-            assert _first_health(client, scheduler) == "NOT_SERVING"
+        with TandemClient(scheduler.address) as client:
+            assert scheduler.wait_for(scheduler.health, what="a health answer") == "NOT_SERVING"
             with pytest.raises(TandemError) as err:
                 client.complete([1, 2, 3], max_tokens=4)
     finally:
@@ -240,8 +222,9 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 
 def test_tandem_up_generate_and_ctrl_c(tmp_path):
-    up, address, pids, lines = _start_up(tmp_path, "--prompt", "The list type", "--max-tokens", "24")
+    up, address, pids = _start_up(tmp_path, "--prompt", "The list type", "--max-tokens", "24")
     try:
+        lines = _lines(up)
         output = "".join(lines)
         assert address in output and f"tandem generate --server {address}" in output
         port = address.rsplit(":", 1)[1]
@@ -250,8 +233,8 @@ def test_tandem_up_generate_and_ctrl_c(tmp_path):
         # The demo's line comes after the ready banner's last line.
         ready_at = next(i for i, line in enumerate(lines) if line.startswith("Ctrl-C stops both"))
         deadline = time.monotonic() + 60
-        while not (demo := [line for line in lines[ready_at + 1 :] if line.startswith("The list type")]):
-            assert time.monotonic() < deadline, "".join(lines)
+        while not (demo := [line for line in _lines(up)[ready_at + 1 :] if line.startswith("The list type")]):
+            assert time.monotonic() < deadline, up.output()
             time.sleep(0.05)
         streamed = demo[0]
         assert re.search(r"The list type\S* [a-z]+ [a-z]+", streamed), streamed
@@ -269,40 +252,36 @@ def test_tandem_up_generate_and_ctrl_c(tmp_path):
         assert re.search(r"[a-z]+ [a-z]+ [a-z]+", gen.stdout), gen.stdout
         assert "list" in gen.stdout or "mutable" in gen.stdout
 
-        up.send_signal(signal.SIGINT)
-        assert up.wait(30) == 0, "".join(lines)
+        up.process.send_signal(signal.SIGINT)
+        assert up.process.wait(30) == 0, up.output()
         assert _pids_alive(pids) == [], "tandem up left child processes behind"
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        up.stop()
 
 
-def _start_up(tmp_path, *args: str) -> tuple[subprocess.Popen, str, list[int], list[str]]:
-    """`tandem up` on free ports, once both services serve: (process, scheduler address, pids, its
-    output lines so far and to come)."""
+def _lines(up: ServiceProcess) -> list[str]:
+    """`tandem up`'s complete output lines so far."""
+    return [line for line in up.output().splitlines(keepends=True) if line.endswith("\n")]
+
+
+def _start_up(tmp_path, *args: str) -> tuple[ServiceProcess, str, list[int]]:
+    """`tandem up` on free ports, once both services serve: (its process, the scheduler's address,
+    the pids its banner names)."""
     port, executor_port = free_port(), free_port()
-    up = subprocess.Popen(
+    up = ServiceProcess(
+        "tandem up",
         [sys.executable, "-m", "client.cli", "up", "--port", str(port), "--executor-port", str(executor_port)]
         + ["--metrics-port", "0", "--executor-metrics-port", "0", "--log-dir", str(tmp_path), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env=CHILD_ENV,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
+        tmp_path / "up.log",
+    ).start()
 
-    def read():
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("Ctrl-C stops both"):
-                ready.set()
+    def banner() -> list[str] | None:
+        lines = _lines(up)
+        ready_at = next((i for i, line in enumerate(lines) if line.startswith("Ctrl-C stops both")), None)
+        return None if ready_at is None else lines[: ready_at + 1]
 
-    threading.Thread(target=read, daemon=True).start()
-    assert ready.wait(STARTUP_TIMEOUT), "".join(lines)
-    return up, f"127.0.0.1:{port}", [int(p) for p in re.findall(r"pid (\d+)", "".join(lines))], lines
+    banner_lines = up.wait_for(banner, what="its ready banner", logs=up.output)
+    return up, f"127.0.0.1:{port}", [int(p) for p in re.findall(r"pid (\d+)", "".join(banner_lines))]
 
 
 @pytest.mark.parametrize("ctrl_c", ["once", "twice"])
@@ -310,27 +289,25 @@ def test_tandem_up_ctrl_c_with_a_request_in_flight_stops_promptly(tmp_path, ctrl
     # Once: the scheduler drains for `tandem up`'s shutdown timeout (5 s), not 30 s. Twice: at once,
     # even with a long drain asked for.
     args = ["--shutdown-timeout", "60"] if ctrl_c == "twice" else []
-    up, address, pids, _ = _start_up(tmp_path, *args)
+    up, address, pids = _start_up(tmp_path, *args)
     try:
         with TandemClient(address, timeout=120, retries=0) as client:
             stream = client.generate([5, 6, 7], max_tokens=2000, ignore_eos=True)
             next(stream)  # generating
             t0 = time.monotonic()
-            up.send_signal(signal.SIGINT)
+            up.process.send_signal(signal.SIGINT)
             if ctrl_c == "twice":
                 time.sleep(0.5)
-                up.send_signal(signal.SIGINT)
+                up.process.send_signal(signal.SIGINT)
             with pytest.raises(TandemError) as err:
                 list(stream)
-            up.wait(60)
+            up.process.wait(60)
             stopped_s = time.monotonic() - t0
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
         assert stopped_s < (4.0 if ctrl_c == "twice" else 5.0 + 5.0), f"stopped after {stopped_s:.1f} s"
         assert _pids_alive(pids) == [], "tandem up left child processes behind"
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        up.stop()
 
 
 def test_tandem_up_reports_a_service_that_dies(tmp_path):

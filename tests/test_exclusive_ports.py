@@ -12,11 +12,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers.services import CHILD_ENV, ROOT, _first_health
+from helpers.processes import CHILD_ENV, ROOT, ServiceProcess
+from helpers.services import scheduler_process
 
 from client import TandemClient
 from client.defaults import free_port
-from client.up import Service
 
 # Starts service processes or runs models at length: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
@@ -24,10 +24,11 @@ pytestmark = pytest.mark.slow
 START_TIMEOUT = 60.0
 
 
-def _scheduler(port: int, metrics_port: int, http_port: int, log: Path) -> Service:
-    argv = [sys.executable, "-m", "scheduler_service", "--executor", f"127.0.0.1:{free_port()}"]
-    argv += ["--port", str(port), "--metrics-port", str(metrics_port), "--http-port", str(http_port)]
-    return Service("scheduler", argv, log, env=CHILD_ENV, cwd=ROOT)
+def _scheduler(port: int, metrics_port: int, http_port: int, log: Path) -> ServiceProcess:
+    executor = f"127.0.0.1:{free_port()}"
+    return scheduler_process(
+        log, executor, "--http-port", str(http_port), port=port, metrics_port=metrics_port
+    )
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
@@ -48,8 +49,7 @@ def first(tmp_path_factory):
     port, metrics_port, http_port = free_port(), free_port(), free_port()
     scheduler = _scheduler(port, metrics_port, http_port, tmp_path_factory.mktemp("ports") / "first.log")
     scheduler.start()
-    with TandemClient(f"127.0.0.1:{port}") as client:
-        _first_health(client, scheduler)
+    scheduler.wait_for(scheduler.health, what="a health answer")
     scheduler.http_port = http_port
     yield scheduler, port, metrics_port
     scheduler.stop(5.0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,14 +20,14 @@ import grpc
 import pytest
 from executor_fixtures import MiniScheduler, make_executor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.cluster import Cluster, _check_identical, start_streams, token_prompts
-from helpers.services import CHILD_ENV, ROOT
+from helpers.processes import ServiceProcess
+from helpers.services import Services, scheduler_process
+from helpers.streams import MANY_STREAMS, check_identical, start_streams, token_prompts
 from helpers.tls import CA
 
 from client import AsyncTandemClient, TandemClient, TandemError
 from client.defaults import free_port
 from client.llm import LLM
-from client.up import Service
 from executor_service.plan_validation import PlanError, PlanLimits, validate_plan
 from executor_service.security import server_credentials
 from executor_service.server import ExecutorServer
@@ -268,18 +267,15 @@ def test_an_executor_anyone_could_drive_is_logged(caplog, tmp_path):
 # -- two schedulers as processes -------------------------------------------------------------------
 
 
-def _second_scheduler(cluster: Cluster, log_dir, *extra: str) -> tuple[Service, str]:
-    port = free_port()
-    service = Service(
-        "scheduler-b",
-        [sys.executable, "-m", "scheduler_service", "--executor", cluster.executor_address]
-        + ["--port", str(port), "--metrics-port", "0", "--tokenizer", str(cluster.model), *extra],
+def _second_scheduler(cluster: Services, log_dir, *extra: str) -> tuple[ServiceProcess, str]:
+    service = scheduler_process(
         log_dir / "scheduler-b.log",
-        env=CHILD_ENV,
-        cwd=ROOT,
+        cluster.executor_address,
+        *("--tokenizer", str(cluster.model), *extra),
+        name="scheduler-b",
     )
     service.start()
-    return service, f"127.0.0.1:{port}"
+    return service, service.address
 
 
 def _health(address: str) -> str:
@@ -308,7 +304,7 @@ def test_a_second_scheduler_serves_nothing_and_the_first_streams_finish_exactly(
     expected = reference.generate(
         prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
     )
-    cluster = Cluster(qwen3_tied, tmp_path)
+    cluster = Services(qwen3_tied, tmp_path, **MANY_STREAMS)
     owner_a = f"scheduler 127.0.0.1:{cluster.port}"
     scheduler_b = None
     try:
@@ -353,7 +349,7 @@ def test_a_second_scheduler_serves_nothing_and_the_first_streams_finish_exactly(
         assert max(at_intrusion) < max_tokens, "the streams had finished before the intrusion"
         assert min(at_second) < max_tokens, "the streams had finished before the second scheduler tried"
         assert len(refusals) == 4 and all(f"owned by {owner_a}" in r for r in refusals), refusals
-        assert _check_identical(results, expected) == len(prompts)
+        assert check_identical(results, expected) == len(prompts)
 
         logs = lambda: f"{cluster.logs()}\n--- scheduler-b ---\n{scheduler_b.tail(30)}"  # noqa: E731
         time.sleep(3)  # past A's lease: A still owns the executor, by its open stream and heartbeats
@@ -386,7 +382,7 @@ def test_a_second_scheduler_serves_nothing_and_the_first_streams_finish_exactly(
 def test_a_stopped_scheduler_releases_its_executor(qwen3_tied, tmp_path):
     """SIGTERM on the owner: it releases the executor, so that its replacement serves at once
     rather than after the lease (a minute here)."""
-    cluster = Cluster(qwen3_tied, tmp_path)
+    cluster = Services(qwen3_tied, tmp_path, **MANY_STREAMS)
     scheduler_b = None
     try:
         cluster.start("--owner-lease-seconds", "60")

@@ -8,8 +8,6 @@ their command lines with every security flag, driven by the client."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,12 +15,12 @@ import grpc
 import pytest
 from executor_fixtures import MiniScheduler
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.executor_process import EXECUTOR_OPTIONS, ROOT, ExecutorProcess, free_port, stop
+from helpers.processes import CHILD_ENV, ROOT, ServiceProcess
+from helpers.services import EXECUTOR_OPTIONS, executor_process, scheduler_process
 from helpers.tls import CA
 
 from client import TandemClient, TandemError
-from client.defaults import DEFAULT_MODEL
-from client.up import Service
+from client.defaults import DEFAULT_MODEL, free_port
 from executor_service import cli
 from executor_service.server import MAX_MESSAGE_BYTES
 from protos.tandem.v1 import executor_pb2 as pb
@@ -55,24 +53,16 @@ def pki(tmp_path_factory) -> dict[str, Path]:
     return {name: root / f"{name}.pem" for name in files}
 
 
-def start_tls_executor(model: Path, log: Path, pki: dict[str, Path]) -> ExecutorProcess:
+def start_tls_executor(model: Path, log: Path, pki: dict[str, Path]) -> ServiceProcess:
     """The executor CLI with mutual TLS; the TLS files come through the TANDEM_* twins for the key
     and the CA, flags for the certificate, so both paths are exercised."""
-    port = free_port()
-    args = [sys.executable, "-m", "executor_service", "--model", str(model), "--port", str(port)]
-    args += ["--metrics-port", "0", "--tls-cert", str(pki["server_cert"])]
-    for name, value in EXECUTOR_OPTIONS.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
     env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
+        **CHILD_ENV,
         "TANDEM_EXECUTOR_SERVER_TLS_KEY": str(pki["server_key"]),
         "TANDEM_EXECUTOR_SERVER_TLS_CA": str(pki["ca"]),
     }
-    with log.open("w") as f:
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    return ExecutorProcess(proc, f"127.0.0.1:{port}", "", log)
+    tls = ("--tls-cert", str(pki["server_cert"]))
+    return executor_process(log, *tls, model=model, env=env, **EXECUTOR_OPTIONS).start()
 
 
 def scheduler_side(address: str, pki: dict[str, Path], **kwargs) -> RemoteExecutor:
@@ -85,17 +75,18 @@ def tls_executor(qwen3_tied, pki, tmp_path_factory):
     ep = start_tls_executor(qwen3_tied, tmp_path_factory.mktemp("tls") / "executor.log", pki)
     try:
         with scheduler_side(ep.address, pki) as remote:
-            deadline = time.monotonic() + 60
-            while True:
-                assert ep.proc.poll() is None, ep.output()
-                try:
-                    remote.wait_ready(0.5)
-                    break
-                except ExecutorUnavailable:
-                    assert time.monotonic() < deadline, ep.output()
+            ep.wait_for(lambda: _ready(remote), what="SERVING over mutual TLS", logs=ep.output)
         yield ep
     finally:
-        assert stop(ep) == 0, ep.output()
+        assert ep.stop() == 0, ep.output()
+
+
+def _ready(remote: RemoteExecutor) -> bool | None:
+    try:
+        remote.wait_ready(0.5)
+        return True
+    except ExecutorUnavailable:
+        return None
 
 
 def _channel(address: str, pki: dict[str, Path], who: str) -> grpc.Channel:
@@ -297,38 +288,26 @@ def test_both_services_from_the_command_line_with_tls_mtls_and_an_api_key(pki, t
     # Only the flags configure the services here, not TANDEM_* variables of the caller.
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    executor_port, port = free_port(), free_port()
-    executor = Service(
-        "executor",
-        [
-            sys.executable,
-            "-m",
-            "executor_service",
-            "--model",
-            str(DEFAULT_MODEL),
-            "--port",
-            str(executor_port),
-        ]
-        + ["--metrics-port", "0", "--num-kv-blocks", "64", "--max-model-len", "256"]
-        + ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
-        + ["--tls-ca", str(pki["ca"])],
+    executor = executor_process(
         tmp_path / "executor.log",
+        *("--num-kv-blocks", "64", "--max-model-len", "256"),
+        *("--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])),
+        *("--tls-ca", str(pki["ca"])),
+        model=DEFAULT_MODEL,
         env=env,
-        cwd=ROOT,
     )
-    scheduler = Service(
-        "scheduler",
-        [sys.executable, "-m", "scheduler_service", "--executor", f"127.0.0.1:{executor_port}"]
-        + ["--port", str(port), "--metrics-port", "0", "--shutdown-timeout", "5"]
-        + ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
-        + ["--api-key-file", str(keys)]
-        + ["--executor-tls-ca", str(pki["ca"])]
-        + ["--executor-tls-cert", str(pki["client_cert"]), "--executor-tls-key", str(pki["client_key"])],
+    scheduler = scheduler_process(
         tmp_path / "scheduler.log",
+        executor.address,
+        "--shutdown-timeout",
+        "5",
+        *("--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])),
+        *("--api-key-file", str(keys)),
+        *("--executor-tls-ca", str(pki["ca"])),
+        *("--executor-tls-cert", str(pki["client_cert"]), "--executor-tls-key", str(pki["client_key"])),
         env=env,
-        cwd=ROOT,
     )
-    address = f"127.0.0.1:{port}"
+    address = scheduler.address
     logs = lambda: f"--- executor ---\n{executor.tail()}\n--- scheduler ---\n{scheduler.tail()}"  # noqa: E731
     executor.start()
     scheduler.start()
@@ -352,9 +331,7 @@ def test_both_services_from_the_command_line_with_tls_mtls_and_an_api_key(pki, t
             client.complete("The list type", max_tokens=4)  # plaintext to a TLS port
         assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
         # The executor's --tls-ca: a caller that trusts it but shows no client certificate is refused.
-        no_cert = scheduler_side(
-            f"127.0.0.1:{executor_port}", pki, tls_cert=None, tls_key=None, connect_timeout=3
-        )
+        no_cert = scheduler_side(executor.address, pki, tls_cert=None, tls_key=None, connect_timeout=3)
         with no_cert, pytest.raises(ExecutorUnavailable):
             no_cert.describe()
     finally:

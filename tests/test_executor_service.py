@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import re
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -14,19 +13,12 @@ import pytest
 from executor_fixtures import MiniScheduler, make_executor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers.executor_process import (
-    EXECUTOR_OPTIONS,
-    NUM_KV_BLOCKS,
-    ROOT,
-    ExecutorProcess,
-    free_port,
-    start_executor,
-    stop,
-    wait_ready,
-)
 from helpers.metrics import scrape_samples
+from helpers.processes import CHILD_ENV, ROOT, ServiceProcess
+from helpers.services import EXECUTOR_OPTIONS, executor_process
 from prometheus_client.parser import text_string_to_metric_families
 
+from client.defaults import free_port
 from executor_service import cli
 from executor_service.metrics import step_kind
 from executor_service.plan_validation import PlanError
@@ -50,14 +42,20 @@ from scheduler_service.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow
 
 
+NUM_KV_BLOCKS = EXECUTOR_OPTIONS["num_kv_blocks"]
+
+
+def start_executor(model: Path, log: Path, **env: str) -> ServiceProcess:
+    return executor_process(
+        log, model=model, metrics_port=free_port(), env={**CHILD_ENV, **env}, **EXECUTOR_OPTIONS
+    ).start()
+
+
 @pytest.fixture(scope="module")
 def executor_proc(qwen3_tied, tmp_path_factory):
-    ep = start_executor(qwen3_tied, tmp_path_factory.mktemp("executor") / "executor.log")
-    try:
-        wait_ready(ep)
+    with start_executor(qwen3_tied, tmp_path_factory.mktemp("executor") / "executor.log") as ep:
+        ep.wait_serving()
         yield ep
-    finally:
-        stop(ep)
 
 
 @pytest.fixture
@@ -69,20 +67,6 @@ def remote(executor_proc):
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def wait_listening(ep: ExecutorProcess, timeout: float = 60) -> None:
-    """Until the port accepts connections (a gRPC channel would back off between attempts)."""
-    host, port = ep.address.rsplit(":", 1)
-    deadline = time.monotonic() + timeout
-    while True:
-        assert ep.proc.poll() is None, f"executor exited early:\n{ep.output()}"
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:
-            assert time.monotonic() < deadline, ep.output()
-            time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -320,13 +304,13 @@ def test_dead_address_raises_executor_unavailable():
 def test_not_serving_while_loading_then_serving_then_sigterm(qwen3_tied, tmp_path):
     ep = start_executor(qwen3_tied, tmp_path / "executor.log", TANDEM_TEST_LOAD_DELAY="2")
     try:
-        wait_listening(ep)
+        ep.wait_listening()
         statuses = []
         with grpc.insecure_channel(ep.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + 60
             while SERVING not in statuses and time.monotonic() < deadline:
-                assert ep.proc.poll() is None, ep.output()
+                assert ep.process.poll() is None, ep.output()
                 try:
                     # The server's overall status first: if the service still loads after it, the
                     # overall status read before must not have been SERVING (no race with the load).
@@ -344,14 +328,14 @@ def test_not_serving_while_loading_then_serving_then_sigterm(qwen3_tied, tmp_pat
         with RemoteExecutor(ep.address) as remote:
             _good_step(remote, MiniScheduler(remote), seq_id=3)  # leaves a Step stream open
             t0 = time.monotonic()
-            ep.proc.send_signal(signal.SIGTERM)
-            assert ep.proc.wait(10) == 0, ep.output()
+            ep.process.send_signal(signal.SIGTERM)
+            assert ep.process.wait(10) == 0, ep.output()
             assert time.monotonic() - t0 < 5
             with pytest.raises(ExecutorUnavailable, match=ep.address):
                 remote.describe()
         assert "stopped" in ep.output()
     finally:
-        stop(ep)
+        ep.stop()
 
 
 def test_loading_executor_answers_unavailable(qwen3_tied, tmp_path):
@@ -369,9 +353,9 @@ def test_loading_executor_answers_unavailable(qwen3_tied, tmp_path):
                     assert time.monotonic() < deadline, ep.output()
                     time.sleep(0.05)
         # SIGTERM during the load: exits at once.
-        assert stop(ep) == 0
+        assert ep.stop() == 0
     finally:
-        stop(ep)
+        ep.stop()
 
 
 # -- in-process server with a fake executor ------------------------------------------------

@@ -4,20 +4,18 @@ finishes, its result reaches the scheduler's stream, then the process exits 0 pr
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 from executor_fixtures import prompt_ids
-from helpers.executor_process import ROOT, ExecutorProcess, free_port, stop, wait_ready
-from helpers.processes import alive, descendants
+from helpers.processes import ServiceProcess, alive, descendants
+from helpers.services import executor_process
 
+from client.defaults import free_port
 from protos.plan import NewSequence, StepPlan, StepSamplingParams, plan_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
@@ -34,16 +32,9 @@ OPTIONS = dict(
 IN_FLIGHT_SECONDS = 0.3
 
 
-def start(log: Path, *extra: str) -> ExecutorProcess:
+def start(log: Path, *extra: str) -> ServiceProcess:
     """The executor on the embedded model (its default)."""
-    args = [sys.executable, "-m", "executor_service", "--port", str(free_port()), "--metrics-port", "0"]
-    for name, value in OPTIONS.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    args += ["--grace", "30", *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    with log.open("w") as f:
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    return ExecutorProcess(proc, f"127.0.0.1:{args[args.index('--port') + 1]}", "", log)
+    return executor_process(log, "--grace", "30", *extra, **OPTIONS).start()
 
 
 def long_prefill(seq_id: int) -> StepPlan:
@@ -65,7 +56,7 @@ def long_prefill(seq_id: int) -> StepPlan:
     )
 
 
-def sigterm_during_a_step(ep: ExecutorProcess) -> float:
+def sigterm_during_a_step(ep: ServiceProcess) -> float:
     """Open a Step stream as the scheduler does (it stays open), send a long prefill, SIGTERM while
     it runs; assert its result arrives after the signal and the process exits 0. Returns the
     seconds from the result to the exit."""
@@ -74,9 +65,9 @@ def sigterm_during_a_step(ep: ExecutorProcess) -> float:
         responses = pb_grpc.ExecutorServiceStub(channel).Step(iter(plans.get, None), timeout=60)
         plans.put(plan_to_proto(long_prefill(seq_id=7)))
         time.sleep(IN_FLIGHT_SECONDS)
-        assert ep.proc.poll() is None, ep.output()
+        assert ep.process.poll() is None, ep.output()
         signalled = time.monotonic()
-        ep.proc.send_signal(signal.SIGTERM)
+        ep.process.send_signal(signal.SIGTERM)
         result = next(responses)
         answered = time.monotonic()
         assert (result.step_id, list(result.seq_ids), len(result.token_ids)) == (41, [7], 1)
@@ -89,7 +80,7 @@ def sigterm_during_a_step(ep: ExecutorProcess) -> float:
             next(responses)
         assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), e.value
         plans.put(None)
-    assert ep.proc.wait(15) == 0, ep.output()
+    assert ep.process.wait(15) == 0, ep.output()
     exited = time.monotonic()
     assert "signal received" in ep.output() and "stopped" in ep.output()
     return exited - answered
@@ -98,18 +89,18 @@ def sigterm_during_a_step(ep: ExecutorProcess) -> float:
 def test_sigterm_finishes_the_running_step_then_exits_0(tmp_path):
     ep = start(tmp_path / "executor.log")
     try:
-        wait_ready(ep)
+        ep.wait_serving()
         # A bound that only catches a hang (waiting out a stream, or the full grace period).
         assert sigterm_during_a_step(ep) < 20, ep.output()
     finally:
-        stop(ep)
+        ep.stop()
 
 
 def test_sigterm_with_tensor_parallel_leaves_no_rank(tmp_path):
     ep = start(tmp_path / "executor.log", "--tensor-parallel-size", "2", "--tp-master-port", str(free_port()))
     try:
-        wait_ready(ep)
-        ranks = descendants(ep.proc.pid)
+        ep.wait_serving()
+        ranks = descendants(ep.process.pid)
         assert len(ranks) == 1, ep.output()
         assert sigterm_during_a_step(ep) < 20, ep.output()
         deadline = time.monotonic() + 5
@@ -118,19 +109,19 @@ def test_sigterm_with_tensor_parallel_leaves_no_rank(tmp_path):
         assert not [pid for pid in ranks if alive(pid)], ep.output()
         assert "rank 1: closing" in ep.output()
     finally:
-        stop(ep)
+        ep.stop()
 
 
 def test_sigterm_while_idle_exits_0_at_once(tmp_path):
     ep = start(tmp_path / "executor.log")
     try:
-        wait_ready(ep)
+        ep.wait_serving()
         t0 = time.monotonic()
         # A burst of signals (a supervisor's SIGTERM, then a user's Ctrl-C...): one shutdown.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
-            ep.proc.send_signal(sig)
-        assert ep.proc.wait(20) == 0, ep.output()
+            ep.process.send_signal(sig)
+        assert ep.process.wait(20) == 0, ep.output()
         # Well under the 30 s grace: an idle executor does not wait it out.
         assert time.monotonic() - t0 < 20
     finally:
-        stop(ep)
+        ep.stop()

@@ -245,7 +245,7 @@ def test_tandem_chat_cli_streams_replies(api, model, services):
     import subprocess
     import sys
 
-    from helpers.services import CHILD_ENV, ROOT
+    from helpers.processes import CHILD_ENV, ROOT
 
     expected = api.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0

@@ -22,14 +22,6 @@ import grpc
 import pytest
 from checkpoints import build_qwen3
 from grpc_health.v1 import health_pb2
-from helpers.cluster import (
-    Cluster,
-    _check_identical,
-    _kill_and_recover,
-    _stream,
-    start_streams,
-    token_prompts,
-)
 from helpers.scheduler_server import (
     FlakyExecutor,
     collect,
@@ -38,6 +30,15 @@ from helpers.scheduler_server import (
     request,
     wait_idle,
     wait_serving,
+)
+from helpers.services import Services
+from helpers.streams import (
+    MANY_STREAMS,
+    check_identical,
+    kill_and_recover,
+    start_streams,
+    token_prompts,
+    tracked_stream,
 )
 
 from client import AsyncTandemClient, Final, TandemClient, TandemError
@@ -70,10 +71,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 @pytest.fixture
 def cluster_factory(tmp_path):
-    clusters: list[Cluster] = []
+    clusters: list[Services] = []
 
-    def make(model, **kwargs) -> Cluster:
-        cluster = Cluster(model, tmp_path, **kwargs)
+    def make(model, **kwargs) -> Services:
+        cluster = Services(model, tmp_path, **{**MANY_STREAMS, **kwargs})
         clusters.append(cluster)
         return cluster
 
@@ -96,10 +97,10 @@ def test_executor_killed_mid_decode_all_32_streams_finish_identically(qwen3_tied
         prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
     )
     t0 = time.monotonic()
-    results, at_kill = _kill_and_recover(cluster, prompts, max_tokens, lambda p: min(p) >= 4)
+    results, at_kill = kill_and_recover(cluster, prompts, max_tokens, lambda p: min(p) >= 4)
     recovered_s = time.monotonic() - t0
     assert max(at_kill) < max_tokens, "every stream had finished before the kill"
-    completed = _check_identical(results, expected)
+    completed = check_identical(results, expected)
     print(
         f"\nkill mid-decode: {completed}/{len(prompts)} streams completed identically "
         f"(tokens at the kill: {min(at_kill)}..{max(at_kill)}; {recovered_s:.1f} s with the restart)"
@@ -129,12 +130,12 @@ def test_executor_killed_during_prefill_restarted_smaller(qwen3_tied, reference,
         return admitted == len(prompts) and forwarded >= 128
 
     # The new executor is smaller: the scheduler rebuilds its block accounting from Describe.
-    results, at_kill = _kill_and_recover(
+    results, at_kill = kill_and_recover(
         cluster, prompts, max_tokens, prefill_started, restart_args=["--num-kv-blocks", "700"]
     )
     waiting = sum(1 for n in at_kill if n == 0)
     assert waiting >= 16, f"the kill came after most prefills: {at_kill}"
-    completed = _check_identical(results, expected)
+    completed = check_identical(results, expected)
     print(
         f"\nkill during prefill: {completed}/{len(prompts)} streams completed identically "
         f"({waiting} had no token yet at the kill)"
@@ -172,7 +173,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(qwen3_tied, refe
     results, refused, in_flight = asyncio.run(run())
     assert refused.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.message
     assert in_flight == len(prompts)  # all were still generating when the new one was refused
-    completed = _check_identical(results, expected)
+    completed = check_identical(results, expected)
     assert cluster.scheduler.process.wait(30) == 0, cluster.scheduler.tail()
     print(
         f"\nSIGTERM drain: {completed}/{len(prompts)} in-flight streams finished, new request "
@@ -233,7 +234,7 @@ def test_a_hung_executor_is_noticed_within_the_step_timeout_and_recovered_when_i
     assert noticed_s < step_timeout + 2.0, f"noticed after {noticed_s:.1f} s"
     assert refused.code == grpc.StatusCode.UNAVAILABLE
     assert max(at_stop) < max_tokens, "every stream had finished before the stop"
-    completed = _check_identical(results, expected)
+    completed = check_identical(results, expected)
     print(
         f"\nSIGSTOP: NOT_SERVING after {noticed_s:.1f} s (--executor-step-timeout {step_timeout:g}); "
         f"{completed}/{len(prompts)} streams finished identically after SIGCONT"
@@ -279,7 +280,7 @@ def test_500_streams_with_cancels_and_deadlines(cluster_factory):
 
             async def one(i: int):
                 if not measured:  # warm-up
-                    return await _stream(client, prompts[i], progress, i, max_tokens=max_tokens)
+                    return await tracked_stream(client, prompts[i], progress, i, max_tokens=max_tokens)
                 try:
                     if kind[i] == "cancel":
                         stop_after = rng.randint(0, max_tokens - 1)
@@ -294,7 +295,7 @@ def test_500_streams_with_cancels_and_deadlines(cluster_factory):
                                     stream.cancel()
                         return ("completed" if stream.final is not None else "cancelled"), stream.final
                     c = short[i % 10] if kind[i] == "deadline" else client
-                    ids, final = await _stream(c, prompts[i], progress, i, max_tokens=max_tokens)
+                    ids, final = await tracked_stream(c, prompts[i], progress, i, max_tokens=max_tokens)
                     return ("completed", (ids, final))
                 except TandemError as e:
                     return ("expired" if e.code == grpc.StatusCode.DEADLINE_EXCEEDED else f"error {e}", None)

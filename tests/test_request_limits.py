@@ -15,8 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.processes import CHILD_ENV, ROOT
 from helpers.scheduler_server import NUM_KV_BLOCKS, metrics, request, wait_serving
-from helpers.services import CHILD_ENV, ROOT, Services
+from helpers.services import Services
 
 from client import TandemClient, TandemError
 from client.llm import LLM

@@ -9,8 +9,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,10 +18,10 @@ import torch
 from checkpoints import build_qwen3, trained_prompts
 from executor_fixtures import prompt_ids
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.executor_process import ROOT, ExecutorProcess, free_port, stop, wait_ready
-from helpers.processes import alive, descendants
+from helpers.processes import ServiceProcess, alive, descendants
+from helpers.services import executor_process
 
-from client.defaults import DEFAULT_MODEL
+from client.defaults import DEFAULT_MODEL, free_port
 from client.llm import LLM
 from executor_service.config import ExecutorConfig
 from scheduler_service.config import SchedulerConfig
@@ -48,16 +46,9 @@ def qwen3_kv1(tmp_path_factory):
     )
 
 
-def start_tp_executor(model: Path, log: Path, tp: int = 2) -> ExecutorProcess:
-    port, tp_port = free_port(), free_port()
-    args = [sys.executable, "-m", "executor_service", "--model", str(model), "--port", str(port)]
-    args += ["--metrics-port", "0", "--tensor-parallel-size", str(tp), "--tp-master-port", str(tp_port)]
-    for name, value in OPTIONS.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    with log.open("w") as f:
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    return ExecutorProcess(proc, f"127.0.0.1:{port}", "", log)
+def start_tp_executor(model: Path, log: Path, tp: int = 2) -> ServiceProcess:
+    tp_flags = ("--tensor-parallel-size", str(tp), "--tp-master-port", str(free_port()))
+    return executor_process(log, *tp_flags, model=model, **OPTIONS).start()
 
 
 def requests() -> list[list[tuple[list[int], SamplingParams]]]:
@@ -93,7 +84,7 @@ def test_tp2_service_greedy_identical_to_tp1(checkpoint, request, tmp_path):
     ep = start_tp_executor(model, tmp_path / "executor.log")
     try:
         expected = tp1_tokens(model)
-        wait_ready(ep)
+        ep.wait_serving()
         with RemoteExecutor(ep.address) as remote:
             info = remote.describe()
             assert info.tensor_parallel_size == 2 and info.num_kv_blocks == OPTIONS["num_kv_blocks"]
@@ -101,26 +92,26 @@ def test_tp2_service_greedy_identical_to_tp1(checkpoint, request, tmp_path):
         assert got == expected
         assert engine.scheduler.stats.num_chunked_prefills > 0
         assert engine.scheduler.stats.num_prefix_hit_tokens > 0
-        assert stop(ep) == 0, ep.output()
+        assert ep.stop() == 0, ep.output()
     finally:
-        stop(ep)
+        ep.stop()
     assert ("replicated on 2 ranks" in ep.output()) == (checkpoint == "qwen3_kv1")
 
 
 def test_killing_rank1_takes_the_executor_down_without_orphans(qwen3_tied, tmp_path):
     ep = start_tp_executor(qwen3_tied, tmp_path / "executor.log")
     try:
-        wait_ready(ep)
-        children = descendants(ep.proc.pid)
+        ep.wait_serving()
+        children = descendants(ep.process.pid)
         assert len(children) == 1, ep.output()
         with grpc.insecure_channel(ep.address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
             assert next(watch).status == SERVING
             os.kill(children[0], signal.SIGKILL)
             assert next(watch).status == NOT_SERVING
-        assert ep.proc.wait(30) == 1
+        assert ep.process.wait(30) == 1
     finally:
-        stop(ep)
+        ep.stop()
     assert "rank(s) died" in ep.output()
     assert not [pid for pid in children if alive(pid)]
 
@@ -131,8 +122,8 @@ def test_rank_killed_mid_step_is_unavailable_not_a_failed_request(qwen3_tied, tm
     fail them), and the executor exits 1 leaving no rank behind."""
     ep = start_tp_executor(qwen3_tied, tmp_path / "executor.log")
     try:
-        wait_ready(ep)
-        children = descendants(ep.proc.pid)
+        ep.wait_serving()
+        children = descendants(ep.process.pid)
         with RemoteExecutor(ep.address) as executor:
             engine = LLMEngine(executor, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24))
             for prompt in (prompt_ids(n, seed=n) for n in (3, 9, 30)):
@@ -145,9 +136,9 @@ def test_rank_killed_mid_step_is_unavailable_not_a_failed_request(qwen3_tied, tm
                     for out in engine.step():
                         assert out.error is None, out.error
         assert "rank(s) [1] died" in str(failure.value)
-        assert ep.proc.wait(30) == 1
+        assert ep.process.wait(30) == 1
     finally:
-        stop(ep)
+        ep.stop()
     assert not [pid for pid in children if alive(pid)], ep.output()
 
 
@@ -163,10 +154,10 @@ def _rank_processes(pid: int) -> list[int]:
     return ranks
 
 
-def _kill_rank1_while_loading(ep: ExecutorProcess, how) -> list[int]:
+def _kill_rank1_while_loading(ep: ServiceProcess, how) -> list[int]:
     """Wait for rank 1's process, then `how(rank1_pid)` while the group forms."""
     deadline = time.monotonic() + 60
-    while not (ranks := _rank_processes(ep.proc.pid)) and time.monotonic() < deadline:
+    while not (ranks := _rank_processes(ep.process.pid)) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ranks, ep.output()
     how(ranks[0])
@@ -180,13 +171,13 @@ def test_rank_dead_at_start_ends_the_executor_at_once(qwen3_tied, tmp_path):
     try:
         t0 = time.monotonic()
         children = _kill_rank1_while_loading(ep, lambda pid: os.kill(pid, signal.SIGKILL))
-        assert ep.proc.wait(30) == 1, ep.output()
+        assert ep.process.wait(30) == 1, ep.output()
         assert time.monotonic() - t0 < 30
     finally:
-        stop(ep)
+        ep.stop()
     # Named either way: dead before it read its start-up message, or while the group formed.
     assert "rank 1 died at start" in ep.output() or "rank(s) died while loading" in ep.output()
-    assert not [pid for pid in descendants(ep.proc.pid) + children if alive(pid)]
+    assert not [pid for pid in descendants(ep.process.pid) + children if alive(pid)]
 
 
 def test_sigterm_while_the_group_forms_exits_without_orphans(qwen3_tied, tmp_path):
@@ -195,26 +186,26 @@ def test_sigterm_while_the_group_forms_exits_without_orphans(qwen3_tied, tmp_pat
         # Rank 1 stopped (SIGSTOP) keeps the group from forming: rank 0 waits in the rendezvous.
         children = _kill_rank1_while_loading(ep, lambda pid: os.kill(pid, signal.SIGSTOP))
         time.sleep(1.0)
-        ep.proc.send_signal(signal.SIGTERM)
-        assert ep.proc.wait(30) == 0, ep.output()
+        ep.process.send_signal(signal.SIGTERM)
+        assert ep.process.wait(30) == 0, ep.output()
     finally:
-        stop(ep)
+        ep.stop()
     assert not [pid for pid in children if alive(pid)]
 
 
 def test_killing_rank0_ends_the_other_ranks(qwen3_tied, tmp_path):
     ep = start_tp_executor(qwen3_tied, tmp_path / "executor.log")
     try:
-        wait_ready(ep)
-        children = descendants(ep.proc.pid)
-        ep.proc.kill()
-        ep.proc.wait()
+        ep.wait_serving()
+        children = descendants(ep.process.pid)
+        ep.process.kill()
+        ep.process.wait()
         deadline = time.monotonic() + 10
         while any(alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [pid for pid in children if alive(pid)], ep.output()
     finally:
-        stop(ep)
+        ep.stop()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
@@ -504,13 +495,14 @@ def test_rank_killed_mid_decode_every_stream_finishes_on_the_next_executor(qwen3
     """The whole path at TP=2, as for any executor failure: 16 greedy streams through the scheduler,
     rank 1 SIGKILLed mid-decode, the executor goes down by itself, a new TP=2 executor starts on
     the same port, and every stream finishes with exactly the undisturbed run's tokens."""
-    from helpers.cluster import Cluster, _check_identical, _kill_and_recover, token_prompts
+    from helpers.services import Services
+    from helpers.streams import MANY_STREAMS, check_identical, kill_and_recover, token_prompts
 
     prompts = token_prompts(16, seed=13)
     max_tokens = 48
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     expected = LLM(str(qwen3_tied), num_kv_blocks=1024).generate(prompts, params, use_tqdm=False)
-    cluster = Cluster(qwen3_tied, tmp_path)
+    cluster = Services(qwen3_tied, tmp_path, **MANY_STREAMS)
 
     def tp_args() -> list[str]:
         return ["--tensor-parallel-size", "2", "--tp-master-port", str(free_port())]
@@ -524,11 +516,11 @@ def test_rank_killed_mid_decode_every_stream_finishes_on_the_next_executor(qwen3
 
     try:
         cluster.start(*tp_args())
-        results, at_kill = _kill_and_recover(
+        results, at_kill = kill_and_recover(
             cluster, prompts, max_tokens, lambda p: min(p) >= 4, restart_args=tp_args(), kill=kill_rank1
         )
         assert max(at_kill) < max_tokens
-        assert _check_identical(results, expected) == len(prompts)
+        assert check_identical(results, expected) == len(prompts)
         assert "rank(s) died" in cluster.executors[0].tail(200)
     finally:
         executors = [e.process.pid for e in cluster.executors]
