@@ -163,3 +163,26 @@ def test_api_servers_end_with_their_engine_core(qwen3_tied, tmp_path):
         assert not any(alive(pid) for pid in children)
     finally:
         services.stop()
+
+
+def test_samples_and_prompt_logprobs_cross_the_ipc(split, qwen3_tied):
+    """n seeded samples and prompt logprobs through an API server: what one process computes."""
+    prompt = [5, 9, 13, 2, 77, 31]
+    params = SamplingParams(max_tokens=8, n=3, seed=11, temperature=1.0, prompt_logprobs=2, logprobs=1)
+    want = LLM(str(qwen3_tied), num_kv_blocks=NUM_KV_BLOCKS).generate([prompt], params, use_tqdm=False)[0]
+    with TandemClient(split.address) as client:
+        got = client.complete_samples(
+            prompt, 3, max_tokens=8, seed=11, temperature=1.0, prompt_logprobs=2, logprobs=1
+        )
+    assert [c.index for c in got] == [0, 1, 2]
+    assert [c.token_ids for c in got] == [o.token_ids for o in want.outputs]
+    assert len({tuple(c.token_ids) for c in got}) > 1  # seeds seed, seed + 1, seed + 2 differ
+    assert [lp.logprob for lp in got[0].logprobs] == pytest.approx(
+        [lp.logprob for lp in want.outputs[0].logprobs]
+    )
+    scored = [lp for lp in want.prompt_logprobs if lp is not None]
+    assert [lp.token_id for lp in got[0].prompt_logprobs] == [lp.token_id for lp in scored]
+    assert [lp.rank for lp in got[0].prompt_logprobs] == [lp.rank for lp in scored]
+    assert [lp.logprob for lp in got[0].prompt_logprobs] == pytest.approx(
+        [lp.logprob for lp in scored], abs=1e-5
+    )
