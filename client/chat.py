@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from client.defaults import DEFAULT_SERVER, env
+from client.defaults import DEFAULT_SERVER, add_connection_flags, env
 from client.generate import _error, client_from_args
 from client.messages import Chunk, CompletionBuilder, TandemError
 
@@ -27,22 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
     p.add_argument("--no-thinking", action="store_true", help="Qwen3: enable_thinking=false in the template")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=env("TIMEOUT"),
-        help="deadline per reply, seconds (env TANDEM_TIMEOUT)",
-    )
-    p.add_argument("--api-key", default=env("API_KEY"), help="sent as a bearer token (env TANDEM_API_KEY)")
-    p.add_argument(
-        "--tls",
-        action="store_true",
-        default=env("TLS", "") not in ("", "0"),
-        help="connect over TLS (env TANDEM_TLS=1)",
-    )
-    p.add_argument(
-        "--tls-ca", default=env("TLS_CA"), help="connect over TLS, trusting this CA (PEM; env TANDEM_TLS_CA)"
-    )
+    add_connection_flags(p)
     p.set_defaults(func=run_chat)
 
 

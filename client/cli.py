@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from client.defaults import DEFAULT_RETRIES, DEFAULT_SERVER, env
+from client.defaults import DEFAULT_SERVER, add_connection_flags, env
 from protos.service_main import LOG_FORMAT, add_log_level, run_service
 
 # The service verbs live with their services; they are imported only when used, so that
@@ -97,37 +97,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, when it is done")
     server = p.add_argument_group("with --server")
-    server.add_argument(
-        "--timeout",
-        type=float,
-        default=env("TIMEOUT"),
-        help="deadline per request, seconds (env TANDEM_TIMEOUT)",
-    )
-    server.add_argument(
-        "--retries",
-        type=int,
-        default=int(env("RETRIES", str(DEFAULT_RETRIES))),
-        help=f"retries of a request refused UNAVAILABLE before its first token (0-4, jittered backoff; "
-        f"default {DEFAULT_RETRIES}; env TANDEM_RETRIES)",
-    )
-    server.add_argument(
-        "--api-key", default=env("API_KEY"), help="sent as a bearer token (env TANDEM_API_KEY)"
-    )
+    add_connection_flags(server)
     server.add_argument("--user", default="", help="the end user the request is for (logged by the server)")
-    server.add_argument(
-        "--tls",
-        action="store_true",
-        help="connect over TLS, trusting the system's CAs (env TANDEM_TLS=1)",
-        default=env("TLS", "") not in ("", "0"),
-    )
-    server.add_argument(
-        "--tls-ca", default=env("TLS_CA"), help="connect over TLS, trusting this CA (PEM; env TANDEM_TLS_CA)"
-    )
-    server.add_argument(
-        "--tls-server-name",
-        default=env("TLS_SERVER_NAME"),
-        help="name the server's certificate must carry (default: the host of --server)",
-    )
     local = p.add_argument_group("with --model (in-process)")
     local.add_argument(
         "--tokenizer", default=None, help="tokenizer.json or its directory (default: the model's)"

@@ -73,3 +73,38 @@ def free_port(host: str = DEFAULT_HOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is full: any port
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def add_connection_flags(group) -> None:
+    """A server's connection flags (`tandem generate --server`, `tandem chat`): the deadline,
+    retries, the API key and TLS."""
+    group.add_argument(
+        "--timeout",
+        type=float,
+        default=env("TIMEOUT"),
+        help="deadline per request, seconds (env TANDEM_TIMEOUT)",
+    )
+    group.add_argument(
+        "--retries",
+        type=int,
+        default=int(env("RETRIES", str(DEFAULT_RETRIES))),
+        help=f"retries of a request refused UNAVAILABLE before its first token (0-4, jittered backoff; "
+        f"default {DEFAULT_RETRIES}; env TANDEM_RETRIES)",
+    )
+    group.add_argument(
+        "--api-key", default=env("API_KEY"), help="sent as a bearer token (env TANDEM_API_KEY)"
+    )
+    group.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect over TLS, trusting the system's CAs (env TANDEM_TLS=1)",
+        default=env("TLS", "") not in ("", "0"),
+    )
+    group.add_argument(
+        "--tls-ca", default=env("TLS_CA"), help="connect over TLS, trusting this CA (PEM; env TANDEM_TLS_CA)"
+    )
+    group.add_argument(
+        "--tls-server-name",
+        default=env("TLS_SERVER_NAME"),
+        help="name the server's certificate must carry (default: the host of the server's address)",
+    )

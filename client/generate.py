@@ -9,7 +9,6 @@ import sys
 import grpc
 
 from client.client import GenerationStream, TandemClient
-from client.defaults import DEFAULT_RETRIES
 from client.messages import Chunk, Completion, CompletionBuilder, SamplesBuilder, TandemError, logprobs_json
 
 
@@ -59,8 +58,8 @@ def client_from_args(address: str, args: argparse.Namespace) -> TandemClient | N
             api_key=args.api_key,
             tls=args.tls,
             tls_ca=args.tls_ca,
-            tls_server_name=getattr(args, "tls_server_name", None),
-            retries=getattr(args, "retries", DEFAULT_RETRIES),
+            tls_server_name=args.tls_server_name,
+            retries=args.retries,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
