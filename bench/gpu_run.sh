@@ -47,6 +47,8 @@ tp_debug() {
 for what in "$@"; do
     case $what in
     tests) stage tests "$PY" -m pytest -q tests/test_triton_ops.py tests/test_sampling_kernel.py tests/test_gpu_engine.py ;;
+    # Every GPU test of the engine, the sampler and the fp8 GEMM (issue 18's request features with the fused sampler among them).
+    gpu-tests) TAIL=30 stage gpu-tests "$PY" -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_sampling_kernel.py tests/test_fp8_gemm.py tests/test_triton_ops.py ;;
     moe-tests) TAIL=20 stage moe-tests "$PY" -m pytest -q -m gpu tests/test_fused_moe.py tests/test_triton_ops.py tests/test_gpu_engine.py -k "moe or rope or famil" ;;
     moe) TAIL=30 stage moe "$PY" bench/moe.py ;;
     moe-sweep) TAIL=60 stage moe-sweep "$PY" bench/moe.py --sweep --num-tokens ${SWEEP_TOKENS:-64 128 256 16 512 2048 8192} ;;
