@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 # gRPC sets SO_REUSEPORT by default: a second server on the port would start and the kernel would
 # split the connections between the two. Every gRPC server's options must include this.
 EXCLUSIVE_PORT_OPTION = ("grpc.so_reuseport", 0)
+# The scheduler service's API server processes share their port (a lock keeps other services off).
+SHARED_PORT_OPTION = ("grpc.so_reuseport", 1)
 _LISTEN = "0A"  # TCP state in /proc/net/tcp
 _MAX_COMMAND_CHARS = 120
 
@@ -40,17 +42,23 @@ def add_grpc_port(
     service's API server processes, which share the port (SO_REUSEPORT; their engine core holds
     the port's lock, port_lock)."""
     address = bind_address(host, port)
-    # gRPC binds every address a name resolves to and starts if any one succeeds: `localhost`
-    # would get [::1]:P beside another server's 127.0.0.1:P. Each address must be free.
-    for resolved in _resolve(host, port) if port and not shared else ():
-        if _is_bound(resolved, port):
-            raise listen_error(resolved, port, "address in use")
+    if port and not shared:
+        check_free(host, port)
     try:
         if credentials is None:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, credentials)
     except RuntimeError as e:  # gRPC says only "Failed to bind to address"
         raise listen_error(host, port, str(e)) from None
+
+
+def check_free(host: str, port: int) -> None:
+    """PortInUseError naming the holder unless every address `host` names is free on `port`: gRPC
+    binds each of them and starts if any one succeeds (`localhost` would get [::1]:P beside another
+    server's 127.0.0.1:P)."""
+    for resolved in _resolve(host, port):
+        if _is_bound(resolved, port):
+            raise listen_error(resolved, port, "address in use")
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:

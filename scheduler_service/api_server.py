@@ -39,9 +39,10 @@ from protos.hub import resolve_model
 from protos.plan import ExecutorInfo
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.config import SchedulerLimits
+from scheduler_service.engine import validate_request
 from scheduler_service.errors import ErrorCode, TandemRequestError
 from scheduler_service.request_stream import RequestStream, StreamTable
-from scheduler_service.sampling_params import SamplingParams, verify_request
+from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.tokenizer import Tokenizer, tokenizer_resolver
 
 logger = logging.getLogger(__name__)
@@ -147,14 +148,15 @@ class RemoteEngine:
         self._core_admitting = True
         self._admitting = True
         self._serving = False
-        self._pending: dict[int, tuple[asyncio.Future, str, int, SamplingParams, float]] = {}
+        # Requests sent to the core for admission: key -> (future, request id, prompt tokens, the
+        # samples' params, arrival).
+        self._pending: dict[int, tuple[asyncio.Future, str, int, list[SamplingParams], float]] = {}
         self._next_key = 0
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.IDENTITY, identity.encode())
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._tasks: list[asyncio.Task] = []
-        self.state_received = asyncio.Event()
 
     # -- what the front ends call ---------------------------------------------------------
 
@@ -190,13 +192,8 @@ class RemoteEngine:
         """The request's params.n samples, checked here against the executor's limits, then
         admitted by the core (its queue limits) or refused: raises TandemRequestError as
         AsyncEngine.submit does."""
-        engine = self.check_admitting()
         samples = params.for_samples()
-        samples[0].verify()
-        limits = engine.limits
-        verify_request(
-            prompt_token_ids, samples[0], limits.vocab_size, limits.max_model_len, limits.max_logprobs
-        )
+        validate_request(prompt_token_ids, samples[0], self.check_admitting().limits)
         self._next_key += 1
         key = self._next_key
         future = asyncio.get_running_loop().create_future()
@@ -266,7 +263,6 @@ class RemoteEngine:
         if serving != self._serving:
             self._serving = serving
             self.on_health(serving)
-        self.state_received.set()
 
     def _on_added(self, key: int, engine_ids: list[int]) -> None:
         future, request_id, num_prompt_tokens, samples, arrival = self._pending.pop(key)
@@ -345,8 +341,7 @@ async def _serve(spec: dict) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    server.engine._send("ready", os.getpid())
+    await server.start()  # bound, then the engine's hello: the core counts it as this server's start
     await stop.wait()
     await server.stop(args["shutdown_timeout"])
     return 0

@@ -78,6 +78,11 @@ class AsyncEngine:
     def not_connected_message(self) -> str:
         return self._recovery.not_connected_message()
 
+    @property
+    def admitting(self) -> bool:
+        """False once stop_admitting() was called (shutting down)."""
+        return self._admitting
+
     def stop_admitting(self) -> None:
         self._admitting = False
 

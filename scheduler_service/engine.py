@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from protos.executor import Executor
 from protos.plan import StepPlan, StepResult
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.config import SchedulerConfig, SchedulerLimits
 from scheduler_service.sampling_params import InvalidRequestError, SamplingParams, verify_request
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import Sequence, SequenceStatus, TokenLogprob
@@ -119,8 +119,7 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams) -> None:
         """The checks of add_request without admitting anything (to check a batch first)."""
-        sampling_params.verify()
-        self._verify(prompt_token_ids, sampling_params)
+        validate_request(prompt_token_ids, sampling_params, self.limits)
 
     def _verify(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams) -> None:
         limits = self.limits
@@ -209,6 +208,17 @@ class LLMEngine:
             100 * stats.prefix_hit_rate,
             stats.num_preemptions,
         )
+
+
+def validate_request(
+    prompt_token_ids: Seq[int], sampling_params: SamplingParams, limits: SchedulerLimits
+) -> None:
+    """The request on its own, then against the executor's limits; InvalidRequestError naming the
+    limit (also an API server's check, before the engine core admits it: api_server.py)."""
+    sampling_params.verify()
+    verify_request(
+        prompt_token_ids, sampling_params, limits.vocab_size, limits.max_model_len, limits.max_logprobs
+    )
 
 
 def _to_output(seq: Sequence) -> RequestOutput:

@@ -31,7 +31,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from protos.ports import _is_bound, bind_address, bind_http_socket, listen_error, port_lock
+from protos.ports import bind_address, bind_http_socket, check_free, port_lock
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.api_server import SPEC_ENV
 from scheduler_service.async_engine import AsyncEngine
@@ -55,8 +55,9 @@ class CoreBridge:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
-        self._peers: set[bytes] = set()
-        self.ready: dict[bytes, int] = {}  # API server identity -> pid, once it serves
+        # The API servers that said hello: each does once it serves (SchedulerServer.start starts
+        # its engine, and so the hello, after binding).
+        self.peers: set[bytes] = set()
         # Requests admitted for an API server: engine id -> (its identity, the core's stream).
         self._remote: dict[int, tuple[bytes, RequestStream]] = {}
         self._task: asyncio.Task | None = None
@@ -70,10 +71,11 @@ class CoreBridge:
             self._task.cancel()
         self._socket.close()
         self._context.term()
+        ipc.remove_ipc_address(self.address)
 
     def broadcast_state(self) -> None:
         frame = self._state()
-        for peer in self._peers:
+        for peer in self.peers:
             self._send(peer, frame)
 
     def _state(self) -> bytes:
@@ -84,7 +86,7 @@ class CoreBridge:
                 engine.info if engine is not None else None,
                 engine.limits if engine is not None else None,
                 self.engine.not_connected_message() if engine is None else "",
-                self.engine._admitting,
+                self.engine.admitting,
             ),
         )
 
@@ -127,10 +129,8 @@ class CoreBridge:
                 metric = getattr(self.metrics, name)
                 getattr(metric.labels(*labels) if labels else metric, method)(value)
         elif kind == "hello":
-            self._peers.add(peer)
+            self.peers.add(peer)
             self._send(peer, self._state())
-        elif kind == "ready":
-            self.ready[peer] = message[1]
 
     def _forward(self, streams: list[RequestStream]) -> None:
         """StreamTable's listener: one message per API server with this step's news."""
@@ -183,9 +183,11 @@ async def serve(args, count: int, executor, options, tokenizer_for) -> int:
     metrics = SchedulerMetrics()
     port = args.port or _free_port(args.host)
     lock = port_lock(args.host, port)
-    if _is_bound(args.host, port):
+    try:
+        check_free(args.host, port)
+    except OSError:
         lock.close()
-        raise listen_error(args.host, port, "address in use")
+        raise
     http_socket = bind_http_socket(args.host, args.http_port) if args.http_port else None
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.host)
@@ -227,7 +229,7 @@ async def serve(args, count: int, executor, options, tokenizer_for) -> int:
     code = 0
     try:
         deadline = time.monotonic() + _START_TIMEOUT_S
-        while len(bridge.ready) < count:
+        while len(bridge.peers) < count:
             if any(c.poll() is not None for c in children) or time.monotonic() > deadline or stop.is_set():
                 print("error: an API server did not start (see its error above)", file=sys.stderr)
                 return 2

@@ -10,6 +10,9 @@ One ROUTER socket in the engine core, one DEALER per API server (its identity `a
     ["abort", engine_id]                        ["out", [entry, ...]]     (once per engine step)
     ["metrics", [record, ...]]
 
+An API server says hello once it serves (its port bound): the core counts the hellos to know that
+every API server has started.
+
 `state`: {"info": ExecutorInfo fields or None, "limits": SchedulerLimits fields or None,
 "message": why not connected, "admitting": bool}. `entry`: [engine_id, new token ids,
 logprobs or None, prompt logprobs or None (once), cached tokens, finished, finish reason, failure
@@ -22,6 +25,7 @@ process of the host.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -49,6 +53,17 @@ def ipc_address() -> str:
     """A fresh ipc:// endpoint in a private temporary directory."""
     folder = tempfile.mkdtemp(prefix="tandem-core-")
     return f"ipc://{os.path.join(folder, 'engine.sock')}"
+
+
+def remove_ipc_address(address: str) -> None:
+    """Remove what ipc_address made (the socket file and its folder)."""
+    path = address.removeprefix("ipc://")
+    if path != address:
+        folder = os.path.dirname(path)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def params_to_wire(params: SamplingParams) -> dict:

@@ -23,7 +23,13 @@ from grpc_reflection.v1alpha import reflection
 from protos.defaults import GENERATION_MAX_MESSAGE_BYTES, SCHEDULER_PORT
 from protos.parsing import deserializer
 from protos.plan import ExecutorInfo
-from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port, bind_address, bind_http_socket
+from protos.ports import (
+    EXCLUSIVE_PORT_OPTION,
+    SHARED_PORT_OPTION,
+    add_grpc_port,
+    bind_address,
+    bind_http_socket,
+)
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import AsyncEngine, EngineOptions
 from scheduler_service.engine import Executor
@@ -124,7 +130,9 @@ class SchedulerServer:
         if self.api_keys:
             refused = self.metrics.requests_failed.labels(grpc.StatusCode.UNAUTHENTICATED.name)
             interceptors.append(ApiKeyInterceptor(self.api_keys, refused.inc))
-        options = [*SERVER_OPTIONS[:-1], ("grpc.so_reuseport", 1)] if self.reuse_port else SERVER_OPTIONS
+        options = SERVER_OPTIONS
+        if self.reuse_port:
+            options = [SHARED_PORT_OPTION if o is EXCLUSIVE_PORT_OPTION else o for o in SERVER_OPTIONS]
         server = grpc.aio.server(options=options, interceptors=interceptors)
         server.add_generic_rpc_handlers((_generation_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
