@@ -455,6 +455,7 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
             )
         }
         steps["cpu"] = cpu
+        steps["api_servers"] = len(api_servers)
     finally:
         for service in services:
             service.stop(10.0)
@@ -521,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         print(
-            f"{'engine core' if len(steps['cpu']) > 3 else 'scheduler'} CPU per output token: "
+            f"{'engine core' if steps['api_servers'] else 'scheduler'} CPU per output token: "
             f"{steps['cpu']['scheduler'] / max(tokens, 1) * 1e6:.1f} us",
             flush=True,
         )
