@@ -60,6 +60,8 @@ for what in "$@"; do
     llama-1b) TAIL=12 stage llama-1b "$PY" bench/throughput.py --workload w1 --shape llama-3.2-1b --device cuda --mode in-process ;;
     kernels) stage kernels "$PY" -m pytest -q -x tests/test_triton_kernels.py ;;
     attention) stage attention "$PY" bench/attention.py ;;
+    # What a prompt arriving costs the running decodes (the mixed step against the decode step).
+    mixed) TAIL=14 stage mixed "$PY" bench/mixed_step.py --batch 16 64 --prompt-len 128 512 1024 2048 ;;
     profile) TAIL=40 stage profile "$PY" bench/profile_step.py --steps 16 ;;
     w1) TAIL=12 stage w1 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process ;;
     w1-trace) TAIL=40 stage w1-trace "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --trace-compiles ;;

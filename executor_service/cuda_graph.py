@@ -1,18 +1,36 @@
-"""CUDA graphs for decode steps: one graph per batch bucket, captured largest first into one pool.
+"""CUDA graphs: whole-model graphs for decode steps, piecewise graphs for every other step.
 
-A decode step of n sequences replays the smallest bucket >= n. The rows past n are padding:
-slot -1 (the store kernel skips it) and context length 0 (attention reads nothing), so they
-cost a little compute and change nothing."""
+`DecodeGraphs`: one graph per batch bucket, captured largest first into one pool. A decode step of
+n sequences replays the smallest bucket >= n. The rows past n are padding: slot -1 (the store
+kernel skips it) and context length 0 (attention reads nothing), so they cost a little compute and
+change nothing.
+
+`MixedGraphs`: a step with a prefill chunk (alone or beside decodes) cannot be one graph, since its
+attention launches depend on each sequence's query and context lengths. Eagerly, its ~350 kernel
+launches cost the host ~25 ms on the W1 model whatever the chunk's length (bench/mixed_step.py),
+and every running stream waits that long for its next token. As vLLM's piecewise graphs do, the
+model is captured for token-count buckets as a chain of graphs that stop at each attention layer:
+a replay runs graph 0 (embedding to layer 0's q/k/v), layer 0's attention eagerly on the step's
+real context, graph 1 (layer 0's output projection to layer 1's q/k/v), and so on. The q/k/v of
+each layer are copied into staging buffers every layer shares, and attention writes its output
+into one more, so the graphs read and write fixed addresses. Rows past the step's tokens are
+padding: their attention output is whatever the buffer last held (finite), and every op outside
+attention is row-wise, so they change no real row."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from executor_service.context import Context, reset_context, set_context
+
+# The largest step MixedGraphs captures: beyond it a step's GPU time exceeds the eager launches'
+# host time, so a graph no longer shortens it.
+MAX_MIXED_GRAPH_TOKENS = 2048
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +39,14 @@ def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch itself)."""
     buckets = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
     return [*buckets, max_batch]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, 256, 384, 512, then every multiple of 256 up to max_tokens (and
+    max_tokens itself): at most ~25% padding where the step's GPU time starts to count."""
+    small = [16, 32, 64, 128, 256, 384, 512]
+    buckets = [b for b in small if b < max_tokens] + list(range(768, max_tokens, 256))
+    return [*buckets, max_tokens]
 
 
 class DecodeGraphs:
@@ -70,6 +96,7 @@ class DecodeGraphs:
                 reset_context()
             pool = graph.pool() if pool is None else pool
             self.graphs[n] = graph
+        self.pool = pool
         torch.cuda.synchronize()
         logger.info(
             "captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
@@ -103,4 +130,143 @@ class DecodeGraphs:
         self.context_lens[n:bucket] = 0
         self.block_tables[:n, :width] = context.block_tables
         self.graphs[bucket].replay()
+        return self.hidden[:n]
+
+
+@dataclass
+class _Chain:
+    """One bucket's graphs and, between graph i and graph i + 1, the attention layer i runs."""
+
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    layers: list[nn.Module] = field(default_factory=list)
+
+
+class _Recording:
+    """The forward being captured (or warmed up) for MixedGraphs: Attention.forward hands each
+    layer's q/k/v here instead of attending, and a capture ends its graph there."""
+
+    def __init__(self, graphs: MixedGraphs, capture: bool) -> None:
+        self.owner = graphs
+        self.capture = capture
+        self.chain = _Chain()
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self.owner.pool)
+        if self.owner.pool is None:
+            self.owner.pool = self._graph.pool()
+
+    def end(self) -> None:
+        self._graph.capture_end()
+        self.chain.graphs.append(self._graph)
+        self._graph = None
+
+    def attention(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        owner = self.owner
+        owner.q[:n].copy_(q)
+        owner.k[:n].copy_(k)
+        owner.v[:n].copy_(v)
+        self.chain.layers.append(layer)
+        if self.capture:
+            self.end()
+            self.begin()
+        return owner.out[:n]
+
+
+_RECORDING: _Recording | None = None
+
+
+def recording() -> _Recording | None:
+    """The MixedGraphs capture in progress, if any (Attention.forward asks)."""
+    return _RECORDING
+
+
+class MixedGraphs:
+    """Piecewise graphs of the model for steps that are not decode-only, one chain per token
+    bucket (token_buckets), sharing the decode graphs' pool."""
+
+    def __init__(self, model: nn.Module, max_tokens: int, hidden_size: int, pool=None) -> None:
+        from executor_service.layers.attention import Attention
+
+        attention = next(m for m in model.modules() if isinstance(m, Attention))
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.model = model
+        self.buckets = token_buckets(max_tokens)
+        self.pool = pool
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        self.q = torch.zeros(max_tokens, heads, head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(max_tokens, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(max_tokens, kv_heads, head_dim, dtype=dtype, device=device)
+        self.out = torch.zeros(max_tokens, heads, head_dim, dtype=dtype, device=device)
+        self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+        self.chains: dict[int, _Chain] = {}
+        self.num_replays = 0
+        self._capture()
+
+    def _forward(self, n: int, capture: bool) -> _Chain:
+        global _RECORDING
+        _RECORDING = recording = _Recording(self, capture)
+        try:
+            if capture:
+                recording.begin()
+            self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n])
+            if capture:
+                recording.end()
+        finally:
+            _RECORDING = None
+        return recording.chain
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream()
+        for n in reversed(self.buckets):
+            self._forward(n, capture=False)  # warm-up: compiles and tunes outside the capture
+            torch.cuda.synchronize()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.chains[n] = self._forward(n, capture=True)
+            torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info(
+            "captured piecewise CUDA graphs for mixed steps of %d..%d tokens (%d buckets, %d graphs) in %.1f s",
+            self.buckets[0],
+            self.buckets[-1],
+            len(self.buckets),
+            sum(len(c.graphs) for c in self.chains.values()),
+            time.perf_counter() - t0,
+        )
+
+    def release(self) -> None:
+        """Free every graph (DecodeGraphs.release says why)."""
+        torch.cuda.synchronize()
+        for chain in self.chains.values():
+            for graph in chain.graphs:
+                graph.reset()
+        self.chains.clear()
+
+    def can_run(self, num_tokens: int) -> bool:
+        return bool(self.chains) and num_tokens <= self.buckets[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        """The forward of a step of len(input_ids) tokens; hidden states [n, hidden]."""
+        n = input_ids.shape[0]
+        chain = self.chains[next(b for b in self.buckets if b >= n)]
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.out[:n]
+        for graph, layer in zip(chain.graphs, chain.layers, strict=False):
+            graph.replay()
+            out.copy_(
+                layer.backend.forward(
+                    q, k, v, layer.k_cache, layer.v_cache, context, layer.scale, layer.k_scale, layer.v_scale
+                )
+            )
+        chain.graphs[-1].replay()
+        self.num_replays += 1
         return self.hidden[:n]

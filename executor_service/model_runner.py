@@ -18,7 +18,7 @@ from executor_service.batch import PreparedBatch, prepare_batch
 from executor_service.block_tables import BlockTables
 from executor_service.config import ExecutorConfig
 from executor_service.context import reset_context, set_context
-from executor_service.cuda_graph import DecodeGraphs
+from executor_service.cuda_graph import MAX_MIXED_GRAPH_TOKENS, DecodeGraphs, MixedGraphs
 from executor_service.kv_cache import KVCache, block_bytes
 from executor_service.layers.attention import Attention
 from executor_service.layers.fusable import Fusable
@@ -136,6 +136,7 @@ class ModelRunner:
         self.block_tables = BlockTables(self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self.num_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         # Sequences held that ask for prompt logprobs, and for a logit bias or min_tokens: prepare()
         # looks for the rows that need them only while some do.
         self._num_scoring_prompts = 0
@@ -144,8 +145,9 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None  # bind_kv_cache() sets it
 
     def bind_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache (its size: kv_cache_sizing.py) and the decode CUDA graphs that
-        read it; runner_startup.py calls it once the model is loaded."""
+        """Allocate the KV cache (its size: kv_cache_sizing.py) and the CUDA graphs (decode graphs
+        that read it, piecewise graphs for the other steps); runner_startup.py calls it once the
+        model is loaded."""
         config, mc = self.config, self.config.model_config
         self.kv_cache = KVCache(
             mc.num_hidden_layers,
@@ -176,6 +178,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, config.max_num_seqs, self.max_blocks_per_seq, mc.hidden_size
             )
+        if self.device.type == "cuda" and not config.enforce_eager and self.model.cuda_graph_safe():
+            # Attention runs eagerly between the pieces, so any backend serves them.
+            max_tokens = min(config.max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS)
+            pool = self.graphs.pool if self.graphs is not None else None
+            self.mixed_graphs = MixedGraphs(self.model, max_tokens, mc.hidden_size, pool)
 
     def release_cuda_graphs(self) -> None:
         """Before leaving the tensor-parallel group (DecodeGraphs.release says why); later decode
@@ -183,6 +190,9 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.release()
+            self.mixed_graphs = None
 
     # -- sequences --------------------------------------------------------------------------
 
@@ -237,6 +247,9 @@ class ModelRunner:
         prompt logprobs the batch scores (rank 0)."""
         if batch.decode_only and self.graphs is not None and self.graphs.can_run(len(batch.input_ids)):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.context)
+            self.num_graph_steps += 1
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(len(batch.input_ids)):
+            hidden = self.mixed_graphs.run(batch.input_ids, batch.positions, batch.context)
             self.num_graph_steps += 1
         else:
             set_context(batch.context)

@@ -51,6 +51,28 @@ def test_triton_fp32_chunked_prefill_and_prefix_hits_match_transformers(qwen3_un
     assert_matches_hf(qwen3_untied, [shared + [5], *prompts], warm + outputs)
 
 
+def test_mixed_steps_replay_piecewise_graphs_and_match_transformers(qwen3_untied):
+    """Prefill chunks beside decodes, of many lengths (every token bucket up to 64 and padding
+    inside each), replay the piecewise graphs with attention between them: fp32 greedy tokens
+    identical to transformers, prompt logprobs too, and a prefix hit."""
+    shared = make_prompts([40], seed=11)[0]
+    prompts = make_prompts([1, 5, 14, 23, 31, 47, 60, 77, 90], seed=12)
+    prompts += make_prompts([3, 19], seed=13, prefix=shared)
+    llm = LLM(str(qwen3_untied), device="cuda", dtype="float32", attention_backend="triton", num_kv_blocks=128,
+              max_num_batched_tokens=64, max_num_seqs=6)  # fmt: skip
+    graphs = llm.executor.runner.mixed_graphs
+    assert graphs is not None and graphs.buckets == [16, 32, 64]
+    warm = llm.generate([shared + [7]], SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    before = graphs.num_replays
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert graphs.num_replays - before >= 10  # every chunked or mixed step of this batch
+    assert [o.num_cached_tokens for o in outputs[-2:]] == [40, 40]
+    assert_matches_hf(qwen3_untied, [shared + [7], *prompts], warm + outputs)
+    for prompt in prompts[5:7]:  # scored in chunks of up to 64 tokens
+        scored = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+        assert_prompt_logprobs_match_hf(qwen3_untied, prompt, scored.prompt_logprobs, 2)
+
+
 def test_bf16_triton_matches_torch_backend():
     """In bf16 the backends round differently; with clear logit margins the first 32 tokens agree."""
     prompts = trained_prompts()
