@@ -1,4 +1,6 @@
-"""The forward context: attention metadata for the current step, read by every attention layer."""
+"""The forward context: attention metadata for the current step, read by every attention layer, and
+the piecewise CUDA-graph capture in progress, if any (cuda_graph.MixedGraphs), to which attention
+layers hand their q/k/v instead of attending."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ class Context:
 
 
 _CONTEXT = Context()
+_RECORDING = None
 
 
 def get_context() -> Context:
@@ -37,3 +40,14 @@ def set_context(context: Context) -> None:
 def reset_context() -> None:
     global _CONTEXT
     _CONTEXT = Context()
+_RECORDING = None
+
+
+def recording():
+    """The MixedGraphs recording in progress (cuda_graph._Recording), or None."""
+    return _RECORDING
+
+
+def set_recording(recording) -> None:
+    global _RECORDING
+    _RECORDING = recording

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from executor_service import context as forward_context
 from executor_service.context import Context, reset_context, set_context
 
 # The largest step MixedGraphs captures: beyond it a step's GPU time exceeds the eager launches'
@@ -143,7 +144,8 @@ class _Chain:
 
 class _Recording:
     """The forward being captured (or warmed up) for MixedGraphs: Attention.forward hands each
-    layer's q/k/v here instead of attending, and a capture ends its graph there."""
+    layer's q/k/v here instead of attending (context.recording()), and a capture ends its graph
+    there."""
 
     def __init__(self, graphs: MixedGraphs, capture: bool) -> None:
         self.owner = graphs
@@ -175,22 +177,19 @@ class _Recording:
         return owner.out[:n]
 
 
-_RECORDING: _Recording | None = None
-
-
-def recording() -> _Recording | None:
-    """The MixedGraphs capture in progress, if any (Attention.forward asks)."""
-    return _RECORDING
-
-
 class MixedGraphs:
     """Piecewise graphs of the model for steps that are not decode-only, one chain per token
     bucket (token_buckets), sharing the decode graphs' pool."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, hidden_size: int, pool=None) -> None:
-        from executor_service.layers.attention import Attention
-
-        attention = next(m for m in model.modules() if isinstance(m, Attention))
+    def __init__(
+        self,
+        model: nn.Module,
+        max_tokens: int,
+        hidden_size: int,
+        heads: tuple[int, int, int],
+        pool=None,
+    ) -> None:
+        """heads: (query heads, KV heads, head dim) of this rank's attention layers."""
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.model = model
@@ -198,19 +197,19 @@ class MixedGraphs:
         self.pool = pool
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        self.q = torch.zeros(max_tokens, heads, head_dim, dtype=dtype, device=device)
+        num_heads, kv_heads, head_dim = heads
+        self.q = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device=device)
         self.k = torch.zeros(max_tokens, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(max_tokens, kv_heads, head_dim, dtype=dtype, device=device)
-        self.out = torch.zeros(max_tokens, heads, head_dim, dtype=dtype, device=device)
+        self.out = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
         self.chains: dict[int, _Chain] = {}
         self.num_replays = 0
         self._capture()
 
     def _forward(self, n: int, capture: bool) -> _Chain:
-        global _RECORDING
-        _RECORDING = recording = _Recording(self, capture)
+        recording = _Recording(self, capture)
+        forward_context.set_recording(recording)
         try:
             if capture:
                 recording.begin()
@@ -218,7 +217,7 @@ class MixedGraphs:
             if capture:
                 recording.end()
         finally:
-            _RECORDING = None
+            forward_context.set_recording(None)
         return recording.chain
 
     @torch.inference_mode()

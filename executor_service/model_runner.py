@@ -182,7 +182,8 @@ class ModelRunner:
             # Attention runs eagerly between the pieces, so any backend serves them.
             max_tokens = min(config.max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS)
             pool = self.graphs.pool if self.graphs is not None else None
-            self.mixed_graphs = MixedGraphs(self.model, max_tokens, mc.hidden_size, pool)
+            heads = (mc.num_attention_heads // self.tp_size, self.num_kv_heads, mc.head_dim)
+            self.mixed_graphs = MixedGraphs(self.model, max_tokens, mc.hidden_size, heads, pool)
 
     def release_cuda_graphs(self) -> None:
         """Before leaving the tensor-parallel group (DecodeGraphs.release says why); later decode

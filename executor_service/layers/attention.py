@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_service import cuda_graph
 from executor_service.attention import AttentionBackend, get_backend
-from executor_service.context import get_context
+from executor_service.context import get_context, recording
 
 
 class Attention(nn.Module):
@@ -25,9 +24,9 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        recording = cuda_graph.recording()
-        if recording is not None:  # a piecewise capture: attention runs between the graphs
-            return recording.attention(self, q, k, v)
+        capture = recording()
+        if capture is not None:  # a piecewise capture: attention runs between the graphs
+            return capture.attention(self, q, k, v)
         return self.backend.forward(
             q, k, v, self.k_cache, self.v_cache, get_context(), self.scale, self.k_scale, self.v_scale
         )
