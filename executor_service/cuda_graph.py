@@ -156,13 +156,22 @@ class _Recording:
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
         self._graph.capture_begin(pool=self.owner.pool)
-        if self.owner.pool is None:
-            self.owner.pool = self._graph.pool()
 
     def end(self) -> None:
-        self._graph.capture_end()
-        self.chain.graphs.append(self._graph)
-        self._graph = None
+        graph, self._graph = self._graph, None
+        graph.capture_end()
+        self.chain.graphs.append(graph)
+        if self.owner.pool is None:  # a graph's pool exists once its capture has ended
+            self.owner.pool = graph.pool()
+
+    def abort(self) -> None:
+        """End a capture an exception interrupted, so that the stream can serve again."""
+        if self._graph is not None:
+            try:
+                self._graph.capture_end()
+            except RuntimeError:
+                pass
+            self._graph = None
 
     def attention(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
@@ -216,6 +225,9 @@ class MixedGraphs:
             self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n])
             if capture:
                 recording.end()
+        except BaseException:
+            recording.abort()
+            raise
         finally:
             forward_context.set_recording(None)
         return recording.chain

@@ -65,7 +65,9 @@ def test_mixed_steps_replay_piecewise_graphs_and_match_transformers(qwen3_untied
     warm = llm.generate([shared + [7]], SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
     before = graphs.num_replays
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
-    assert graphs.num_replays - before >= 10  # every chunked or mixed step of this batch
+    # At least the steps the prompts' uncached tokens need, in chunks of 64.
+    uncached = sum(map(len, prompts)) - 2 * len(shared)
+    assert graphs.num_replays - before >= -(-uncached // 64)
     assert [o.num_cached_tokens for o in outputs[-2:]] == [40, 40]
     assert_matches_hf(qwen3_untied, [shared + [7], *prompts], warm + outputs)
     for prompt in prompts[5:7]:  # scored in chunks of up to 64 tokens
