@@ -68,7 +68,8 @@ def test_mixed_steps_replay_piecewise_graphs_and_match_transformers(qwen3_untied
     # At least the steps the prompts' uncached tokens need, in chunks of 64.
     uncached = sum(map(len, prompts)) - 2 * len(shared)
     assert graphs.num_replays - before >= -(-uncached // 64)
-    assert [o.num_cached_tokens for o in outputs[-2:]] == [40, 40]
+    block = llm.executor.describe().block_size  # the prefix cache holds whole blocks
+    assert [o.num_cached_tokens for o in outputs[-2:]] == [len(shared) // block * block] * 2
     assert_matches_hf(qwen3_untied, [shared + [7], *prompts], warm + outputs)
     for prompt in prompts[5:7]:  # scored in chunks of up to 64 tokens
         scored = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
