@@ -73,7 +73,7 @@ for what in "$@"; do
     w1-split1-one) TAIL=12 stage w1-split1-one "$PY" bench/throughput.py --workload w1 --device cuda --mode split --stream-interval 1 --api-server-count 0 ;;
     # BENCH.md W2 (issue 16): Poisson arrivals, every token streamed, 4 client processes; the JSON beside the log.
     w2) TAIL=30 STAGE_TIMEOUT=580 stage w2 "$PY" bench/serve.py --workload w2 --device cuda --request-rate 8 24 48 --num-processes 4 --json "$OUT/w2.json" ;;
-    w2-prefix) TAIL=30 STAGE_TIMEOUT=580 stage w2-prefix "$PY" bench/serve.py --workload w2 --device cuda --request-rate 24 --shared-prefix ${SHARED_PREFIX:-512} --num-processes 4 --json "$OUT/w2-prefix.json" ;;
+    w2-prefix) TAIL=30 STAGE_TIMEOUT=580 stage w2-prefix "$PY" bench/serve.py --workload w2 --device cuda --request-rate 24 --shared-prefix ${SHARED_PREFIX:-1000} --num-processes 4 --json "$OUT/w2-prefix.json" ;;
     # The prefill budget while decoding (issue 16 item 2), to choose its default: W2's ITL and W1 with PREFILL_BUDGET.
     w2-budget) TAIL=30 STAGE_TIMEOUT=580 stage w2-budget "$PY" bench/serve.py --workload w2 --device cuda --request-rate 8 24 48 --num-processes 4 --max-prefill-tokens-while-decoding ${PREFILL_BUDGET:-512} --json "$OUT/w2-budget.json" ;;
     w1-budget) TAIL=12 stage w1-budget "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --max-prefill-tokens-while-decoding ${PREFILL_BUDGET:-512} ;;
