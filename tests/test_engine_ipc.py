@@ -1,66 +1,101 @@
-"""The engine core's "out" message (engine_ipc.py): a step's news for an API server's streams,
-from the core's RequestStreams through msgpack to the outputs the API server dispatches."""
+"""The engine core's "out" message (engine_ipc.py): a step's outputs go from the core's
+StreamTable through its listener, msgpack and the API server's StreamTable into the streams the
+client-facing code reads, which must then hold what one process's streams hold."""
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler_service import engine_ipc as ipc
+from scheduler_service.engine import RequestOutput
 from scheduler_service.errors import ErrorCode, TandemRequestError
-from scheduler_service.request_stream import RequestStream
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.request_stream import RequestStream, StreamTable
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
 
-
-def stream(engine_id: int, token_ids: list[int], num_cached_tokens: int = 0) -> RequestStream:
-    s = RequestStream(f"req-{engine_id}", engine_id, 5, SamplingParams(), arrival=0.0)
-    s.token_ids = list(token_ids)
-    s.num_cached_tokens = num_cached_tokens
-    return s
+NUM_PROMPT_TOKENS = 5
 
 
-def round_trip(streams: list[RequestStream]):
-    frame = ipc.pack("out", *ipc.outputs_to_wire(streams))
-    kind, *columns = ipc.unpack(frame)
-    assert kind == "out"
-    return ipc.outputs_from_wire(*columns)
+def output(engine_id: int, new: list[int], **fields) -> RequestOutput:
+    fields.setdefault("finished", False)
+    fields.setdefault("finish_reason", None)
+    fields.setdefault("num_cached_tokens", 0)
+    return RequestOutput(engine_id, new, num_prompt_tokens=NUM_PROMPT_TOKENS, **fields)
 
 
-def test_tokens_logprobs_finish_and_failure_survive_the_wire():
-    plain = stream(1, [7, 8], num_cached_tokens=16)
-    with_logprobs = stream(2, [9])
-    with_logprobs.logprobs = [TokenLogprob(9, -0.5, [(9, -0.5), (3, -1.5)])]
-    with_logprobs.prompt_logprobs = [TokenLogprob(4, -2.0, [(4, -2.0)], rank=1)]
-    finished = stream(3, [0])
-    finished.finished, finished.finish_reason = True, "stop"
-    failed = stream(4, [5])
-    failed.fail(TandemRequestError("step 9 failed", ErrorCode.INTERNAL))
-
-    outputs, failures = round_trip([plain, with_logprobs, finished, failed])
-
-    assert [o.request_id for o in outputs] == [1, 2, 3]
-    first, second, third = outputs
-    assert (first.new_token_ids, first.num_cached_tokens, first.finished) == ([7, 8], 16, False)
-    assert first.new_logprobs is None and first.prompt_logprobs is None
-    assert second.new_logprobs == [TokenLogprob(9, -0.5, [(9, -0.5), (3, -1.5)])]
-    assert second.prompt_logprobs == [TokenLogprob(4, -2.0, [(4, -2.0)], rank=1)]
-    assert (third.new_token_ids, third.finished, third.finish_reason) == ([0], True, "stop")
-    assert list(failures) == [4]
-    assert failures[4].code is ErrorCode.INTERNAL and failures[4].message == "step 9 failed"
-    assert all(o.error is None for o in outputs)
+def table(engine_ids: list[int]) -> StreamTable:
+    streams = StreamTable(SchedulerMetrics())
+    for engine_id in engine_ids:
+        streams.add(RequestStream(f"req-{engine_id}", engine_id, NUM_PROMPT_TOKENS, SamplingParams(), 0.0))
+    return streams
 
 
-def test_the_news_is_taken_from_the_streams_once():
-    s = stream(1, [7])
-    s.logprobs = [TokenLogprob(7, -0.1, [])]
-    s.prompt_logprobs = [TokenLogprob(2, -1.0, [], rank=3)]
-    round_trip([s])
-    assert s.token_ids == [] and s.logprobs == [] and s.prompt_logprobs is None
-    s.token_ids = [8]
-    (output,), failures = round_trip([s])
-    assert output.new_token_ids == [8] and output.prompt_logprobs is None and not failures
+def state(streams: list[RequestStream]) -> list[tuple]:
+    return [
+        (s.engine_id, s.token_ids, s.last_token_id, s.logprobs, s.prompt_logprobs, s.num_cached_tokens,
+         s.finished, s.finish_reason, s.failure and (s.failure.code, s.failure.message), s.queued_tokens)
+        for s in streams
+    ]  # fmt: skip
 
 
-def test_empty_logprobs_are_sent_as_none():
-    s = stream(1, [7])
-    s.prompt_logprobs = []  # a one-token prompt scores nothing
-    (output,), _ = round_trip([s])
-    assert output.prompt_logprobs is None and output.new_logprobs is None
+STEPS = [
+    (
+        [
+            output(1, [7, 8], num_cached_tokens=16),
+            output(2, [9], new_logprobs=[TokenLogprob(9, -0.5, [(9, -0.5), (3, -1.5)])],
+                   prompt_logprobs=[TokenLogprob(4, -2.0, [(4, -2.0)], rank=1)]),
+            output(3, [0], finished=True, finish_reason="stop"),
+            output(4, [], finished=True, finish_reason="abort", error="does not fit in the KV cache"),
+        ],
+        None,
+    ),
+    ([output(1, [10], finished=True, finish_reason="length"), output(2, [11])], None),
+    ([], {2: TandemRequestError("step 9 failed", ErrorCode.INTERNAL), 99: TandemRequestError("gone")}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("num_steps", [1, len(STEPS)])
+def test_api_server_streams_hold_what_one_process_holds(num_steps):
+    ids = [1, 2, 3, 4]
+    one_process = table(ids)
+    expected = [one_process._streams[i] for i in ids]
+    core, api_server = table(ids), table(ids)
+    streams = [api_server._streams[i] for i in ids]
+    frames = []
+    core.listener = lambda touched: frames.append(ipc.pack("out", *ipc.outputs_to_wire(touched)))
+    for outputs, failures in STEPS[:num_steps]:
+        one_process.dispatch(outputs, failures, 1.0)
+        frames.clear()
+        core.dispatch(outputs, failures, 1.0)
+        for frame in frames:
+            kind, *columns = ipc.unpack(frame)
+            assert kind == "out"
+            api_server.dispatch(*ipc.outputs_from_wire(*columns), 1.0)
+    assert state(streams) == state(expected)
+    assert len(api_server) == len(one_process)
+
+
+def test_details_go_only_with_the_outputs_that_need_them():
+    core = table([1, 2, 3])
+    sent = []
+    core.listener = lambda touched: sent.append(ipc.outputs_to_wire(touched))
+    core.dispatch(
+        [output(1, [7]), output(2, [8]), output(3, [0], finished=True, finish_reason="stop")], None, 1.0
+    )
+    ((engine_ids, token_ids, num_cached_tokens, details),) = sent
+    assert (engine_ids, token_ids, num_cached_tokens) == ([1, 2, 3], [[7], [8], [0]], [0, 0, 0])
+    assert details == [[2, None, None, True, "stop", None, None]]
+
+
+def test_empty_logprobs_cross_as_none():
+    # (a one-token prompt scores nothing: its API server's stream has no prompt logprobs)
+    core = table([1])
+    sent = []
+    core.listener = lambda touched: sent.append(ipc.outputs_to_wire(touched))
+    core.dispatch([output(1, [7], new_logprobs=[], prompt_logprobs=[])], None, 1.0)
+    _, *columns = ipc.unpack(ipc.pack("out", *sent[0]))
+    (out,), failures = ipc.outputs_from_wire(*columns)
+    assert (
+        out.new_token_ids == [7] and out.new_logprobs is None and out.prompt_logprobs is None and not failures
+    )
