@@ -83,6 +83,9 @@ class _Ignored:
     def observe(self, value: float) -> None:
         pass
 
+    def observe_all(self, values: list[float]) -> None:
+        pass
+
 
 class MetricsRelay:
     """SchedulerMetrics' interface for counters and histograms, recorded as calls that the core
@@ -108,20 +111,6 @@ class EngineView:
 
     info: ExecutorInfo
     limits: SchedulerLimits
-
-
-@dataclass(slots=True)
-class _Output:
-    """One step's news for a stream, in RequestOutput's fields (StreamTable.dispatch reads them)."""
-
-    request_id: int
-    new_token_ids: list[int]
-    new_logprobs: list | None
-    prompt_logprobs: list | None
-    num_cached_tokens: int
-    finished: bool
-    finish_reason: str | None
-    error: str | None = None
 
 
 class RemoteEngine:
@@ -284,24 +273,8 @@ class RemoteEngine:
         if not future.cancelled():
             future.set_exception(ipc.failure_from_wire(code, message))
 
-    def _on_out(self, entries: list) -> None:
-        outputs, failures = [], {}
-        for engine_id, ids, logprobs, prompt_logprobs, cached, finished, reason, code, message in entries:
-            if code is not None:
-                failures[engine_id] = ipc.failure_from_wire(code, message)
-                continue
-            outputs.append(
-                _Output(
-                    engine_id,
-                    ids,
-                    ipc.logprobs_from_wire(logprobs),
-                    ipc.logprobs_from_wire(prompt_logprobs),
-                    cached,
-                    finished,
-                    reason,
-                    message,
-                )
-            )
+    def _on_out(self, *columns: list) -> None:
+        outputs, failures = ipc.outputs_from_wire(*columns)
         self.streams.dispatch(outputs, failures, time.perf_counter())
 
 

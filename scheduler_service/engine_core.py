@@ -134,37 +134,21 @@ class CoreBridge:
 
     def _forward(self, streams: list[RequestStream]) -> None:
         """StreamTable's listener: one message per API server with this step's news."""
-        batches: dict[bytes, list] = {}
+        by_peer: dict[bytes, list[RequestStream]] = {}
         remote = self._remote
         for stream in streams:
             owned = remote.get(stream.engine_id)
             if owned is None:
                 continue
-            ids, logprobs = stream.take()
-            failure = stream.failure
-            if failure is not None:
-                entry = [
-                    stream.engine_id,
-                    [],
-                    None,
-                    None,
-                    0,
-                    True,
-                    "abort",
-                    failure.code.name,
-                    failure.message,
-                ]
-            else:
-                prompt_logprobs, stream.prompt_logprobs = stream.prompt_logprobs, None  # sent once
-                entry = [
-                    stream.engine_id, ids, ipc.logprobs_to_wire(logprobs), ipc.logprobs_to_wire(prompt_logprobs),
-                    stream.num_cached_tokens, stream.finished, stream.finish_reason, None, None,
-                ]  # fmt: skip
             if stream.finished:
                 del remote[stream.engine_id]
-            batches.setdefault(owned[0], []).append(entry)
-        for peer, entries in batches.items():
-            self._send(peer, ipc.pack("out", entries))
+            group = by_peer.get(owned[0])
+            if group is None:
+                by_peer[owned[0]] = [stream]
+            else:
+                group.append(stream)
+        for peer, group in by_peer.items():
+            self._send(peer, ipc.pack("out", *ipc.outputs_to_wire(group)))
 
 
 def _free_port(host: str) -> int:

@@ -7,16 +7,18 @@ One ROUTER socket in the engine core, one DEALER per API server (its identity `a
     ["hello"]                                   ["state", state]          (on hello, on each change)
     ["add", key, request_id, prompt_ids,        ["added", key, [engine id of each sample]] or
      params, arrival, timeout, user]            ["refused", key, code, message]
-    ["abort", engine_id]                        ["out", [entry, ...]]     (once per engine step)
-    ["metrics", [record, ...]]
+    ["abort", engine_id]                        ["out", engine_ids, token_ids,   (once per engine step)
+    ["metrics", [record, ...]]                   num_cached_tokens, details]
 
 An API server says hello once it serves (its port bound): the core counts the hellos to know that
 every API server has started.
 
 `state`: {"info": ExecutorInfo fields or None, "limits": SchedulerLimits fields or None,
-"message": why not connected, "admitting": bool}. `entry`: [engine_id, new token ids,
-logprobs or None, prompt logprobs or None (once), cached tokens, finished, finish reason, failure
-code or None, failure message] with logprobs as [token id, logprob, [[id, logprob], ...], rank].
+"message": why not connected, "admitting": bool}. "out" is one step's news for the API server's
+requests, in columns (outputs_to_wire): each request's engine id, new token ids and cached
+tokens, and `details` only for the few with more than tokens: [column index, logprobs or None,
+prompt logprobs or None (once), finished, finish reason, failure code or None, failure message],
+with logprobs as [token id, logprob, [[id, logprob], ...], rank].
 A request of n samples is n engine requests (SamplingParams.for_samples, on both sides). `record`: [metric, label values,
 method, value], a call on the core's SchedulerMetrics (`requests_finished.labels("stop").inc(1)`).
 `arrival` is time.perf_counter() of the API server: CLOCK_MONOTONIC on Linux, one clock for every
@@ -36,6 +38,7 @@ import msgpack
 from protos.plan import ExecutorInfo
 from scheduler_service.config import SchedulerLimits
 from scheduler_service.errors import ErrorCode, TandemRequestError
+from scheduler_service.request_stream import RequestStream
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
 
@@ -84,6 +87,66 @@ def logprobs_from_wire(wire: list | None) -> list[TokenLogprob] | None:
     if wire is None:
         return None
     return [TokenLogprob(t, lp, [(i, v) for i, v in top], rank) for t, lp, top, rank in wire]
+
+
+@dataclasses.dataclass(slots=True)
+class StreamOutput:
+    """One step's news for a stream, in RequestOutput's fields (StreamTable.dispatch reads them)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    num_cached_tokens: int
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def outputs_to_wire(streams: list[RequestStream]) -> tuple[list, list, list, list]:
+    """Take the news accumulated in each stream (one API server's, after a step): the columns of
+    an "out" message. Most streams only have new tokens, so only the others get details."""
+    engine_ids = [stream.engine_id for stream in streams]
+    token_ids = [stream.token_ids for stream in streams]
+    num_cached_tokens = [stream.num_cached_tokens for stream in streams]
+    details = []
+    for i, stream in enumerate(streams):
+        stream.token_ids = []
+        if stream.finished or stream.logprobs or stream.prompt_logprobs is not None:
+            failure = stream.failure
+            if failure is not None:
+                token_ids[i], num_cached_tokens[i] = [], 0
+                details.append([i, None, None, True, "abort", failure.code.name, failure.message])
+                continue
+            logprobs, stream.logprobs = stream.logprobs, []
+            prompt_logprobs, stream.prompt_logprobs = stream.prompt_logprobs, None  # sent once
+            details.append(
+                [i, logprobs_to_wire(logprobs), logprobs_to_wire(prompt_logprobs), stream.finished,
+                 stream.finish_reason, None, None]
+            )  # fmt: skip
+    return engine_ids, token_ids, num_cached_tokens, details
+
+
+def outputs_from_wire(
+    engine_ids: list[int], token_ids: list[list[int]], num_cached_tokens: list[int], details: list[list]
+) -> tuple[list[StreamOutput], dict[int, TandemRequestError]]:
+    """An "out" message's outputs for StreamTable.dispatch, and its failures by engine id."""
+    outputs: list[StreamOutput | None] = [
+        StreamOutput(*output) for output in zip(engine_ids, token_ids, num_cached_tokens, strict=True)
+    ]
+    failures = {}
+    for i, logprobs, prompt_logprobs, finished, reason, code, message in details:
+        if code is not None:
+            failures[engine_ids[i]] = failure_from_wire(code, message)
+            outputs[i] = None
+            continue
+        output = outputs[i]
+        output.new_logprobs = logprobs_from_wire(logprobs)
+        output.prompt_logprobs = logprobs_from_wire(prompt_logprobs)
+        output.finished, output.finish_reason = finished, reason
+    if failures:
+        outputs = [output for output in outputs if output is not None]
+    return outputs, failures
 
 
 def failure_from_wire(code: str, message: str) -> TandemRequestError:

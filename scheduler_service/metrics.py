@@ -7,9 +7,16 @@ latencies are observed when a request streams or finishes (asyncio thread).
 from __future__ import annotations
 
 import logging
+import math
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Iterable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString
 
 from protos.plan import ExecutorInfo
 from protos.ports import start_metrics_server
@@ -32,6 +39,50 @@ _STAT_COUNTERS = (
     ("prefix_queried_tokens", "num_prefix_queried_tokens"),
     ("prefix_hit_tokens", "num_prefix_hit_tokens"),
 )
+
+
+class StepHistogram:
+    """A histogram that takes an engine step's observations in one call (`observe_all`: every
+    stream's TTFT or ITL of the step): prometheus_client's Histogram.observe costs about 1 us a
+    call, a tenth of the engine core's CPU per output token at 256 streams. Exposed as
+    prometheus_client exposes a Histogram: cumulative buckets, count, sum and created."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: Iterable[float], registry: CollectorRegistry
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._bounds = [*(float(b) for b in buckets), math.inf]
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._created = time.time()
+        self._lock = threading.Lock()  # observed on the asyncio thread, collected on the HTTP one
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.observe_all((value,))
+
+    def observe_all(self, values: Iterable[float]) -> None:
+        bounds, counts = self._bounds, self._counts
+        with self._lock:
+            total = self._sum
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1  # the first bucket with value <= its bound
+                total += value
+            self._sum = total
+
+    def collect(self) -> list[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        metric = Metric(self._name, self._documentation, "histogram")
+        cumulative = 0.0
+        for bound, count in zip(self._bounds, counts, strict=True):
+            cumulative += count
+            metric.add_sample(self._name + "_bucket", {"le": floatToGoString(bound)}, cumulative)
+        metric.add_sample(self._name + "_count", {}, cumulative)
+        metric.add_sample(self._name + "_sum", {}, total)
+        metric.add_sample(self._name + "_created", {}, self._created)
+        return [metric]
 
 
 class SchedulerMetrics:
@@ -62,10 +113,10 @@ class SchedulerMetrics:
             ["code"],
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = StepHistogram(
             p + "time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.itl = Histogram(
+        self.itl = StepHistogram(
             p + "inter_token_latency_seconds",
             "Time between steps that gave a request tokens",
             buckets=_LATENCY_BUCKETS,

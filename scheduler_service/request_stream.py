@@ -106,8 +106,9 @@ class StreamTable:
     ) -> None:
         """One engine step's outputs, handed over in one batch."""
         streams = self._streams
-        ttft = self.metrics.ttft
-        itl = self.metrics.itl
+        # The step's time to first token and inter-token latency of each stream, observed at once.
+        first_token_latencies: list[float] = []
+        token_gaps: list[float] = []
         touched: list[RequestStream] | None = [] if self.listener is not None else None
         for out in outputs:
             stream = streams.get(out.request_id)
@@ -121,9 +122,9 @@ class StreamTable:
             if new:
                 if stream.first_token_time is None:
                     stream.first_token_time = now
-                    ttft.observe(now - stream.arrival)
+                    first_token_latencies.append(now - stream.arrival)
                 else:
-                    itl.observe(now - stream.last_token_time)
+                    token_gaps.append(now - stream.last_token_time)
                 stream.last_token_time = now
                 stream.token_ids.extend(new)
                 stream.last_token_id = new[-1]
@@ -139,6 +140,10 @@ class StreamTable:
                     stream.failure = TandemRequestError(out.error, ErrorCode.RESOURCE_EXHAUSTED)
                 del streams[out.request_id]
             stream.event.set()
+        if first_token_latencies:
+            self.metrics.ttft.observe_all(first_token_latencies)
+        if token_gaps:
+            self.metrics.itl.observe_all(token_gaps)
         for engine_id, failure in (failures or {}).items():
             stream = streams.pop(engine_id, None)
             if stream is not None:

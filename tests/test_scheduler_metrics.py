@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 from helpers.fake_executor import FakeExecutor
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.metrics import _LATENCY_BUCKETS, SchedulerMetrics, StepHistogram
 
 
 def samples(m: SchedulerMetrics) -> dict[tuple, float]:
@@ -42,3 +43,21 @@ def test_request_token_histograms_and_model_name():
     assert s[("tandem_scheduler_request_generation_tokens_bucket", ("le", "4.0"))] == 1
     [labels] = [k[1:] for k in s if k[0] == "tandem_scheduler_info"]
     assert ("model_name", "org/some-model") in labels and ("max_model_len", "2048") in labels
+
+
+def test_step_histogram_exposes_what_a_prometheus_histogram_would():
+    plain, batched = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("x_seconds", "doc", buckets=_LATENCY_BUCKETS, registry=plain)
+    histogram = StepHistogram("x_seconds", "doc", buckets=_LATENCY_BUCKETS, registry=batched)
+    rng = random.Random(0)
+    values = [rng.expovariate(20) for _ in range(500)] + [*_LATENCY_BUCKETS, 0.0, 1000.0]
+    for value in values:
+        reference.observe(value)
+    histogram.observe_all(values[:300])
+    histogram.observe_all(values[300:-1])
+    histogram.observe(values[-1])
+
+    def exposed(registry: CollectorRegistry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created " not in line]
+
+    assert exposed(batched) == exposed(plain)

@@ -1,0 +1,131 @@
+"""CPU cost of the engine core per output token, in one thread: what a decode step costs the core
+of a split scheduler (`--api-server-count N`) from scheduling the plan to the messages for its API
+servers, with the executor and the sockets' far ends taken out.
+
+Per step: LLMEngine.step (schedule, the plan and result through their protobuf wire form, update,
+the outputs), StreamTable.dispatch (TTFT / ITL observed) and CoreBridge's forward to the API
+servers (msgpack, one ZeroMQ send each; nothing reads them). 256 decoding sequences by default,
+their requests spread over the API servers as SO_REUSEPORT would spread them.
+
+    python bench/engine_core_overhead.py [--num-seqs 256] [--steps 1000] [--api-servers 2] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.scheduler_overhead import TrivialExecutor
+from protos.plan import ExecutorInfo, StepPlan, StepResult, plan_to_proto, result_from_proto, result_to_proto
+from protos.tandem.v1 import executor_pb2 as pb
+from scheduler_service import engine_ipc as ipc
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.engine import LLMEngine
+from scheduler_service.engine_core import CoreBridge
+from scheduler_service.executor_client import RemoteExecutor
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.request_stream import RequestStream, StreamTable
+from scheduler_service.sampling_params import SamplingParams
+
+
+class WireExecutor(TrivialExecutor):
+    """TrivialExecutor behind the protobuf conversions and (de)serialization RemoteExecutor does."""
+
+    def step(self, plan: StepPlan) -> StepResult:
+        plan_to_proto(plan).SerializeToString()
+        result = super().step(plan)
+        msg = pb.StepResult.FromString(result_to_proto(result).SerializeToString())
+        return result_from_proto(msg)
+
+
+class _Core:
+    """What CoreBridge reads of AsyncEngine."""
+
+    def __init__(self, streams: StreamTable) -> None:
+        self.streams = streams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, default=256, help="running decode sequences")
+    parser.add_argument("--steps", type=int, default=1000, help="decode steps measured")
+    parser.add_argument("--api-servers", type=int, default=2, help="API servers the outputs go to")
+    parser.add_argument("--profile", action="store_true", help="print cProfile's top functions too")
+    parser.add_argument(
+        "--executor",
+        help="HOST:PORT of an executor service (bench/stub_executor.py) instead of the in-process one",
+    )
+    args = parser.parse_args()
+
+    max_len = 400 + 2 * args.steps + 600
+    info = ExecutorInfo(
+        model="trivial", architecture="Trivial", block_size=16,
+        num_kv_blocks=args.num_seqs * (max_len // 16 + 2), max_model_len=max_len, vocab_size=32000,
+        eos_token_ids=[0], tensor_parallel_size=1, dtype="bfloat16", device="cpu",
+        max_num_seqs=args.num_seqs, max_num_batched_tokens=8192, attention_backend="none",
+        num_layers=1, block_bytes=1,
+    )  # fmt: skip
+    executor = WireExecutor(info) if args.executor is None else RemoteExecutor(args.executor)
+    engine = LLMEngine(executor, SchedulerConfig(max_num_seqs=args.num_seqs))
+    rng = random.Random(0)
+    vocab_size = engine.info.vocab_size
+    prompts = [
+        [rng.randrange(2, vocab_size) for _ in range(rng.randint(200, 400))] for _ in range(args.num_seqs)
+    ]
+    metrics = SchedulerMetrics()
+    streams = StreamTable(metrics)
+    bridge = CoreBridge(_Core(streams), metrics, ipc.ipc_address())
+    peers = [f"api-{i}".encode() for i in range(args.api_servers)]
+    params = SamplingParams(max_tokens=2 * args.steps + 550, ignore_eos=True, temperature=0.6)
+    now = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        seq_id = engine.add_request(prompt, params)
+        stream = RequestStream(str(i), seq_id, len(prompt), params, now)
+        streams.add(stream)
+        bridge._remote[seq_id] = (peers[rng.randrange(len(peers))], stream)
+
+    def step() -> int:
+        outputs = engine.step()
+        streams.dispatch(outputs, None, time.perf_counter())
+        return sum(len(out.new_token_ids) for out in outputs)
+
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        step()
+    for _ in range(10):
+        step()
+
+    profiler = cProfile.Profile(time.thread_time) if args.profile else None
+    tokens = 0
+    t0, cpu0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
+    if profiler is not None:
+        profiler.enable()
+    for _ in range(args.steps):
+        tokens += step()
+    if profiler is not None:
+        profiler.disable()
+    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - t0
+    process = time.process_time() - process0
+    bridge.close()
+    if args.executor is not None:
+        executor.close()
+
+    print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
+    print(f"{args.num_seqs} decode sequences, {args.steps} steps, {args.api_servers} API servers")
+    print(f"engine core CPU per output token (one thread): {cpu / tokens * 1e6:.2f} us")
+    print(f"engine core CPU per output token (all threads): {process / tokens * 1e6:.2f} us")
+    print(f"per step: {wall / args.steps * 1e3:.3f} ms wall, {cpu / args.steps * 1e3:.3f} ms CPU")
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
