@@ -78,7 +78,7 @@ def warm_up_kernels(runner: ModelRunner, num_blocks: int) -> int:
 
         warm_up_moe(
             moe.w13_weight, moe.w2_weight, moe.top_k, runner.config.max_num_batched_tokens,
-            runner.config.torch_dtype,
+            runner.config.torch_dtype, moe.w13_weight_scale_inv, moe.w2_weight_scale_inv,
         )  # fmt: skip
     if runner.sampler.fused:  # the one-pass sampler, on logits of the model's dtype
         from executor_service.sampling_kernel import sample_from_logits

@@ -433,7 +433,9 @@ def _launch(a, w, out, topk_weights, aligned, num_pairs, n, rows_per_token, gate
     grid = (expert_ids.numel(), triton.cdiv(n, config.BLOCK_N))
     a_s, w_s = scales or (None, None)
     if a_s is not None and (config.BLOCK_K != FP8_BLOCK or a_s.stride(1) != 1 or w_s.stride(2) != 1):
-        raise ValueError(f"the fp8 GEMM takes BLOCK_K {FP8_BLOCK} (not {config.BLOCK_K}) and row-contiguous scales")
+        raise ValueError(
+            f"the fp8 GEMM takes BLOCK_K {FP8_BLOCK} (not {config.BLOCK_K}) and row-contiguous scales"
+        )
     _moe_gemm_kernel[grid](
         a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, num_pairs, n, a.shape[1],
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),

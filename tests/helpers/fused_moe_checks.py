@@ -123,7 +123,9 @@ def check_fused_moe_fp8(num_tokens, num_experts, top_k, hidden, n, dtype, device
     from executor_service.layers import fused_moe_triton as k
     from executor_service.layers.moe import experts_reference
 
-    x, w13, w2, weights, ids = make_moe(num_tokens, num_experts, top_k, hidden, n, torch.float32, device, used)
+    x, w13, w2, weights, ids = make_moe(
+        num_tokens, num_experts, top_k, hidden, n, torch.float32, device, used
+    )
     x, weights = x.to(dtype), weights.to(dtype)
     gen = torch.Generator().manual_seed(n)
     w13 = w13 * torch.logspace(-1, 1, 2 * n)[torch.randperm(2 * n, generator=gen)].to(device)[:, None]
