@@ -119,6 +119,8 @@ for num_tokens, used in ((1, None), (5, 3), (33, 1), (40, None)):
         check_fused_moe_fp8(num_tokens, 8, 2, 200, 48, dtype, "cpu", used=used, config=small)
         check_fused_moe_fp8(num_tokens, 4, 2, 256, 256, dtype, "cpu", used=used, config=small)
 check_fused_moe_fp8(9, 4, 4, 128, 128, torch.float32, "cpu")  # top_k = experts, CONFIGS' tiles
+from helpers.fused_moe_checks import check_fp8_moe_layer
+check_fp8_moe_layer("cpu")
 """,
     "mixed": """
 # Prefill chunks and decode rows in one step, plus CUDA-graph padding rows.

@@ -151,3 +151,48 @@ def check_fused_moe_fp8(num_tokens, num_experts, top_k, hidden, n, dtype, device
     exact = experts_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
     rel = ((got.float() - exact).norm() / exact.norm()).item()
     assert rel < 0.1, f"{what}: fp8 experts off the unquantized ones by {rel:.3g}"
+
+
+def check_fp8_moe_layer(device: str, tp_size: int = 2) -> None:
+    """FusedMoE in fp8 as the loader fills it (each rank its blocks of every expert's gate, up and
+    down), fused: each rank's output is the torch W8A8 math on its slice, and the ranks' outputs sum
+    to the W8A8 experts' of the whole intermediate dimension (the all-reduce of a TP group)."""
+    from executor_service.fp8 import quantize_weight_blocks
+    from executor_service.layers.moe import FusedMoE
+
+    num_experts, top_k, hidden, inter = 4, 2, 192, 256
+    x, w13, w2, weights, ids = make_moe(9, num_experts, top_k, hidden, inter, torch.float32, device)
+    gate_up = [
+        (quantize_weight_blocks(w13[e, :inter]), quantize_weight_blocks(w13[e, inter:]))
+        for e in range(num_experts)
+    ]
+    downs = [quantize_weight_blocks(w2[e]) for e in range(num_experts)]
+    outs = []
+    for rank in range(tp_size):
+        with torch.device(device):
+            layer = FusedMoE(num_experts, top_k, hidden, inter, tp_rank=rank, tp_size=tp_size)
+        layer.to_fp8((128, 128))
+        layer.fused = True
+        for e, ((gq, gs), (uq, us)) in enumerate(gate_up):
+            for part, (q, s) in enumerate(((gq, gs), (uq, us), downs[e])):
+                layer.weight_loader(layer.w13_weight if part < 2 else layer.w2_weight, q, (e, part))
+                scale = layer.w13_weight_scale_inv if part < 2 else layer.w2_weight_scale_inv
+                layer.weight_loader(scale, s, (e, part))
+        layer.tp_size = 1  # the sum over ranks below stands for the all-reduce
+        got = layer(x, weights, ids)
+        want = reference_fp8_experts(
+            x,
+            layer.w13_weight,
+            layer.w13_weight_scale_inv,
+            layer.w2_weight,
+            layer.w2_weight_scale_inv,
+            weights,
+            ids,
+        )
+        torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+        outs.append(got)
+    w13_q = torch.stack([torch.cat([gq, uq]) for (gq, _), (uq, _) in gate_up])
+    w13_s = torch.stack([torch.cat([gs, us]) for (_, gs), (_, us) in gate_up])
+    w2_q, w2_s = torch.stack([q for q, _ in downs]), torch.stack([s for _, s in downs])
+    whole = reference_fp8_experts(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
+    torch.testing.assert_close(sum(outs), whole, atol=1e-4 * whole.abs().max().item(), rtol=1e-4)
