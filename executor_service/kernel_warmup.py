@@ -76,8 +76,10 @@ def warm_up_kernels(runner: ModelRunner, num_blocks: int) -> int:
     if moe is not None:  # every tile configuration of the fused experts (one layer's: all are alike)
         from executor_service.layers.fused_moe_triton import warm_up as warm_up_moe
 
-        w13, w2 = moe.w13_weight, moe.w2_weight
-        warm_up_moe(w13.shape[2], w13, w2, moe.top_k, runner.config.max_num_batched_tokens)
+        warm_up_moe(
+            moe.w13_weight, moe.w2_weight, moe.top_k, runner.config.max_num_batched_tokens,
+            runner.config.torch_dtype, moe.w13_weight_scale_inv, moe.w2_weight_scale_inv,
+        )  # fmt: skip
     if runner.sampler.fused:  # the one-pass sampler, on logits of the model's dtype
         from executor_service.sampling_kernel import sample_from_logits
 

@@ -4,7 +4,8 @@ slice of a packed one (q/k/v, gate/up) or one expert's slice of a packed MoE wei
 parameter's `weight_loader` reads only the part its tensor-parallel rank holds.
 
 An fp8 block-scaled checkpoint (quantization.py) pairs each quantized `X.weight` with
-`X.weight_scale_inv`: unless the model keeps the layer in fp8 (`keeps_fp8(X)`), the weight reaches its
+`X.weight_scale_inv`: unless the model keeps the layer in fp8 (`keeps_fp8(X)`; on CUDA the linear
+layers, and the MoE experts on the fused path: layers/fp8_layers.py), the weight reaches its
 `weight_loader` as a DequantizedSlice, which reads (and dequantizes) only the blocks a narrow asks for.
 
 Per-layer scales of an fp8 KV cache (`self_attn.k_scale` / `v_scale`, or on k_proj / v_proj, or one

@@ -21,8 +21,8 @@ from executor_service.context import reset_context, set_context
 from executor_service.cuda_graph import MAX_MIXED_GRAPH_TOKENS, DecodeGraphs, MixedGraphs
 from executor_service.kv_cache import KVCache, block_bytes
 from executor_service.layers.attention import Attention
+from executor_service.layers.fp8_layers import convert_to_fp8
 from executor_service.layers.fusable import Fusable
-from executor_service.layers.linear import convert_to_fp8
 from executor_service.loader import checkpoint_tensor_files, load_weights
 from executor_service.prompt_logprobs import (
     PromptLogprobsOutput,
@@ -106,11 +106,13 @@ class ModelRunner:
             self.model = config.model_class(
                 mc, tie_word_embeddings=tied, tp_rank=tp_rank, tp_size=self.tp_size
             )
-        # An fp8 checkpoint's linear layers stay e4m3 on CUDA (the W8A8 GEMM); elsewhere, and for
-        # the MoE experts, the loader dequantizes them to the compute dtype.
+        # An fp8 checkpoint's linear layers stay e4m3 on CUDA (the W8A8 GEMM), and so do the MoE
+        # experts where the fused kernels run them; elsewhere the loader dequantizes them to the
+        # compute dtype.
         fp8_weights = frozenset()
         if mc.quantization is not None and self.device.type == "cuda":
-            fp8_weights = convert_to_fp8(self.model, names, mc.quantization.block)
+            fused_moe = self._fused("fused_moe")
+            fp8_weights = convert_to_fp8(self.model, names, mc.quantization.block, experts=fused_moe)
         load_weights(
             self.model,
             config.model,
@@ -128,7 +130,7 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.backend = backend
             if isinstance(module, Fusable):  # on where the model declares the layer's fused op
-                module.fused = config.fused_ops == "on" and module.fused_op in self.model.fused_ops
+                module.fused = self._fused(module.fused_op)
         self.sampler = Sampler(
             config.seed, self.device, fused=config.fused_ops == "on" and self.device.type == "cuda"
         )
@@ -143,6 +145,10 @@ class ModelRunner:
         self._num_biasing = 0
         self._graph_safe = backend.graph_safe and self.model.cuda_graph_safe()
         self.kv_cache: KVCache | None = None  # bind_kv_cache() sets it
+
+    def _fused(self, fused_op: str) -> bool:
+        """Whether the layers of `fused_op` take their fused kernels."""
+        return self.config.fused_ops == "on" and fused_op in self.model.fused_ops
 
     def bind_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache (its size: kv_cache_sizing.py) and the CUDA graphs (decode graphs

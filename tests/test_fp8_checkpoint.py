@@ -107,6 +107,81 @@ def test_qwen3_moe_fp8_checkpoint_matches_transformers_on_dequantized_weights(fa
     save_file({n: t.contiguous() for n, t in dequantized.items()}, reference / "model.safetensors")
     prompts = make_prompts([3, 17, 40], seed=4)
     llm = LLM(str(tmp_path / "fp8"), dtype="float32", num_kv_blocks=64)
+    assert llm.executor.runner.model.model.layers[0].mlp.experts.w13_weight.dtype == torch.float32
     assert_matches_hf(
         reference, prompts, llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
     )
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen3_moe(tmp_path_factory):
+    """A Qwen3-MoE FP8 checkpoint whose shards at TP=2 are whole blocks: 4 x 64 query heads, 4 KV
+    heads, moe_intermediate 256 (each rank 128 of it); hidden 192, one and a half blocks."""
+    from checkpoints import build_checkpoint
+
+    src = build_checkpoint(
+        tmp_path_factory.mktemp("moe"), "qwen3_moe", hidden_size=192, head_dim=64, num_key_value_heads=4,
+        moe_intermediate_size=256, num_hidden_layers=2, mlp_only_layers=[], with_tokenizer=False,
+    )  # fmt: skip
+    dst = tmp_path_factory.mktemp("moe_fp8")
+    return dst, quantize_checkpoint_fp8(src, dst)
+
+
+def _load_as_runner_on_cuda(path, tp_rank: int, tp_size: int):
+    """The model of an fp8 checkpoint as the CUDA model runner loads it with the fused MoE path (fp8
+    linear layers and experts), built and loaded on the CPU."""
+    from executor_service.layers.fp8_layers import convert_to_fp8
+    from executor_service.loader import checkpoint_tensor_files, load_weights
+    from executor_service.model_config import load_model_config
+    from executor_service.models import get_model_class
+
+    mc = load_model_config(path)
+    model = get_model_class(mc.architecture)(mc, tie_word_embeddings=False, tp_rank=tp_rank, tp_size=tp_size)
+    kept = convert_to_fp8(model, checkpoint_tensor_files(path), mc.quantization.block, experts=True)
+    load_weights(model, path, quantization=mc.quantization, keeps_fp8=kept.__contains__)
+    return model
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_qwen3_moe_fp8_experts_load_as_e4m3_with_their_block_scales(fp8_qwen3_moe, tp_size):
+    """With the fused MoE path the experts stay e4m3: each rank's w13 holds the gate rows then the up
+    rows of its slice of the intermediate dimension, w2 that slice's columns, each with its 128 x 128
+    block scales; dequantized, they are exactly the checkpoint's dequantized experts."""
+    from helpers.fused_moe_checks import dequantize_experts
+
+    from executor_service.fp8 import FP8_DTYPE
+
+    path, dequantized = fp8_qwen3_moe
+    shard = 256 // tp_size
+    for rank in range(tp_size):
+        model = _load_as_runner_on_cuda(path, rank, tp_size)
+        rows = slice(rank * shard, (rank + 1) * shard)
+        for layer in (0, 1):
+            experts = model.model.layers[layer].mlp.experts
+            assert experts.w13_weight.dtype == experts.w2_weight.dtype == FP8_DTYPE
+            assert experts.w13_weight_scale_inv.shape == (8, 2 * shard // 128, 2)
+            assert experts.w2_weight_scale_inv.shape == (8, 2, shard // 128)
+            w13, w2 = dequantize_experts(
+                experts.w13_weight,
+                experts.w13_weight_scale_inv,
+                experts.w2_weight,
+                experts.w2_weight_scale_inv,
+            )
+            for e in range(8):
+                name = f"model.layers.{layer}.mlp.experts.{e}"
+                gate, up = dequantized[f"{name}.gate_proj.weight"], dequantized[f"{name}.up_proj.weight"]
+                assert torch.equal(w13[e], torch.cat([gate[rows], up[rows]])), (rank, layer, e)
+                assert torch.equal(w2[e], dequantized[f"{name}.down_proj.weight"][:, rows]), (rank, layer, e)
+
+
+def test_fp8_experts_whose_shard_splits_a_block_are_refused(fp8_qwen3_moe):
+    from executor_service.layers.moe import FusedMoE
+
+    with pytest.raises(
+        ValueError,
+        match=r"moe_intermediate_size shard of 64 \(256 / tensor_parallel_size 4\) would split the fp8 "
+        "checkpoint's blocks of 128",
+    ):
+        FusedMoE(8, 2, 192, 256, tp_rank=1, tp_size=4).to_fp8((128, 128))
+    # One rank holds every expert whole: a partial last block is its own, so it loads.
+    FusedMoE(8, 2, 192, 96, tp_rank=0, tp_size=1).to_fp8((128, 128))

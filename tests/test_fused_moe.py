@@ -1,13 +1,14 @@
 """The fused MoE kernels (executor_service/layers/fused_moe_triton.py) against the reference expert
 loop (layers/moe.py), and the reference against transformers' sparse block. The kernels' logic runs
-on the CPU under TRITON_INTERPRET=1 (tests/test_triton_interpret.py, case "fused_moe"); the GPU
+on the CPU under TRITON_INTERPRET=1 (tests/test_triton_interpret.py, cases "fused_moe" and
+"fused_moe_fp8", the W8A8 GEMMs of fp8 experts against torch on the same quantization); the GPU
 tests take the H200 sizes (Qwen3-30B-A3B: 128 experts, top 8, hidden 2048, intermediate 768)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers.fused_moe_checks import LOADS, check_fused_moe, make_moe
+from helpers.fused_moe_checks import LOADS, check_fused_moe, check_fused_moe_fp8, make_moe, quantize_experts
 
 pytest.importorskip("triton")
 
@@ -153,6 +154,41 @@ def test_fused_moe_captures_in_a_cuda_graph():
         x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
         graph.replay()
         torch.testing.assert_close(out, fused_experts(x, w13, w2, weights, ids), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 1000, 4096])
+def test_fused_moe_fp8_matches_torch_w8a8_on_gpu(num_tokens):
+    """e4m3 experts with 128 x 128 block scales (bf16 activations, quantized per row in groups of 128)
+    against the same W8A8 math in torch, each CONFIGS tile at fp8's BLOCK_K of 128."""
+    check_fused_moe_fp8(num_tokens, dtype=torch.bfloat16, device="cuda", **H200_SHAPE)
+    check_fused_moe_fp8(num_tokens, dtype=torch.bfloat16, device="cuda", used=3, **H200_SHAPE)
+
+
+@pytest.mark.gpu
+@cuda
+def test_fused_moe_fp8_captures_in_a_cuda_graph():
+    """The fp8 path (two activation quantizations, the W8A8 GEMMs) replays from a CUDA graph with
+    new inputs and routings and equals eager."""
+    from executor_service.layers.fused_moe_triton import fused_experts
+
+    x, w13, w2, weights, ids = make_moe(256, device="cuda", dtype=torch.bfloat16, **H200_SHAPE)
+    w13_q, w13_s, w2_q, w2_s = quantize_experts(w13.float(), w2.float())
+    del w13, w2
+
+    def run():
+        return fused_experts(x, w13_q, w2_q, weights, ids, w13_scale=w13_s, w2_scale=w2_s)
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in (1, 2):
+        x2, _, _, weights2, ids2 = make_moe(256, device="cuda", dtype=torch.bfloat16, seed=seed, **H200_SHAPE)
+        x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
+        graph.replay()
+        torch.testing.assert_close(out, run(), atol=0, rtol=0)
 
 
 def test_align_kernels_under_interpreter():

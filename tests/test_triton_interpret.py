@@ -108,6 +108,20 @@ for num_tokens, used in LOADS:
     check_fused_moe(num_tokens, 8, 2, 40, 24, torch.float32, "cpu", used=used, config=small)
 check_fused_moe(9, 4, 4, 32, 32, torch.float32, "cpu", config=MoEConfig(32, 32, 32, 4, 1))  # top_k = experts
 """,
+    "fused_moe_fp8": """
+from helpers.fused_moe_checks import check_fused_moe_fp8
+from executor_service.layers.fused_moe_triton import MoEConfig
+small = (MoEConfig(16, 32, 128, 4, 1), MoEConfig(16, 64, 128, 4, 1))  # N tiles within a scale block
+for num_tokens, used in ((1, None), (5, 3), (33, 1), (40, None)):
+    for dtype in (torch.float32, f16):
+        # partial K and N blocks (hidden 200, N 48: one scale block each, up's right after gate's),
+        # then two whole blocks of each (several N tiles per block, two K steps)
+        check_fused_moe_fp8(num_tokens, 8, 2, 200, 48, dtype, "cpu", used=used, config=small)
+        check_fused_moe_fp8(num_tokens, 4, 2, 256, 256, dtype, "cpu", used=used, config=small)
+check_fused_moe_fp8(9, 4, 4, 128, 128, torch.float32, "cpu")  # top_k = experts, CONFIGS' tiles
+from helpers.fused_moe_checks import check_fp8_moe_layer
+check_fp8_moe_layer("cpu")
+""",
     "mixed": """
 # Prefill chunks and decode rows in one step, plus CUDA-graph padding rows.
 for splits in (1, 3):

@@ -18,7 +18,13 @@ GEMMs have their own tiles (gate/up: K = hidden, N = 2 x intermediate; down: K =
 N = hidden) and share BLOCK_M, the align's block. Tiles come from CONFIGS by the step's token count
 (no autotuning: a captured graph must not tune); bench/moe.py --sweep measures them. Rounding
 follows layers/moe.py's reference: the GEMM outputs, the activation and the weighted products are
-rounded to the model dtype where the reference's are."""
+rounded to the model dtype where the reference's are.
+
+FP8 experts (an fp8 checkpoint's e4m3 w13 / w2 with one fp32 scale per 128 x 128 block) take the
+same kernels as W8A8, like the dense GEMM of fp8_gemm_triton.py: gate/up quantizes the tokens' hidden
+states and down the intermediate of each pair, per row in groups of 128 (quantize_per_token_group),
+and with BLOCK_K = 128 each K step has one activation scale per row and one weight scale per 128
+output columns: acc += dot(a, w) * a_s * w_s in fp32."""
 
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from executor_service.layers.fp8_gemm_triton import GROUP as FP8_BLOCK
+from executor_service.layers.fp8_gemm_triton import quantize_per_token_group
 
 
 @dataclass(frozen=True)
@@ -75,9 +84,16 @@ def fit_shared_memory(config: MoEConfig, weight_tiles: int, element_size: int) -
     return config
 
 
-def get_config(num_tokens: int, element_size: int = 2) -> tuple[MoEConfig, MoEConfig]:
-    """(gate/up tiles, down tiles) for a step of num_tokens tokens."""
-    gate_up, down = next(configs for limit, configs in CONFIGS if num_tokens <= limit)
+def get_config(num_tokens: int, element_size: int = 2, fp8: bool = False) -> tuple[MoEConfig, MoEConfig]:
+    """(gate/up tiles, down tiles) for a step of num_tokens tokens. fp8 (e4m3 operands, one byte):
+    the same tiles with BLOCK_K = 128, one block scale per K step (not tuned separately yet)."""
+    configs = next(configs for limit, configs in CONFIGS if num_tokens <= limit)
+    if fp8:
+        return tuple(
+            fit_shared_memory(dataclasses.replace(c, BLOCK_K=FP8_BLOCK), tiles, 1)
+            for c, tiles in zip(configs, (2, 1), strict=True)
+        )
+    gate_up, down = configs
     return fit_shared_memory(gate_up, 2, element_size), fit_shared_memory(down, 1, element_size)
 
 
@@ -237,8 +253,16 @@ def _moe_gemm_kernel(
     stride_wn,
     stride_wk,
     stride_om,
+    a_scale_ptr,
+    w_scale_ptr,
+    stride_asm,
+    stride_wse,
+    stride_wsn,
+    up_scale_rows,
     A_ROWS_PER_TOKEN: tl.constexpr,  # top_k when A is indexed by token (gate/up), 1 by pair (down)
     GATE_UP: tl.constexpr,  # W holds gate rows [0, N) then up rows [N, 2N): SiLU-and-mul epilogue
+    FP8: tl.constexpr,  # A and W e4m3 with block scales: BLOCK_K == SCALE_BLOCK
+    SCALE_BLOCK: tl.constexpr,  # elements per scale along N and K (128)
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -261,19 +285,33 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
     # W tiles [BLOCK_K, BLOCK_N] of the expert's [N, K] rows (transposed reads).
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    # FP8: A's scales [rows, K / SCALE_BLOCK], W's [E, rows / SCALE_BLOCK, K / SCALE_BLOCK] (the up
+    # rows' from row up_scale_rows on); one of each per row / column in a K step.
+    if FP8:
+        a_s_ptrs = a_scale_ptr + a_row * stride_asm
+        w_s_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // SCALE_BLOCK) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if FP8:
+            a_s = tl.load(a_s_ptrs + k, mask=valid, other=0.0)[:, None]
+            w_s = tl.load(w_s_ptrs + k, mask=n_mask, other=0.0)[None, :]
+            acc += tl.dot(a, w) * a_s * w_s
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATE_UP:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            if FP8:
+                w_s_up = tl.load(w_s_ptrs + up_scale_rows * stride_wsn + k, mask=n_mask, other=0.0)
+                acc_up += tl.dot(a, w_up) * a_s * w_s_up[None, :]
+            else:
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    dtype = a_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty
     if GATE_UP:
         gate = acc.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
@@ -390,51 +428,60 @@ def _sum_topk_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.cons
     tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(a, w, out, topk_weights, aligned, num_pairs, n, rows_per_token, gate_up, config) -> None:
+def _launch(a, w, out, topk_weights, aligned, num_pairs, n, rows_per_token, gate_up, config, scales) -> None:
     sorted_ids, expert_ids, num_padded = aligned
     grid = (expert_ids.numel(), triton.cdiv(n, config.BLOCK_N))
+    a_s, w_s = scales or (None, None)
+    if a_s is not None and (config.BLOCK_K != FP8_BLOCK or a_s.stride(1) != 1 or w_s.stride(2) != 1):
+        raise ValueError(
+            f"the fp8 GEMM takes BLOCK_K {FP8_BLOCK} (not {config.BLOCK_K}) and row-contiguous scales"
+        )
     _moe_gemm_kernel[grid](
-        a,
-        w,
-        out,
-        topk_weights,
-        sorted_ids,
-        expert_ids,
-        num_padded,
-        num_pairs,
-        n,
-        a.shape[1],
-        a.stride(0),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        out.stride(0),
+        a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, num_pairs, n, a.shape[1],
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        a_s, w_s,
+        0 if a_s is None else a_s.stride(0),
+        0 if w_s is None else w_s.stride(0),
+        0 if w_s is None else w_s.stride(1),
+        triton.cdiv(n, FP8_BLOCK),  # gate/up: the up rows' scales follow the gate rows' blocks
         A_ROWS_PER_TOKEN=rows_per_token,
         GATE_UP=gate_up,
+        FP8=a_s is not None,
+        SCALE_BLOCK=FP8_BLOCK,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config.BLOCK_M,
         BLOCK_N=config.BLOCK_N,
         BLOCK_K=config.BLOCK_K,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-    )
+    )  # fmt: skip
 
 
-def gate_up(x, w13, aligned, top_k: int, config: MoEConfig) -> torch.Tensor:
-    """-> [num_pairs, N]: silu(gate) * up of each pair."""
+def gate_up(x, w13, aligned, top_k: int, config: MoEConfig, w13_scale=None) -> torch.Tensor:
+    """-> [num_pairs, N]: silu(gate) * up of each pair. With w13_scale (w13 e4m3), x is quantized per
+    token in groups of 128 first."""
     num_pairs = x.shape[0] * top_k
     n = w13.shape[1] // 2
     intermediate = torch.empty((num_pairs, n), dtype=x.dtype, device=x.device)
-    _launch(x, w13, intermediate, None, aligned, num_pairs, n, top_k, True, config)
+    a, scales = x, None
+    if w13_scale is not None:
+        a, a_s = quantize_per_token_group(x)
+        scales = (a_s, w13_scale)
+    _launch(a, w13, intermediate, None, aligned, num_pairs, n, top_k, True, config, scales)
     return intermediate
 
 
-def down(intermediate, w2, topk_weights, aligned, config: MoEConfig) -> torch.Tensor:
-    """-> [num_pairs, hidden]: each pair's expert output times its routing weight, in the model dtype."""
+def down(intermediate, w2, topk_weights, aligned, config: MoEConfig, w2_scale=None) -> torch.Tensor:
+    """-> [num_pairs, hidden]: each pair's expert output times its routing weight, in the model dtype.
+    With w2_scale (w2 e4m3), the intermediate is quantized per pair in groups of 128 first."""
     num_pairs, hidden = intermediate.shape[0], w2.shape[1]
     out = torch.empty((num_pairs, hidden), dtype=intermediate.dtype, device=intermediate.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _launch(intermediate, w2, out, weights, aligned, num_pairs, hidden, 1, False, config)
+    a, scales = intermediate, None
+    if w2_scale is not None:
+        a, a_s = quantize_per_token_group(intermediate)
+        scales = (a_s, w2_scale)
+    _launch(a, w2, out, weights, aligned, num_pairs, hidden, 1, False, config, scales)
     return out
 
 
@@ -454,34 +501,50 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As layers/moe.experts_reference: x [num_tokens, hidden], w13 [E, 2 * N, hidden], w2 [E, hidden,
     N], topk_* [num_tokens, top_k] -> [num_tokens, hidden]. config: the (gate/up, down) tiles, or one
-    MoEConfig for both; CONFIGS' by default."""
+    MoEConfig for both; CONFIGS' by default. With w13_scale [E, 2 * ceil(N / 128), ceil(hidden / 128)]
+    and w2_scale [E, ceil(hidden / 128), ceil(N / 128)] (fp32 block scales of e4m3 w13 and w2), the
+    W8A8 GEMMs: activations quantized per row in groups of 128, fp32 accumulation."""
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
+    fp8 = w13_scale is not None
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_experts needs row-contiguous activations and weights")
+    if fp8 != (w2_scale is not None):
+        raise ValueError("fp8 experts need both w13_scale and w2_scale")
     if num_tokens == 0:
         return torch.empty_like(x)
     if config is None:
-        config = get_config(num_tokens, x.element_size())
+        config = get_config(num_tokens, x.element_size(), fp8)
     gate_up_config, down_config = (config, config) if isinstance(config, MoEConfig) else config
     if gate_up_config.BLOCK_M != down_config.BLOCK_M:
         raise ValueError(
             f"the gate/up and down tiles share the align's BLOCK_M ({gate_up_config.BLOCK_M} != {down_config.BLOCK_M})"
         )
     aligned = align_block_size(topk_ids, w13.shape[0], gate_up_config.BLOCK_M)
-    intermediate = gate_up(x, w13, aligned, top_k, gate_up_config)
-    return sum_topk(down(intermediate, w2, topk_weights, aligned, down_config), top_k)
+    intermediate = gate_up(x, w13, aligned, top_k, gate_up_config, w13_scale)
+    return sum_topk(down(intermediate, w2, topk_weights, aligned, down_config, w2_scale), top_k)
 
 
-def warm_up(hidden: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_num_tokens: int) -> None:
-    """Compile every tile configuration a step of up to max_num_tokens tokens can pick."""
+def warm_up(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    max_num_tokens: int,
+    dtype: torch.dtype,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> None:
+    """Compile every tile configuration a step of up to max_num_tokens tokens (activations of dtype) can pick."""
     for limit, _ in CONFIGS:
         num_tokens = min(limit, max_num_tokens)
-        x = torch.zeros((num_tokens, hidden), dtype=w13.dtype, device=w13.device)
+        x = torch.zeros((num_tokens, w13.shape[2]), dtype=dtype, device=w13.device)
         ids = torch.arange(num_tokens * top_k, device=w13.device).view(num_tokens, top_k) % w13.shape[0]
-        fused_experts(x, w13, w2, torch.ones(ids.shape, dtype=w13.dtype, device=w13.device), ids)
+        weights = torch.ones(ids.shape, dtype=dtype, device=w13.device)
+        fused_experts(x, w13, w2, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale)
         if limit >= max_num_tokens:
             break

@@ -7,7 +7,8 @@ slice of a checkpoint tensor, so packed layers (q/k/v, gate/up) load from separa
 `to_fp8()` turns a layer into one of an fp8 checkpoint on CUDA: an e4m3 weight and its
 `weight_scale_inv` (one fp32 scale per 128 x 128 block), through the W8A8 GEMM of
 fp8_gemm_triton.py. The same loaders then place whole blocks of scales: every shard (a rank's rows
-or columns, q/k/v, gate/up) must start and end on a block boundary, or to_fp8 refuses it."""
+or columns, q/k/v, gate/up) must start and end on a block boundary, or to_fp8 refuses it
+(fp8_layers.convert_to_fp8 picks the layers)."""
 
 from __future__ import annotations
 
@@ -179,20 +180,3 @@ class RowParallelLinear(LinearBase):
         # The bias is added once, by rank 0, before the sum over ranks.
         y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y) if self.tp_size > 1 else y
-
-
-def convert_to_fp8(model: nn.Module, checkpoint_names, block: tuple[int, int]) -> frozenset[str]:
-    """to_fp8() every linear layer whose checkpoint weights carry a weight_scale_inv; returns those
-    checkpoint weight names (the loader dequantizes the other quantized weights, MoE experts')."""
-    kept = set()
-    for name in checkpoint_names:
-        if not name.endswith(".weight_scale_inv"):
-            continue
-        weight = name.removesuffix("_scale_inv")
-        target, _ = model.checkpoint_target(weight)
-        layer = model.get_submodule(target.removesuffix(".weight"))
-        if isinstance(layer, LinearBase):
-            if layer.weight_scale_inv is None:
-                layer.to_fp8(block)
-            kept.add(weight)
-    return frozenset(kept)

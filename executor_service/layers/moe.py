@@ -12,7 +12,16 @@ straight into these, each rank only its slice.
 Two paths compute the router and the experts: on CUDA the fused Triton kernels (fused_moe_triton.py: tokens sorted
 by expert, grouped GEMMs, no host sync, so a decode step is captured in a CUDA graph); elsewhere a
 loop over the experts that received tokens, in transformers' order of operations (the CPU path,
-and the reference the kernels are tested against)."""
+and the reference the kernels are tested against).
+
+With an fp8 checkpoint and the fused path (CUDA), `to_fp8()` keeps the experts in e4m3 with their
+block scales, the fused kernels' W8A8 GEMMs:
+
+    w13_weight_scale_inv [num_experts, 2 * ceil(shard / 128), ceil(hidden / 128)]   gate blocks, then up
+    w2_weight_scale_inv  [num_experts, ceil(hidden / 128), ceil(shard / 128)]
+
+and each rank's slice of the intermediate dimension must be whole blocks (refused otherwise). Elsewhere
+the loader dequantizes the experts to the compute dtype."""
 
 from __future__ import annotations
 
@@ -80,18 +89,51 @@ class FusedMoE(Fusable, nn.Module):
         )
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard), requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.w13_weight_scale_inv: nn.Parameter | None = None
+        self.w2_weight_scale_inv: nn.Parameter | None = None
+        self.block = (1, 1)  # elements per scale: (128, 128) once to_fp8
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """e4m3 experts + per-block fp32 scales in place of the weights (before loading)."""
+        num_experts, _, hidden = self.w13_weight.shape
+        shard, (bn, bk) = self.shard, block
+        if self.tp_size > 1 and (shard % bn or shard % bk):
+            raise ValueError(
+                f"this rank's moe_intermediate_size shard of {shard} ({shard * self.tp_size} / "
+                f"tensor_parallel_size {self.tp_size}) would split the fp8 checkpoint's blocks of "
+                f"{max(bn, bk)}: serve it with a tensor_parallel_size whose shards are multiples of the block"
+            )
+
+        def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            p = nn.Parameter(
+                torch.empty(shape, dtype=dtype, device=self.w13_weight.device), requires_grad=False
+            )
+            p.weight_loader = self.weight_loader
+            return p
+
+        fp8 = torch.float8_e4m3fn
+        self.w13_weight = param(num_experts, 2 * shard, hidden, dtype=fp8)
+        self.w2_weight = param(num_experts, hidden, shard, dtype=fp8)
+        self.w13_weight_scale_inv = param(
+            num_experts, 2 * -(-shard // bn), -(-hidden // bk), dtype=torch.float32
+        )
+        self.w2_weight_scale_inv = param(num_experts, -(-hidden // bn), -(-shard // bk), dtype=torch.float32)
+        self.block = block
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor | CheckpointSlice, shard_id: tuple[int, int]
     ) -> None:
-        """shard_id (expert, part): part 0 gate [I, H], 1 up [I, H], 2 down [H, I] of one expert."""
+        """shard_id (expert, part): part 0 gate [I, H], 1 up [I, H], 2 down [H, I] of one expert, or
+        their weight_scale_inv (in blocks: this rank's start is on a block boundary, to_fp8 checks)."""
         expert, part = shard_id
-        start = self.tp_rank * self.shard
+        scale = param is self.w13_weight_scale_inv or param is self.w2_weight_scale_inv
+        unit = (self.block[1] if part == 2 else self.block[0]) if scale else 1
+        start, size = self.tp_rank * self.shard // unit, -(-self.shard // unit)
         if part == 2:
-            dst, src = param.data[expert], loaded.narrow(1, start, self.shard)
+            dst, src = param.data[expert], loaded.narrow(1, start, size)
         else:
-            dst = param.data[expert].narrow(0, part * self.shard, self.shard)
-            src = loaded.narrow(0, start, self.shard)
+            dst = param.data[expert].narrow(0, part * size, size)
+            src = loaded.narrow(0, start, size)
         if dst.shape != src.shape:
             raise ValueError(
                 f"expert {expert} shape mismatch: parameter {tuple(dst.shape)}, checkpoint {tuple(src.shape)}"
@@ -103,8 +145,15 @@ class FusedMoE(Fusable, nn.Module):
         if self.fused:
             from executor_service.layers import fused_moe_triton
 
-            out = fused_moe_triton.fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            out = fused_moe_triton.fused_experts(
+                x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv,
+            )  # fmt: skip
         else:
+            if self.w13_weight_scale_inv is not None:
+                raise RuntimeError(
+                    "fp8 experts run only on the fused path (the loader dequantizes them otherwise)"
+                )
             out = experts_reference(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return all_reduce(out) if self.tp_size > 1 else out
 

@@ -12,7 +12,7 @@ from executor_service.layers.moe import EXPERT_PROJECTIONS, FusedMoE, SparseMoeB
 from executor_service.model_config import ModelConfig
 from executor_service.models.qwen3 import Qwen3ForCausalLM
 
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -42,9 +42,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         expert = _EXPERT.match(name)
         if expert is None:
             return super().checkpoint_target(name)
-        prefix, index, projection = expert.groups()
+        prefix, index, projection, scale = expert.groups()
         packed = "w2_weight" if projection == "down_proj" else "w13_weight"
-        return f"{prefix}.{packed}", (int(index), EXPERT_PROJECTIONS[projection])
+        return f"{prefix}.{packed}{scale or ''}", (int(index), EXPERT_PROJECTIONS[projection])
 
     def cuda_graph_safe(self) -> bool:
         # The reference expert loop syncs with the host; the fused kernels do not.
