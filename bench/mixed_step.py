@@ -36,7 +36,9 @@ def print_kernels(prof, top: int) -> None:
             entry[0] += event.time_range.elapsed_us()
             entry[1] += 1
     total = sum(t for t, _ in kernels.values())
-    print(f"    GPU kernel time of the mixed step: {total / 1e3:.2f} ms in {sum(n for _, n in kernels.values())} kernels")
+    print(
+        f"    GPU kernel time of the mixed step: {total / 1e3:.2f} ms in {sum(n for _, n in kernels.values())} kernels"
+    )
     for name, (t, n) in sorted(kernels.items(), key=lambda x: -x[1][0])[:top]:
         print(f"    {t / 1e3:7.3f} ms x {n:4d}  {name[:90]}")
 
@@ -48,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512, 1024, 2048])
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--profile", type=int, default=0, metavar="K", help="the top K kernels and host functions of a further, profiled mixed step")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="K",
+        help="the top K kernels and host functions of a further, profiled mixed step",
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -57,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler_service.sampling_params import SamplingParams
 
     model = args.model or str(build_w1_checkpoint(Path(tempfile.gettempdir()) / "tandem-w1-qwen3-0.6b"))
-    llm = LLM(model, device=args.device, max_num_seqs=256, max_plans_in_flight=1, enforce_eager=args.enforce_eager)
+    llm = LLM(
+        model, device=args.device, max_num_seqs=256, max_plans_in_flight=1, enforce_eager=args.enforce_eager
+    )
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.limits.vocab_size
@@ -74,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| batch | prompt | decode step ms (median) | mixed step ms | next 3 steps ms |")
     print("| --- | --- | --- | --- | --- |")
     for batch in args.batch:
-        running = [engine.add_request([rng.randrange(vocab) for _ in range(64)], decode) for _ in range(batch)]
+        running = [
+            engine.add_request([rng.randrange(vocab) for _ in range(64)], decode) for _ in range(batch)
+        ]
         for _ in range(8):  # prefilled and decoding
             timed_step()
         for length in args.prompt_len:

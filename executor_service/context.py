@@ -40,6 +40,8 @@ def set_context(context: Context) -> None:
 def reset_context() -> None:
     global _CONTEXT
     _CONTEXT = Context()
+
+
 _RECORDING = None
 
 

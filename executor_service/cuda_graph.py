@@ -19,6 +19,7 @@ attention is row-wise, so they change no real row."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -167,10 +168,8 @@ class _Recording:
     def abort(self) -> None:
         """End a capture an exception interrupted, so that the stream can serve again."""
         if self._graph is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the capture may already be invalidated
                 self._graph.capture_end()
-            except RuntimeError:
-                pass
             self._graph = None
 
     def attention(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
