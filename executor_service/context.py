@@ -25,7 +25,6 @@ class Context:
 
 
 _CONTEXT = Context()
-_RECORDING = None
 
 
 def get_context() -> Context:

@@ -270,13 +270,13 @@ class MixedGraphs:
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.out[:n]
-        for graph, layer in zip(chain.graphs, chain.layers, strict=False):
-            graph.replay()
-            out.copy_(
-                layer.backend.forward(
-                    q, k, v, layer.k_cache, layer.v_cache, context, layer.scale, layer.k_scale, layer.v_scale
-                )
-            )
+        set_context(context)  # each attention layer, called between the graphs, reads it
+        try:
+            for graph, layer in zip(chain.graphs, chain.layers, strict=False):
+                graph.replay()
+                out.copy_(layer(q, k, v))
+        finally:
+            reset_context()
         chain.graphs[-1].replay()
         self.num_replays += 1
         return self.hidden[:n]

@@ -192,8 +192,8 @@ class ModelRunner:
             self.mixed_graphs = MixedGraphs(self.model, max_tokens, mc.hidden_size, heads, pool)
 
     def release_cuda_graphs(self) -> None:
-        """Before leaving the tensor-parallel group (DecodeGraphs.release says why); later decode
-        steps run eagerly."""
+        """Before leaving the tensor-parallel group (DecodeGraphs.release says why); later steps run
+        eagerly."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
