@@ -236,7 +236,9 @@ def align_block_size(
     return sorted_ids, expert_ids, num_padded
 
 
-@triton.jit
+# num_pairs only bounds masks: left unspecialized, an odd token count reuses the even count's
+# compiled variant (the warm-up's), instead of compiling one during serving.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -324,7 +326,7 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(
     x_ptr,
     w_ptr,
