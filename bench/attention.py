@@ -5,7 +5,7 @@ PyTorch's FlashAttention-2 (`varlen_attn`) on contiguous KV. Qwen3-0.6B shapes: 
 for a bf16 cache and an e4m3 one (kv_cache_dtype fp8: half the bytes; `decode kernel fp8 ...` counts
 the fp8 bytes).
 
-    python bench/attention.py [--sweep]
+    python bench/attention.py [--sweep | --sweep-bf16 | --sweep-fp8] [--heads 32 4]
 
 --sweep also times a grid of decode launch configurations (BLOCK_N, num_warps, num_stages), bf16
 and fp8.
@@ -140,7 +140,19 @@ def main() -> None:
         action="store_true",
         help="only the fp8 decode grid (block size 16; K/V widened to q's dtype or fp16)",
     )
+    parser.add_argument("--sweep-bf16", action="store_true", help="only the bf16 decode grid (block size 16)")
+    parser.add_argument(
+        "--heads",
+        type=int,
+        nargs=2,
+        metavar=("QUERY", "KV"),
+        default=(NUM_HEADS, NUM_KV_HEADS),
+        help="query and KV heads (default Qwen3-0.6B's 16 8; Qwen3-30B-A3B: 32 4)",
+    )
     args = parser.parse_args()
+    global NUM_HEADS, NUM_KV_HEADS
+    NUM_HEADS, NUM_KV_HEADS = args.heads
+    print(f"{NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}")
     torch.manual_seed(0)
     shapes = [(256, 1024), (8, 8192)]
     for batch, context in shapes:
@@ -166,6 +178,23 @@ def main() -> None:
             if block_size == 16:
                 headline = tbs
         print(f"decode kernel fp8 b{batch}x{context}: {headline:.2f} TB/s")
+    if args.sweep_bf16:
+        for batch, context in shapes:
+            results = []
+            split_choices = (None,) if batch * NUM_KV_HEADS >= 264 else (None, 4, 8, 16, 32)
+            for splits, block_n, warps, stages in itertools.product(
+                split_choices, (32, 64, 128), (4, 8), (2, 3, 4)
+            ):
+                cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+                try:
+                    _, tbs, used = bench_decode(batch, context, 16, cfg, splits, DTYPE)
+                except Exception as e:  # out of shared memory, say
+                    print(f"  {cfg}: {type(e).__name__}")
+                    continue
+                results.append((tbs, used, cfg))
+            for tbs, used, cfg in sorted(results, key=lambda r: -r[0])[:6]:
+                print(f"sweep bf16 b{batch}x{context} bs16: {tbs:.2f} TB/s splits {used} {cfg}")
+        return
     if args.sweep_fp8:
         for batch, context in shapes:
             results = []

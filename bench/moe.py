@@ -237,12 +237,44 @@ def _tiles(c: MoEConfig) -> tuple[int, int, int, int]:
     return (c.BLOCK_N, c.BLOCK_K, c.num_warps, c.num_stages)
 
 
+def sweep_route(token_counts: list[int]) -> None:
+    """The router kernel's (BLOCK_K, warps, stages) per token count, best first, against the default."""
+    router = torch.randn(E, HIDDEN, device="cuda").bfloat16()
+    for num_tokens in token_counts:
+        x, _, _ = inputs(num_tokens)
+        want = moe_kernels.route(x, router, TOP_K, True)
+        results = []
+        for config in itertools.product([64, 128, 256, 512], [2, 4, 8], [1, 2, 3, 4]):
+            block_k, _, stages = config
+            if stages * (16 + E) * block_k * 2 > 227 * 1024:
+                continue
+            try:
+                got = moe_kernels.route(x, router, TOP_K, True, config)
+                torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+                results.append(
+                    (timed(lambda x=x, c=config: moe_kernels.route(x, router, TOP_K, True, c)), config)
+                )
+            except Exception as e:  # out of resources, or a different routing
+                print(f"  route {config}: {type(e).__name__}: {str(e)[:80]}")
+        default = next(t for t, c in results if c == moe_kernels.ROUTE_CONFIG)
+        best = sorted(results)[:5]
+        print(
+            f"route at {num_tokens} tokens: default {moe_kernels.ROUTE_CONFIG} {default * 1e6:.1f} us; best "
+            + ", ".join(f"{c} {t * 1e6:.1f}" for t, c in best),
+            flush=True,
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-tokens", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256, 512, 2048, 8192])
     p.add_argument("--sweep", action="store_true", help="time a grid of tiles per GEMM and token count")
     p.add_argument("--fp8", action="store_true", help="also time e4m3 experts with block scales (W8A8)")
+    p.add_argument("--sweep-route", action="store_true", help="time the router kernel's launch grid")
     args = p.parse_args()
+    if args.sweep_route:
+        sweep_route(args.num_tokens)
+        return
     if args.sweep:
         sweep(args.num_tokens, args.fp8)
         return

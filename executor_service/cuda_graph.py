@@ -29,10 +29,13 @@ from torch import nn
 
 from executor_service import context as forward_context
 from executor_service.context import Context, reset_context, set_context
+from executor_service.layers.attention import Attention
 
-# The largest step MixedGraphs captures: beyond it a step's GPU time exceeds the eager launches'
-# host time, so a graph no longer shortens it.
-MAX_MIXED_GRAPH_TOKENS = 2048
+# The largest step MixedGraphs captures. Eagerly, a step's ~350 launches cost the host ~25 ms
+# whatever its length; W2's mixed steps (a prompt of up to 1,024 tokens, sometimes two, beside a
+# hundred decodes) reach ~2,300 tokens. Past 4,096 a step's GPU time rivals the launches' host time,
+# so W1's 8,192-token chunks run eagerly.
+MAX_MIXED_GRAPH_TOKENS = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +181,13 @@ class _Recording:
         owner.q[:n].copy_(q)
         owner.k[:n].copy_(k)
         owner.v[:n].copy_(v)
+        if owner.store_in_graph and layer.k_cache.numel():
+            # The store joins the graph before the break (padding rows' slots are -1), so the eager
+            # part between the graphs only attends.
+            layer.backend.store_kv(
+                owner.k[:n], owner.v[:n], layer.k_cache, layer.v_cache, owner.slot_mapping[:n],
+                layer.k_scale, layer.v_scale,
+            )  # fmt: skip
         self.chain.layers.append(layer)
         if self.capture:
             self.end()
@@ -211,6 +221,10 @@ class MixedGraphs:
         self.v = torch.zeros(max_tokens, kv_heads, head_dim, dtype=dtype, device=device)
         self.out = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        # Whether each layer's K/V store is captured with the graph before its attention (backends
+        # whose store is graph-safe), rather than run eagerly between the graphs.
+        self.store_in_graph = all(m.backend.graph_safe for m in model.modules() if isinstance(m, Attention))
         self.chains: dict[int, _Chain] = {}
         self.num_replays = 0
         self._capture()
@@ -266,15 +280,21 @@ class MixedGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """The forward of a step of len(input_ids) tokens; hidden states [n, hidden]."""
         n = input_ids.shape[0]
-        chain = self.chains[next(b for b in self.buckets if b >= n)]
+        bucket = next(b for b in self.buckets if b >= n)
+        chain = self.chains[bucket]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
+        if self.store_in_graph:
+            self.slot_mapping[:n] = context.slot_mapping
+            self.slot_mapping[n:bucket] = -1
         q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.out[:n]
         set_context(context)  # each attention layer, called between the graphs, reads it
         try:
             for graph, layer in zip(chain.graphs, chain.layers, strict=False):
                 graph.replay()
-                out.copy_(layer(q, k, v))
+                result = layer(q, k, v, kv_stored=self.store_in_graph, out=out)
+                if result is not out:
+                    out.copy_(result)
         finally:
             reset_context()
         chain.graphs[-1].replay()

@@ -61,7 +61,7 @@ def test_mixed_steps_replay_piecewise_graphs_and_match_transformers(qwen3_untied
     llm = LLM(str(qwen3_untied), device="cuda", dtype="float32", attention_backend="triton", num_kv_blocks=128,
               max_num_batched_tokens=64, max_num_seqs=6)  # fmt: skip
     graphs = llm.executor.runner.mixed_graphs
-    assert graphs is not None and graphs.buckets == [16, 32, 64]
+    assert graphs is not None and graphs.buckets == [16, 32, 64] and graphs.store_in_graph
     warm = llm.generate([shared + [7]], SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
     before = graphs.num_replays
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
@@ -219,12 +219,15 @@ def test_qwen3_moe_fp8_experts_match_torch_w8a8_and_the_dequantized_experts(tmp_
     """A Qwen3-MoE FP8 checkpoint on CUDA (fp32 compute) with its experts in e4m3 through the fused
     W8A8 kernels (CUDA graphs), against (B) the same engine eager with each fp8 expert layer's output
     replaced by the W8A8 math in torch on the same input, and (C) the experts dequantized (fused ops
-    off, the expert loop). Every expert call of B: the kernels within 1e-2 of torch. A and B: greedy
-    prefixes agree on most tokens (on the CPU, torch's W8A8 experts in fp32 against fp64 agree on 380
-    of 384 here). A and C differ by quantizing the experts' activations, which on this random
-    checkpoint moves first-token logprobs by ~0.09 on average (measured on the CPU with torch's W8A8
-    experts; a 0.5x scale error moves them by 0.4-0.6): A stays within 0.2 and keeps C's first token
-    where C's top-1/top-2 margin is clear (0.25)."""
+    off, the expert loop). Every expert call of B: the kernels within 1e-2 of torch. A and B: the
+    first token's logprobs agree closely and its top-1 wherever B's margin is clear. (Greedy prefixes
+    are no measure here: A and B quantize the intermediate activations separately, a value on an
+    e4m3 rounding boundary can land either side, and this random checkpoint's small margins let
+    that change later tokens: on the H200, 242 of 384 prefix tokens agreed.) A and C differ by
+    quantizing the experts' activations, which on this random checkpoint moves first-token
+    logprobs by ~0.09 on average (measured on the CPU with torch's W8A8 experts; a 0.5x scale error
+    moves them by 0.4-0.6): A stays within 0.2 and keeps C's first token where C's top-1/top-2
+    margin is clear (0.25)."""
     from checkpoints import build_checkpoint, quantize_checkpoint_fp8
     from helpers.fused_moe_checks import reference_fp8_experts
 
@@ -267,12 +270,14 @@ def test_qwen3_moe_fp8_experts_match_torch_w8a8_and_the_dequantized_experts(tmp_
     dtype, _, dequantized = generate(fused_ops="off", enforce_eager=True)
     assert dtype == torch.float32
 
-    got, want = [o.token_ids for o in fused], [o.token_ids for o in torch_w8a8]
-    agree = sum(next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want))
-    assert agree >= 0.75 * sum(map(len, want)), (
-        f"greedy prefixes agree on {agree} of {sum(map(len, want))} tokens"
-    )
     first = [o.logprobs[0].top_logprobs for o in fused]
+    torch_first = [o.logprobs[0].top_logprobs for o in torch_w8a8]
+    error_b = sum(abs(f[0][1] - t[0][1]) for f, t in zip(first, torch_first)) / len(first)
+    clear_b = [i for i, t in enumerate(torch_first) if t[0][1] - t[1][1] > 0.1]
+    assert len(clear_b) >= 6 and all(first[i][0][0] == torch_first[i][0][0] for i in clear_b), list(
+        zip(first, torch_first)
+    )
+    assert error_b < 0.05, (error_b, list(zip(first, torch_first)))
     truth = [o.logprobs[0].top_logprobs for o in dequantized]
     error = sum(abs(f[0][1] - t[0][1]) for f, t in zip(first, truth)) / len(truth)
     clear = [i for i, t in enumerate(truth) if t[0][1] - t[1][1] > 0.25]

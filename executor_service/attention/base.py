@@ -48,12 +48,30 @@ class AttentionBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V at `context.slot_mapping`, then attend over each sequence's paged KV.
 
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], of the model dtype or
         e4m3 (then K is stored as e4m3(k / k_scale) and read back times k_scale, V alike: fp8.py).
-        Returns [num_tokens, num_heads, head_dim].
+        Returns [num_tokens, num_heads, head_dim]: `out` where the backend can write into it (a
+        buffer of q's shape), else a new tensor. kv_stored: the caller has stored K/V already
+        (store_kv, inside a piecewise CUDA graph), so only attend.
         """
         raise NotImplementedError
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """forward's store alone, for a CUDA graph to capture: graph-safe backends (no host sync,
+        slot -1 skipped) implement it."""
+        raise NotImplementedError(f"the {self.name} backend's store cannot be captured in a CUDA graph")

@@ -39,18 +39,21 @@ class FlashAttnBackend(TritonPagedBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # The KV cache is the model dtype here (fp8_kv is False): the scales are 1.
         plan = self.prepared(context)
         if plan.no_prefix and not plan.decode_only:
-            if k_cache.numel():
+            if k_cache.numel() and not kv_stored:
                 kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping)
             cu = context.cu_seqlens_q
             m = context.max_seqlen_q
             return flash_attn_varlen_func(q, k, v, cu, cu, m, m, softmax_scale=scale, causal=True)
         if k_cache.shape[1] % FLASH_PAGE_MULTIPLE:
-            return super().forward(q, k, v, k_cache, v_cache, context, scale)
-        kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping)
+            return super().forward(q, k, v, k_cache, v_cache, context, scale, kv_stored=kv_stored, out=out)
+        if not kv_stored:
+            kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping)
         if plan.decode_only:
             # q: [batch, 1, num_heads, head_dim]; context length 0 rows attend to nothing.
             out = flash_attn_with_kvcache(

@@ -81,7 +81,9 @@ class TorchRefBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if k_cache.numel():
+        if k_cache.numel() and not kv_stored:
             store_kv(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
         return paged_attention(q, k_cache, v_cache, context, scale, k_scale, v_scale)

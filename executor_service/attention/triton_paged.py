@@ -109,6 +109,9 @@ class TritonPagedBackend(AttentionBackend):
             first.setdefault(kernels.choose_num_splits(n, num_kv_heads, _num_sms(device)), n)
         return sorted({*first.values(), min(2, max_num_seqs)})
 
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+        kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -120,9 +123,11 @@ class TritonPagedBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self.prepared(context)
-        if k_cache.numel():
+        if k_cache.numel() and not kv_stored:
             kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
         if plan.no_prefix and not plan.decode_only:
             out = prefill_varlen(q, k, v, context, scale)
@@ -135,7 +140,7 @@ class TritonPagedBackend(AttentionBackend):
                     "the triton backend needs the KV cache bound unless varlen_attn serves the step"
                 )
             return out
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         meta = (context.block_tables, context.context_lens, context.cu_seqlens_q)
         if plan.has_decode:
             num_kv_heads = k_cache.shape[2]

@@ -22,11 +22,20 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0
         self.backend: AttentionBackend = get_backend("torch")
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        # kv_stored, out: AttentionBackend.forward's (MixedGraphs.run passes them).
         capture = recording()
         if capture is not None:  # a piecewise capture: attention runs between the graphs
             return capture.attention(self, q, k, v)
         return self.backend.forward(
-            q, k, v, self.k_cache, self.v_cache, get_context(), self.scale, self.k_scale, self.v_scale
-        )
+            q, k, v, self.k_cache, self.v_cache, get_context(), self.scale, self.k_scale, self.v_scale,
+            kv_stored=kv_stored, out=out,
+        )  # fmt: skip

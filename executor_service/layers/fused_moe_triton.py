@@ -382,8 +382,16 @@ def _route_kernel(
     tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=mask)
 
 
+# The router's (BLOCK_K, num_warps, num_stages) for 16-bit activations (bench/moe.py --sweep-route).
+ROUTE_CONFIG = (128, 4, 2)
+
+
 def route(
-    hidden_states: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
+    hidden_states: torch.Tensor,
+    router_weight: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As layers/moe.route in one kernel (it takes about 8): [num_tokens, hidden] -> (weights
     [num_tokens, top_k] in the model dtype, expert ids [num_tokens, top_k] int64). A fixed BLOCK_T,
@@ -395,6 +403,9 @@ def route(
     weights = torch.empty((num_tokens, top_k), dtype=hidden_states.dtype, device=hidden_states.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden_states.device)
     block_t = 16
+    block_k, num_warps, num_stages = config or ROUTE_CONFIG
+    if hidden_states.element_size() > 2:
+        block_k = min(block_k, 64)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         hidden_states,
         router_weight,
@@ -411,9 +422,9 @@ def route(
         E_POW2=max(16, triton.next_power_of_2(num_experts)),
         TOPK_POW2=triton.next_power_of_2(top_k),
         BLOCK_T=block_t,
-        BLOCK_K=64 if hidden_states.element_size() > 2 else 128,
-        num_warps=4,
-        num_stages=2,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return weights, ids
 
