@@ -126,9 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_requests(args: argparse.Namespace, vocab_size: int) -> list[throughput.Request]:
-    """W1's recipe (throughput.make_workload), each prompt behind the shared prefix, if any."""
-    workload = throughput.make_workload(args, vocab_size)
+def make_requests(args: argparse.Namespace, vocab_size: int, draw: int = 0) -> list[throughput.Request]:
+    """W1's recipe (throughput.make_workload), each prompt behind the shared prefix, if any. Each
+    draw (a rate, the warm-up) has prompts of its own, so that no rate finds another's prompts in the
+    prefix cache; the shared prefix is the same in every draw."""
+    workload = throughput.make_workload(
+        argparse.Namespace(**{**vars(args), "seed": args.seed + 7919 * draw}), vocab_size
+    )
     if args.shared_prefix:
         rng = random.Random(args.seed + 1)
         top = min(10000, vocab_size - 1)
@@ -292,9 +296,14 @@ def warm_up(address: str, workload, n: int) -> None:
         asyncio.run(throughput.stream_all(address, workload[:n], 0.0, warm_up=True))
 
 
-def run_rates(args, address: str, metrics_url: str | None, workload) -> list[dict]:
+# The draws of make_requests: the warm-up's, then one per rate.
+WARM_UP_DRAW = 1000
+
+
+def run_rates(args, address: str, metrics_url: str | None, vocab_size: int) -> list[dict]:
     runs = []
-    for rate in args.request_rate:
+    for i, rate in enumerate(args.request_rate):
+        workload = make_requests(args, vocab_size, draw=i)
         before = prefix_counts(metrics_url)
         records, cpu = run_load(args, address, workload, rate)
         label = "inf" if math.isinf(rate) else rate  # JSON has no infinity
@@ -357,15 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     workload = make_requests(args, vocab_size)
     print(
-        f"workload: {args.workload}, {len(workload)} requests, "
+        f"workload: {args.workload}, {len(workload)} requests per rate (each rate its own prompts; the first's: "
         f"{sum(len(r.prompt_token_ids) for r in workload)} prompt tokens (shared prefix {args.shared_prefix}), "
         f"{sum(r.max_tokens for r in workload)} output tokens, temperature {args.temperature}, "
-        f"{args.num_processes} client processes",
+        f"{args.num_processes} client processes)",
         flush=True,
     )
     if args.server:
-        warm_up(args.server, workload, args.warm_up)
-        runs = run_rates(args, args.server, args.metrics_url, workload)
+        warm_up(args.server, make_requests(args, vocab_size, WARM_UP_DRAW), args.warm_up)
+        runs = run_rates(args, args.server, args.metrics_url, vocab_size)
     else:
         log_dir = Path(tempfile.mkdtemp(prefix="tandem-serve-"))
         executor, scheduler, ports = throughput.start_services(args, args.model, log_dir)
@@ -374,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             throughput.wait_serving(executor, ports["executor"])
             scheduler.start()
             throughput.wait_serving(scheduler, ports["scheduler"])
-            warm_up(ports["scheduler"], workload, args.warm_up)
-            runs = run_rates(args, ports["scheduler"], ports["scheduler_metrics"], workload)
+            warm_up(ports["scheduler"], make_requests(args, vocab_size, WARM_UP_DRAW), args.warm_up)
+            runs = run_rates(args, ports["scheduler"], ports["scheduler_metrics"], vocab_size)
         finally:
             for service in (scheduler, executor):
                 service.stop(10.0)

@@ -38,3 +38,17 @@ def test_serve_bench_json(tmp_path):
     assert run["prefix_cache_hit_rate"] > 0.3
     assert len(run["client_processes"]) == 2
     assert all(c["cpu_s"] > 0 for c in run["client_processes"])
+
+
+def test_each_rate_draws_prompts_of_its_own(monkeypatch):
+    """Rates run one after another on one service: were their prompts the same, every rate after the
+    first would find them in the prefix cache and time cached prefills. The shared prefix stays."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    import serve
+
+    args = serve.parse_args(["--num-requests", "8", "--shared-prefix", "16", "--request-rate", "8", "24"])
+    first, second, warm = (serve.make_requests(args, 1000, draw) for draw in (0, 1, serve.WARM_UP_DRAW))
+    assert [r.prompt_token_ids[:16] for r in first + second + warm] == [first[0].prompt_token_ids[:16]] * 24
+    tails = [tuple(r.prompt_token_ids[16:]) for r in first + second + warm]
+    assert len(set(tails)) == 24
+    assert serve.make_requests(args, 1000, 0) == first  # a draw is reproducible
