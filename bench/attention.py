@@ -133,6 +133,7 @@ def bench_prefill(num_seqs: int, length: int, block_size: int) -> None:
 
 
 def main() -> None:
+    global NUM_HEADS, NUM_KV_HEADS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of decode configurations")
     parser.add_argument(
@@ -150,7 +151,6 @@ def main() -> None:
         help="query and KV heads (default Qwen3-0.6B's 16 8; Qwen3-30B-A3B: 32 4)",
     )
     args = parser.parse_args()
-    global NUM_HEADS, NUM_KV_HEADS
     NUM_HEADS, NUM_KV_HEADS = args.heads
     print(f"{NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}")
     torch.manual_seed(0)
