@@ -185,3 +185,47 @@ def test_fp8_experts_whose_shard_splits_a_block_are_refused(fp8_qwen3_moe):
         FusedMoE(8, 2, 192, 256, tp_rank=1, tp_size=4).to_fp8((128, 128))
     # One rank holds every expert whole: a partial last block is its own, so it loads.
     FusedMoE(8, 2, 192, 96, tp_rank=0, tp_size=1).to_fp8((128, 128))
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_fp8_linear_shards_at_tp2_hold_the_dequantized_shard_exactly(fp8_qwen3_moe, tp_rank):
+    """On CUDA the linear layers keep e4m3 weights with their block scales; at TP=2 each rank reads
+    the whole blocks of its shard (packed q/k/v and o_proj). Dequantized, every fp8 weight of a rank
+    equals the weight that the CPU path (dequantizing at load) gives the same rank."""
+    from executor_service.fp8 import FP8_DTYPE, dequantize_weight_blocks
+    from executor_service.layers.linear import LinearBase
+    from executor_service.loader import load_weights
+    from executor_service.model_config import load_model_config
+    from executor_service.models import get_model_class
+
+    path, _ = fp8_qwen3_moe
+    fp8 = _load_as_runner_on_cuda(path, tp_rank, 2)
+    mc = load_model_config(path)
+    plain = get_model_class(mc.architecture)(mc, tie_word_embeddings=False, tp_rank=tp_rank, tp_size=2)
+    load_weights(plain, path, quantization=mc.quantization)
+    layers = [
+        (n, m) for n, m in fp8.named_modules() if isinstance(m, LinearBase) and m.weight.dtype == FP8_DTYPE
+    ]
+    assert {n.rpartition(".")[2] for n, _ in layers} == {"qkv_proj", "o_proj"}
+    for name, layer in layers:
+        want = plain.get_submodule(name).weight
+        got = dequantize_weight_blocks(layer.weight, layer.weight_scale_inv, torch.float32, layer.block)
+        assert got.shape == want.shape and torch.equal(got, want.float()), name
+
+
+def test_an_fp8_shard_that_would_split_a_block_is_refused_naming_it(fp8_qwen3):
+    """At TP=2 fp8_qwen3's intermediate 384 gives each rank 192 of down_proj's columns, and its 2 KV
+    heads of 64 (one block of 128 rows) give each rank 64 k rows: both would cut a block, which the
+    e4m3 layout cannot hold (the CPU path dequantizes first and serves it)."""
+    from executor_service.layers.linear import QKVParallelLinear
+
+    path, _ = fp8_qwen3
+    with pytest.raises(
+        ValueError, match=r"this rank's columns of 192 would split the fp8 checkpoint's blocks of 128"
+    ):
+        _load_as_runner_on_cuda(path, 0, 2)
+    qkv = QKVParallelLinear(256, 64, 4, 2, bias=False, tp_rank=1, tp_size=2)
+    with pytest.raises(
+        ValueError, match=r"this rank's k and v rows of 64 would split the fp8 checkpoint's blocks"
+    ):
+        qkv.to_fp8((128, 128))

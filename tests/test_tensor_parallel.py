@@ -319,6 +319,30 @@ def test_families_at_tp2_identical_to_tp1(family_checkpoint, family):
         llm.executor.close()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_an_fp8_checkpoint_at_tp2_identical_to_tp1(tmp_path, kv_cache_dtype):
+    """An FP8 block-scaled checkpoint (the Qwen3-*-FP8 format; the CPU dequantizes each rank's blocks
+    at load) in-process at TP=2 over gloo, with the model-dtype KV cache and with an e4m3 one (each
+    rank stores its own KV heads): every token equals TP=1's."""
+    from checkpoints import quantize_checkpoint_fp8
+
+    src = build_qwen3(tmp_path / "bf16", hidden_size=256, head_dim=64, intermediate_size=512,
+                      num_hidden_layers=2, tie_word_embeddings=False, seed=5, with_tokenizer=False)  # fmt: skip
+    path = tmp_path / "fp8"
+    quantize_checkpoint_fp8(src, path)
+    options = {**OPTIONS, "kv_cache_dtype": kv_cache_dtype}
+    llm = LLM(str(path), **options)
+    try:
+        expected = generate(llm.executor)[0]
+    finally:
+        llm.executor.close()
+    llm = LLM(str(path), tensor_parallel_size=2, tp_master_port=free_port(), **options)
+    try:
+        assert generate(llm.executor)[0] == expected
+    finally:
+        llm.executor.close()
+
+
 def test_penalties_and_steps_without_samples_match_tp1(qwen3_tied):
     """Two plans in flight at TP=2: a step whose batch has a penalty waits for the previous step's
     tokens on the host (sent to rank 1 with the plan); the others take them from the device. Mixed
