@@ -66,14 +66,46 @@ def sweep(name: str, n: int, k: int, w_q: torch.Tensor, w_s: torch.Tensor) -> No
             )
 
 
-def scaled_mm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor):
-    """torch._scaled_mm with per-token-group activation scales and 128x128 weight scales, or None
-    where this torch refuses them."""
+def _pad_rows(t: torch.Tensor, multiple: int, value: float) -> torch.Tensor:
+    pad = -t.shape[0] % multiple
+    return torch.cat([t, t.new_full((pad, t.shape[1]), value)]) if pad else t
+
+
+def _scaled_mm_legacy(a_q, a_s, w_q, w_s):
+    """torch._scaled_mm, as vLLM calls it on sm90: activation scales [M, K/128] outer-dim-major
+    (column-major), the weight [N, K] passed transposed with its [N/128, K/128] scales transposed, M
+    padded to a multiple of 4."""
+    m = a_q.shape[0]
+    a_q, a_s = _pad_rows(a_q, 4, 0.0), _pad_rows(a_s, 4, 1.0)
+    a_s = a_s.t().contiguous().t()
+    return torch._scaled_mm(a_q, w_q.t(), scale_a=a_s, scale_b=w_s.t(), out_dtype=torch.bfloat16)[:m]
+
+
+def _scaled_mm_recipes(a_q, a_s, w_q, w_s):
+    """torch.nn.functional.scaled_mm with explicit BlockWise1x128 / BlockWise128x128 recipes."""
+    import torch.nn.functional as F
+
+    m = a_q.shape[0]
+    a_q, a_s = _pad_rows(a_q, 4, 0.0), _pad_rows(a_s, 4, 1.0)
+    a_s = a_s.t().contiguous().t()
+    out = F.scaled_mm(
+        a_q, w_q.t(), a_s, F.ScalingType.BlockWise1x128, w_s.t(), F.ScalingType.BlockWise128x128,
+        output_dtype=torch.bfloat16,
+    )  # fmt: skip
+    return out[:m]
+
+
+SCALED_MM = {"torch._scaled_mm": _scaled_mm_legacy, "F.scaled_mm blockwise": _scaled_mm_recipes}
+
+
+def scaled_mm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, how: str):
+    """One of torch's scaled matmuls with per-token-group activation scales (quantization included)
+    and 128x128 weight scales; the reason in a string where this torch refuses them."""
     a_q, a_s = quantize_per_token_group(x)
     try:
-        return torch._scaled_mm(a_q, w_q.T, scale_a=a_s, scale_b=w_s.T, out_dtype=torch.bfloat16)
-    except (RuntimeError, TypeError, ValueError) as e:
-        return str(e).splitlines()[0][:120]
+        return SCALED_MM[how](a_q, a_s, w_q, w_s)
+    except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as e:
+        return (str(e).splitlines() or [type(e).__name__])[0][:120]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,12 +134,13 @@ def main() -> None:
                 f"{name} m={m} n={n} k={k}: bf16 {t_bf16 * 1e3:.1f} us, triton w8a8 {t_fp8 * 1e3:.1f} us "
                 f"({t_bf16 / t_fp8:.2f}x, rel err {rel(ours, ref):.4f})"
             )
-            mm = scaled_mm(x, w_q, w_s)
-            if isinstance(mm, torch.Tensor):
-                t_mm = time_ms(lambda: scaled_mm(x, w_q, w_s))  # noqa: B023
-                line += f", torch._scaled_mm {t_mm * 1e3:.1f} us (rel err {rel(mm, ref):.4f})"
-            else:
-                line += f", torch._scaled_mm not usable: {mm}"
+            for how in SCALED_MM:
+                mm = scaled_mm(x, w_q, w_s, how)
+                if isinstance(mm, torch.Tensor):
+                    t_mm = time_ms(lambda how=how: scaled_mm(x, w_q, w_s, how))  # noqa: B023
+                    line += f", {how} {t_mm * 1e3:.1f} us ({t_bf16 / t_mm:.2f}x, rel err {rel(mm, ref):.4f})"
+                else:
+                    line += f", {how} not usable: {mm}"
             print(line, flush=True)
 
 
