@@ -118,6 +118,15 @@ def parts(x, w13, w2, weights, ids, config) -> dict[str, float]:
     inter = moe_kernels.gate_up(x, w13, aligned, TOP_K, gate_up_config)
     y = moe_kernels.down(inter, w2, weights, aligned, down_config)
     router = torch.randn(E, HIDDEN, device="cuda").bfloat16()
+    counts = moe_kernels.route_counts(x.shape[0], E, x.device)
+    if counts is not None:
+        _, counted_ids = moe_kernels.route(x, router, TOP_K, True, counts=counts)
+    extra = {} if counts is None else {
+        "route + counts": timed(lambda: moe_kernels.route(x, router, TOP_K, True, counts=counts)),
+        "align from counts": timed(
+            lambda: moe_kernels.align_block_size(counted_ids, E, gate_up_config.BLOCK_M, counts)
+        ),
+    }  # fmt: skip
     return {
         "torch align": timed(lambda: moe_kernels.align_block_size_reference(ids, E, gate_up_config.BLOCK_M)),
         "align": timed(lambda: moe_kernels.align_block_size(ids, E, gate_up_config.BLOCK_M)),
@@ -126,6 +135,7 @@ def parts(x, w13, w2, weights, ids, config) -> dict[str, float]:
         "sum": timed(lambda: moe_kernels.sum_topk(y, TOP_K)),
         "torch route": timed(lambda: route(x, router, TOP_K, True)),
         "route": timed(lambda: moe_kernels.route(x, router, TOP_K, True)),
+        **extra,
     }
 
 

@@ -60,6 +60,38 @@ def check_align(num_tokens, num_experts, top_k, block_m, used=None, device="cpu"
         assert len(rows) and (flat[rows.long()] == expert_ids[block]).all(), f"block {block}"
 
 
+def check_align_from_route_counts(num_tokens, num_experts, top_k, block_m, device="cpu"):
+    """The router's per-program expert counts (route_counts) in place of the align's counting
+    kernel: the same layout as the torch align, and the same fused_experts output, to the bit."""
+    from executor_service.layers import fused_moe_triton as k
+
+    gen = torch.Generator(device).manual_seed(num_tokens + top_k)
+    hidden = 32
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device)
+    router = torch.randn(num_experts, hidden, generator=gen, device=device)
+    counts = k.route_counts(num_tokens, num_experts, device)
+    assert counts is not None
+    weights, ids = k.route(x, router, top_k, True, counts=counts)
+    want = k.align_block_size_reference(ids, num_experts, block_m)
+    got = k.align_block_size(ids, num_experts, block_m, counts)
+    for name, w, g in zip(("sorted_ids", "expert_ids", "num_padded"), want, got, strict=True):
+        assert torch.equal(g, w), f"{name} at {num_tokens} tokens, top {top_k}"
+    _, w13, w2, _, _ = make_moe(num_tokens, num_experts, top_k, hidden, 16, torch.float32, device)
+    config = k.MoEConfig(block_m, 16, 16, 4, 2)
+    plain = k.fused_experts(x, w13, w2, weights, ids, config)
+    counted = k.fused_experts(x, w13, w2, weights, ids, config, expert_counts=counts)
+    torch.testing.assert_close(counted, plain, atol=0, rtol=0)
+
+
+def test_route_counts_cover_the_align_only_up_to_its_programs():
+    from executor_service.layers import fused_moe_triton as k
+
+    assert k.route_counts(0, 8, "cpu") is None
+    assert k.route_counts(k.ROUTE_BLOCK_T * 64, 128, "cpu").shape == (64, 128)
+    assert k.route_counts(k.ROUTE_BLOCK_T * 64 + 1, 128, "cpu") is None  # the align's counting kernel then
+    assert k.route_counts(17, 6, "cpu").shape == (2, 8)
+
+
 @pytest.mark.parametrize(("num_tokens", "used"), LOADS)
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_align_sorts_pairs_into_expert_blocks(num_tokens, used, block_m):
@@ -210,6 +242,9 @@ def test_align_kernels_under_interpreter():
         "    check_route(n, 8, 2, 48, torch.float32, 'cpu')\n"
         "    check_route(n, 12, 3, 64, f16, 'cpu', renormalize=False)\n"
         "check_align(2100, 8, 2, 16, reference=False)  # 4200 pairs: two steps of each program's loop\n"
+        "from test_fused_moe import check_align_from_route_counts\n"
+        "for n, e, k, bm in [(1, 8, 2, 16), (17, 8, 2, 16), (40, 6, 3, 16), (100, 12, 8, 32)]:\n"
+        "    check_align_from_route_counts(n, e, k, bm)\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)

@@ -200,22 +200,34 @@ def _align_kernel(
 
 
 def align_block_size(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, counts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As align_block_size_reference, in two Triton kernels."""
+    """As align_block_size_reference, in two Triton kernels; in one with counts, the router's
+    per-program expert counts (route(counts=...)), each program then placing its ROUTE_BLOCK_T
+    tokens' pairs."""
     flat = topk_ids.flatten()
     num_pairs = flat.numel()
     device = flat.device
     max_padded = num_pairs + num_experts * (block_m - 1)
     num_blocks = triton.cdiv(max_padded, block_m)
-    chunk = _ALIGN_SUB * triton.cdiv(triton.cdiv(num_pairs, _ALIGN_SUB), _ALIGN_PROGRAMS)
-    programs = triton.cdiv(num_pairs, chunk)
     e_pow2 = triton.next_power_of_2(num_experts)
-    counts = torch.empty((programs, e_pow2), dtype=torch.int32, device=device)
+    if counts is None:
+        chunk = _ALIGN_SUB * triton.cdiv(triton.cdiv(num_pairs, _ALIGN_SUB), _ALIGN_PROGRAMS)
+        sub = _ALIGN_SUB
+        programs = triton.cdiv(num_pairs, chunk)
+        counts = torch.empty((programs, e_pow2), dtype=torch.int32, device=device)
+        _count_kernel[(programs,)](flat, counts, num_pairs, chunk, E_POW2=e_pow2, SUB=sub)
+    else:
+        chunk = ROUTE_BLOCK_T * topk_ids.shape[1]
+        sub = min(_ALIGN_SUB, chunk & -chunk)  # the largest power of two that divides the chunk
+        programs = triton.cdiv(num_pairs, chunk)
+        if tuple(counts.shape) != (programs, e_pow2):
+            raise ValueError(
+                f"counts of shape {tuple(counts.shape)} for {num_pairs} pairs: expected {(programs, e_pow2)}"
+            )
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    _count_kernel[(programs,)](flat, counts, num_pairs, chunk, E_POW2=e_pow2, SUB=_ALIGN_SUB)
     _align_kernel[(programs,)](
         flat,
         counts,
@@ -230,7 +242,7 @@ def align_block_size(
         num_blocks,
         E_POW2=e_pow2,
         PROGRAMS_POW2=triton.next_power_of_2(programs),
-        SUB=_ALIGN_SUB,
+        SUB=sub,
         BLOCK_M=block_m,
     )
     return sorted_ids, expert_ids, num_padded
@@ -332,11 +344,13 @@ def _route_kernel(
     w_ptr,
     weights_ptr,
     ids_ptr,
+    counts_ptr,  # with WRITE_COUNTS: [programs, E_POW2] int32, the align's per-program expert counts
     num_tokens,
     num_experts,
     K,
     stride_x,
     stride_w,
+    stride_c,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -344,6 +358,7 @@ def _route_kernel(
     TOPK_POW2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WRITE_COUNTS: tl.constexpr,
 ):
     # A program routes BLOCK_T tokens: logits [BLOCK_T, E] (products of the model-dtype operands are
     # exact in fp32, accumulated in fp32), softmax, top-k (lowest expert first among equals).
@@ -380,6 +395,10 @@ def _route_kernel(
     mask = t_mask[:, None] & (cols[None, :] < TOP_K)
     tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=mask)
     tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=mask)
+    if WRITE_COUNTS:  # this program's pairs (BLOCK_T * TOP_K of them, in order) per expert
+        flat = tl.reshape(tl.where(mask, top_ids, -1), [BLOCK_T * TOPK_POW2])
+        counts = tl.sum((flat[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        tl.store(counts_ptr + tl.program_id(0) * stride_c + experts, counts, mask=experts < stride_c)
 
 
 # The router's (BLOCK_K, num_warps, num_stages) for 16-bit activations: on the H200 at Qwen3-30B-A3B's
@@ -388,23 +407,37 @@ def _route_kernel(
 ROUTE_CONFIG = (256, 4, 3)
 
 
+# Tokens per router program: fixed, so that a token's routing does not depend on its batch.
+ROUTE_BLOCK_T = 16
+
+
+def route_counts(num_tokens: int, num_experts: int, device) -> torch.Tensor | None:
+    """A buffer for route() to count each program's pairs per expert in, which spares the align its
+    counting kernel; None when the router has more programs than the align reads counts of."""
+    programs = triton.cdiv(num_tokens, ROUTE_BLOCK_T)
+    if not 0 < programs <= _ALIGN_PROGRAMS:
+        return None
+    return torch.empty((programs, triton.next_power_of_2(num_experts)), dtype=torch.int32, device=device)
+
+
 def route(
     hidden_states: torch.Tensor,
     router_weight: torch.Tensor,
     top_k: int,
     renormalize: bool,
     config: tuple[int, int, int] | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As layers/moe.route in one kernel (it takes about 8): [num_tokens, hidden] -> (weights
-    [num_tokens, top_k] in the model dtype, expert ids [num_tokens, top_k] int64). A fixed BLOCK_T,
-    so a token's routing does not depend on its batch."""
+    [num_tokens, top_k] in the model dtype, expert ids [num_tokens, top_k] int64). With counts (from
+    route_counts), also each program's pairs per expert, for align_block_size."""
     num_tokens, hidden = hidden_states.shape
     num_experts = router_weight.shape[0]
     if hidden_states.stride(1) != 1 or router_weight.stride(1) != 1:
         raise ValueError("route needs row-contiguous activations and router weights")
     weights = torch.empty((num_tokens, top_k), dtype=hidden_states.dtype, device=hidden_states.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden_states.device)
-    block_t = 16
+    block_t = ROUTE_BLOCK_T
     block_k, num_warps, num_stages = config or ROUTE_CONFIG
     if hidden_states.element_size() > 2:
         block_k = min(block_k, 64)
@@ -413,11 +446,13 @@ def route(
         router_weight,
         weights,
         ids,
+        counts,
         num_tokens,
         num_experts,
         hidden,
         hidden_states.stride(0),
         router_weight.stride(0),
+        0 if counts is None else counts.stride(0),
         TOP_K=top_k,
         RENORMALIZE=renormalize,
         DOT_PRECISION="ieee" if hidden_states.dtype == torch.float32 else "tf32",
@@ -425,6 +460,7 @@ def route(
         TOPK_POW2=triton.next_power_of_2(top_k),
         BLOCK_T=block_t,
         BLOCK_K=block_k,
+        WRITE_COUNTS=counts is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -518,12 +554,14 @@ def fused_experts(
     config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As layers/moe.experts_reference: x [num_tokens, hidden], w13 [E, 2 * N, hidden], w2 [E, hidden,
     N], topk_* [num_tokens, top_k] -> [num_tokens, hidden]. config: the (gate/up, down) tiles, or one
     MoEConfig for both; CONFIGS' by default. With w13_scale [E, 2 * ceil(N / 128), ceil(hidden / 128)]
     and w2_scale [E, ceil(hidden / 128), ceil(N / 128)] (fp32 block scales of e4m3 w13 and w2), the
-    W8A8 GEMMs: activations quantized per row in groups of 128, fp32 accumulation."""
+    W8A8 GEMMs: activations quantized per row in groups of 128, fp32 accumulation. expert_counts:
+    route()'s per-program counts for align_block_size, if it wrote them."""
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     fp8 = w13_scale is not None
@@ -540,7 +578,7 @@ def fused_experts(
         raise ValueError(
             f"the gate/up and down tiles share the align's BLOCK_M ({gate_up_config.BLOCK_M} != {down_config.BLOCK_M})"
         )
-    aligned = align_block_size(topk_ids, w13.shape[0], gate_up_config.BLOCK_M)
+    aligned = align_block_size(topk_ids, w13.shape[0], gate_up_config.BLOCK_M, expert_counts)
     intermediate = gate_up(x, w13, aligned, top_k, gate_up_config, w13_scale)
     return sum_topk(down(intermediate, w2, topk_weights, aligned, down_config, w2_scale), top_k)
 

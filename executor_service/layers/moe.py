@@ -140,14 +140,22 @@ class FusedMoE(Fusable, nn.Module):
             )
         dst.copy_(read_tensor(src))
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden]; topk_*: [num_tokens, top_k]
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # x: [num_tokens, hidden]; topk_*: [num_tokens, top_k]; expert_counts: the fused router's
+        # (fused_moe_triton.route_counts), on the fused path.
         if self.fused:
             from executor_service.layers import fused_moe_triton
 
             out = fused_moe_triton.fused_experts(
                 x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                 w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv,
+                expert_counts=expert_counts,
             )  # fmt: skip
         else:
             if self.w13_weight_scale_inv is not None:
@@ -181,9 +189,12 @@ class SparseMoeBlock(nn.Module):
         if self.experts.fused:
             from executor_service.layers import fused_moe_triton
 
-            weights, ids = fused_moe_triton.route(
-                hidden_states, self.gate.weight, self.top_k, self.norm_topk_prob
+            counts = fused_moe_triton.route_counts(
+                hidden_states.shape[0], self.gate.weight.shape[0], hidden_states.device
             )
-        else:
-            weights, ids = route(hidden_states, self.gate.weight, self.top_k, self.norm_topk_prob)
+            weights, ids = fused_moe_triton.route(
+                hidden_states, self.gate.weight, self.top_k, self.norm_topk_prob, counts=counts
+            )
+            return self.experts(hidden_states, weights, ids, counts)
+        weights, ids = route(hidden_states, self.gate.weight, self.top_k, self.norm_topk_prob)
         return self.experts(hidden_states, weights, ids)
