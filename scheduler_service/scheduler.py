@@ -149,20 +149,19 @@ class Scheduler:
         ):
             prefill_left = self._prefill_budget
 
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        # (a preemption pops from the end of running, behind seq: the loop sees it shorter)
+        for seq in running:
+            if budget <= 0:
+                break
             c = seq.num_computed_tokens
             # Tokens known, or sampled by a plan in flight (its token is fed on the executor).
             known = len(seq.token_ids) + seq.num_pending_tokens
             remaining = known - c
             if seq.num_pending_tokens and known >= seq.max_num_tokens:
-                i += 1  # it stops with "length" once the results in flight are in
-                continue
+                continue  # it stops with "length" once the results in flight are in
             n = remaining if remaining <= budget else budget
             if remaining > 1 and n > prefill_left:  # a prefill chunk
                 if not prefill_left:
-                    i += 1
                     continue
                 n = prefill_left
             # Inline, not bm.can_append: most decode steps fit in the last block, and two method
@@ -172,7 +171,6 @@ class Scheduler:
                     if seq.num_pending_tokens:
                         # Its token in flight may stop it: wait for that result rather than
                         # preempt a live request for a token that could be thrown away.
-                        i += 1
                         continue
                     while running[-1] is not seq and not bm.can_append(seq, n):
                         self._preempt(running.pop(), plan)
@@ -202,7 +200,6 @@ class Scheduler:
                 prefill_left -= n
                 if caching and (c + n) // bs > seq.num_registered_blocks:
                     registered += bm.cache_full_blocks(seq, c + n)
-            i += 1
 
         # After a preemption, admitting new work would only thrash the cache.
         if not preempted:
@@ -300,7 +297,9 @@ class Scheduler:
             raise RuntimeError(
                 f"step {plan.step_id}: executor sampled {len(result.seq_ids)} sequences, expected {len(sampling)}"
             )
-        expected = {s.seq_id: s for s in sampling}
+        # The executor samples in batch order, so result i is sampling[i]; a lookup by id only
+        # where it is not.
+        by_id: dict[int, Sequence] | None = None
         out = self._failed
         self._failed = []
         seqs = self.seqs
@@ -317,12 +316,15 @@ class Scheduler:
         any_finished = False
         num_generated = 0
         offset = 0
-        for seq_id, k in zip(result.seq_ids, result.num_tokens, strict=True):
-            seq = expected.get(seq_id)
-            if seq is None:
-                raise RuntimeError(
-                    f"step {plan.step_id}: executor sampled sequence {seq_id}, not in the plan"
-                )
+        for seq, seq_id, k in zip(sampling, result.seq_ids, result.num_tokens, strict=True):
+            if seq.seq_id != seq_id:
+                if by_id is None:
+                    by_id = {s.seq_id: s for s in sampling}
+                seq = by_id.get(seq_id)
+                if seq is None:
+                    raise RuntimeError(
+                        f"step {plan.step_id}: executor sampled sequence {seq_id}, not in the plan"
+                    )
             if seq.status is not _RUNNING or seqs.get(seq_id) is not seq:
                 offset += k
                 continue  # finished, aborted or preempted while the step ran: drop its token
@@ -337,18 +339,32 @@ class Scheduler:
             if num_before == seq.num_prompt_tokens:
                 stats.num_prompt_tokens += num_before
             reason = None
-            for tok in token_ids[offset : offset + k] if k != 1 else (token_ids[offset],):
+            if k == 1:  # a decode step's one token (the loop below, without its overhead)
+                tok = token_ids[offset]
                 tokens.append(tok)
-                # (the executor bans stop tokens short of min_tokens: this only checks it)
-                if tok in seq.stop_ids and len(tokens) - seq.num_prompt_tokens > seq.step_params.min_tokens:
+                if (
+                    tok in seq.stop_ids
+                    and num_before + 1 - seq.num_prompt_tokens > seq.step_params.min_tokens
+                ):
                     reason = "stop"
-                    break
-                if len(tokens) >= seq.max_num_tokens:
+                elif num_before + 1 >= seq.max_num_tokens:
                     reason = "length"
-                    break
+            else:
+                for tok in token_ids[offset : offset + k]:
+                    tokens.append(tok)
+                    # (the executor bans stop tokens short of min_tokens: this only checks it)
+                    if (
+                        tok in seq.stop_ids
+                        and len(tokens) - seq.num_prompt_tokens > seq.step_params.min_tokens
+                    ):
+                        reason = "stop"
+                        break
+                    if len(tokens) >= seq.max_num_tokens:
+                        reason = "length"
+                        break
             offset += k
-            seq.num_new_tokens = len(tokens) - num_before
-            num_generated += seq.num_new_tokens
+            num_new = seq.num_new_tokens = len(tokens) - num_before
+            num_generated += num_new
             if logprobs is not None and seq.logprobs is not None and seq_id in logprobs:
                 seq.append_logprobs(logprobs[seq_id], num_before)
             if reason is not None:

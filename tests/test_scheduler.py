@@ -580,3 +580,25 @@ def test_a_failed_plan_takes_the_prefix_it_shared_out_of_the_cache():
     ref_engine, _ = make_engine()
     r = ref_engine.add_request([*shared, 20], greedy(3))
     assert run(ref_engine)[r].token_ids == finished[late].token_ids
+
+
+def test_a_result_in_another_order_than_the_plan_is_applied_by_sequence_id():
+    # The executor samples in batch order and update() counts on it, looking sequences up by id
+    # only where the order differs.
+    engine, ex = make_engine()
+    ids = [engine.add_request(prompt(5, seed=i), greedy(3)) for i in range(3)]
+    engine.step()
+    plan = engine.scheduler.schedule()
+    result = ex.step(plan)
+    expected = dict(zip(result.seq_ids, result.token_ids, strict=True))
+    result.seq_ids.reverse()
+    result.token_ids.reverse()
+    engine.scheduler.update(plan, result)
+    seqs = engine.scheduler.seqs
+    assert [seqs[i].token_ids[-1] for i in ids] == [expected[i] for i in ids]
+
+    plan = engine.scheduler.schedule()
+    result = ex.step(plan)
+    result.seq_ids[1] = 999
+    with pytest.raises(RuntimeError, match="sampled sequence 999, not in the plan"):
+        engine.scheduler.update(plan, result)
