@@ -383,21 +383,22 @@ def _route_kernel(
     cols = tl.arange(0, TOPK_POW2)
     top = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.float32)
     top_ids = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.int32)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)  # with WRITE_COUNTS: this program's pairs per expert
     for k in tl.static_range(TOP_K):
         best = tl.max(probs, axis=1)
         idx = tl.min(tl.where(probs == best[:, None], experts[None, :], E_POW2), axis=1)
         top = tl.where(cols[None, :] == k, best[:, None], top)
         top_ids = tl.where(cols[None, :] == k, idx[:, None], top_ids)
         probs = tl.where(experts[None, :] == idx[:, None], -1.0, probs)
+        if WRITE_COUNTS:
+            counts += tl.sum(((idx[:, None] == experts[None, :]) & t_mask[:, None]).to(tl.int32), axis=0)
     if RENORMALIZE:
         top = top / tl.sum(top, axis=1)[:, None]
     out = offs_t[:, None] * TOP_K + cols[None, :]
     mask = t_mask[:, None] & (cols[None, :] < TOP_K)
     tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=mask)
     tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=mask)
-    if WRITE_COUNTS:  # this program's pairs (BLOCK_T * TOP_K of them, in order) per expert
-        flat = tl.reshape(tl.where(mask, top_ids, -1), [BLOCK_T * TOPK_POW2])
-        counts = tl.sum((flat[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    if WRITE_COUNTS:
         tl.store(counts_ptr + tl.program_id(0) * stride_c + experts, counts, mask=experts < stride_c)
 
 
