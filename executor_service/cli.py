@@ -83,6 +83,14 @@ FLAGS = (
         help="KV cache element type: auto (the model dtype), or fp8 (= fp8_e4m3: half the bytes of bf16, "
         "twice the blocks; per-layer k/v scales from the checkpoint, else 1.0)",
     ),
+    flag(
+        "--quantization",
+        env="QUANTIZATION",
+        choices=("fp8",),
+        default=None,
+        help="fp8: serve an unquantized checkpoint as its FP8 form (the Qwen3-*-FP8 format: e4m3 weights in "
+        "128x128 blocks, W8A8 on CUDA), quantized at load (default: the checkpoint as it is)",
+    ),
     flag("--block-size", env="BLOCK_SIZE", type=int, default=16, help="tokens per KV block (default 16)"),
     flag(
         "--kv-cache-gb",
@@ -245,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
             kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
             fused_ops=args.fused_ops,
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,

@@ -12,6 +12,7 @@ from executor_service.attention import BACKENDS
 from executor_service.model_config import ModelConfig, load_model_config
 from executor_service.models import get_model_class
 from executor_service.parallel import check_tp_layout, rank_device
+from executor_service.quantization import AT_LOAD_METHODS, BlockFP8Config
 from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from protos.hub import resolve_model
 
@@ -49,6 +50,9 @@ class ExecutorConfig:
     # The KV cache's element type: auto (the model dtype), a dtype name, or fp8 / fp8_e4m3 (e4m3
     # with a per-layer scale, fp8.py). Resolved to "fp8_e4m3" or a torch dtype name.
     kv_cache_dtype: str = "auto"
+    # "fp8": serve an unquantized checkpoint as its FP8 block-scaled form, quantized at load
+    # (quantization.py); None: as the checkpoint is. An FP8 checkpoint is fp8 either way.
+    quantization: str | None = None
     # Triton kernels for residual + RMSNorm, SiLU-and-mul and q/k norm + rotary: auto (on CUDA
     # with triton), on, off. Resolved to "on" or "off" at construction.
     fused_ops: str = "auto"
@@ -78,6 +82,7 @@ class ExecutorConfig:
         if not (path / "config.json").is_file():
             raise ValueError(f"model {self.model!r} must be a checkpoint directory with a config.json")
         self.model_config = load_model_config(path)
+        self._check_quantization()
         self.model_class = get_model_class(self.model_config.architecture)
         self._check_device()
         dtype = self.dtype or self.model_config.dtype or "float32"
@@ -117,6 +122,17 @@ class ExecutorConfig:
         self._check_backend()
         self._check_fused_ops()
         self._check_tensor_parallel()
+
+    def _check_quantization(self) -> None:
+        if self.quantization is None:
+            return
+        if self.quantization not in AT_LOAD_METHODS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported: {', '.join(AT_LOAD_METHODS)} (quantized "
+                "at load), or none for the checkpoint as it is"
+            )
+        if self.model_config.quantization is None:
+            self.model_config.quantization = BlockFP8Config(at_load=True)
 
     def _check_kv_cache_dtype(self) -> None:
         name = self.kv_cache_dtype

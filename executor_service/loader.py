@@ -7,6 +7,7 @@ An fp8 block-scaled checkpoint (quantization.py) pairs each quantized `X.weight`
 `X.weight_scale_inv`: unless the model keeps the layer in fp8 (`keeps_fp8(X)`; on CUDA the linear
 layers, and the MoE experts on the fused path: layers/fp8_layers.py), the weight reaches its
 `weight_loader` as a DequantizedSlice, which reads (and dequantizes) only the blocks a narrow asks for.
+With --quantization fp8 (at_load) an unquantized checkpoint's weights are quantized as they are read.
 
 Per-layer scales of an fp8 KV cache (`self_attn.k_scale` / `v_scale`, or on k_proj / v_proj, or one
 `kv_scale`) are not parameters: they set the attention layer's k_scale / v_scale."""
@@ -22,8 +23,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from executor_service.fp8 import dequantize_weight_blocks
-from executor_service.quantization import BlockFP8Config
+from executor_service.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+from executor_service.quantization import BlockFP8Config, quantized_at_load
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,9 @@ def load_weights(
     params = dict(model.named_parameters())
     files = checkpoint_tensor_files(model_dir)
     scales = _dequantized_scales(files, quantization, keeps_fp8)
+    # --quantization fp8: each weight an FP8 checkpoint would quantize is quantized whole, before any
+    # rank takes its shard, then loaded as that checkpoint's e4m3 weight and scales would be.
+    at_load = quantization is not None and quantization.at_load
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
@@ -139,16 +143,32 @@ def load_weights(
                         continue
                     if name in scales:
                         tensor = DequantizedSlice(tensor, scales[name], quantization.block)
-                    target, shard_id = model.checkpoint_target(name)
-                    param = _param(params, target, name)
-                    if shard_id is None:
-                        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                    else:
-                        param.weight_loader(param, tensor, shard_id)
-                    loaded.add(target)
+                    elif at_load and quantized_at_load(name):
+                        quantized, scale_inv = quantize_weight_blocks(
+                            tensor.read().float(), quantization.block
+                        )
+                        if keeps_fp8(name):  # the layer holds e4m3: the weight and its block scales
+                            loaded.add(_load_into(model, params, name + "_scale_inv", scale_inv))
+                            tensor = quantized
+                        else:
+                            tensor = dequantize_weight_blocks(
+                                quantized, scale_inv, torch.float32, quantization.block
+                            )
+                    loaded.add(_load_into(model, params, name, tensor))
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}")
+
+
+def _load_into(model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor) -> str:
+    """One checkpoint tensor through its parameter's weight_loader; returns the parameter's name."""
+    target, shard_id = model.checkpoint_target(name)
+    param = _param(params, target, name)
+    if shard_id is None:
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+    else:
+        param.weight_loader(param, tensor, shard_id)
+    return target
 
 
 def _dequantized_scales(

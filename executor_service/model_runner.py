@@ -29,6 +29,7 @@ from executor_service.prompt_logprobs import (
     compute_prompt_logprobs,
     prompt_logprobs_results,
 )
+from executor_service.quantization import scale_names
 from executor_service.sampler import Sampler, SamplerOutput
 from executor_service.sequence import SequenceState
 from protos.plan import PromptLogprobs, TokenLogprobs
@@ -112,7 +113,8 @@ class ModelRunner:
         fp8_weights = frozenset()
         if mc.quantization is not None and self.device.type == "cuda":
             fused_moe = self._fused("fused_moe")
-            fp8_weights = convert_to_fp8(self.model, names, mc.quantization.block, experts=fused_moe)
+            scales = scale_names(names, mc.quantization)
+            fp8_weights = convert_to_fp8(self.model, scales, mc.quantization.block, experts=fused_moe)
         load_weights(
             self.model,
             config.model,

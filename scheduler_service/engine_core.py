@@ -54,7 +54,11 @@ class CoreBridge:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A message for an API server whose queue is full, or that is gone, fails (and is reported
+        # once per server) rather than vanishing silently.
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.bind(address)
+        self._unreachable: set[bytes] = set()
         # The API servers that said hello: each does once it serves (SchedulerServer.start starts
         # its engine, and so the hello, after binding).
         self.peers: set[bytes] = set()
@@ -91,10 +95,22 @@ class CoreBridge:
         )
 
     def _send(self, peer: bytes, frame: bytes) -> None:
-        try:
-            self._socket.send_multipart([peer, frame], zmq.NOBLOCK)
-        except zmq.Again:  # its queue is full: it stopped reading (gone); its streams end with it
-            logger.warning("API server %s is not reading; a message to it was dropped", peer.decode())
+        # A non-blocking send on an asyncio socket reports a failure in the Future it returns.
+        sent = self._socket.send_multipart([peer, frame], zmq.NOBLOCK)
+        error = sent.exception() if sent.done() else None
+        if error is None:
+            self._unreachable.discard(peer)
+            return
+        if not isinstance(error, zmq.Again | zmq.ZMQError) or (
+            not isinstance(error, zmq.Again) and error.errno != zmq.EHOSTUNREACH
+        ):
+            raise error
+        if peer not in self._unreachable:  # its queue is full (it stopped reading) or it is gone
+            self._unreachable.add(peer)
+            why = "is not reading" if isinstance(error, zmq.Again) else "is gone"
+            logger.warning(
+                "API server %s %s; messages to it are dropped until it reads again", peer.decode(), why
+            )
 
     async def _read(self) -> None:
         while True:

@@ -99,3 +99,54 @@ def test_empty_logprobs_cross_as_none():
     assert (
         out.new_token_ids == [7] and out.new_logprobs is None and out.prompt_logprobs is None and not failures
     )
+
+
+def test_a_message_for_an_api_server_that_cannot_take_it_is_reported_once(tmp_path, caplog):
+    """The core's ROUTER reports a message it cannot deliver (an API server gone, or one whose queue
+    is full because it stopped reading) in a warning, once until that server takes messages again;
+    it neither raises into the step loop nor drops the message silently."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    import zmq
+    import zmq.asyncio
+
+    from scheduler_service.engine_core import CoreBridge
+
+    engine = SimpleNamespace(streams=SimpleNamespace(listener=None), engine=None)
+    address = f"ipc://{tmp_path}/core"
+
+    async def run() -> None:
+        bridge = CoreBridge(engine, SchedulerMetrics(), address)
+        context = zmq.asyncio.Context()
+        api = context.socket(zmq.DEALER)
+        api.setsockopt(zmq.IDENTITY, b"api-0")
+        api.setsockopt(zmq.RCVHWM, 1)
+        api.setsockopt(zmq.LINGER, 0)
+        try:
+            with caplog.at_level(logging.WARNING, logger="scheduler_service.engine_core"):
+                bridge._send(b"api-9", b"x")
+                bridge._send(b"api-9", b"x")
+                assert [r.getMessage() for r in caplog.records] == [
+                    "API server api-9 is gone; messages to it are dropped until it reads again"
+                ]
+                bridge._socket.setsockopt(zmq.SNDHWM, 1)  # for the pipe the connect makes
+                api.connect(address)
+                await api.send(b"hello")
+                assert await bridge._socket.recv_multipart() == [b"api-0", b"hello"]
+                for _ in range(4096):  # the reader is not reading: its queue and the OS's buffers fill
+                    bridge._send(b"api-0", b"y" * 4096)
+                    if len(caplog.records) > 1:
+                        break
+                assert caplog.records[-1].getMessage() == (
+                    "API server api-0 is not reading; messages to it are dropped until it reads again"
+                )
+                assert len(caplog.records) == 2
+                assert await api.recv() == b"y" * 4096  # what was queued arrives
+        finally:
+            api.close()
+            context.term()
+            bridge.close()
+
+    asyncio.run(run())

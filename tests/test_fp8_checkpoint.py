@@ -114,30 +114,41 @@ def test_qwen3_moe_fp8_checkpoint_matches_transformers_on_dequantized_weights(fa
 
 
 @pytest.fixture(scope="module")
-def fp8_qwen3_moe(tmp_path_factory):
-    """A Qwen3-MoE FP8 checkpoint whose shards at TP=2 are whole blocks: 4 x 64 query heads, 4 KV
+def qwen3_moe_for_fp8(tmp_path_factory):
+    """A Qwen3-MoE checkpoint (fp32) whose shards at TP=2 are whole blocks: 4 x 64 query heads, 4 KV
     heads, moe_intermediate 256 (each rank 128 of it); hidden 192, one and a half blocks."""
     from checkpoints import build_checkpoint
 
-    src = build_checkpoint(
+    return build_checkpoint(
         tmp_path_factory.mktemp("moe"), "qwen3_moe", hidden_size=192, head_dim=64, num_key_value_heads=4,
         moe_intermediate_size=256, num_hidden_layers=2, mlp_only_layers=[], with_tokenizer=False,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen3_moe(tmp_path_factory, qwen3_moe_for_fp8):
+    """qwen3_moe_for_fp8 as an FP8 checkpoint."""
     dst = tmp_path_factory.mktemp("moe_fp8")
-    return dst, quantize_checkpoint_fp8(src, dst)
+    return dst, quantize_checkpoint_fp8(qwen3_moe_for_fp8, dst)
 
 
-def _load_as_runner_on_cuda(path, tp_rank: int, tp_size: int):
+def _load_as_runner_on_cuda(path, tp_rank: int, tp_size: int, quantize_at_load: bool = False):
     """The model of an fp8 checkpoint as the CUDA model runner loads it with the fused MoE path (fp8
     linear layers and experts), built and loaded on the CPU."""
     from executor_service.layers.fp8_layers import convert_to_fp8
     from executor_service.loader import checkpoint_tensor_files, load_weights
     from executor_service.model_config import load_model_config
     from executor_service.models import get_model_class
+    from executor_service.quantization import scale_names
 
     mc = load_model_config(path)
+    if quantize_at_load:  # as ExecutorConfig(quantization="fp8") sets it
+        from executor_service.quantization import BlockFP8Config
+
+        mc.quantization = BlockFP8Config(at_load=True)
     model = get_model_class(mc.architecture)(mc, tie_word_embeddings=False, tp_rank=tp_rank, tp_size=tp_size)
-    kept = convert_to_fp8(model, checkpoint_tensor_files(path), mc.quantization.block, experts=True)
+    kept = convert_to_fp8(model, scale_names(checkpoint_tensor_files(path), mc.quantization), mc.quantization.block,
+                          experts=True)  # fmt: skip
     load_weights(model, path, quantization=mc.quantization, keeps_fp8=kept.__contains__)
     return model
 
@@ -229,3 +240,68 @@ def test_an_fp8_shard_that_would_split_a_block_is_refused_naming_it(fp8_qwen3):
         ValueError, match=r"this rank's k and v rows of 64 would split the fp8 checkpoint's blocks"
     ):
         qkv.to_fp8((128, 128))
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_quantization_fp8_at_load_holds_what_the_fp8_checkpoint_holds(
+    qwen3_moe_for_fp8, fp8_qwen3_moe, tp_size
+):
+    """--quantization fp8 on the unquantized checkpoint, loaded as the CUDA runner loads it (e4m3
+    linear layers and experts with their block scales): every rank's parameters equal, to the bit,
+    those it loads from the FP8 checkpoint made of the same weights (each weight quantized whole,
+    before the rank's shard is cut)."""
+    from executor_service.fp8 import FP8_DTYPE
+
+    fp8_path, _ = fp8_qwen3_moe
+    for rank in range(tp_size):
+        at_load = dict(
+            _load_as_runner_on_cuda(
+                qwen3_moe_for_fp8, rank, tp_size, quantize_at_load=True
+            ).named_parameters()
+        )
+        want = dict(_load_as_runner_on_cuda(fp8_path, rank, tp_size).named_parameters())
+        assert at_load.keys() == want.keys()
+        assert sum(p.dtype == FP8_DTYPE for p in at_load.values()) >= 6  # qkv, o and the experts, 2 layers
+        for name, param in want.items():
+            got = at_load[name]
+            assert got.dtype == param.dtype and torch.equal(got.float(), param.float()), (rank, name)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_quantization_fp8_at_load_matches_transformers_on_the_dequantized_weights(
+    family_checkpoint, tmp_path, family
+):
+    """On the CPU, --quantization fp8 serves the checkpoint as its FP8 form, dequantized: greedy tokens
+    identical to transformers on the block-quantized-and-dequantized weights, and to the FP8
+    checkpoint itself; the unquantized checkpoint answers otherwise (the quantization is applied)."""
+    from helpers.hf_reference import MAX_NEW, assert_matches_hf
+    from safetensors.torch import save_file
+
+    src = family_checkpoint(family)
+    dequantized = quantize_checkpoint_fp8(src, tmp_path / "fp8")
+    reference = tmp_path / "dequantized"
+    shutil.copytree(src, reference, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({n: t.contiguous() for n, t in dequantized.items()}, reference / "model.safetensors")
+    prompts = make_prompts([3, 17, 40], seed=4)
+    params = SamplingParams(max_tokens=MAX_NEW, logprobs=2)
+
+    def generate(path, **options):
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=64, **options)
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    at_load = generate(src, quantization="fp8")
+    assert_matches_hf(reference, prompts, at_load)
+    assert [o.token_ids for o in at_load] == [o.token_ids for o in generate(tmp_path / "fp8")]
+    plain = generate(src)
+    moved = max(
+        abs(a.logprobs[0].logprob - b.logprobs[0].logprob) for a, b in zip(at_load, plain, strict=True)
+    )
+    assert moved > 1e-3, moved
+
+
+def test_an_unknown_quantization_is_refused_naming_the_supported_one(fp8_qwen3):
+    path, _ = fp8_qwen3
+    with pytest.raises(ValueError, match=r"quantization 'awq' is not supported: fp8 \(quantized at load\)"):
+        ExecutorConfig(model=str(path), quantization="awq")
+    # An FP8 checkpoint served with --quantization fp8 stays the checkpoint's own scheme.
+    assert not ExecutorConfig(model=str(path), quantization="fp8").model_config.quantization.at_load

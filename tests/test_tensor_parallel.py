@@ -319,11 +319,14 @@ def test_families_at_tp2_identical_to_tp1(family_checkpoint, family):
         llm.executor.close()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_an_fp8_checkpoint_at_tp2_identical_to_tp1(tmp_path, kv_cache_dtype):
+@pytest.mark.parametrize(
+    ("quantize_at_load", "kv_cache_dtype"), [(False, "auto"), (False, "fp8"), (True, "auto")]
+)
+def test_an_fp8_checkpoint_at_tp2_identical_to_tp1(tmp_path, quantize_at_load, kv_cache_dtype):
     """An FP8 block-scaled checkpoint (the Qwen3-*-FP8 format; the CPU dequantizes each rank's blocks
-    at load) in-process at TP=2 over gloo, with the model-dtype KV cache and with an e4m3 one (each
-    rank stores its own KV heads): every token equals TP=1's."""
+    at load), or an unquantized one under --quantization fp8 (each weight quantized whole before the
+    ranks take their shards), in-process at TP=2 over gloo, with the model-dtype KV cache and with
+    an e4m3 one (each rank stores its own KV heads): every token equals TP=1's."""
     from checkpoints import quantize_checkpoint_fp8
 
     src = build_qwen3(tmp_path / "bf16", hidden_size=256, head_dim=64, intermediate_size=512,
@@ -331,6 +334,8 @@ def test_an_fp8_checkpoint_at_tp2_identical_to_tp1(tmp_path, kv_cache_dtype):
     path = tmp_path / "fp8"
     quantize_checkpoint_fp8(src, path)
     options = {**OPTIONS, "kv_cache_dtype": kv_cache_dtype}
+    if quantize_at_load:
+        path, options["quantization"] = src, "fp8"
     llm = LLM(str(path), **options)
     try:
         expected = generate(llm.executor)[0]

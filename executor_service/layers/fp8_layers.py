@@ -11,15 +11,14 @@ from executor_service.layers.moe import FusedMoE
 
 
 def convert_to_fp8(
-    model: nn.Module, checkpoint_names, block: tuple[int, int], experts: bool = False
+    model: nn.Module, scale_names, block: tuple[int, int], experts: bool = False
 ) -> frozenset[str]:
-    """to_fp8() every linear layer whose checkpoint weights carry a weight_scale_inv, and with
-    `experts` every FusedMoE; returns those checkpoint weight names (the loader's keeps_fp8)."""
+    """to_fp8() every linear layer whose checkpoint weights carry a weight_scale_inv (scale_names:
+    quantization.scale_names), and with `experts` every FusedMoE; returns those checkpoint weight
+    names (the loader's keeps_fp8)."""
     layers = (LinearBase, FusedMoE) if experts else (LinearBase,)
     kept = set()
-    for name in checkpoint_names:
-        if not name.endswith(".weight_scale_inv"):
-            continue
+    for name in scale_names:
         weight = name.removesuffix("_scale_inv")
         target, _ = model.checkpoint_target(weight)
         layer = model.get_submodule(target.rpartition(".")[0])
