@@ -57,6 +57,7 @@ for what in "$@"; do
     w3-build) stage w3-build "$PY" bench/random_checkpoint.py --shape qwen3-30b-a3b --out "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" ;;
     w3) TAIL=12 STAGE_TIMEOUT=580 stage w3 "$PY" bench/throughput.py --workload w3 --device cuda --mode in-process --w1-dir "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" ;;
     w3-trace) TAIL=30 STAGE_TIMEOUT=580 stage w3-trace "$PY" bench/throughput.py --workload w3 --device cuda --mode in-process --trace-compiles --w1-dir "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" ;;
+    w3-profile) TAIL=40 stage w3-profile "$PY" bench/profile_step.py --model "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" --fused-ops on --steps 16 ;;
     w3-split) TAIL=12 STAGE_TIMEOUT=580 stage w3-split "$PY" bench/throughput.py --workload w3 --device cuda --mode split --w1-dir "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" ;;
     llama-1b) TAIL=12 stage llama-1b "$PY" bench/throughput.py --workload w1 --shape llama-3.2-1b --device cuda --mode in-process ;;
     kernels) stage kernels "$PY" -m pytest -q -x tests/test_triton_kernels.py ;;
