@@ -87,6 +87,13 @@ for what in "$@"; do
     8b-tp2) TAIL=12 tp_debug stage 8b-tp2 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process -tp 2 ;;
     tp-profile) TAIL=40 tp_debug stage tp-profile "$PY" bench/profile_step.py --shape qwen3-8b -tp 2 --fused-ops on --steps 16 ;;
     tp-broadcast) stage tp-broadcast "$PY" bench/tp_broadcast.py --tp 2 ;;
+    # Issue 19 (several GPUs): correctness at TP=2 (MoE, FP8 included), then its figures.
+    tp-gpu-tests) TAIL=30 tp_debug stage tp-gpu-tests "$PY" -m pytest -q -m gpu tests/test_tensor_parallel.py ;;
+    tp-w1-split1) TAIL=12 tp_debug stage tp-w1-split1 "$PY" bench/throughput.py --workload w1 --device cuda -tp 2 --stream-interval 1 ;;
+    w3-tp2) TAIL=12 STAGE_TIMEOUT=580 tp_debug stage w3-tp2 "$PY" bench/throughput.py --workload w3 --device cuda -tp 2 --w1-dir "${W3_DIR:-/dev/shm/tandem-w1-qwen3-30b-a3b}" ;;
+    w4-tp2) TAIL=12 STAGE_TIMEOUT=580 tp_debug stage w4-tp2 "$PY" bench/throughput.py --workload w4 --device cuda --mode in-process -tp 2 ;;
+    32b-build) STAGE_TIMEOUT=400 stage 32b-build "$PY" bench/random_checkpoint.py --shape qwen3-32b --out /dev/shm/tandem-w1-qwen3-32b ;;
+    32b-tp4) TAIL=12 STAGE_TIMEOUT=580 tp_debug stage 32b-tp4 "$PY" bench/throughput.py --workload w1 --shape qwen3-32b --device cuda --mode in-process -tp 4 --w1-dir /dev/shm/tandem-w1-qwen3-32b ;;
     # Issue 17 (fp8): the kernel, GEMM and engine tests, the fp8 decode bandwidth and GEMM figures,
     # the accuracy figures on the GPU, W1 with an fp8 KV cache, W4 (FP8 Qwen3-8B, then bf16 of the run).
     fp8-tests) TAIL=20 stage fp8-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_gemm.py tests/test_fp8_kv.py -k "fp8 or w8a8 or quantize" ;;

@@ -58,8 +58,15 @@ QWEN3_8B = dict(
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=151645, bos_token_id=None,
 )  # fmt: skip
+# Qwen3-32B's shape (untied head, about 65.5 GB in bf16), for issue 19's TP=4 figure.
+QWEN3_32B = dict(
+    vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+    num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=151645, bos_token_id=None,
+)  # fmt: skip
 SHAPES = {
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_30B_A3B),
+    "qwen3-32b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_32B),
     "llama-3.2-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_3_2_1B),
     "qwen3-8b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_8B),
 }

@@ -65,9 +65,9 @@ QWEN3_8B_CONFIG = {
     "tie_word_embeddings": False,
 }
 SHAPES = {"qwen3-0.6b": W1_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}
-# Shapes written as random tensors without a model init (bench/random_checkpoint.py): W3's MoE and
-# Llama 3.2 1B's.
-RANDOM_SHAPES = ("qwen3-30b-a3b", "llama-3.2-1b")
+# Shapes written as random tensors without a model init (bench/random_checkpoint.py): W3's MoE,
+# Llama 3.2 1B's and Qwen3-32B's (65.5 GB: for TP=4).
+RANDOM_SHAPES = ("qwen3-30b-a3b", "llama-3.2-1b", "qwen3-32b")
 # --quantization fp8: the shape written as a random FP8 block-scaled checkpoint (random_checkpoint.py).
 FP8_SHAPES = ("qwen3-8b",)
 W3_FLOOR_TOK_S = 7500  # BENCH.md: W3's floor on the H200 (61 GB of experts read per decode step)
@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.shape = "qwen3-30b-a3b"
     if args.w1_dir is None:
         # 61 GB: memory-backed /dev/shm where there is one (the GPU machine's disk is 64 GiB).
-        big = args.shape == "qwen3-30b-a3b" and Path("/dev/shm").is_dir()
+        big = args.shape in ("qwen3-30b-a3b", "qwen3-32b") and Path("/dev/shm").is_dir()
         suffix = "-fp8" if args.quantization == "fp8" else ""
         args.w1_dir = str(
             Path("/dev/shm" if big else tempfile.gettempdir()) / f"tandem-w1-{args.shape}{suffix}"
@@ -534,8 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label} split/in-process: {ratio:.3f}")
     if args.workload in ("w1", "w3", "w4"):
         label = args.workload.upper()
-        if args.workload == "w1" and args.shape != "qwen3-0.6b":
-            label += f" {args.shape}"
+        if args.workload == "w1" and (args.shape != "qwen3-0.6b" or args.tensor_parallel_size != 1):
+            label += f" {args.shape}"  # "W1 qwen3-0.6b TP=2 split, ...": issue 19's line
         if args.tensor_parallel_size != 1 or (args.shape == "qwen3-8b" and args.workload != "w4"):
             label += f" TP={args.tensor_parallel_size}"
         fp8 = [what for what, on in (("fp8 weights", args.quantization == "fp8"),
