@@ -39,7 +39,9 @@ def quantize_weight_blocks(
     padded[:out_f, :in_f] = weight.float()
     blocks = padded.view(rows, bn, cols, bk)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale_inv = amax / FP8_MAX
+    scale_inv = amax / torch.full_like(
+        amax, FP8_MAX
+    )  # a tensor: CUDA divides a scalar as a reciprocal multiply
     q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(rows * bn, cols * bk)[:out_f, :in_f].contiguous(), scale_inv
 

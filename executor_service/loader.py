@@ -144,8 +144,10 @@ def load_weights(
                     if name in scales:
                         tensor = DequantizedSlice(tensor, scales[name], quantization.block)
                     elif at_load and quantized_at_load(name):
+                        # On the parameter's device: a GPU quantizes an 8B model's weights in seconds.
+                        device = _param(params, model.checkpoint_target(name)[0], name).device
                         quantized, scale_inv = quantize_weight_blocks(
-                            tensor.read().float(), quantization.block
+                            tensor.read().to(device).float(), quantization.block
                         )
                         if keeps_fp8(name):  # the layer holds e4m3: the weight and its block scales
                             loaded.add(_load_into(model, params, name + "_scale_inv", scale_inv))
