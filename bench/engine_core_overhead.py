@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
+import os
 import pstats
 import random
 import sys
@@ -50,6 +52,29 @@ class _Core:
 
     def __init__(self, streams: StreamTable) -> None:
         self.streams = streams
+
+
+class GCTimes:
+    """Python's garbage collections while it runs: count and seconds per generation."""
+
+    def __init__(self) -> None:
+        self.counts, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def __str__(self) -> str:
+        return ", ".join(
+            f"gen{g} {n} in {s * 1e3:.1f} ms" for g, (n, s) in enumerate(zip(self.counts, self.seconds))
+        )
 
 
 def main() -> None:
@@ -102,6 +127,12 @@ def main() -> None:
         step()
     for _ in range(10):
         step()
+    if os.environ.get("GC_FREEZE"):
+        gc.collect()
+        gc.freeze()
+    if os.environ.get("GC_GEN0"):
+        gc.set_threshold(int(os.environ["GC_GEN0"]), *gc.get_threshold()[1:])
+    collections = GCTimes()
 
     profiler = cProfile.Profile(time.thread_time) if args.profile else None
     tokens = 0
@@ -114,6 +145,7 @@ def main() -> None:
         profiler.disable()
     cpu, wall = time.thread_time() - cpu0, time.perf_counter() - t0
     process = time.process_time() - process0
+    collections.stop()
     bridge.close()
     if args.executor is not None:
         executor.close()
@@ -123,6 +155,7 @@ def main() -> None:
     print(f"engine core CPU per output token (one thread): {cpu / tokens * 1e6:.2f} us")
     print(f"engine core CPU per output token (all threads): {process / tokens * 1e6:.2f} us")
     print(f"per step: {wall / args.steps * 1e3:.3f} ms wall, {cpu / args.steps * 1e3:.3f} ms CPU")
+    print(f"garbage collections in the timed steps: {collections}")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 

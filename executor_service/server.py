@@ -25,6 +25,7 @@ from executor_service.security import ApiKeyInterceptor, server_credentials
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer, executor_handler
 from protos.defaults import DEFAULT_HOST, EXECUTOR_METRICS_PORT, EXECUTOR_PORT, MAX_MESSAGE_BYTES
 from protos.ports import EXCLUSIVE_PORT_OPTION, add_grpc_port
+from protos.service_main import freeze_startup_heap
 
 if TYPE_CHECKING:
     from executor_service.config import ExecutorConfig
@@ -224,6 +225,7 @@ def serve(
                 stuck = True  # the load may wait for the other ranks (or anything else) for long
             else:
                 executor = loading.result()
+                freeze_startup_heap()
                 server.set_executor(executor)
         while executor is not None and not stop.wait(RANK_POLL_SECONDS):
             if failed := executor.failed_ranks():

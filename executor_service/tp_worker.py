@@ -23,6 +23,7 @@ from executor_service import parallel
 from executor_service.config import ExecutorConfig
 from executor_service.runner_startup import start_model_runner
 from executor_service.steps_in_flight import Unfilled, apply_plan, drop_all, launch_batch
+from protos.service_main import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,7 @@ def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
         device, config.tp_master_addr, config.tp_master_port, tp_rank, config.tensor_parallel_size
     )
     runner = start_model_runner(config, tp_rank)
+    freeze_startup_heap()
     seqs = {}
     unfilled = Unfilled()
     # The ids the last launched step received from rank 0 on the device.

@@ -37,6 +37,7 @@ import zmq.asyncio
 
 from protos.hub import resolve_model
 from protos.plan import ExecutorInfo
+from protos.service_main import freeze_startup_heap
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.config import SchedulerLimits
 from scheduler_service.engine import validate_request
@@ -315,6 +316,7 @@ async def _serve(spec: dict) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()  # bound, then the engine's hello: the core counts it as this server's start
+    freeze_startup_heap()
     await stop.wait()
     await server.stop(args["shutdown_timeout"])
     return 0

@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from protos.ports import bind_address, bind_http_socket, check_free, port_lock
+from protos.service_main import freeze_startup_heap
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.api_server import SPEC_ENV
 from scheduler_service.async_engine import AsyncEngine
@@ -234,6 +235,7 @@ async def serve(args, count: int, executor, options, tokenizer_for) -> int:
                 print("error: an API server did not start (see its error above)", file=sys.stderr)
                 return 2
             await asyncio.sleep(0.05)
+        freeze_startup_heap()
         logger.info(
             "scheduler serving on %s: the engine core and %d API server processes (pids %s)",
             bind_address(args.host, port),

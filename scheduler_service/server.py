@@ -30,6 +30,7 @@ from protos.ports import (
     bind_address,
     bind_http_socket,
 )
+from protos.service_main import freeze_startup_heap
 from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import AsyncEngine, EngineOptions
 from scheduler_service.engine import Executor
@@ -217,6 +218,7 @@ class SchedulerServer:
 async def serve_until_signal(server: SchedulerServer, grace: float = 30.0) -> None:
     """Run until SIGTERM or SIGINT, then stop gracefully (drain for up to `grace` seconds)."""
     await server.start()
+    freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
