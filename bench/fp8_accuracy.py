@@ -1,6 +1,9 @@
 """What an fp8 (e4m3) KV cache costs in accuracy, against the model-dtype cache: perplexity of the
 embedded model on its own training text (CPython's `pydoc_data.topics`), and greedy top-1 agreement
-over 256 generated tokens.
+over 256 generated tokens. With --weights, the same for FP8 weights: the model served as its FP8
+block-scaled form (--quantization fp8: on CUDA the W8A8 GEMMs, activations quantized per token
+group) against its dequantized model (each such weight quantized and dequantized, in the model
+dtype; on the CPU the two are the same computation).
 
 Perplexity: windows of --window tokens of the text, each computed in chunks of --chunk tokens, so
 that every chunk after the first attends to the cached prefix through the KV cache (as decode
@@ -12,6 +15,7 @@ difference (after it the two condition on different text) and over all 256 posit
     python bench/fp8_accuracy.py                                # the embedded model, CPU
     python bench/fp8_accuracy.py --device cuda --attention-backend triton
     python bench/fp8_accuracy.py --calibrate     # also fp8 with per-layer scales amax / 448
+    python bench/fp8_accuracy.py --weights --device cuda --attention-backend triton
 
 --calibrate measures each layer's largest |K| and |V| over the text's first window (a bf16 run) and
 runs fp8 once more with k_scale = amax_K / 448, v_scale = amax_V / 448 (instead of 1.0).
@@ -35,6 +39,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.fp8 import FP8_MAX
 from executor_service.layers.attention import Attention
 from executor_service.model_runner import ModelRunner
+from executor_service.runner_startup import start_model_runner
 from executor_service.sequence import SequenceState
 from protos.plan import StepSamplingParams
 from scheduler_service.sampling_params import SamplingParams
@@ -66,7 +71,7 @@ def perplexity(runner: ModelRunner, tokens: list[int], window: int, chunk: int) 
             for c in range(0, window, chunk):
                 n = min(chunk, window - c)
                 seq.num_computed_tokens = c
-                _, out = runner.run([seq], [n], all_logits=True)
+                out = runner.collect(runner.launch([seq], [n], all_logits=True), all_logits=True)
                 logprobs = torch.log_softmax(out.logits.float(), -1)
                 targets = torch.tensor(text[c + 1 : c + n + 1])
                 nll -= logprobs[: len(targets)].gather(1, targets[:, None]).sum().item()
@@ -82,10 +87,10 @@ def calibrate(runner: ModelRunner, tokens: list[int], window: int) -> list[tuple
     amax = [[0.0, 0.0] for _ in layers]
 
     def recorder(i, forward):
-        def record(q, k, v, *args):
+        def record(q, k, v, *args, **kwargs):
             amax[i][0] = max(amax[i][0], k.abs().max().item())
             amax[i][1] = max(amax[i][1], v.abs().max().item())
-            return forward(q, k, v, *args)
+            return forward(q, k, v, *args, **kwargs)
 
         return record
 
@@ -101,10 +106,70 @@ def set_kv_scales(runner: ModelRunner, scales: list[tuple[float, float]]) -> Non
         layer.k_scale, layer.v_scale = k_scale, v_scale
 
 
-def agreement(model: str, kv: str, prompts: list[list[int]], options: dict) -> list[list[int]]:
-    llm = LLM(model, kv_cache_dtype=kv, **options)
+def agreement(model: str, prompts: list[list[int]], options: dict) -> list[list[int]]:
+    llm = LLM(model, **options)
     params = SamplingParams(max_tokens=256, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def dequantized_checkpoint(model: str, out: Path) -> str:
+    """A copy of the checkpoint with every weight that --quantization fp8 quantizes replaced by its
+    quantized-then-dequantized value, in the checkpoint's dtype: the model an FP8 form stands for."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from executor_service.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+    from executor_service.quantization import quantized_at_load
+
+    shutil.copytree(model, out, ignore=shutil.ignore_patterns("*.safetensors"), dirs_exist_ok=True)
+    for path in Path(model).glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if quantized_at_load(name):
+                tensors[name] = dequantize_weight_blocks(*quantize_weight_blocks(t.float()), t.dtype)
+        save_file(tensors, out / path.name)
+    return str(out)
+
+
+def compare(name: str, base: str, runs: dict[str, list[list[int]]]) -> None:
+    same_prefix, same_all, total = 0, 0, 0
+    for a, b in zip(runs[base], runs[name], strict=True):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        same_prefix += first
+        same_all += sum(x == y for x, y in zip(a, b))
+        total += len(a)
+    identical = sum(a == b for a, b in zip(runs[base], runs[name]))
+    print(
+        f"greedy top-1 agreement over 256 tokens, {name} vs {base}: "
+        f"{100 * same_prefix / total:.2f}% before the first difference, {100 * same_all / total:.2f}% of "
+        f"positions, {identical}/{len(runs[base])} streams identical"
+    )
+
+
+def weights_accuracy(args, options: dict, tokens: list[int], prompts: list[list[int]]) -> None:
+    """--weights: the FP8 form against the dequantized model."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dequantized = dequantized_checkpoint(args.model, Path(tmp) / "dequantized")
+        forms = {"fp8 weights": {"model": args.model, "quantization": "fp8"},
+                 "dequantized": {"model": dequantized}}  # fmt: skip
+        ppl = {}
+        for form, where in forms.items():
+            config = ExecutorConfig(
+                **where, num_kv_blocks=2 * args.window // 16 + 8, max_model_len=args.window, **options
+            )
+            ppl[form] = perplexity(start_model_runner(config), tokens, args.window, args.chunk)
+            print(f"perplexity ({form}, {config.dtype}): {ppl[form]:.4f} over {len(tokens)} tokens")
+        print(
+            f"perplexity fp8 weights vs dequantized: {100 * (ppl['fp8 weights'] / ppl['dequantized'] - 1):+.3f}%"
+        )
+        runs = {
+            form: agreement(where.pop("model"), prompts, {**options, **where})
+            for form, where in forms.items()
+        }
+    compare("fp8 weights", "dequantized", runs)
 
 
 def main() -> None:
@@ -118,23 +183,37 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--calibrate", action="store_true", help="also fp8 with scales amax / 448")
+    parser.add_argument(
+        "--weights",
+        action="store_true",
+        help="fp8 weights (--quantization fp8) against the dequantized model",
+    )
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     options = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend}
     tokens = corpus_tokens(args.model, args.tokens)
+    step = len(tokens) // args.prompts
+    prompts = [tokens[i * step : i * step + 32] for i in range(args.prompts)]
+    if args.weights:
+        weights_accuracy(args, options, tokens, prompts)
+        return
     ppl = {}
     for kv in ("auto", "fp8"):
         t0 = time.perf_counter()
         config = ExecutorConfig(
-            model=args.model, kv_cache_dtype=kv, num_kv_blocks=2 * args.window // 16 + 8, **options
+            model=args.model,
+            kv_cache_dtype=kv,
+            num_kv_blocks=2 * args.window // 16 + 8,
+            max_model_len=args.window,
+            **options,
         )
-        ppl[kv] = perplexity(ModelRunner(config), tokens, args.window, args.chunk)
+        ppl[kv] = perplexity(start_model_runner(config), tokens, args.window, args.chunk)
         print(f"perplexity ({config.kv_cache_dtype} KV): {ppl[kv]:.4f} over {len(tokens)} tokens "
               f"in windows of {args.window} ({time.perf_counter() - t0:.0f} s)")  # fmt: skip
     print(f"perplexity fp8 KV vs {config.dtype} KV: {100 * (ppl['fp8'] / ppl['auto'] - 1):+.3f}%")
     if args.calibrate:
-        make = lambda kv: ModelRunner(ExecutorConfig(  # noqa: E731
-            model=args.model, kv_cache_dtype=kv, num_kv_blocks=2 * args.window // 16 + 8, **options
+        make = lambda kv: start_model_runner(ExecutorConfig(  # noqa: E731
+            model=args.model, kv_cache_dtype=kv, num_kv_blocks=2 * args.window // 16 + 8, max_model_len=args.window, **options
         ))  # fmt: skip
         scales = calibrate(make("auto"), tokens, args.window)
         runner = make("fp8")
@@ -143,21 +222,11 @@ def main() -> None:
         print(f"perplexity (fp8_e4m3 KV, calibrated scales {[(round(k, 4), round(v, 4)) for k, v in scales]}): "
               f"{calibrated:.4f}, {100 * (calibrated / ppl['auto'] - 1):+.3f}% vs {config.dtype} KV")  # fmt: skip
 
-    step = len(tokens) // args.prompts
-    prompts = [tokens[i * step : i * step + 32] for i in range(args.prompts)]
-    runs = {kv: agreement(args.model, kv, prompts, options) for kv in ("auto", "fp8")}
-    same_prefix, same_all, total = 0, 0, 0
-    for a, b in zip(runs["auto"], runs["fp8"], strict=True):
-        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        same_prefix += first
-        same_all += sum(x == y for x, y in zip(a, b))
-        total += len(a)
-    identical = sum(a == b for a, b in zip(runs["auto"], runs["fp8"]))
-    print(
-        f"greedy top-1 agreement over 256 tokens, fp8 KV vs {config.dtype} KV: "
-        f"{100 * same_prefix / total:.2f}% before the first difference, {100 * same_all / total:.2f}% of "
-        f"positions, {identical}/{len(prompts)} streams identical"
-    )
+    runs = {
+        name: agreement(args.model, prompts, {**options, "kv_cache_dtype": kv})
+        for name, kv in (("fp8 KV", "fp8"), (f"{config.dtype} KV", "auto"))
+    }
+    compare("fp8 KV", f"{config.dtype} KV", runs)
 
 
 if __name__ == "__main__":
