@@ -5,17 +5,16 @@ servers, with the executor and the sockets' far ends taken out.
 Per step: LLMEngine.step (schedule, the plan and result through their protobuf wire form, update,
 the outputs), StreamTable.dispatch (TTFT / ITL observed) and CoreBridge's forward to the API
 servers (msgpack, one ZeroMQ send each; nothing reads them). 256 decoding sequences by default,
-their requests spread over the API servers as SO_REUSEPORT would spread them.
+their requests spread over the API servers as SO_REUSEPORT would spread them. Also counts
+Python's garbage collections over the timed steps (--freeze-heap: as the services, once started).
 
-    python bench/engine_core_overhead.py [--num-seqs 256] [--steps 1000] [--api-servers 2] [--profile]
+    python bench/engine_core_overhead.py [--num-seqs 256] [--steps 1000] [--api-servers 2] [--profile] [--freeze-heap]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
-import os
 import pstats
 import random
 import sys
@@ -24,8 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gc_times import GCTimes
 from bench.scheduler_overhead import TrivialExecutor
 from protos.plan import ExecutorInfo, StepPlan, StepResult, plan_to_proto, result_from_proto, result_to_proto
+from protos.service_main import freeze_startup_heap
 from protos.tandem.v1 import executor_pb2 as pb
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.config import SchedulerConfig
@@ -54,35 +55,15 @@ class _Core:
         self.streams = streams
 
 
-class GCTimes:
-    """Python's garbage collections while it runs: count and seconds per generation."""
-
-    def __init__(self) -> None:
-        self.counts, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.counts[info["generation"]] += 1
-            self.seconds[info["generation"]] += time.perf_counter() - self._start
-
-    def stop(self) -> None:
-        gc.callbacks.remove(self._on_gc)
-
-    def __str__(self) -> str:
-        return ", ".join(
-            f"gen{g} {n} in {s * 1e3:.1f} ms" for g, (n, s) in enumerate(zip(self.counts, self.seconds))
-        )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-seqs", type=int, default=256, help="running decode sequences")
     parser.add_argument("--steps", type=int, default=1000, help="decode steps measured")
     parser.add_argument("--api-servers", type=int, default=2, help="API servers the outputs go to")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions too")
+    parser.add_argument(
+        "--freeze-heap", action="store_true", help="freeze the heap after the warm-up, as the services do"
+    )
     parser.add_argument(
         "--executor",
         help="HOST:PORT of an executor service (bench/stub_executor.py) instead of the in-process one",
@@ -127,11 +108,8 @@ def main() -> None:
         step()
     for _ in range(10):
         step()
-    if os.environ.get("GC_FREEZE"):
-        gc.collect()
-        gc.freeze()
-    if os.environ.get("GC_GEN0"):
-        gc.set_threshold(int(os.environ["GC_GEN0"]), *gc.get_threshold()[1:])
+    if args.freeze_heap:  # as the services do once they serve
+        freeze_startup_heap()
     collections = GCTimes()
 
     profiler = cProfile.Profile(time.thread_time) if args.profile else None

@@ -31,10 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.gc_times import GCTimes
 from client.defaults import DEFAULT_MODEL
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
 from protos.plan import NewSequence, StepPlan, StepSamplingParams
+from protos.service_main import freeze_startup_heap
 
 
 def main() -> None:
@@ -45,6 +47,11 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
     parser.add_argument("--grpc", action="store_true", help="also through the executor service (see above)")
+    parser.add_argument(
+        "--freeze-heap",
+        action="store_true",
+        help="freeze the heap before the timed steps, as the service does",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -111,6 +118,9 @@ def main() -> None:
 
     plans = [decode_plan() for _ in range(total_steps)]
     grpc_plans, plans = plans[args.steps :], plans[: args.steps]
+    if args.freeze_heap:
+        freeze_startup_heap()
+    collections = GCTimes()
     totals, prepares, launches, samples = [], [], [], []
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
@@ -124,6 +134,7 @@ def main() -> None:
         samples.append(result.sample_seconds)
     if profiler:
         profiler.disable()
+    collections.stop()
 
     def ms(values: list[float]) -> str:
         values = sorted(values)
@@ -137,6 +148,7 @@ def main() -> None:
     print(f"  model stub + sampler    {ms(launches)}")
     print(f"  wait + sampled ids out  {ms(samples)}")
     print(f"  validate, apply, result {ms(rest)}")
+    print(f"garbage collections in these steps: {collections}")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
     if args.grpc:
