@@ -212,8 +212,10 @@ def main() -> None:
               f"in windows of {args.window} ({time.perf_counter() - t0:.0f} s)")  # fmt: skip
     print(f"perplexity fp8 KV vs {config.dtype} KV: {100 * (ppl['fp8'] / ppl['auto'] - 1):+.3f}%")
     if args.calibrate:
+        # Eager: CUDA graphs would keep the scales they were captured with, not those set below.
         make = lambda kv: start_model_runner(ExecutorConfig(  # noqa: E731
-            model=args.model, kv_cache_dtype=kv, num_kv_blocks=2 * args.window // 16 + 8, max_model_len=args.window, **options
+            model=args.model, kv_cache_dtype=kv, num_kv_blocks=2 * args.window // 16 + 8, max_model_len=args.window,
+            enforce_eager=True, **options
         ))  # fmt: skip
         scales = calibrate(make("auto"), tokens, args.window)
         runner = make("fp8")
