@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gc_times import GCTimes
 from bench.scheduler_overhead import TrivialExecutor
 from protos.plan import ExecutorInfo, StepPlan, StepResult, plan_to_proto, result_from_proto, result_to_proto
-from protos.service_main import freeze_startup_heap
+from protos.service_main import freeze_startup_heap, mark_service_process
 from protos.tandem.v1 import executor_pb2 as pb
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.config import SchedulerConfig
@@ -109,6 +109,7 @@ def main() -> None:
     for _ in range(10):
         step()
     if args.freeze_heap:  # as the services do once they serve
+        mark_service_process()  # as the services, once started
         freeze_startup_heap()
     collections = GCTimes()
 

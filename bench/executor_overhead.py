@@ -36,7 +36,7 @@ from client.defaults import DEFAULT_MODEL
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
 from protos.plan import NewSequence, StepPlan, StepSamplingParams
-from protos.service_main import freeze_startup_heap
+from protos.service_main import freeze_startup_heap, mark_service_process
 
 
 def main() -> None:
@@ -119,6 +119,7 @@ def main() -> None:
     plans = [decode_plan() for _ in range(total_steps)]
     grpc_plans, plans = plans[args.steps :], plans[: args.steps]
     if args.freeze_heap:
+        mark_service_process()  # as the services, once started
         freeze_startup_heap()
     collections = GCTimes()
     totals, prepares, launches, samples = [], [], [], []

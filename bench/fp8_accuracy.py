@@ -41,6 +41,7 @@ from executor_service.layers.attention import Attention
 from executor_service.model_runner import ModelRunner
 from executor_service.runner_startup import start_model_runner
 from executor_service.sequence import SequenceState
+from protos.hub import resolve_model
 from protos.plan import StepSamplingParams
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.tokenizer import Tokenizer
@@ -191,6 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     options = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend}
+    args.model = resolve_model(args.model, None)  # a hub id: its cached snapshot's directory
     tokens = corpus_tokens(args.model, args.tokens)
     step = len(tokens) // args.prompts
     prompts = [tokens[i * step : i * step + 32] for i in range(args.prompts)]

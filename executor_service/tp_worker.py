@@ -23,7 +23,7 @@ from executor_service import parallel
 from executor_service.config import ExecutorConfig
 from executor_service.runner_startup import start_model_runner
 from executor_service.steps_in_flight import Unfilled, apply_plan, drop_all, launch_batch
-from protos.service_main import freeze_startup_heap
+from protos.service_main import freeze_startup_heap, mark_service_process
 
 logger = logging.getLogger(__name__)
 
@@ -199,4 +199,5 @@ def _serve_plans(config: ExecutorConfig, tp_rank: int, plans: BinaryIO) -> None:
 
 
 if __name__ == "__main__":
+    mark_service_process()
     worker_main(*pickle.load(sys.stdin.buffer), plans=sys.stdin.buffer)

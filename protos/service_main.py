@@ -32,14 +32,28 @@ def exit_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# Whether this process is a service (mark_service_process): only then does freeze_startup_heap act.
+_SERVICE_PROCESS = False
+
+
+def mark_service_process() -> None:
+    """This process runs a service (a `tandem` service verb, an API server, a tensor-parallel rank),
+    not a library inside someone else's program (the in-process LLM, a test): its heap may be frozen."""
+    global _SERVICE_PROCESS
+    _SERVICE_PROCESS = True
+
+
 def freeze_startup_heap() -> None:
-    """Once a service has started (model loaded, graphs captured, sockets bound): move every object
+    """In a service process (mark_service_process), once it has started (model loaded, graphs captured, sockets bound): move every object
     alive now out of the cyclic garbage collector's reach, as vLLM's engine core does. The steps
     that follow allocate and free a few hundred containers each; every ~700 of them Python runs a
     collection, and each 10th of those a larger one, each 100th a full one that walks the whole
     heap: ~30 ms for the engine core's ~110k objects on a 2-core CPU (bench/engine_core_overhead.py
     counts them), a pause every running stream feels. Frozen objects are never collected, which
-    is right for what a service builds once and keeps."""
+    is right for what a service builds once and keeps, and wrong inside another program, whose
+    objects it would keep forever once they become garbage in cycles: elsewhere this does nothing."""
+    if not _SERVICE_PROCESS:
+        return
     gc.collect()
     gc.freeze()
 
@@ -70,6 +84,7 @@ def service_main(verb: str, add_parser: Callable[[argparse._SubParsersAction], o
 
 def run_service(args: argparse.Namespace) -> int:
     """Run a parsed service verb: tied to `tandem up` when it started us, logging at INFO."""
+    mark_service_process()
     exit_with_parent()
     logging.basicConfig(level=(args.log_level or "INFO").upper(), format=LOG_FORMAT)
     return args.func(args)

@@ -337,8 +337,9 @@ def _die_with_parent(parent_pid: int) -> None:
 def main() -> int:
     spec = json.loads(os.environ[SPEC_ENV])
     _die_with_parent(spec["parent_pid"])
-    from protos.service_main import LOG_FORMAT
+    from protos.service_main import LOG_FORMAT, mark_service_process
 
+    mark_service_process()
     level = (spec["args"].get("log_level") or "WARNING").upper()
     logging.basicConfig(level=level, format=LOG_FORMAT.replace("%(name)s", f"api-{spec['index']} %(name)s"))
     try:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from protos.plan import ExecutorInfo
+from protos.service_main import freeze_startup_heap
 from scheduler_service.config import EngineOptions
 from scheduler_service.engine import Executor, LLMEngine, RequestOutput
 from scheduler_service.errors import ErrorCode, InvalidRequestError, QueueFullError, TandemRequestError
@@ -214,6 +215,9 @@ class AsyncEngine:
                     tracker.wait_to_reconnect(delay)
                     delay = min(2 * delay, self.options.backoff_max_s)
                     continue
+                # The engine just built (its block manager holds an object per KV block) joins the
+                # frozen start-up heap; an engine replaced by a reconnect is freed by refcount.
+                freeze_startup_heap()
                 delay = self.options.backoff_min_s
             engine = recovery.engine
             tracker.drain_into(engine)

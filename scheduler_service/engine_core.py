@@ -102,10 +102,11 @@ class CoreBridge:
         if error is None:
             self._unreachable.discard(peer)
             return
-        if not isinstance(error, zmq.Again | zmq.ZMQError) or (
-            not isinstance(error, zmq.Again) and error.errno != zmq.EHOSTUNREACH
-        ):
-            raise error
+        if not isinstance(error, zmq.Again) and getattr(error, "errno", None) != zmq.EHOSTUNREACH:
+            # Another failure (a socket closing at shutdown): logged, never raised into the step's
+            # dispatch or the shutdown path.
+            logger.warning("a message to API server %s failed: %s", peer.decode(), error)
+            return
         if peer not in self._unreachable:  # its queue is full (it stopped reading) or it is gone
             self._unreachable.add(peer)
             why = "is not reading" if isinstance(error, zmq.Again) else "is gone"

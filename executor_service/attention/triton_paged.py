@@ -130,16 +130,16 @@ class TritonPagedBackend(AttentionBackend):
         if k_cache.numel() and not kv_stored:
             kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
         if plan.no_prefix and not plan.decode_only:
-            out = prefill_varlen(q, k, v, context, scale)
-            if out is not None:
-                return out
+            varlen = prefill_varlen(q, k, v, context, scale)
+            if varlen is not None:
+                return varlen
         if not k_cache.numel():  # a profiling forward before the cache exists: no prefix by construction
-            out = prefill_varlen(q, k, v, context, scale, repeat_kv=True) if plan.no_prefix else None
-            if out is None:
+            varlen = prefill_varlen(q, k, v, context, scale, repeat_kv=True) if plan.no_prefix else None
+            if varlen is None:
                 raise ValueError(
                     "the triton backend needs the KV cache bound unless varlen_attn serves the step"
                 )
-            return out
+            return varlen
         out = torch.empty_like(q) if out is None else out
         meta = (context.block_tables, context.context_lens, context.cu_seqlens_q)
         if plan.has_decode:

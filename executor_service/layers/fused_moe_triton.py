@@ -439,10 +439,29 @@ def route(
     weights = torch.empty((num_tokens, top_k), dtype=hidden_states.dtype, device=hidden_states.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden_states.device)
     block_t = ROUTE_BLOCK_T
+    programs = triton.cdiv(num_tokens, block_t)
+    e_pow2 = max(16, triton.next_power_of_2(num_experts))
+    if counts is not None and (
+        tuple(counts.shape) != (programs, triton.next_power_of_2(num_experts)) or not counts.is_contiguous()
+    ):
+        raise ValueError(
+            f"counts of shape {tuple(counts.shape)}: route_counts({num_tokens}, {num_experts}) makes them"
+        )
     block_k, num_warps, num_stages = config or ROUTE_CONFIG
-    if hidden_states.element_size() > 2:
+    element_size = hidden_states.element_size()
+    if element_size > 2:
         block_k = min(block_k, 64)
-    _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+
+    # The router's weight tile is [BLOCK_K, E_POW2]: with more experts (160, 256) BLOCK_K, then the
+    # stages, shrink until the pipelined tiles fit shared memory.
+    def shared(block_k: int, stages: int) -> int:
+        return stages * (block_t + e_pow2) * block_k * element_size
+
+    while shared(block_k, num_stages) > _SHARED_MEMORY_BYTES and block_k > 32:
+        block_k //= 2
+    while shared(block_k, num_stages) > _SHARED_MEMORY_BYTES and num_stages > 1:
+        num_stages -= 1
+    _route_kernel[(programs,)](
         hidden_states,
         router_weight,
         weights,
@@ -457,7 +476,7 @@ def route(
         TOP_K=top_k,
         RENORMALIZE=renormalize,
         DOT_PRECISION="ieee" if hidden_states.dtype == torch.float32 else "tf32",
-        E_POW2=max(16, triton.next_power_of_2(num_experts)),
+        E_POW2=e_pow2,
         TOPK_POW2=triton.next_power_of_2(top_k),
         BLOCK_T=block_t,
         BLOCK_K=block_k,

@@ -49,10 +49,13 @@ class LinearBase(nn.Module):
         out_f, in_f = self.weight.shape
         for size, b, what in self._block_sizes(out_f, in_f, block):
             if size % b:
-                raise ValueError(
-                    f"{what} of {size} would split the fp8 checkpoint's blocks of {b}: serve it with a "
-                    "tensor_parallel_size whose shards are multiples of the block"
+                remedy = (
+                    "serve it with a tensor_parallel_size whose shards are multiples of the block"
+                    if self.tp_size > 1
+                    else "this layer's parts are not whole blocks at any tensor_parallel_size (with "
+                    "--quantization fp8: serve the checkpoint unquantized)"
                 )
+                raise ValueError(f"{what} of {size} would split the fp8 checkpoint's blocks of {b}: {remedy}")
         device = self.weight.device
         self.weight = nn.Parameter(
             torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn, device=device), requires_grad=False
