@@ -132,6 +132,35 @@ def bench_prefill(num_seqs: int, length: int, block_size: int) -> None:
     print(line)
 
 
+def tile_grid(batch: int):
+    """(split count or None for the default, launch config) of the decode grid: split-KV choices
+    only where the batch leaves SMs idle."""
+    split_choices = (None,) if batch * NUM_KV_HEADS >= 264 else (None, 4, 8, 16, 32)
+    for splits, block_n, warps, stages in itertools.product(split_choices, (32, 64, 128), (4, 8), (2, 3, 4)):
+        yield splits, {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
+def fp8_tile_grid():
+    """The fp8 cache's grid: larger key tiles, and K/V widened to q's dtype or to fp16."""
+    for block_n, warps, stages, f16 in itertools.product(
+        (32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True)
+    ):
+        yield None, {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": f16}
+
+
+def sweep_decode(batch: int, context: int, block_size: int, kv_dtype: torch.dtype, grid):
+    """(TB/s, splits used, config) of each configuration of the grid that launches, best first."""
+    results = []
+    for splits, cfg in grid:
+        try:
+            _, tbs, used = bench_decode(batch, context, block_size, cfg, splits, kv_dtype)
+        except Exception as e:  # out of shared memory, say
+            print(f"  {cfg}: {type(e).__name__}")
+            continue
+        results.append((tbs, used, cfg))
+    return sorted(results, key=lambda r: -r[0])
+
+
 def main() -> None:
     global NUM_HEADS, NUM_KV_HEADS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -180,53 +209,20 @@ def main() -> None:
         print(f"decode kernel fp8 b{batch}x{context}: {headline:.2f} TB/s")
     if args.sweep_bf16:
         for batch, context in shapes:
-            results = []
-            split_choices = (None,) if batch * NUM_KV_HEADS >= 264 else (None, 4, 8, 16, 32)
-            for splits, block_n, warps, stages in itertools.product(
-                split_choices, (32, 64, 128), (4, 8), (2, 3, 4)
-            ):
-                cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-                try:
-                    _, tbs, used = bench_decode(batch, context, 16, cfg, splits, DTYPE)
-                except Exception as e:  # out of shared memory, say
-                    print(f"  {cfg}: {type(e).__name__}")
-                    continue
-                results.append((tbs, used, cfg))
-            for tbs, used, cfg in sorted(results, key=lambda r: -r[0])[:6]:
+            for tbs, used, cfg in sweep_decode(batch, context, 16, DTYPE, tile_grid(batch))[:6]:
                 print(f"sweep bf16 b{batch}x{context} bs16: {tbs:.2f} TB/s splits {used} {cfg}")
         return
     if args.sweep_fp8:
         for batch, context in shapes:
-            results = []
-            grid = itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True))
-            for block_n, warps, stages, f16 in grid:
-                cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": f16}
-                try:
-                    _, tbs, used = bench_decode(batch, context, 16, cfg, None, FP8)
-                except Exception as e:  # out of shared memory, say
-                    print(f"  {cfg}: {type(e).__name__}")
-                    continue
-                results.append((tbs, used, cfg))
-            for tbs, used, cfg in sorted(results, key=lambda r: -r[0])[:6]:
+            for tbs, used, cfg in sweep_decode(batch, context, 16, FP8, fp8_tile_grid())[:6]:
                 print(f"sweep fp8 b{batch}x{context} bs16: {tbs:.2f} TB/s of fp8 bytes splits {used} {cfg}")
         return
     for block_size in (16, 256):
         bench_prefill(64, 512, block_size)
     if args.sweep:
         for (batch, context), block_size, kv_dtype in itertools.product(shapes, (16, 256), (DTYPE, FP8)):
-            results = []
-            split_choices = (None,) if batch * NUM_KV_HEADS >= 264 else (None, 4, 8, 16, 32)
-            grid = itertools.product(split_choices, (32, 64, 128), (4, 8), (2, 3, 4))
-            for splits, block_n, warps, stages in grid:
-                cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-                try:
-                    _, tbs, used = bench_decode(batch, context, block_size, cfg, splits, kv_dtype)
-                except Exception as e:  # out of shared memory, say
-                    print(f"  {cfg}: {type(e).__name__}")
-                    continue
-                results.append((tbs, used, cfg))
-            for tbs, used, cfg in sorted(results, key=lambda r: -r[0])[:4]:
-                name = "fp8" if kv_dtype == FP8 else "bf16"
+            name = "fp8" if kv_dtype == FP8 else "bf16"
+            for tbs, used, cfg in sweep_decode(batch, context, block_size, kv_dtype, tile_grid(batch))[:4]:
                 print(f"sweep {name} b{batch}x{context} bs{block_size}: {tbs:.2f} TB/s splits {used} {cfg}")
 
 
