@@ -452,15 +452,10 @@ def route(
     if element_size > 2:
         block_k = min(block_k, 64)
 
-    # The router's weight tile is [BLOCK_K, E_POW2]: with more experts (160, 256) BLOCK_K, then the
-    # stages, shrink until the pipelined tiles fit shared memory.
-    def shared(block_k: int, stages: int) -> int:
-        return stages * (block_t + e_pow2) * block_k * element_size
-
-    while shared(block_k, num_stages) > _SHARED_MEMORY_BYTES and block_k > 32:
-        block_k //= 2
-    while shared(block_k, num_stages) > _SHARED_MEMORY_BYTES and num_stages > 1:
-        num_stages -= 1
+    # The router's tiles are a GEMM's: [BLOCK_T, BLOCK_K] of tokens and one [BLOCK_K, E_POW2] of the
+    # weight. With more experts (160, 256) BLOCK_K, then the stages, shrink to fit shared memory.
+    tiles = fit_shared_memory(MoEConfig(block_t, e_pow2, block_k, num_warps, num_stages), 1, element_size)
+    block_k, num_stages = tiles.BLOCK_K, tiles.num_stages
     _route_kernel[(programs,)](
         hidden_states,
         router_weight,
