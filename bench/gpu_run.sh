@@ -51,6 +51,7 @@ for what in "$@"; do
     gpu-tests) TAIL=30 stage gpu-tests "$PY" -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_sampling_kernel.py tests/test_fp8_gemm.py tests/test_triton_ops.py ;;
     moe-tests) TAIL=20 stage moe-tests "$PY" -m pytest -q -m gpu tests/test_fused_moe.py tests/test_triton_ops.py tests/test_gpu_engine.py -k "moe or rope or famil" ;;
     moe) TAIL=30 stage moe "$PY" bench/moe.py ;;
+    route-sweep) TAIL=30 stage route-sweep "$PY" bench/moe.py --sweep-route --num-tokens ${SWEEP_TOKENS:-8 64 256 1024 8192} ;;
     moe-sweep) TAIL=60 stage moe-sweep "$PY" bench/moe.py --sweep --num-tokens ${SWEEP_TOKENS:-64 128 256 16 512 2048 8192} ;;
     # W3 in three calls (each well under the device tool's 10 minutes): the 61 GB checkpoint into
     # /dev/shm (it stays while the machine is held), then each mode.

@@ -247,32 +247,58 @@ def _tiles(c: MoEConfig) -> tuple[int, int, int, int]:
     return (c.BLOCK_N, c.BLOCK_K, c.num_warps, c.num_stages)
 
 
+def route_grid() -> list[tuple[int, int, int, int]]:
+    """The router's (BLOCK_K, warps, stages, splits) candidates whose tiles fit shared memory and
+    whose splits are at least one BLOCK_K of the hidden dimension wide."""
+    grid = itertools.product([64, 128, 256, 512], [4, 8], [2, 3, 4], [1, 2, 4, 8, 16])
+    return [
+        (bk, w, st, sp) for bk, w, st, sp in grid
+        if st * (16 + E) * bk * 2 <= 227 * 1024 and bk * sp <= HIDDEN
+    ]  # fmt: skip
+
+
 def sweep_route(token_counts: list[int]) -> None:
-    """The router kernel's (BLOCK_K, warps, stages) per token count, best first, against the default."""
+    """The router's (BLOCK_K, warps, stages, splits) per token count, best first, against the
+    default; then the align kernel's warps."""
     router = torch.randn(E, HIDDEN, device="cuda").bfloat16()
     for num_tokens in token_counts:
         x, _, _ = inputs(num_tokens)
         want = moe_kernels.route(x, router, TOP_K, True)
+        counts = moe_kernels.route_counts(num_tokens, E, x.device)
         results = []
-        for config in itertools.product([64, 128, 256, 512], [2, 4, 8], [1, 2, 3, 4]):
-            block_k, _, stages = config
-            if stages * (16 + E) * block_k * 2 > 227 * 1024:
-                continue
+        for config in route_grid():
             try:
                 got = moe_kernels.route(x, router, TOP_K, True, config)
                 torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
                 results.append(
-                    (timed(lambda x=x, c=config: moe_kernels.route(x, router, TOP_K, True, c)), config)
+                    (
+                        timed(
+                            lambda x=x, c=config, n=counts: moe_kernels.route(x, router, TOP_K, True, c, n)
+                        ),
+                        config,
+                    )
                 )
             except Exception as e:  # out of resources, or a different routing
                 print(f"  route {config}: {type(e).__name__}: {str(e)[:80]}")
         default = next(t for t, c in results if c == moe_kernels.ROUTE_CONFIG)
         best = sorted(results)[:5]
         print(
-            f"route at {num_tokens} tokens: default {moe_kernels.ROUTE_CONFIG} {default * 1e6:.1f} us; best "
-            + ", ".join(f"{c} {t * 1e6:.1f}" for t, c in best),
+            f"route (with counts) at {num_tokens} tokens: default {moe_kernels.ROUTE_CONFIG} {default * 1e6:.1f} us; "
+            "best " + ", ".join(f"{c} {t * 1e6:.1f}" for t, c in best),
             flush=True,
         )
+        if counts is not None:
+            _, ids = moe_kernels.route(x, router, TOP_K, True, counts=counts)
+            block_m = get_config(num_tokens)[0].BLOCK_M
+            align = {
+                w: timed(lambda w=w, i=ids, b=block_m, n=counts: moe_kernels.align_block_size(i, E, b, n, w))
+                for w in (1, 2, 4, 8)
+            }
+            print(
+                f"align from counts at {num_tokens} tokens (default {moe_kernels.ALIGN_WARPS} warps): "
+                + ", ".join(f"{w} warps {t * 1e6:.1f} us" for w, t in align.items()),
+                flush=True,
+            )
 
 
 def main() -> None:

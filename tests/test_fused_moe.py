@@ -15,16 +15,21 @@ pytest.importorskip("triton")
 # (num_tokens, experts that receive tokens: all, or only this many, leaving the others empty)
 
 
-def check_route(num_tokens, num_experts, top_k, hidden, dtype, device, renormalize=True):
-    """The one-kernel router against layers/moe.route: the same experts in the same order (tokens
-    whose k-th and (k+1)-th probabilities are nearly tied excepted), weights to the dtype's rounding."""
+def check_route(num_tokens, num_experts, top_k, hidden, dtype, device, renormalize=True, config=None):
+    """The fused router (config: ROUTE_CONFIG's form, splits of the hidden dimension included)
+    against layers/moe.route: the same experts in the same order (tokens whose k-th and (k+1)-th
+    probabilities are nearly tied excepted), weights to the dtype's rounding; and each token routed
+    the same, to the bit, in a batch of its own."""
     from executor_service.layers import fused_moe_triton, moe
 
     gen = torch.Generator(device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
     router = (torch.randn(num_experts, hidden, generator=gen, device=device) / hidden**0.5).to(dtype)
-    weights, ids = fused_moe_triton.route(x, router, top_k, renormalize)
+    weights, ids = fused_moe_triton.route(x, router, top_k, renormalize, config)
     ref_weights, ref_ids = moe.route(x, router, top_k, renormalize)
+    for t in {0, num_tokens // 2, num_tokens - 1}:
+        alone = fused_moe_triton.route(x[t : t + 1], router, top_k, renormalize, config)
+        assert torch.equal(alone[0][0], weights[t]) and torch.equal(alone[1][0], ids[t]), f"token {t} alone"
     probs = torch.softmax(x.double() @ router.double().T, dim=-1).sort(dim=-1, descending=True).values
     clear = (probs[:, : top_k + 1].diff(dim=-1).abs() > 1e-6).all(dim=-1)
     assert ids.dtype == torch.int64 and weights.dtype == dtype
@@ -60,7 +65,7 @@ def check_align(num_tokens, num_experts, top_k, block_m, used=None, device="cpu"
         assert len(rows) and (flat[rows.long()] == expert_ids[block]).all(), f"block {block}"
 
 
-def check_align_from_route_counts(num_tokens, num_experts, top_k, block_m, device="cpu"):
+def check_align_from_route_counts(num_tokens, num_experts, top_k, block_m, device="cpu", route_config=None):
     """The router's per-program expert counts (route_counts) in place of the align's counting
     kernel: the same layout as the torch align, and the same fused_experts output, to the bit."""
     from executor_service.layers import fused_moe_triton as k
@@ -71,7 +76,7 @@ def check_align_from_route_counts(num_tokens, num_experts, top_k, block_m, devic
     router = torch.randn(num_experts, hidden, generator=gen, device=device)
     counts = k.route_counts(num_tokens, num_experts, device)
     assert counts is not None
-    weights, ids = k.route(x, router, top_k, True, counts=counts)
+    weights, ids = k.route(x, router, top_k, True, route_config, counts=counts)
     want = k.align_block_size_reference(ids, num_experts, block_m)
     got = k.align_block_size(ids, num_experts, block_m, counts)
     for name, w, g in zip(("sorted_ids", "expert_ids", "num_padded"), want, got, strict=True):
@@ -167,7 +172,10 @@ def test_fused_moe_align_on_gpu(block_m):
 def test_fused_route_on_gpu(dtype):
     for num_tokens in (1, 7, 256, 2049):
         check_route(num_tokens, 128, 8, 2048, dtype, "cuda")
+        for splits in (2, 3, 8):  # 3: slices of unequal width
+            check_route(num_tokens, 128, 8, 2048, dtype, "cuda", config=(128, 4, 2, splits))
     check_route(33, 60, 4, 2048, dtype, "cuda", renormalize=False)
+    check_route(33, 60, 4, 2048, dtype, "cuda", renormalize=False, config=(64, 4, 3, 4))
 
 
 @pytest.mark.gpu
@@ -241,10 +249,13 @@ def test_align_kernels_under_interpreter():
         "for n in (1, 17, 40):\n"
         "    check_route(n, 8, 2, 48, torch.float32, 'cpu')\n"
         "    check_route(n, 12, 3, 64, f16, 'cpu', renormalize=False)\n"
+        "    check_route(n, 8, 2, 48, torch.float32, 'cpu', config=(16, 4, 2, 3))\n"
+        "    check_route(n, 12, 3, 80, f16, 'cpu', config=(32, 4, 2, 2))  # slices of 48 and 32\n"
         "check_align(2100, 8, 2, 16, reference=False)  # 4200 pairs: two steps of each program's loop\n"
         "from test_fused_moe import check_align_from_route_counts\n"
         "for n, e, k, bm in [(1, 8, 2, 16), (17, 8, 2, 16), (40, 6, 3, 16), (100, 12, 8, 32)]:\n"
         "    check_align_from_route_counts(n, e, k, bm)\n"
+        "check_align_from_route_counts(40, 6, 3, 16, route_config=(16, 4, 2, 2))\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)

@@ -256,8 +256,8 @@ def test_qwen3_moe_fp8_experts_match_torch_w8a8_and_the_dequantized_experts(tmp_
     errors = []
     kernel = fused_moe_triton.fused_experts
 
-    def checked(x, w13, w2, topk_weights, topk_ids, config=None, w13_scale=None, w2_scale=None):
-        got = kernel(x, w13, w2, topk_weights, topk_ids, config, w13_scale, w2_scale)
+    def checked(x, w13, w2, topk_weights, topk_ids, config=None, w13_scale=None, w2_scale=None, **kwargs):
+        got = kernel(x, w13, w2, topk_weights, topk_ids, config, w13_scale, w2_scale, **kwargs)
         if w13_scale is None:
             return got
         want = reference_fp8_experts(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)

@@ -124,9 +124,11 @@ def align_block_size_reference(
     return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
-# The align kernels' programs (at most) and the pairs each handles per step of its loop.
+# The align kernels' programs (at most), the pairs each handles per step of its loop, and the
+# placing kernel's warps.
 _ALIGN_PROGRAMS = 64
 _ALIGN_SUB = 64
+ALIGN_WARPS = 4
 
 
 @triton.jit(do_not_specialize=["num_pairs", "chunk"])
@@ -200,7 +202,11 @@ def _align_kernel(
 
 
 def align_block_size(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, counts: torch.Tensor | None = None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    counts: torch.Tensor | None = None,
+    num_warps: int = ALIGN_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As align_block_size_reference, in two Triton kernels; in one with counts, the router's
     per-program expert counts (route(counts=...)), each program then placing its ROUTE_BLOCK_T
@@ -244,6 +250,7 @@ def align_block_size(
         PROGRAMS_POW2=triton.next_power_of_2(programs),
         SUB=sub,
         BLOCK_M=block_m,
+        num_warps=num_warps,
     )
     return sorted_ids, expert_ids, num_padded
 
@@ -338,6 +345,59 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _route_logits(x_ptr, w_ptr, offs_t, t_mask, experts, e_mask, k_start, k_end, stride_x, stride_w,
+                  DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, E_POW2: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
+    # The router logits of BLOCK_T tokens over hidden columns [k_start, k_end): [BLOCK_T, E_POW2] fp32
+    # (products of the model-dtype operands are exact in fp32, accumulated in fp32).
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, E_POW2), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_mask = offs_k < k_end - k
+        a = tl.load(
+            x_ptr + offs_t[:, None] * stride_x + k + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :]
+        )
+        w = tl.load(
+            w_ptr + experts[None, :] * stride_w + k + offs_k[:, None], mask=e_mask[None, :] & k_mask[:, None]
+        )
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _route_top_k(logits, offs_t, t_mask, experts, e_mask, weights_ptr, ids_ptr, counts_ptr, stride_c,
+                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr,
+                 TOPK_POW2: tl.constexpr, BLOCK_T: tl.constexpr, WRITE_COUNTS: tl.constexpr):  # fmt: skip
+    # Softmax, top-k (lowest expert first among equals), and with WRITE_COUNTS this program's pairs
+    # per expert for the align.
+    logits = tl.where(e_mask[None, :], logits, float("-inf"))
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]
+    cols = tl.arange(0, TOPK_POW2)
+    top = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.float32)
+    top_ids = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.int32)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        idx = tl.min(tl.where(probs == best[:, None], experts[None, :], E_POW2), axis=1)
+        top = tl.where(cols[None, :] == k, best[:, None], top)
+        top_ids = tl.where(cols[None, :] == k, idx[:, None], top_ids)
+        probs = tl.where(experts[None, :] == idx[:, None], -1.0, probs)
+        if WRITE_COUNTS:
+            counts += tl.sum(((idx[:, None] == experts[None, :]) & t_mask[:, None]).to(tl.int32), axis=0)
+    if RENORMALIZE:
+        top = top / tl.sum(top, axis=1)[:, None]
+    out = offs_t[:, None] * TOP_K + cols[None, :]
+    mask = t_mask[:, None] & (cols[None, :] < TOP_K)
+    tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=mask)
+    if WRITE_COUNTS:
+        tl.store(counts_ptr + tl.program_id(0) * stride_c + experts, counts, mask=experts < stride_c)
+
+
+# num_tokens only bounds masks: left unspecialized, an odd token count reuses the even count's
+# compiled variant (the warm-up's), instead of compiling one during serving.
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(
     x_ptr,
@@ -360,52 +420,60 @@ def _route_kernel(
     BLOCK_K: tl.constexpr,
     WRITE_COUNTS: tl.constexpr,
 ):
-    # A program routes BLOCK_T tokens: logits [BLOCK_T, E] (products of the model-dtype operands are
-    # exact in fp32, accumulated in fp32), softmax, top-k (lowest expert first among equals).
+    # One program routes BLOCK_T tokens over the whole hidden dimension.
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < num_tokens
     experts = tl.arange(0, E_POW2)
     e_mask = experts < num_experts
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_T, E_POW2), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k
-        a = tl.load(
-            x_ptr + offs_t[:, None] * stride_x + k + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :]
-        )
-        w = tl.load(
-            w_ptr + experts[None, :] * stride_w + k + offs_k[:, None], mask=e_mask[None, :] & k_mask[:, None]
-        )
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    logits = tl.where(e_mask[None, :], acc, float("-inf"))
-    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    probs = probs / tl.sum(probs, axis=1)[:, None]
-    cols = tl.arange(0, TOPK_POW2)
-    top = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.float32)
-    top_ids = tl.zeros((BLOCK_T, TOPK_POW2), dtype=tl.int32)
-    counts = tl.zeros((E_POW2,), dtype=tl.int32)  # with WRITE_COUNTS: this program's pairs per expert
-    for k in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
-        idx = tl.min(tl.where(probs == best[:, None], experts[None, :], E_POW2), axis=1)
-        top = tl.where(cols[None, :] == k, best[:, None], top)
-        top_ids = tl.where(cols[None, :] == k, idx[:, None], top_ids)
-        probs = tl.where(experts[None, :] == idx[:, None], -1.0, probs)
-        if WRITE_COUNTS:
-            counts += tl.sum(((idx[:, None] == experts[None, :]) & t_mask[:, None]).to(tl.int32), axis=0)
-    if RENORMALIZE:
-        top = top / tl.sum(top, axis=1)[:, None]
-    out = offs_t[:, None] * TOP_K + cols[None, :]
-    mask = t_mask[:, None] & (cols[None, :] < TOP_K)
-    tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=mask)
-    tl.store(ids_ptr + out, top_ids.to(tl.int64), mask=mask)
-    if WRITE_COUNTS:
-        tl.store(counts_ptr + tl.program_id(0) * stride_c + experts, counts, mask=experts < stride_c)
+    logits = _route_logits(x_ptr, w_ptr, offs_t, t_mask, experts, e_mask, 0, K, stride_x, stride_w,
+                           DOT_PRECISION, BLOCK_T, E_POW2, BLOCK_K)  # fmt: skip
+    _route_top_k(logits, offs_t, t_mask, experts, e_mask, weights_ptr, ids_ptr, counts_ptr, stride_c,
+                 TOP_K, RENORMALIZE, E_POW2, TOPK_POW2, BLOCK_T, WRITE_COUNTS)  # fmt: skip
 
 
-# The router's (BLOCK_K, num_warps, num_stages) for 16-bit activations: on the H200 at Qwen3-30B-A3B's
-# router (128 x 2048), 12.6 us at 256 tokens and 13.2 at 2,048 against 15.1 / 16.3 for (128, 4, 2)
-# (bench/moe.py --sweep-route).
-ROUTE_CONFIG = (256, 4, 3)
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_partial_kernel(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, K, k_per_split, stride_x,
+                          stride_w, DOT_PRECISION: tl.constexpr, E_POW2: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # Split K: program (t, s) writes the logits of BLOCK_T tokens over hidden columns
+    # [s * k_per_split, (s + 1) * k_per_split) to partial [splits, num_tokens, E_POW2] fp32.
+    split = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    experts = tl.arange(0, E_POW2)
+    k_start = split * k_per_split
+    logits = _route_logits(x_ptr, w_ptr, offs_t, t_mask, experts, experts < num_experts, k_start,
+                           tl.minimum(k_start + k_per_split, K), stride_x, stride_w, DOT_PRECISION, BLOCK_T,
+                           E_POW2, BLOCK_K)  # fmt: skip
+    rows = (split * num_tokens + offs_t)[:, None] * E_POW2 + experts[None, :]
+    tl.store(partial_ptr + rows, logits, mask=t_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_reduce_kernel(partial_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, num_experts, stride_c,
+                         SPLITS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         E_POW2: tl.constexpr, TOPK_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
+                         WRITE_COUNTS: tl.constexpr):  # fmt: skip
+    # The split logits summed in split order (a token's logits do not depend on its batch), then
+    # softmax and top-k as the one-kernel router.
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    experts = tl.arange(0, E_POW2)
+    logits = tl.zeros((BLOCK_T, E_POW2), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        rows = (split * num_tokens + offs_t)[:, None] * E_POW2 + experts[None, :]
+        logits += tl.load(partial_ptr + rows, mask=t_mask[:, None], other=0.0)
+    _route_top_k(logits, offs_t, t_mask, experts, experts < num_experts, weights_ptr, ids_ptr, counts_ptr,
+                 stride_c, TOP_K, RENORMALIZE, E_POW2, TOPK_POW2, BLOCK_T, WRITE_COUNTS)  # fmt: skip
+
+
+# The router's (BLOCK_K, num_warps, num_stages, K splits) for 16-bit activations. With one split, a
+# program routes its 16 tokens over the whole hidden dimension: at Qwen3-30B-A3B's router (128 x
+# 2048), 16 programs at 256 tokens, each reading all 0.5 MB of the router's weight (12.6 us on the
+# H200, bench/moe.py --sweep-route). With splits, splits times as many programs compute the logits
+# per slice of the hidden dimension, and a second kernel sums them (in split order) before the
+# softmax and top-k.
+ROUTE_CONFIG = (256, 4, 3, 1)
 
 
 # Tokens per router program: fixed, so that a token's routing does not depend on its batch.
@@ -426,12 +494,13 @@ def route(
     router_weight: torch.Tensor,
     top_k: int,
     renormalize: bool,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
     counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As layers/moe.route in one kernel (it takes about 8): [num_tokens, hidden] -> (weights
-    [num_tokens, top_k] in the model dtype, expert ids [num_tokens, top_k] int64). With counts (from
-    route_counts), also each program's pairs per expert, for align_block_size."""
+    """As layers/moe.route in one kernel, or two with K splits (it takes about 8): [num_tokens,
+    hidden] -> (weights [num_tokens, top_k] in the model dtype, expert ids [num_tokens, top_k] int64).
+    config: ROUTE_CONFIG's (BLOCK_K, num_warps, num_stages, splits). With counts (from route_counts),
+    also each program's pairs per expert, for align_block_size."""
     num_tokens, hidden = hidden_states.shape
     num_experts = router_weight.shape[0]
     if hidden_states.stride(1) != 1 or router_weight.stride(1) != 1:
@@ -447,7 +516,9 @@ def route(
         raise ValueError(
             f"counts of shape {tuple(counts.shape)}: route_counts({num_tokens}, {num_experts}) makes them"
         )
-    block_k, num_warps, num_stages = config or ROUTE_CONFIG
+    if num_tokens == 0:
+        return weights, ids
+    block_k, num_warps, num_stages, splits = config or ROUTE_CONFIG
     element_size = hidden_states.element_size()
     if element_size > 2:
         block_k = min(block_k, 64)
@@ -456,29 +527,37 @@ def route(
     # weight. With more experts (160, 256) BLOCK_K, then the stages, shrink to fit shared memory.
     tiles = fit_shared_memory(MoEConfig(block_t, e_pow2, block_k, num_warps, num_stages), 1, element_size)
     block_k, num_stages = tiles.BLOCK_K, tiles.num_stages
-    _route_kernel[(programs,)](
-        hidden_states,
-        router_weight,
-        weights,
-        ids,
-        counts,
-        num_tokens,
-        num_experts,
-        hidden,
-        hidden_states.stride(0),
-        router_weight.stride(0),
-        0 if counts is None else counts.stride(0),
-        TOP_K=top_k,
-        RENORMALIZE=renormalize,
-        DOT_PRECISION="ieee" if hidden_states.dtype == torch.float32 else "tf32",
-        E_POW2=e_pow2,
-        TOPK_POW2=triton.next_power_of_2(top_k),
-        BLOCK_T=block_t,
-        BLOCK_K=block_k,
-        WRITE_COUNTS=counts is not None,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    dot_precision = "ieee" if hidden_states.dtype == torch.float32 else "tf32"
+    count_args = {"counts_ptr": counts, "stride_c": 0 if counts is None else counts.stride(0)}
+    top_k_args = {
+        "TOP_K": top_k,
+        "RENORMALIZE": renormalize,
+        "E_POW2": e_pow2,
+        "TOPK_POW2": triton.next_power_of_2(top_k),
+        "BLOCK_T": block_t,
+        "WRITE_COUNTS": counts is not None,
+    }
+    if splits == 1:
+        _route_kernel[(programs,)](
+            hidden_states, router_weight, weights, ids, num_tokens=num_tokens, num_experts=num_experts,
+            K=hidden, stride_x=hidden_states.stride(0), stride_w=router_weight.stride(0),
+            DOT_PRECISION=dot_precision, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+            **count_args, **top_k_args,
+        )  # fmt: skip
+        return weights, ids
+    # Each split a whole number of BLOCK_K columns, the same slices whatever the batch.
+    k_per_split = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
+    splits = triton.cdiv(hidden, k_per_split)
+    partial = torch.empty((splits, num_tokens, e_pow2), dtype=torch.float32, device=hidden_states.device)
+    _route_partial_kernel[(programs, splits)](
+        hidden_states, router_weight, partial, num_tokens, num_experts, hidden, k_per_split,
+        hidden_states.stride(0), router_weight.stride(0), DOT_PRECISION=dot_precision, E_POW2=e_pow2,
+        BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    _route_reduce_kernel[(programs,)](
+        partial, weights, ids, num_tokens=num_tokens, num_experts=num_experts, SPLITS=splits,
+        **count_args, **top_k_args,
+    )  # fmt: skip
     return weights, ids
 
 
