@@ -468,12 +468,14 @@ def _route_reduce_kernel(partial_ptr, weights_ptr, ids_ptr, counts_ptr, num_toke
 
 
 # The router's (BLOCK_K, num_warps, num_stages, K splits) for 16-bit activations. With one split, a
-# program routes its 16 tokens over the whole hidden dimension: at Qwen3-30B-A3B's router (128 x
-# 2048), 16 programs at 256 tokens, each reading all 0.5 MB of the router's weight (12.6 us on the
-# H200, bench/moe.py --sweep-route). With splits, splits times as many programs compute the logits
-# per slice of the hidden dimension, and a second kernel sums them (in split order) before the
-# softmax and top-k.
-ROUTE_CONFIG = (256, 4, 3, 1)
+# program routes its 16 tokens over the whole hidden dimension, each program reading all of the
+# router's weight (0.5 MB at Qwen3-30B-A3B's 128 x 2048): 16 programs at 256 tokens. With splits,
+# splits times as many programs compute the logits per slice of the hidden dimension, and a second
+# kernel sums them (in split order) before the softmax and top-k. On the H200 at that router, with
+# the align's counts (bench/moe.py --sweep-route): 8 splits 11.3 / 11.5 / 12.0 us at 8 / 64 / 256
+# tokens against 14.3 / 14.3 / 14.2 for one split of (256, 4, 3). One configuration for every
+# batch: a token's logits, summed in the same order, do not depend on the batch it is in.
+ROUTE_CONFIG = (128, 4, 3, 8)
 
 
 # Tokens per router program: fixed, so that a token's routing does not depend on its batch.
