@@ -74,7 +74,7 @@ def perplexity(runner: ModelRunner, tokens: list[int], window: int, chunk: int) 
                 seq.num_computed_tokens = c
                 out = runner.collect(runner.launch([seq], [n], all_logits=True), all_logits=True)
                 logprobs = torch.log_softmax(out.logits.float(), -1)
-                targets = torch.tensor(text[c + 1 : c + n + 1])
+                targets = torch.tensor(text[c + 1 : c + n + 1], device=logprobs.device)
                 nll -= logprobs[: len(targets)].gather(1, targets[:, None]).sum().item()
                 count += len(targets)
         finally:

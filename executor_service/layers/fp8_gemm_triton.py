@@ -9,6 +9,13 @@ vLLM do:
 - `w8a8_block_matmul`: tiles of BLOCK_M x BLOCK_N with BLOCK_K = 128, so each K step has one
   activation scale per row and one weight scale per 128 columns of N: acc += dot(a, b) * a_s * b_s,
   accumulated in fp32 and written in the output dtype.
+
+`fp8_linear` takes the Triton GEMM for decode-sized batches and, from SCALED_MM_MIN_TOKENS tokens
+on, torch._scaled_mm's blockwise-scaled CUTLASS GEMM where this torch and GPU have it (sm90, bf16
+out): on the H200 at Qwen3-8B's shapes (bench/fp8_gemm.py) the Triton kernel is faster up to 64
+tokens (qkv / o / gate_up / down 23.0 / 20.4 / 43.4 / 37.7 us against 24.5 / 23.6 / 48.2 / 47.6) and
+slower from 256 on (38.1 / 31.1 / 96.2 / 79.5 against 29.0 / 27.8 / 57.6 / 60.0). The two agree
+to the summation order (the same quantized operands, fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ GROUP = 128
 
 @triton.jit
 def quantize_per_token_group_kernel(
-    x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, K, GROUP_SIZE: tl.constexpr
+    x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, stride_sg, K, GROUP_SIZE: tl.constexpr
 ):
     # grid: (num_tokens, ceil(K / GROUP_SIZE))
     m = tl.program_id(0).to(tl.int64)
@@ -35,18 +42,27 @@ def quantize_per_token_group_kernel(
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-10), 448.0)
     q = round_to_e4m3(tl.math.div_rn(x, scale))
     tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + m * stride_sm + g, scale)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale)
 
 
-def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / 128)]): x ~= q * scale of its group."""
+def quantize_per_token_group(x: torch.Tensor, rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / 128)]): x ~= q * scale of its group.
+    rows_multiple > 1 (torch._scaled_mm's layout): M padded to a multiple of it with zero rows of
+    scale 1, the scales column-major."""
     m, k = x.shape
     groups = triton.cdiv(k, GROUP)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    padded = triton.cdiv(m, rows_multiple) * rows_multiple
+    q = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if rows_multiple > 1:
+        s = torch.empty(groups, padded, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if padded > m:
+        q[m:].zero_()
+        s[m:].fill_(1.0)
     if m:
         quantize_per_token_group_kernel[(m, groups)](
-            x, q, s, x.stride(0), q.stride(0), s.stride(0), k, GROUP_SIZE=GROUP
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), k, GROUP_SIZE=GROUP
         )
     return q, s
 
@@ -165,9 +181,57 @@ def w8a8_block_matmul(
     return out
 
 
+# From this many tokens on, fp8_linear takes torch._scaled_mm where it can (the module docstring).
+SCALED_MM_MIN_TOKENS = 128
+
+# Per device index: whether torch._scaled_mm takes 1 x 128 activation and 128 x 128 weight scales.
+_scaled_mm_blockwise: dict[int, bool] = {}
+
+
+def scaled_mm_applies(m: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether fp8_linear of m tokens of dtype on device goes to torch._scaled_mm: bf16 on a GPU
+    whose torch has the blockwise-scaled GEMM (probed once per device, never during a capture)."""
+    if m < SCALED_MM_MIN_TOKENS or dtype != torch.bfloat16 or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _scaled_mm_blockwise:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _scaled_mm_blockwise[index] = _probe_scaled_mm(device)
+    return _scaled_mm_blockwise[index]
+
+
+def _probe_scaled_mm(device: torch.device) -> bool:
+    """One small blockwise torch._scaled_mm against the Triton GEMM (the torch and the GPU support it
+    and read the scales as fp8_linear lays them out)."""
+    if torch.cuda.get_device_capability(device) != (9, 0) or not hasattr(torch, "_scaled_mm"):
+        return False
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(8, 256, device=device, generator=gen).bfloat16()
+    weight = torch.randn(256, 256, device=device, generator=gen).to(torch.float8_e4m3fn)
+    scales = torch.rand(2, 2, device=device, generator=gen) + 0.5
+    try:
+        got = _scaled_mm(x, weight, scales)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    want = w8a8_block_matmul(*quantize_per_token_group(x), weight, scales, x.dtype)
+    return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item()))
+
+
+def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    # Activation scales column-major and M a multiple of 4, the weight and its scales transposed:
+    # the layout torch's sm90 blockwise GEMM reads.
+    a_q, a_s = quantize_per_token_group(x, rows_multiple=4)
+    out = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=weight_scale_inv.t(), out_dtype=x.dtype)
+    return out[: x.shape[0]]
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) @ dequantized(weight)^T -> [..., N] in x's dtype."""
     shape = x.shape
-    a_q, a_s = quantize_per_token_group(x.reshape(-1, shape[-1]))
-    out = w8a8_block_matmul(a_q, a_s, weight, weight_scale_inv, x.dtype)
+    x = x.reshape(-1, shape[-1])
+    if scaled_mm_applies(x.shape[0], x.dtype, x.device):
+        out = _scaled_mm(x, weight, weight_scale_inv)
+    else:
+        out = w8a8_block_matmul(*quantize_per_token_group(x), weight, weight_scale_inv, x.dtype)
     return out.view(*shape[:-1], weight.shape[0])

@@ -32,6 +32,12 @@ def check_quantize(m: int, k: int, dtype: torch.dtype, device: str) -> None:
     ref_q, ref_s = reference_quantize(x)
     assert torch.equal(s, ref_s)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    # torch._scaled_mm's layout: rows padded to a multiple of 4 (zeros of scale 1), scales column-major.
+    q4, s4 = quantize_per_token_group(x, rows_multiple=4)
+    pad = -m % 4
+    assert q4.shape == (m + pad, k) and s4.shape == (m + pad, s.shape[1]) and s4.stride(0) == 1
+    assert torch.equal(s4[:m], ref_s) and torch.equal(q4[:m].view(torch.uint8), ref_q.view(torch.uint8))
+    assert (s4[m:] == 1).all() and (q4[m:].float() == 0).all()
 
 
 def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: dict | None = None) -> float:
@@ -48,12 +54,14 @@ def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: 
     ref = _dequantize_rows(a_q, a_s) @ dequantize_weight_blocks(w_q, w_s, torch.float32).T
     tol = 1e-2 if dtype != torch.float32 else 1e-4
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
-    from executor_service.layers.fp8_gemm_triton import gemm_config
+    from executor_service.layers.fp8_gemm_triton import gemm_config, scaled_mm_applies
 
     split = {**gemm_config(m, n), **(config or {})}.get("SPLIT_K", 1)
-    if split == 1 and config is None:  # the same sums in the same order
+    if (
+        split == 1 and config is None and not scaled_mm_applies(m, dtype, x.device)
+    ):  # the same sums in the same order
         torch.testing.assert_close(fp8_linear(x, w_q, w_s), out, atol=0, rtol=0)
-    else:  # other tiles, or atomic adds of split-K in any order
+    else:  # other tiles, atomic adds of split-K in any order, or torch._scaled_mm's GEMM
         torch.testing.assert_close(
             fp8_linear(x, w_q, w_s).float(), out.float(), atol=tol * ref.abs().max().item(), rtol=tol
         )
