@@ -133,7 +133,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x @ w.T
             ours = fp8_linear(x, w_q, w_s)
-            path = "torch._scaled_mm" if scaled_mm_applies(m, x.dtype, x.device) else "triton"
+            path = "torch._scaled_mm" if scaled_mm_applies(m, n, k, x.dtype, x.device) else "triton"
             a_q, a_s = quantize_per_token_group(x)
             t_triton = time_ms(lambda: w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16))  # noqa: B023
             t_bf16 = time_ms(lambda: x @ w.T)  # noqa: B023

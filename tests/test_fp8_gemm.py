@@ -29,12 +29,17 @@ def test_quantize_per_token_group(m, k, dtype):
 def test_w8a8_block_gemm(m, n, k):
     """Both of fp8_linear's GEMMs (m >= 128 takes torch._scaled_mm on the H200) within rounding of
     the dequantized math and of each other."""
-    from executor_service.layers.fp8_gemm_triton import SCALED_MM_MIN_TOKENS, scaled_mm_applies
+    from executor_service.layers.fp8_gemm_triton import (
+        SCALED_MM_MIN_DIM,
+        SCALED_MM_MIN_TOKENS,
+        scaled_mm_applies,
+    )
 
     rel = check_gemm(m, n, k, torch.bfloat16, "cuda")
     assert rel < 0.05, f"relative error against the unquantized GEMM {rel:.3g}"
     if torch.cuda.get_device_capability() == (9, 0):
-        assert scaled_mm_applies(m, torch.bfloat16, torch.device("cuda")) == (m >= SCALED_MM_MIN_TOKENS)
+        want = m >= SCALED_MM_MIN_TOKENS and min(n, k) >= SCALED_MM_MIN_DIM
+        assert scaled_mm_applies(m, n, k, torch.bfloat16, torch.device("cuda")) == want
 
 
 @pytest.mark.gpu

@@ -181,17 +181,24 @@ def w8a8_block_matmul(
     return out
 
 
-# From this many tokens on, fp8_linear takes torch._scaled_mm where it can (the module docstring).
+# From this many tokens on, fp8_linear takes torch._scaled_mm where it can (the module docstring),
+# for weights of at least SCALED_MM_MIN_DIM in and out features: torch 2.11's blockwise GEMM
+# returned wrong sums on the H200 at 256 x 256 (a relative error of 1.2 against the Triton GEMM;
+# 384 x 512 and up agree to 1e-3).
 SCALED_MM_MIN_TOKENS = 128
+SCALED_MM_MIN_DIM = 1024
 
 # Per device index: whether torch._scaled_mm takes 1 x 128 activation and 128 x 128 weight scales.
 _scaled_mm_blockwise: dict[int, bool] = {}
 
 
-def scaled_mm_applies(m: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether fp8_linear of m tokens of dtype on device goes to torch._scaled_mm: bf16 on a GPU
-    whose torch has the blockwise-scaled GEMM (probed once per device, never during a capture)."""
-    if m < SCALED_MM_MIN_TOKENS or dtype != torch.bfloat16 or device.type != "cuda":
+def scaled_mm_applies(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether fp8_linear of m tokens of dtype on device through an [n, k] weight goes to
+    torch._scaled_mm: bf16 on a GPU whose torch has the blockwise-scaled GEMM (probed once per
+    device, never during a capture)."""
+    if m < SCALED_MM_MIN_TOKENS or min(n, k) < SCALED_MM_MIN_DIM:
+        return False
+    if dtype != torch.bfloat16 or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _scaled_mm_blockwise:
@@ -207,9 +214,12 @@ def _probe_scaled_mm(device: torch.device) -> bool:
     if torch.cuda.get_device_capability(device) != (9, 0) or not hasattr(torch, "_scaled_mm"):
         return False
     gen = torch.Generator(device).manual_seed(0)
-    x = torch.randn(8, 256, device=device, generator=gen).bfloat16()
-    weight = torch.randn(256, 256, device=device, generator=gen).to(torch.float8_e4m3fn)
-    scales = torch.rand(2, 2, device=device, generator=gen) + 0.5
+    x = torch.randn(SCALED_MM_MIN_TOKENS, SCALED_MM_MIN_DIM, device=device, generator=gen).bfloat16()
+    weight = torch.randn(SCALED_MM_MIN_DIM, SCALED_MM_MIN_DIM, device=device, generator=gen)
+    weight = weight.to(torch.float8_e4m3fn)
+    scales = (
+        torch.rand(SCALED_MM_MIN_DIM // GROUP, SCALED_MM_MIN_DIM // GROUP, device=device, generator=gen) + 0.5
+    )
     try:
         got = _scaled_mm(x, weight, scales)
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
@@ -230,7 +240,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     """x [..., K] (bf16/fp16/fp32) @ dequantized(weight)^T -> [..., N] in x's dtype."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    if scaled_mm_applies(x.shape[0], x.dtype, x.device):
+    if scaled_mm_applies(x.shape[0], *weight.shape, x.dtype, x.device):
         out = _scaled_mm(x, weight, weight_scale_inv)
     else:
         out = w8a8_block_matmul(*quantize_per_token_group(x), weight, weight_scale_inv, x.dtype)

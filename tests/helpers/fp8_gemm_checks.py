@@ -58,7 +58,7 @@ def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: 
 
     split = {**gemm_config(m, n), **(config or {})}.get("SPLIT_K", 1)
     if (
-        split == 1 and config is None and not scaled_mm_applies(m, dtype, x.device)
+        split == 1 and config is None and not scaled_mm_applies(m, n, k, dtype, x.device)
     ):  # the same sums in the same order
         torch.testing.assert_close(fp8_linear(x, w_q, w_s), out, atol=0, rtol=0)
     else:  # other tiles, atomic adds of split-K in any order, or torch._scaled_mm's GEMM
