@@ -142,12 +142,10 @@ def tile_grid(batch: int):
 
 def fp8_tile_grid():
     """The fp8 cache's grid: larger key tiles, and K/V widened to q's dtype or to fp16."""
-    for block_n, warps, stages, f16, late in itertools.product(
-        (32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True), (False, True)
+    for block_n, warps, stages, f16 in itertools.product(
+        (32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True)
     ):
-        yield None, {
-            "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": f16, "FP8_LATE_CAST": late,
-        }  # fmt: skip
+        yield None, {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": f16}
 
 
 def sweep_decode(batch: int, context: int, block_size: int, kv_dtype: torch.dtype, grid):

@@ -56,8 +56,8 @@ for dtype in (torch.bfloat16, f16):
     check_store_fp8(to_fp8(b, 1.0, 1.0))
     check_store_fp8(to_fp8(make_batch([7, 2], [7, 30], 4, 2, 48, 16, dtype, "cpu"), 0.02, 3.0))
 for scales in ((1.0, 1.0), (0.05, 2.5)):
-    for splits, f16_dot, late in itertools.product((1, 3), (False, True), (False, True)):
-        cfg = {"FP8_DOT_F16": f16_dot, "FP8_LATE_CAST": late, "BLOCK_N": 16}
+    for splits, f16_dot in itertools.product((1, 3), (False, True)):
+        cfg = {"FP8_DOT_F16": f16_dot, "BLOCK_N": 16}
         check_attention_fp8(to_fp8(make_batch([1] * 4, [20, 1, 40, 17], 8, 2, 32, 16, f16, "cpu", num_padding=2), *scales), splits, decode_config=cfg)
     b = make_batch([5, 20, 1, 33, 1], [21, 20, 9, 50, 70], 4, 2, 32, 16, f16, "cpu", seed=1, num_padding=1)
     check_attention_fp8(to_fp8(b, *scales), 2)

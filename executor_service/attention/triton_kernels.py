@@ -121,7 +121,6 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (Triton would use TF32), ignored for 16-bit
     KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
     FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
-    FP8_LATE_CAST: tl.constexpr = False,  # with KV_FP8: widen K/V at the dots (the operands' layout) instead of after the loads
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -187,14 +186,11 @@ def paged_attention_kernel(
             kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if KV_FP8 and not FP8_LATE_CAST:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
+        if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
             k = k.to(q.dtype)
             v = v.to(q.dtype)
 
-        if FP8_LATE_CAST:
-            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
         s = tl.where((key[None, :] <= row_pos[:, None]) & key_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row can see no key of this tile (causal); keep it finite so it contributes nothing.
@@ -202,11 +198,7 @@ def paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8_LATE_CAST:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Context length 0 (padding rows) or an empty split: l = 0, acc = 0 -> zeros, never NaN.
@@ -404,7 +396,6 @@ def paged_decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and q.dtype != torch.float32,
-        FP8_LATE_CAST=cfg.get("FP8_LATE_CAST", False) and k_cache.dtype == torch.float8_e4m3fn,
     )  # fmt: skip
 
 
