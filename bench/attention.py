@@ -5,7 +5,7 @@ PyTorch's FlashAttention-2 (`varlen_attn`) on contiguous KV. Qwen3-0.6B shapes: 
 for a bf16 cache and an e4m3 one (kv_cache_dtype fp8: half the bytes; `decode kernel fp8 ...` counts
 the fp8 bytes).
 
-    python bench/attention.py [--sweep | --sweep-bf16 | --sweep-fp8] [--heads 32 4]
+    python bench/attention.py [--sweep | --sweep-bf16 | --sweep-fp8 | --sweep-fp8-quick] [--heads 32 4]
 
 --sweep also times a grid of decode launch configurations (BLOCK_N, num_warps, num_stages), bf16
 and fp8.
@@ -143,11 +143,15 @@ def tile_grid(batch: int):
         yield splits, {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
-def fp8_tile_grid():
-    """The fp8 cache's grid: larger key tiles, and K/V widened to q's dtype or to fp16."""
-    for block_n, warps, stages, f16 in itertools.product(
-        (32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True)
-    ):
+def fp8_tile_grid(quick: bool = False):
+    """The fp8 cache's grid: larger key tiles, and K/V widened to q's dtype or to fp16 (quick: the
+    key tiles and warps at 3 stages, widened to fp16)."""
+    grid = (
+        ((64, 128, 256), (4, 8), (3,), (True,))
+        if quick
+        else ((32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True))
+    )
+    for block_n, warps, stages, f16 in itertools.product(*grid):
         yield None, {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": f16}
 
 
@@ -174,6 +178,9 @@ def main() -> None:
         help="only the fp8 decode grid (block size 16; K/V widened to q's dtype or fp16)",
     )
     parser.add_argument("--sweep-bf16", action="store_true", help="only the bf16 decode grid (block size 16)")
+    parser.add_argument(
+        "--sweep-fp8-quick", action="store_true", help="six fp8 decode tiles at b256x1024 (block size 16)"
+    )
     parser.add_argument(
         "--heads",
         type=int,
@@ -215,9 +222,11 @@ def main() -> None:
             for tbs, used, cfg in sweep_decode(batch, context, 16, DTYPE, tile_grid(batch))[:6]:
                 print(f"sweep bf16 b{batch}x{context} bs16: {tbs:.2f} TB/s splits {used} {cfg}")
         return
-    if args.sweep_fp8:
-        for batch, context in shapes:
-            for tbs, used, cfg in sweep_decode(batch, context, 16, FP8, fp8_tile_grid())[:6]:
+    if args.sweep_fp8 or args.sweep_fp8_quick:
+        for batch, context in shapes[:1] if args.sweep_fp8_quick else shapes:
+            for tbs, used, cfg in sweep_decode(batch, context, 16, FP8, fp8_tile_grid(args.sweep_fp8_quick))[
+                :6
+            ]:
                 print(f"sweep fp8 b{batch}x{context} bs16: {tbs:.2f} TB/s of fp8 bytes splits {used} {cfg}")
         return
     for block_size in (16, 256):
