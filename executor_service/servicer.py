@@ -22,7 +22,7 @@ from executor_service.plan_validation import PlanError, StepOrderError, check_st
 from executor_service.steps_in_flight import END, StreamSteps
 from protos.executor import Executor
 from protos.parsing import MalformedMessage, deserializer
-from protos.plan import StepPlan, info_to_proto, plan_from_proto, result_to_proto
+from protos.plan import StepPlan, StepResult, info_to_proto, plan_from_proto, result_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 
@@ -204,7 +204,16 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                         admission.recheck(plan.step_id)
                     except _Refusal as refusal:  # `finally` discards what was not answered
                         self._refuse(refusal, context)
-                    self.run_on_worker(executor.send, plan)
+                    if len(in_flight) < 2:
+                        self.run_on_worker(executor.send, plan)
+                        continue
+                    # Two in flight: the oldest is answered next, so the worker receives it right
+                    # after the launch, in the same hand-off (one round trip to it per step).
+                    oldest = in_flight.oldest().plan
+                    send_error, result = self._run_step(_send_then_receive(executor, plan), oldest, context)
+                if send_error is not None:
+                    raise send_error
+                yield self._answered(executor, in_flight, oldest, result)
             while in_flight:
                 yield self._receive(executor, in_flight, context)
         finally:
@@ -221,6 +230,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         plan = in_flight.oldest().plan
         with self._lock:
             result = self._run_step(executor.receive, plan, context)
+        return self._answered(executor, in_flight, plan, result)
+
+    def _answered(
+        self, executor: ServedExecutor, in_flight: StreamSteps, plan: StepPlan, result: StepResult
+    ) -> pb.StepResult:
+        """The oldest step's result, just received, as the stream's answer."""
         step, seconds = in_flight.answered()
         self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > step.num_graph_steps)
         return result_to_proto(result)
@@ -345,6 +360,21 @@ def executor_handler(servicer: ExecutorServicer) -> grpc.GenericRpcHandler:
             ),
         },
     )
+
+
+def _send_then_receive(executor: ServedExecutor, plan: StepPlan):
+    """fn(oldest) for the worker: send `plan`, then receive `oldest`. A send that raises (it
+    records a refused plan's error for its receive instead) is returned as (error, None), so that
+    it leaves the stream as it would alone; otherwise (None, the oldest's result)."""
+
+    def send_then_receive(oldest: StepPlan) -> tuple[BaseException | None, StepResult | None]:
+        try:
+            executor.send(plan)
+        except Exception as e:
+            return e, None
+        return None, executor.receive(oldest)
+
+    return send_then_receive
 
 
 def _num_graph_steps(executor: ServedExecutor) -> int:
