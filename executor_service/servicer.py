@@ -11,11 +11,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Protocol
 
 import grpc
 
+from executor_service.executor_thread import ExecutorThread
 from executor_service.metrics import ExecutorMetrics
 from executor_service.ownership import LogThrottle, NotOwner, Ownership, Session, session_of
 from executor_service.plan_validation import PlanError, StepOrderError, check_step_order
@@ -100,10 +101,7 @@ class _StreamAdmission:
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     """ExecutorService over one executor; steps from any number of streams are serialised.
 
-    Every call into the executor (loading included) runs on one dedicated thread: torch's
-    OpenMP thread team belongs to the calling thread, and gRPC worker threads taking turns
-    would each start a team of their own, all spinning on the same cores (a 5x slower step on
-    2 cores, measured with bench/throughput.py)."""
+    Every call into the executor (loading included) runs on its own thread (executor_thread.py)."""
 
     def __init__(self, metrics: ExecutorMetrics, ownership: Ownership | None = None) -> None:
         self.executor: ServedExecutor | None = None
@@ -113,12 +111,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         # Held by the Step stream that has steps in flight: another waits until they are answered.
         self._in_flight_lock = threading.Lock()
         self._closed = False
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="executor-step")
+        self._worker = ExecutorThread("executor-step")
         self._log_refusal = LogThrottle()
 
     def run_on_worker(self, fn, *args):
         """fn(*args) on the executor's own thread; returns its result or raises its exception."""
-        return self._worker.submit(fn, *args).result()
+        return self._worker.run(fn, *args)
 
     def submit_to_worker(self, fn, *args) -> Future:
         """fn(*args) on the executor's own thread, without waiting for it."""
