@@ -12,6 +12,7 @@ from __future__ import annotations
 import _thread
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 
 
@@ -24,11 +25,13 @@ class _Call:
 
 
 class ExecutorThread:
-    """One daemon thread that runs the calls given to it, in order."""
+    """One thread that runs the calls given to it, in order. It is a daemon: the service waits for
+    it where it must (its close runs on it); it ends once this object is garbage."""
 
     def __init__(self, name: str = "executor-step") -> None:
-        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        weakref.finalize(self, self._calls.put, None)
+        threading.Thread(target=_serve, args=(self._calls,), name=name, daemon=True).start()
 
     def run(self, fn, *args):
         """fn(*args) on the thread; returns its result or raises its exception."""
@@ -49,19 +52,19 @@ class ExecutorThread:
         self._calls.put(_Call(fn, args, None, future))
         return future
 
-    def _serve(self) -> None:
-        while True:
-            call = self._calls.get()
-            if call.future is not None:
-                if call.future.set_running_or_notify_cancel():
-                    try:
-                        call.future.set_result(call.fn(*call.args))
-                    except BaseException as e:
-                        call.future.set_exception(e)
-                continue
-            try:
-                call.result = call.fn(*call.args)
-            except BaseException as e:
-                call.error = e
-            call.done.release()
-            call = None
+
+def _serve(calls: queue.SimpleQueue[_Call | None]) -> None:
+    while (call := calls.get()) is not None:
+        if call.future is not None:
+            if call.future.set_running_or_notify_cancel():
+                try:
+                    call.future.set_result(call.fn(*call.args))
+                except BaseException as e:
+                    call.future.set_exception(e)
+            continue
+        try:
+            call.result = call.fn(*call.args)
+        except BaseException as e:
+            call.error = e
+        call.done.release()
+        call = None
