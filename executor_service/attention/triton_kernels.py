@@ -13,10 +13,7 @@ causal mask, reading the cached prefix and this chunk's keys through the block t
 An e4m3 cache (kv_cache_dtype fp8) is the same kernels with KV_FP8: the store writes
 e4m3(x / scale), rounded in fp32 (round_to_e4m3); attention loads half the bytes, widens K and V to
 q's dtype in registers (exact), folds k_scale into the softmax scale and multiplies the output by
-v_scale, accumulating in fp32 as for 16-bit caches. Its V cache keeps each block transposed,
-[num_blocks, num_kv_heads, head_dim, block_size] (fp8.v_cache_slots): P @ V reduces over the keys,
-and sm90 can only gather 8-bit operands along their reduction axis into the dot's layout byte by
-byte from a slot-major tile, while keys that are contiguous load as 16-byte vectors.
+v_scale, accumulating in fp32 as for 16-bit caches.
 """
 
 from __future__ import annotations
@@ -24,8 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from executor_service.fp8 import v_cache_slots
 
 LOG2E = 1.4426950408889634
 
@@ -63,10 +58,6 @@ def store_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_vcb,  # the V cache's strides as [num_blocks, block_size, num_kv_heads, head_dim] (fp8.v_cache_slots)
-    stride_vcs,
-    stride_vch,
-    stride_vcd,
     block_size,
     k_scale,
     v_scale,
@@ -86,14 +77,12 @@ def store_kv_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
-    block, offset = slot // block_size, slot % block_size
-    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
-    v_dst = block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
     if KV_FP8:
         k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
         v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 # The block tables' row stride is the widest table of the step: not specialised (Triton would
@@ -118,9 +107,6 @@ def paged_attention_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_vb,  # an e4m3 V cache's block, head and dimension strides (its keys are contiguous)
-    stride_vh,
-    stride_vd,
     stride_bt,
     num_heads,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -199,22 +185,7 @@ def paged_attention_kernel(
         else:
             kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if KV_FP8:
-            # V^T [BLOCK_D, BLOCK_N] from blocks kept [num_kv_heads, head_dim, block_size]: each
-            # block's keys contiguous. Loaded by whole blocks (a mask constant over a block's keys
-            # keeps the 16-byte vectors; slots past the context hold zeros or stored, finite
-            # values), then the keys past it zeroed (exact: their probabilities are 0).
-            vt_off = (
-                block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
-                + (key % BLOCK_SIZE)[None, :]
-            )  # fmt: skip
-            if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
-                vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
-            whole_block = (key // BLOCK_SIZE) * BLOCK_SIZE < kv_end
-            vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
-            v = tl.trans(tl.where(key_valid[None, :], vt, 0.0))
-        else:
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -326,7 +297,6 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        *v_cache_slots(v_cache).stride(),
         k_cache.shape[1],
         float(k_scale),
         float(v_scale),
@@ -344,13 +314,6 @@ def _launch(
     num_heads, head_dim = q.shape[1], q.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
-    if fp8 and (
-        v_cache.shape[1:] != (k_cache.shape[2], q.shape[2], k_cache.shape[1]) or v_cache.stride(3) != 1
-    ):
-        raise ValueError(
-            f"an e4m3 V cache is [num_blocks, num_kv_heads, head_dim, block_size] with contiguous keys "
-            f"(fp8.fp8_v_cache), got shape {tuple(v_cache.shape)}, strides {v_cache.stride()}"
-        )
     group = num_heads // k_cache.shape[2]
     num_splits = meta["NUM_SPLITS"]
     num_seqs = block_tables.shape[0]
@@ -380,9 +343,6 @@ def _launch(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
         block_tables.stride(0),
         num_heads,
         BLOCK_SIZE=k_cache.shape[1],
