@@ -421,7 +421,24 @@ def scrape(url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            if sample.name == "tandem_executor_idle_seconds_bucket":  # the gaps' distribution
+                key = f"{sample.name}:{sample.labels['le']}"
+                values[key] = values.get(key, 0.0) + sample.value
     return values
+
+
+def idle_gaps(steps: dict[str, float]) -> str:
+    """The executor's gaps between steps (tandem_executor_idle_seconds) during the timed run: how
+    many, their total, and the share of it in gaps over 1 ms (a few long stalls, or many short)."""
+    count = int(steps.get("tandem_executor_idle_seconds_count", 0))
+    if not count:
+        return "no gaps between steps"
+    total = steps["tandem_executor_idle_seconds_sum"]
+    short = steps.get("tandem_executor_idle_seconds_bucket:0.001", 0.0)
+    return (
+        f"{count} gaps between steps, {total * 1e3:.0f} ms in all, {count - short:.0f} of them over 1 ms "
+        f"({steps.get('tandem_executor_idle_seconds_bucket:0.0001', 0.0):.0f} under 0.1 ms)"
+    )
 
 
 def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> tuple[int, float, dict]:
@@ -452,6 +469,10 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
             for k in (
                 "tandem_executor_step_duration_seconds_sum",
                 "tandem_executor_step_duration_seconds_count",
+                "tandem_executor_idle_seconds_sum",
+                "tandem_executor_idle_seconds_count",
+                "tandem_executor_idle_seconds_bucket:0.0001",
+                "tandem_executor_idle_seconds_bucket:0.001",
             )
         }
         steps["cpu"] = cpu
@@ -515,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"split: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} output tok/s "
             f"(executor: {count} steps, {busy:.2f} s in steps = {busy / elapsed:.0%} of the wall time, "
-            f"idle {idle / max(count, 1) * 1e3:.2f} ms per step; "
+            f"idle {idle / max(count, 1) * 1e3:.2f} ms per step: {idle_gaps(steps)}; "
             f"CPU time: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in steps["cpu"].items())
             + f"{floor(elapsed)})",

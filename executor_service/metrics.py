@@ -16,6 +16,8 @@ from protos.plan import ExecutorInfo, StepPlan
 logger = logging.getLogger(__name__)
 
 # From a 1 ms decode step on a GPU to a long CPU prefill.
+# Gaps between steps: from 50 us (a plan already queued) to seconds (no work).
+IDLE_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0)
 STEP_BUCKETS = (
     0.001,
     0.0025,
@@ -82,6 +84,13 @@ class ExecutorMetrics:
             "Wall time of one step in the executor (validation, prepare, forward, sample)",
             ["kind"],
             buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.idle = Histogram(
+            "tandem_executor_idle_seconds",
+            "With two steps in flight (CUDA): time a Step stream had no step in flight, from a step's "
+            "answer to the next plan's send (the device waiting on the scheduler, or for work)",
+            buckets=IDLE_BUCKETS,
             registry=r,
         )
         self.forward_tokens = Counter(

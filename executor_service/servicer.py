@@ -192,7 +192,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 if not context.is_active():  # cancelled: a plan read ahead is not launched
                     break
                 # Waits, outside the executor lock, while another stream has steps in flight.
-                in_flight.sending(plan, _num_graph_steps(executor))
+                idle = in_flight.sending(plan, _num_graph_steps(executor))
+                if idle is not None:
+                    self.metrics.idle.observe(idle)
                 with self._lock:
                     if self._closed:
                         context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")

@@ -122,11 +122,18 @@ class StreamSteps:
         except queue.Empty:
             return None
 
-    def sending(self, plan: StepPlan, num_graph_steps: int) -> None:
-        """`plan` is about to be sent; waits while another stream has steps in flight."""
+    def sending(self, plan: StepPlan, num_graph_steps: int) -> float | None:
+        """`plan` is about to be sent; waits while another stream has steps in flight. Returns the
+        seconds the stream had no step in flight before it (since its last answer; None for its
+        first plan or behind a step in flight): the device waited on the scheduler that long."""
+        idle = None
         if not self._sent:
             self._lock.acquire()
-        self._sent.append(StepSent(plan, time.perf_counter(), num_graph_steps))
+        now = time.perf_counter()
+        if not self._sent and self._last_answered:
+            idle = now - self._last_answered
+        self._sent.append(StepSent(plan, now, num_graph_steps))
+        return idle
 
     def oldest(self) -> StepSent:
         return self._sent[0]

@@ -485,10 +485,26 @@ def test_two_steps_in_flight_through_the_service_match_local(qwen3_tied, local):
     try:
         local.reset()
         expected, expected_lp, _ = generate(local)
+        registry = server.metrics.registry
         with RemoteExecutor(server.address) as remote:
+            t0 = time.perf_counter()
             got, got_lp, engine = generate(remote)
+            wall = time.perf_counter() - t0
             assert engine.max_plans_in_flight == 2
             assert (got, got_lp) == (expected, expected_lp)
+            # The device's time split into steps and the gaps between them (waiting on the
+            # scheduler): at most the wall time, each gap counted once, never for the first plan.
+            kinds = [{"kind": kind} for kind in ("prefill", "decode", "mixed")]
+            count, total = (
+                "tandem_executor_step_duration_seconds_count",
+                "tandem_executor_step_duration_seconds_sum",
+            )
+            steps = sum(registry.get_sample_value(count, labels) for labels in kinds)
+            busy = sum(registry.get_sample_value(total, labels) for labels in kinds)
+            gaps = registry.get_sample_value("tandem_executor_idle_seconds_count")
+            idle = registry.get_sample_value("tandem_executor_idle_seconds_sum")
+            assert steps > 0 and 0 <= gaps < steps and idle >= 0
+            assert busy + idle <= wall
             bad = StepPlan(engine.scheduler.next_step_id + 5, seq_ids=[424242], num_scheduled_tokens=[1],
                            num_computed_tokens=[0], num_new_blocks=[0])  # fmt: skip
             with pytest.raises(PlanRejected, match="unknown seq id 424242"):
