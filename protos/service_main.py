@@ -44,12 +44,12 @@ def mark_service_process() -> None:
 
 
 def freeze_startup_heap() -> None:
-    """In a service process (mark_service_process), once it has started (model loaded, graphs captured, sockets bound): move every object
-    alive now out of the cyclic garbage collector's reach, as vLLM's engine core does. The steps
-    that follow allocate and free a few hundred containers each; every ~700 of them Python runs a
-    collection, and each 10th of those a larger one, each 100th a full one that walks the whole
-    heap: ~30 ms for the engine core's ~110k objects on a 2-core CPU (bench/engine_core_overhead.py
-    counts them), a pause every running stream feels. Frozen objects are never collected, which
+    """In a service process (mark_service_process), once it has started (model loaded, graphs
+    captured, sockets bound): move every object alive now out of the cyclic garbage collector's
+    reach, as vLLM's engine core does. The steps that follow allocate and free a few hundred
+    containers each; every ~700 of them Python runs a collection, and each 10th of those a larger
+    one, each 100th a full one that walks the whole heap: ~30 ms for the engine core's ~110k objects
+    on a 2-core CPU (bench/engine_core_overhead.py counts them), a pause every running stream feels. Frozen objects are never collected, which
     is right for what a service builds once and keeps, and wrong inside another program, whose
     objects it would keep forever once they become garbage in cycles: elsewhere this does nothing."""
     if not _SERVICE_PROCESS:
@@ -83,8 +83,15 @@ def service_main(verb: str, add_parser: Callable[[argparse._SubParsersAction], o
 
 
 def run_service(args: argparse.Namespace) -> int:
-    """Run a parsed service verb: tied to `tandem up` when it started us, logging at INFO."""
+    """Run a parsed service verb: tied to `tandem up` when it started us, logging at INFO. The
+    process counts as a service while the verb runs: a caller that runs one in-process (a test of
+    the CLI) gets its unfrozen heap back, and freezes nothing after."""
+    global _SERVICE_PROCESS
     mark_service_process()
-    exit_with_parent()
-    logging.basicConfig(level=(args.log_level or "INFO").upper(), format=LOG_FORMAT)
-    return args.func(args)
+    try:
+        exit_with_parent()
+        logging.basicConfig(level=(args.log_level or "INFO").upper(), format=LOG_FORMAT)
+        return args.func(args)
+    finally:
+        _SERVICE_PROCESS = False
+        gc.unfreeze()
