@@ -27,6 +27,7 @@ from executor_service.layers.fp8_gemm_triton import (
     fp8_linear,
     quantize_per_token_group,
     scaled_mm_applies,
+    scaled_mm_blockwise,
     w8a8_block_matmul,
 )
 
@@ -71,44 +72,28 @@ def sweep(name: str, n: int, k: int, w_q: torch.Tensor, w_s: torch.Tensor) -> No
             )
 
 
-def _pad_rows(t: torch.Tensor, multiple: int, value: float) -> torch.Tensor:
-    pad = -t.shape[0] % multiple
-    return torch.cat([t, t.new_full((pad, t.shape[1]), value)]) if pad else t
-
-
-def _scaled_mm_legacy(a_q, a_s, w_q, w_s):
-    """torch._scaled_mm, as vLLM calls it on sm90: activation scales [M, K/128] outer-dim-major
-    (column-major), the weight [N, K] passed transposed with its [N/128, K/128] scales transposed, M
-    padded to a multiple of 4."""
-    m = a_q.shape[0]
-    a_q, a_s = _pad_rows(a_q, 4, 0.0), _pad_rows(a_s, 4, 1.0)
-    a_s = a_s.t().contiguous().t()
-    return torch._scaled_mm(a_q, w_q.t(), scale_a=a_s, scale_b=w_s.t(), out_dtype=torch.bfloat16)[:m]
-
-
-def _scaled_mm_recipes(a_q, a_s, w_q, w_s):
-    """torch.nn.functional.scaled_mm with explicit BlockWise1x128 / BlockWise128x128 recipes."""
+def _scaled_mm_recipes(x, w_q, w_s):
+    """torch.nn.functional.scaled_mm with explicit BlockWise1x128 / BlockWise128x128 recipes, the
+    activations laid out as for torch._scaled_mm."""
     import torch.nn.functional as F
 
-    m = a_q.shape[0]
-    a_q, a_s = _pad_rows(a_q, 4, 0.0), _pad_rows(a_s, 4, 1.0)
-    a_s = a_s.t().contiguous().t()
+    a_q, a_s = quantize_per_token_group(x, rows_multiple=4)
     out = F.scaled_mm(
         a_q, w_q.t(), a_s, F.ScalingType.BlockWise1x128, w_s.t(), F.ScalingType.BlockWise128x128,
         output_dtype=torch.bfloat16,
     )  # fmt: skip
-    return out[:m]
+    return out[: x.shape[0]]
 
 
-SCALED_MM = {"torch._scaled_mm": _scaled_mm_legacy, "F.scaled_mm blockwise": _scaled_mm_recipes}
+# torch._scaled_mm as fp8_linear calls it, and F.scaled_mm with explicit recipes.
+SCALED_MM = {"torch._scaled_mm": scaled_mm_blockwise, "F.scaled_mm blockwise": _scaled_mm_recipes}
 
 
 def scaled_mm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, how: str):
     """One of torch's scaled matmuls with per-token-group activation scales (quantization included)
     and 128x128 weight scales; the reason in a string where this torch refuses them."""
-    a_q, a_s = quantize_per_token_group(x)
     try:
-        return SCALED_MM[how](a_q, a_s, w_q, w_s)
+        return SCALED_MM[how](x, w_q, w_s)
     except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as e:
         return (str(e).splitlines() or [type(e).__name__])[0][:120]
 

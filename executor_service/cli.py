@@ -7,6 +7,7 @@ import logging
 import sys
 
 from executor_service.ownership import DEFAULT_OWNER_LEASE_SECONDS
+from executor_service.quantization import AT_LOAD_METHODS
 from executor_service.server import GRACE_SECONDS
 from protos.defaults import (
     DEFAULT_HOST,
@@ -86,7 +87,7 @@ FLAGS = (
     flag(
         "--quantization",
         env="QUANTIZATION",
-        choices=("fp8",),
+        choices=AT_LOAD_METHODS,
         default=None,
         help="fp8: serve an unquantized checkpoint as its FP8 form (the Qwen3-*-FP8 format: e4m3 weights in "
         "128x128 blocks, W8A8 on CUDA), quantized at load (default: the checkpoint as it is)",

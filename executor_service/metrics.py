@@ -15,9 +15,9 @@ from protos.plan import ExecutorInfo, StepPlan
 
 logger = logging.getLogger(__name__)
 
-# From a 1 ms decode step on a GPU to a long CPU prefill.
 # Gaps between steps: from 50 us (a plan already queued) to seconds (no work).
 IDLE_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0)
+# From a 1 ms decode step on a GPU to a long CPU prefill.
 STEP_BUCKETS = (
     0.001,
     0.0025,

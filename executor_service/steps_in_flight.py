@@ -125,7 +125,8 @@ class StreamSteps:
     def sending(self, plan: StepPlan, num_graph_steps: int) -> float | None:
         """`plan` is about to be sent; waits while another stream has steps in flight. Returns the
         seconds the stream had no step in flight before it (since its last answer; None for its
-        first plan or behind a step in flight): the device waited on the scheduler that long."""
+        first plan or behind a step in flight): the device waited that long on the scheduler (or,
+        rarely, ran another stream's steps meanwhile)."""
         idle = None
         if not self._sent:
             self._lock.acquire()

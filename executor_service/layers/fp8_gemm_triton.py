@@ -189,7 +189,7 @@ SCALED_MM_MIN_TOKENS = 128
 SCALED_MM_MIN_DIM = 1024
 
 # Per device index: whether torch._scaled_mm takes 1 x 128 activation and 128 x 128 weight scales.
-_scaled_mm_blockwise: dict[int, bool] = {}
+_blockwise_supported: dict[int, bool] = {}
 
 
 def scaled_mm_applies(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -201,11 +201,11 @@ def scaled_mm_applies(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
     if dtype != torch.bfloat16 or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _scaled_mm_blockwise:
+    if index not in _blockwise_supported:
         if torch.cuda.is_current_stream_capturing():
             return False
-        _scaled_mm_blockwise[index] = _probe_scaled_mm(device)
-    return _scaled_mm_blockwise[index]
+        _blockwise_supported[index] = _probe_scaled_mm(device)
+    return _blockwise_supported[index]
 
 
 def _probe_scaled_mm(device: torch.device) -> bool:
@@ -221,16 +221,19 @@ def _probe_scaled_mm(device: torch.device) -> bool:
         torch.rand(SCALED_MM_MIN_DIM // GROUP, SCALED_MM_MIN_DIM // GROUP, device=device, generator=gen) + 0.5
     )
     try:
-        got = _scaled_mm(x, weight, scales)
+        got = scaled_mm_blockwise(x, weight, scales)
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return False
     want = w8a8_block_matmul(*quantize_per_token_group(x), weight, scales, x.dtype)
     return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item()))
 
 
-def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
-    # Activation scales column-major and M a multiple of 4, the weight and its scales transposed:
-    # the layout torch's sm90 blockwise GEMM reads.
+def scaled_mm_blockwise(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
+) -> torch.Tensor:
+    """fp8_linear's GEMM through torch._scaled_mm (where scaled_mm_applies): x quantized per token
+    in groups of 128, its scales column-major and M a multiple of 4; the weight and its scales
+    transposed: the layout torch's sm90 blockwise GEMM reads."""
     a_q, a_s = quantize_per_token_group(x, rows_multiple=4)
     out = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=weight_scale_inv.t(), out_dtype=x.dtype)
     return out[: x.shape[0]]
@@ -241,7 +244,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if scaled_mm_applies(x.shape[0], *weight.shape, x.dtype, x.device):
-        out = _scaled_mm(x, weight, weight_scale_inv)
+        out = scaled_mm_blockwise(x, weight, weight_scale_inv)
     else:
         out = w8a8_block_matmul(*quantize_per_token_group(x), weight, weight_scale_inv, x.dtype)
     return out.view(*shape[:-1], weight.shape[0])
