@@ -250,11 +250,13 @@ def _tiles(c: MoEConfig) -> tuple[int, int, int, int]:
 def route_grid() -> list[tuple[int, int, int, int]]:
     """The router's (BLOCK_K, warps, stages, splits) candidates whose tiles fit shared memory and
     whose splits are at least one BLOCK_K of the hidden dimension wide."""
+
+    def fits(bk: int, warps: int, stages: int) -> bool:  # route() would not shrink its tiles
+        tiles = MoEConfig(moe_kernels.ROUTE_BLOCK_T, E, bk, warps, stages)
+        return moe_kernels.fit_shared_memory(tiles, 1, 2) == tiles
+
     grid = itertools.product([64, 128, 256, 512], [4, 8], [2, 3, 4], [1, 2, 4, 8, 16])
-    return [
-        (bk, w, st, sp) for bk, w, st, sp in grid
-        if st * (16 + E) * bk * 2 <= 227 * 1024 and bk * sp <= HIDDEN
-    ]  # fmt: skip
+    return [(bk, w, st, sp) for bk, w, st, sp in grid if fits(bk, w, st) and bk * sp <= HIDDEN]
 
 
 def sweep_route(token_counts: list[int]) -> None:
@@ -270,14 +272,10 @@ def sweep_route(token_counts: list[int]) -> None:
             try:
                 got = moe_kernels.route(x, router, TOP_K, True, config)
                 torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
-                results.append(
-                    (
-                        timed(
-                            lambda x=x, c=config, n=counts: moe_kernels.route(x, router, TOP_K, True, c, n)
-                        ),
-                        config,
-                    )
+                seconds = timed(
+                    lambda x=x, c=config, n=counts: moe_kernels.route(x, router, TOP_K, True, c, n)
                 )
+                results.append((seconds, config))
             except Exception as e:  # out of resources, or a different routing
                 print(f"  route {config}: {type(e).__name__}: {str(e)[:80]}")
         default = next(t for t, c in results if c == moe_kernels.ROUTE_CONFIG)
