@@ -2,9 +2,9 @@
 of a split scheduler (`--api-server-count N`) from scheduling the plan to the messages for its API
 servers, with the executor and the sockets' far ends taken out.
 
-Per step: LLMEngine.step (schedule, the plan and result through their protobuf wire form, update,
-the outputs), StreamTable.dispatch (TTFT / ITL observed) and CoreBridge's forward to the API
-servers (msgpack, one ZeroMQ send each; nothing reads them). 256 decoding sequences by default,
+Per step: LLMEngine.step_sequences (schedule, the plan and result through their protobuf wire
+form, update) and CoreBridge.step_outputs (each API server's "out" message built from the
+sequences, TTFT / ITL observed, msgpack, one ZeroMQ send each; nothing reads them). 256 decoding sequences by default,
 their requests spread over the API servers as SO_REUSEPORT would spread them. Also counts
 Python's garbage collections over the timed steps (--freeze-heap: as the services, once started).
 
@@ -49,10 +49,14 @@ class WireExecutor(TrivialExecutor):
 
 
 class _Core:
-    """What CoreBridge reads of AsyncEngine."""
+    """What CoreBridge reads of AsyncEngine (its loop's callbacks run at once: one thread)."""
 
     def __init__(self, streams: StreamTable) -> None:
         self.streams = streams
+        self.step_outputs = None
+
+    def call_soon(self, callback, *args) -> None:
+        callback(*args)
 
 
 def main() -> None:
@@ -92,15 +96,16 @@ def main() -> None:
     params = SamplingParams(max_tokens=2 * args.steps + 550, ignore_eos=True, temperature=0.6)
     now = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        seq_id = engine.add_request(prompt, params)
-        stream = RequestStream(str(i), seq_id, len(prompt), params, now)
+        peer = peers[rng.randrange(len(peers))]
+        stream = RequestStream(str(i), i, len(prompt), params, now, peer=peer)
+        engine.add_request(prompt, params, request_id=i, client=stream)
         streams.add(stream)
-        bridge._remote[seq_id] = (peers[rng.randrange(len(peers))], stream)
+        bridge._remote[i] = (peer, stream)
 
     def step() -> int:
-        outputs = engine.step()
-        streams.dispatch(outputs, None, time.perf_counter())
-        return sum(len(out.new_token_ids) for out in outputs)
+        seqs = engine.step_sequences()
+        bridge.step_outputs(seqs)
+        return sum(seq.num_new_tokens for seq in seqs)
 
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
         engine.scheduler.waiting

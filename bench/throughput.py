@@ -401,6 +401,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of `pid` (Linux /proc)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def child_pids(pid: int) -> list[int]:
     """The live child processes of `pid` (Linux /proc)."""
     children = []
@@ -458,7 +470,10 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
         cpu_before = {s.name: cpu_seconds(s.process.pid) for s in services}
         api_before = sum(cpu_seconds(pid) for pid in api_servers)
         client_cpu = time.process_time()
+        threads_before = thread_cpu(scheduler.process.pid)
         tokens, elapsed = asyncio.run(stream_all(ports["scheduler"], workload, args.temperature))
+        pid = scheduler.process.pid
+        threads = {t: v - threads_before.get(t, 0.0) for t, v in thread_cpu(pid).items()}
         cpu = {s.name: cpu_seconds(s.process.pid) - cpu_before[s.name] for s in services}
         if api_servers:
             cpu[f"{len(api_servers)} API servers"] = sum(cpu_seconds(pid) for pid in api_servers) - api_before
@@ -476,6 +491,9 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
             )
         }
         steps["cpu"] = cpu
+        # The scheduler's main thread (the asyncio loop) and its other threads, busiest first
+        # (the engine thread, gRPC's two threads of the executor stream, ...).
+        steps["threads"] = [threads.pop(pid, 0.0), *sorted(threads.values(), reverse=True)[:3]]
         steps["api_servers"] = len(api_servers)
     finally:
         for service in services:
@@ -544,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{'engine core' if steps['api_servers'] else 'scheduler'} CPU per output token: "
-            f"{steps['cpu']['scheduler'] / max(tokens, 1) * 1e6:.1f} us",
+            f"{steps['cpu']['scheduler'] / max(tokens, 1) * 1e6:.1f} us (its threads: the loop "
+            f"{steps['threads'][0]:.2f} s, the busiest others "
+            + ", ".join(f"{v:.2f}" for v in steps["threads"][1:])
+            + " s)",
             flush=True,
         )
         if tokens != num_output:

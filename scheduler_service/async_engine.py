@@ -50,6 +50,9 @@ class AsyncEngine:
         self.tokenizer_for = tokenizer_for
         self.on_health = on_health
         self.streams = StreamTable(metrics)
+        # Set by the engine core (engine_core.py): called on the engine thread with each step's
+        # updated sequences instead of posting their RequestOutputs to the loop.
+        self.step_outputs: Callable[[list[Seq]], None] | None = None
         self._admitting = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -116,11 +119,13 @@ class AsyncEngine:
         arrival: float,
         timeout: float | None = None,
         user: str | None = None,
+        peer: bytes | None = None,
     ) -> list[RequestStream]:
         """Validate and queue the request's params.n samples (one stream each, all or none);
         raises TandemRequestError (InvalidRequestError, QueueFullError, or UNAVAILABLE while
         shutting down or without an executor). `timeout`: seconds left until the call's deadline
-        (None: no deadline); `user`: the end user it is for, logged."""
+        (None: no deadline); `user`: the end user it is for, logged; `peer`: the API server it
+        came from (the engine core's, whose `step_outputs` then takes its outputs)."""
         engine = self.check_admitting()
         samples = params.for_samples()
         engine.validate_request(prompt_token_ids, samples[0])
@@ -129,7 +134,7 @@ class AsyncEngine:
         # In the engine's logs, a sample of several is the request's id and its index.
         names = [request_id] if len(samples) == 1 else [f"{request_id}/{j}" for j in range(len(samples))]
         streams = [
-            self._tracker.add(request_id, prompt_token_ids, sample, arrival, deadline, j, name)
+            self._tracker.add(request_id, prompt_token_ids, sample, arrival, deadline, j, name, peer)
             for j, (sample, name) in enumerate(zip(samples, names, strict=True))
         ]
         logger.info(
@@ -197,6 +202,11 @@ class AsyncEngine:
 
     # -- engine thread --------------------------------------------------------------------
 
+    def call_soon(self, callback: Callable[..., object], *args: object) -> None:
+        """Run callback(*args) on the asyncio loop, after what the engine thread posted before."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(callback, *args)
+
     def _post(self, outputs: Sequence[RequestOutput], failures: Failures | None = None) -> None:
         if self._loop is not None and (outputs or failures):
             self._loop.call_soon_threadsafe(self.streams.dispatch, outputs, failures, time.perf_counter())
@@ -229,8 +239,12 @@ class AsyncEngine:
                 recovery.heartbeat()
 
     def _step(self, engine: LLMEngine) -> None:
+        step_outputs = self.step_outputs
         try:
-            outputs = engine.step()
+            if step_outputs is not None:
+                updated = engine.step_sequences()
+            else:
+                outputs = engine.step()
         except (PlanRejected, ValueError) as e:
             # The executor refused this plan and changed no state: fail only its requests.
             self._fail_plan(engine, e)
@@ -248,7 +262,10 @@ class AsyncEngine:
             self._recovery.lose(engine, f"engine step failed: {e}")
             return
         self._record_step(engine)
-        self._post(outputs)
+        if step_outputs is not None:
+            step_outputs(updated)
+        else:
+            self._post(outputs)
 
     def _fail_plan(self, engine: LLMEngine, error: Exception) -> None:
         plan = engine.last_plan

@@ -90,9 +90,11 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: int | None = None,
         name: str | None = None,
+        client: object | None = None,
     ) -> int:
         """Queue a request; raises InvalidRequestError if it can never run. `name`: its id in the
-        logs, the one its client knows (default: the engine's request id)."""
+        logs, the one its client knows (default: the engine's request id); `client`: see
+        Sequence.client."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.validate_request(prompt_token_ids, params)
         if request_id is None:
@@ -102,7 +104,7 @@ class LLMEngine:
             self._next_request_id += 1
         elif request_id in self.scheduler.seqs:
             raise ValueError(f"request id {request_id} is already in use")
-        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, name=name))
+        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, name=name, client=client))
         return request_id
 
     def adopt(self, seq: Sequence) -> None:
@@ -138,6 +140,11 @@ class LLMEngine:
         """Send plans until max_plans_in_flight are out, then apply the oldest one's result. On
         an executor error every plan in flight is abandoned (none of them changed our state)
         and the error raised, with last_plan the oldest."""
+        return [to_output(seq) for seq in self.step_sequences()]
+
+    def step_sequences(self) -> list[Sequence]:
+        """step(), returning the sequences it updated (each with num_new_tokens set) rather than
+        their outputs: for a caller that reads them before the next step (engine_core.py)."""
         in_flight = self._in_flight
         scheduler = self.scheduler
         try:
@@ -157,10 +164,10 @@ class LLMEngine:
         except BaseException:
             self._abandon_in_flight()
             raise
-        outputs = [_to_output(seq) for seq in scheduler.update(plan, result)]
+        updated = scheduler.update(plan, result)
         if time.monotonic() - self._last_status[0] >= STATUS_INTERVAL_S:
             self._log_status()
-        return outputs
+        return updated
 
     def _send(self, plan: StepPlan) -> None:
         if plan.seq_ids or plan.finished_seq_ids or plan.preempted_seq_ids:
@@ -185,7 +192,7 @@ class LLMEngine:
                 continue
             seq.error = error
             seq.num_new_tokens = 0
-            outputs.append(_to_output(seq))
+            outputs.append(to_output(seq))
         return outputs
 
     def _log_status(self) -> None:
@@ -221,7 +228,8 @@ def validate_request(
     )
 
 
-def _to_output(seq: Sequence) -> RequestOutput:
+def to_output(seq: Sequence) -> RequestOutput:
+    """The step's news of a sequence that update() returned."""
     # Positional arguments: this runs once per sequence per step.
     tokens = seq.token_ids
     k = seq.num_new_tokens

@@ -6,7 +6,9 @@ ownership. N API server processes (api_server.py) do the client-facing work and 
 port. Between them, ZeroMQ (engine_ipc.py): `CoreBridge` admits their requests into the engine
 (its queue limits: --max-queue, --max-queued-tokens), and after each engine step sends every API
 server one message with its requests' new tokens, so the step loop never waits on a client and
-never writes to one.
+never writes to one. The engine thread builds those messages itself from the step's sequences
+(`step_outputs`, one pass; a request with logprobs, or one that failed, takes the general path
+of RequestOutputs through the core's StreamTable) and the loop only sends them.
 
 Lifecycle: the core takes the client port's lock (protos.ports.port_lock: a second service on the
 port is refused), binds the HTTP socket once for all API servers (they inherit it), starts them
@@ -36,9 +38,13 @@ from protos.service_main import freeze_startup_heap
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.api_server import SPEC_ENV
 from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.engine import RequestOutput, to_output
 from scheduler_service.errors import InvalidRequestError, TandemRequestError
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request_stream import RequestStream
+from scheduler_service.sequence import Sequence, SequenceStatus
+
+_FINISHED = SequenceStatus.FINISHED
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,7 @@ class CoreBridge:
         self._remote: dict[int, tuple[bytes, RequestStream]] = {}
         self._task: asyncio.Task | None = None
         engine.streams.listener = self._forward
+        engine.step_outputs = self.step_outputs
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._task = loop.create_task(self._read())
@@ -129,7 +136,7 @@ class CoreBridge:
             key, request_id, prompt, params, arrival, timeout, user = message[1:]
             try:
                 streams = self.engine.add_requests(
-                    request_id, prompt, ipc.params_from_wire(params), arrival, timeout, user
+                    request_id, prompt, ipc.params_from_wire(params), arrival, timeout, user, peer
                 )
             except (TandemRequestError, ValueError) as e:
                 error = e if isinstance(e, TandemRequestError) else InvalidRequestError(str(e))
@@ -149,6 +156,73 @@ class CoreBridge:
         elif kind == "hello":
             self.peers.add(peer)
             self._send(peer, self._state())
+
+    def step_outputs(self, seqs: list[Sequence]) -> None:
+        """AsyncEngine.step_outputs, on the engine thread: a step's "out" message for each API
+        server, built from its sequences in one pass (no RequestOutput, no dispatch on the loop;
+        TTFT and ITL observed here), then handed to the loop with the step's bookkeeping
+        (`_deliver`). Sequences of requests with logprobs, or that failed, take the general
+        path: their RequestOutputs go through StreamTable.dispatch and `_forward`, in the same
+        callback, so every stream's messages keep their order."""
+        now = time.perf_counter()
+        columns: dict[bytes, tuple[list[int], list[list[int]], list[int], list[list]]] = {}
+        general: list[RequestOutput] = []
+        first: list[RequestStream] = []
+        finished: list[RequestStream] = []
+        first_latencies: list[float] = []
+        gaps: list[float] = []
+        for seq in seqs:
+            stream = seq.client
+            if stream is None or seq.logprobs is not None or seq.prompt_logprobs is not None or seq.error:
+                general.append(to_output(seq))
+                continue
+            group = columns.get(stream.peer)
+            if group is None:
+                group = columns[stream.peer] = ([], [], [], [])
+            k = seq.num_new_tokens
+            if k:
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    first_latencies.append(now - stream.arrival)
+                    first.append(stream)
+                else:
+                    gaps.append(now - stream.last_token_time)
+                stream.last_token_time = now
+            group[0].append(seq.seq_id)
+            group[1].append(seq.token_ids[-k:] if k else [])
+            group[2].append(seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0)
+            if seq.status is _FINISHED:
+                group[3].append([len(group[0]) - 1, None, None, True, seq.finish_reason, None, None])
+                finished.append(stream)
+        metrics = self.metrics
+        if first_latencies:
+            metrics.ttft.observe_all(first_latencies)
+        if gaps:
+            metrics.itl.observe_all(gaps)
+        frames = [(peer, ipc.pack("out", *group)) for peer, group in columns.items()]
+        if frames or general:
+            self.engine.call_soon(self._deliver, frames, first, finished, general, now)
+
+    def _deliver(
+        self,
+        frames: list[tuple[bytes, bytes]],
+        first: list[RequestStream],
+        finished: list[RequestStream],
+        general: list[RequestOutput],
+        now: float,
+    ) -> None:
+        """On the loop: a step's messages from step_outputs sent, its streams' bookkeeping done."""
+        streams = self.engine.streams
+        for stream in first:
+            streams.dequeue(stream)
+        remote = self._remote
+        for stream in finished:
+            streams.remove(stream)
+            remote.pop(stream.engine_id, None)
+        for peer, frame in frames:
+            self._send(peer, frame)
+        if general:
+            streams.dispatch(general, None, now)
 
     def _forward(self, streams: list[RequestStream]) -> None:
         """StreamTable's listener: one message per API server with this step's news."""

@@ -23,8 +23,12 @@ class RequestStream:
         params: SamplingParams,
         arrival: float,
         index: int = 0,
+        peer: bytes | None = None,
     ) -> None:
         self.request_id = request_id
+        # The engine core's: the API server the request came from (engine_core.py), whose
+        # outputs the engine thread builds itself; None in one process.
+        self.peer = peer
         # Which of the request's n samples this is.
         self.index = index
         self.engine_id = engine_id
@@ -86,7 +90,7 @@ class StreamTable:
 
     def remove(self, stream: RequestStream) -> None:
         if self._streams.pop(stream.engine_id, None) is not None:
-            self._dequeue(stream)
+            self.dequeue(stream)
 
     def drain(self) -> list[RequestStream]:
         """Remove and return every live stream."""
@@ -97,7 +101,8 @@ class StreamTable:
             stream.queued_tokens = 0
         return streams
 
-    def _dequeue(self, stream: RequestStream) -> None:
+    def dequeue(self, stream: RequestStream) -> None:
+        """Its prompt tokens no longer count as queued (its first output came)."""
         self.num_queued_tokens -= stream.queued_tokens
         stream.queued_tokens = 0
 
@@ -117,7 +122,7 @@ class StreamTable:
             if touched is not None:
                 touched.append(stream)
             if stream.queued_tokens:
-                self._dequeue(stream)
+                self.dequeue(stream)
             new = out.new_token_ids
             if new:
                 if stream.first_token_time is None:
@@ -147,7 +152,7 @@ class StreamTable:
         for engine_id, failure in (failures or {}).items():
             stream = streams.pop(engine_id, None)
             if stream is not None:
-                self._dequeue(stream)
+                self.dequeue(stream)
                 stream.fail(failure)
                 if touched is not None:
                     touched.append(stream)

@@ -27,8 +27,8 @@ Failures = dict[int, TandemRequestError]
 # Hands one batch of step outputs and failures to the streams, on the asyncio loop.
 Post = Callable[[Sequence[RequestOutput], Failures | None], None]
 # (engine id, prompt token ids, sampling params, arrival (perf_counter), deadline (monotonic) or
-# None, its name in the engine's logs)
-Add = tuple[int, list[int], SamplingParams, float, float | None, str]
+# None, its name in the engine's logs, its stream)
+Add = tuple[int, list[int], SamplingParams, float, float | None, str, RequestStream]
 
 
 class RequestTracker:
@@ -64,15 +64,18 @@ class RequestTracker:
         deadline: float | None,
         index: int = 0,
         name: str | None = None,
+        peer: bytes | None = None,
     ) -> RequestStream:
         """A stream for sample `index` of the request; `name`: its id in the engine's logs
-        (default request_id)."""
+        (default request_id); `peer`: the API server it came from (RequestStream.peer)."""
         with self._cond:
             self._next_id += 1
-            stream = RequestStream(request_id, self._next_id, len(prompt_token_ids), params, arrival, index)
+            stream = RequestStream(
+                request_id, self._next_id, len(prompt_token_ids), params, arrival, index, peer
+            )
             self.streams.add(stream)
             self._adds.append(
-                (stream.engine_id, prompt_token_ids, params, arrival, deadline, name or request_id)
+                (stream.engine_id, prompt_token_ids, params, arrival, deadline, name or request_id, stream)
             )
             self._cond.notify()
         return stream
@@ -121,9 +124,10 @@ class RequestTracker:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
         failures: Failures = {}
-        for engine_id, prompt, params, arrival, deadline, name in adds:
+        for engine_id, prompt, params, arrival, deadline, name, stream in adds:
             try:
-                engine.add_request(prompt, params, request_id=engine_id, name=name)
+                client = stream if stream.peer is not None else None
+                engine.add_request(prompt, params, request_id=engine_id, name=name, client=client)
                 self.arrivals[engine_id] = arrival
                 if deadline is not None:
                     heapq.heappush(self._deadlines, (deadline, engine_id))

@@ -34,6 +34,7 @@ class Sequence:
         "arrival",
         "block_hashes",
         "block_table",
+        "client",
         "error",
         "finish_reason",
         "logprobs",
@@ -63,8 +64,12 @@ class Sequence:
         sampling_params: SamplingParams,
         arrival: int = 0,
         name: str | None = None,
+        client: object | None = None,
     ) -> None:
         self.seq_id = seq_id
+        # Who takes its outputs straight from the engine thread (the engine core's stream of a
+        # request from an API server, engine_core.py); None: outputs go as RequestOutputs.
+        self.client = client
         # The id its client knows the request by, for the logs.
         self.name = name or str(seq_id)
         self.token_ids: list[int] = list(prompt_token_ids)

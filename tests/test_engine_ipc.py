@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from protos.executor import StepOnlyExecutor
+from protos.plan import ExecutorInfo, StepPlan, StepResult
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.engine import RequestOutput
 from scheduler_service.errors import ErrorCode, TandemRequestError
@@ -150,3 +152,107 @@ def test_a_message_for_an_api_server_that_cannot_take_it_is_reported_once(tmp_pa
             bridge.close()
 
     asyncio.run(run())
+
+
+class _CountingExecutor(StepOnlyExecutor):
+    """Samples (seq id + tokens so far) % 40 + 2 for each sequence whose prompt is computed."""
+
+    def __init__(self) -> None:
+        self.info = ExecutorInfo(
+            model="counting", architecture="Counting", block_size=4, num_kv_blocks=256, max_model_len=128,
+            vocab_size=64, eos_token_ids=[0], tensor_parallel_size=1, dtype="float32", device="cpu",
+            max_num_seqs=8, max_num_batched_tokens=16, attention_backend="none", num_layers=1, block_bytes=1,
+        )  # fmt: skip
+        self.seqs: dict[int, list[int]] = {}  # seq id -> [tokens known, tokens computed]
+
+    def describe(self) -> ExecutorInfo:
+        return self.info
+
+    def reset(self) -> int:
+        self.seqs.clear()
+        return 0
+
+    def step(self, plan: StepPlan) -> StepResult:
+        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            self.seqs[new.seq_id] = [len(new.token_ids), new.num_computed_tokens]
+        result = StepResult(step_id=plan.step_id)
+        for seq_id, n in zip(plan.seq_ids, plan.num_scheduled_tokens, strict=True):
+            state = self.seqs[seq_id]
+            state[1] += n
+            if state[1] >= state[0]:
+                result.seq_ids.append(seq_id)
+                result.token_ids.append((seq_id + state[0]) % 40 + 2)
+                result.num_tokens.append(1)
+                state[0] += 1
+        return result
+
+
+def test_the_engine_threads_out_messages_leave_what_the_general_path_leaves():
+    """CoreBridge.step_outputs builds each step's "out" message on the engine thread from the
+    sequences themselves (no RequestOutput, no dispatch on the loop). Through it, every API
+    server's streams end as through the general path (RequestOutputs dispatched on the core's
+    StreamTable, forwarded by its listener), over prefill chunks, stop tokens, length limits, a
+    prefix hit and a request with logprobs (which stays on the general path); the core's table
+    is emptied and its queued prompt tokens drop to 0 either way, and TTFT is observed once per
+    request."""
+    from types import SimpleNamespace
+
+    from scheduler_service.engine import LLMEngine
+    from scheduler_service.engine_core import CoreBridge
+
+    prompts = [list(range(2, 2 + n)) for n in (3, 21, 9, 21, 6)]  # the 4th repeats the 2nd
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True),
+        SamplingParams(max_tokens=30, stop_token_ids=[25]),
+        SamplingParams(max_tokens=7, logprobs=1),
+        SamplingParams(max_tokens=5, ignore_eos=True),
+        SamplingParams(max_tokens=40, stop_token_ids=[30]),
+    ]
+    peers = [b"api-0", b"api-1"]
+
+    def run(fast: bool, address: str) -> tuple[list[RequestStream], dict, StreamTable, SchedulerMetrics]:
+        metrics = SchedulerMetrics()
+        core_streams = StreamTable(metrics)
+        core = SimpleNamespace(streams=core_streams, step_outputs=None, call_soon=lambda f, *a: f(*a))
+        bridge = CoreBridge(core, metrics, address)
+        sent: list[tuple[bytes, bytes]] = []
+        bridge._send = lambda peer, frame: sent.append((peer, frame))
+        api = {peer: StreamTable(SchedulerMetrics()) for peer in peers}
+        api_streams = []
+        engine = LLMEngine(_CountingExecutor())
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            peer = peers[i % 2]
+            stream = RequestStream(f"r{i}", i, len(prompt), p, 0.0, peer=peer if fast else None)
+            core_streams.add(stream)
+            bridge._remote[i] = (peer, stream)
+            api_streams.append(RequestStream(f"r{i}", i, len(prompt), p, 0.0))
+            api[peer].add(api_streams[-1])
+            engine.add_request(prompt, p, request_id=i, client=stream if fast else None)
+        try:
+            while engine.has_unfinished_requests() or engine.scheduler.has_finished_to_send():
+                if fast:
+                    bridge.step_outputs(engine.step_sequences())
+                else:
+                    core_streams.dispatch(engine.step(), None, 1.0)
+                for peer, frame in sent:
+                    kind, *columns = ipc.unpack(frame)
+                    assert kind == "out"
+                    api[peer].dispatch(*ipc.outputs_from_wire(*columns), 1.0)
+                sent.clear()
+        finally:
+            bridge.close()
+        return api_streams, api, core_streams, metrics
+
+    general = run(False, ipc.ipc_address())
+    fast = run(True, ipc.ipc_address())
+    for _, api, core, metrics in (general, fast):
+        assert len(core) == 0 and core.num_queued_tokens == 0
+        assert all(len(table) == 0 for table in api.values())
+        (count,) = [s.value for s in metrics.ttft.collect()[0].samples if s.name.endswith("_count")]
+        assert count == len(prompts)
+    assert state(fast[0]) == state(general[0])
+    reasons = [s.finish_reason for s in fast[0]]
+    assert reasons == ["length", "stop", "length", "length", "stop"], reasons
+    assert fast[0][3].num_cached_tokens > 0  # the prefix hit
