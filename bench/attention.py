@@ -140,6 +140,14 @@ def tile_grid(batch: int):
         yield splits, {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
+def fp8_register_grid():
+    """The fp8 cache's tiles under register caps (maxnreg): the default config takes 202
+    registers a thread, so 2 programs of 4 warps fit on an SM (12.5% occupancy, Nsight Compute)."""
+    for block_n, warps, stages, maxnreg in itertools.product((64, 128), (4, 8), (2, 3), (None, 96, 128, 168)):
+        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": True}
+        yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
+
+
 def fp8_tile_grid(quick: bool = False):
     """The fp8 cache's grid: larger key tiles, and K/V widened to q's dtype or to fp16 (quick: the
     key tiles and warps at 3 stages, widened to fp16)."""
@@ -187,6 +195,11 @@ def main() -> None:
         help="only the fp8 decode grid (block size 16; K/V widened to q's dtype or fp16)",
     )
     parser.add_argument("--sweep-bf16", action="store_true", help="only the bf16 decode grid (block size 16)")
+    parser.add_argument(
+        "--sweep-fp8-registers",
+        action="store_true",
+        help="fp8 decode tiles at b256x1024 under register caps (maxnreg)",
+    )
     parser.add_argument(
         "--sweep-fp8-quick", action="store_true", help="six fp8 decode tiles at b256x1024 (block size 16)"
     )
@@ -239,6 +252,9 @@ def main() -> None:
             for tbs, used, cfg in sweep_decode(batch, context, 16, DTYPE, tile_grid(batch))[:6]:
                 print(f"sweep bf16 b{batch}x{context} bs16: {tbs:.2f} TB/s splits {used} {cfg}")
         return
+    if args.sweep_fp8_registers:
+        for tbs, _, cfg in sweep_decode(256, 1024, 16, FP8, fp8_register_grid())[:12]:
+            print(f"sweep fp8 registers b256x1024 bs16: {tbs:.2f} TB/s of fp8 bytes {cfg}")
     if args.sweep_fp8 or args.sweep_fp8_quick:
         for batch, context in shapes[:1] if args.sweep_fp8_quick else shapes:
             for tbs, used, cfg in sweep_decode(batch, context, 16, FP8, fp8_tile_grid(args.sweep_fp8_quick))[

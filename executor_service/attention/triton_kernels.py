@@ -391,11 +391,13 @@ def paged_decode(
     base = DECODE_CONFIG_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_CONFIG
     cfg = {**base, **(config or {})}
     group = q.shape[1] // k_cache.shape[2]
+    # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and q.dtype != torch.float32,
+        FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and q.dtype != torch.float32, **extra,
     )  # fmt: skip
 
 
