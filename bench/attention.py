@@ -148,6 +148,13 @@ def fp8_register_grid():
         yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
 
 
+def fp8_kv_major_grid():
+    """paged_decode_kv_major_kernel's tiles (K and V as the MMAs' register operand)."""
+    for block_n, warps, stages, maxnreg in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None, 128)):
+        cfg = {"KV_MAJOR": True, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
+
+
 def fp8_tile_grid(quick: bool = False):
     """The fp8 cache's grid: larger key tiles, and K/V widened to q's dtype or to fp16 (quick: the
     key tiles and warps at 3 stages, widened to fp16)."""
@@ -195,6 +202,9 @@ def main() -> None:
         help="only the fp8 decode grid (block size 16; K/V widened to q's dtype or fp16)",
     )
     parser.add_argument("--sweep-bf16", action="store_true", help="only the bf16 decode grid (block size 16)")
+    parser.add_argument(
+        "--sweep-fp8-kv-major", action="store_true", help="the transposed fp8 decode kernel's tiles"
+    )
     parser.add_argument(
         "--sweep-fp8-registers",
         action="store_true",
@@ -255,6 +265,12 @@ def main() -> None:
     if args.sweep_fp8_registers:
         for tbs, _, cfg in sweep_decode(256, 1024, 16, FP8, fp8_register_grid())[:12]:
             print(f"sweep fp8 registers b256x1024 bs16: {tbs:.2f} TB/s of fp8 bytes {cfg}")
+    if args.sweep_fp8_kv_major:
+        for batch, context in shapes:
+            for tbs, used, cfg in sweep_decode(batch, context, 16, FP8, fp8_kv_major_grid())[:8]:
+                print(
+                    f"sweep fp8 kv-major b{batch}x{context} bs16: {tbs:.2f} TB/s of fp8 bytes splits {used} {cfg}"
+                )
     if args.sweep_fp8 or args.sweep_fp8_quick:
         for batch, context in shapes[:1] if args.sweep_fp8_quick else shapes:
             for tbs, used, cfg in sweep_decode(batch, context, 16, FP8, fp8_tile_grid(args.sweep_fp8_quick))[

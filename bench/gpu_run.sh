@@ -101,6 +101,8 @@ for what in "$@"; do
     fp8-profile) TAIL=40 stage fp8-profile "$PY" bench/profile_step.py --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
     fp8-attention) TAIL=20 stage fp8-attention "$PY" bench/attention.py ;;
     fp8-registers) TAIL=16 stage fp8-registers "$PY" bench/attention.py --sweep-fp8-registers ;;
+    fp8-kv-major) TAIL=20 stage fp8-kv-major "$PY" bench/attention.py --sweep-fp8-kv-major ;;
+    fp8-kv-major-tests) TAIL=8 stage fp8-kv-major-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
     # Nsight Compute on the decode kernel, bf16 and fp8 caches (where the machine's runtime gives
     # ncu the counters; the clocks left alone): what bounds the fp8 kernel.
     attention-ncu) TAIL=80 stage attention-ncu ncu --clock-control none -k regex:paged_attention_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats "$PY" bench/attention.py --ncu ;;

@@ -59,6 +59,12 @@ for scales in ((1.0, 1.0), (0.05, 2.5)):
     for splits, f16_dot in itertools.product((1, 3), (False, True)):
         cfg = {"FP8_DOT_F16": f16_dot, "BLOCK_N": 16}
         check_attention_fp8(to_fp8(make_batch([1] * 4, [20, 1, 40, 17], 8, 2, 32, 16, f16, "cpu", num_padding=2), *scales), splits, decode_config=cfg)
+    # The transposed decode kernel (K and V as the MMAs' first operand), alone and beside prefill rows.
+    for splits, group in itertools.product((1, 3), (2, 4)):
+        b = make_batch([1] * 4, [20, 1, 40, 17], 2 * group, 2, 32, 16, f16, "cpu", num_padding=2)
+        check_attention_fp8(to_fp8(b, *scales), splits, decode_config={"KV_MAJOR": True, "BLOCK_N": 16})
+    b = make_batch([5, 1, 33, 1], [21, 9, 50, 70], 4, 2, 48, 16, f16, "cpu", seed=3, num_padding=1)
+    check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"KV_MAJOR": True, "BLOCK_N": 16})
     b = make_batch([5, 20, 1, 33, 1], [21, 20, 9, 50, 70], 4, 2, 32, 16, f16, "cpu", seed=1, num_padding=1)
     check_attention_fp8(to_fp8(b, *scales), 2)
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})

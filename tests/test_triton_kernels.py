@@ -192,10 +192,19 @@ def test_store_kv_fp8_is_byte_exact(scales, block_size, dtype):
 @pytest.mark.parametrize("scales", FP8_SCALES)
 @pytest.mark.parametrize("group", [1, 2, 8])
 @pytest.mark.parametrize("num_splits", [1, 5])
-def test_decode_fp8(scales, group, num_splits):
+@pytest.mark.parametrize("kv_major", [False, True])
+def test_decode_fp8(scales, group, num_splits, kv_major):
     ctx_lens = random_lengths(33, 700, seed=group)
     batch = make_batch([1] * 33, ctx_lens, 2 * group, 2, 128, 16, torch.bfloat16, "cuda", num_padding=3)
-    check_attention_fp8(to_fp8(batch, *scales), num_splits)
+    check_attention_fp8(to_fp8(batch, *scales), num_splits, decode_config={"KV_MAJOR": kv_major})
+
+
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+def test_decode_fp8_kv_major_beside_prefill(block_n):
+    ctx_lens = [300, 517, 64, 1000, 33, 129]
+    q_lens = [44, 1, 64, 1, 1, 1]
+    batch = make_batch(q_lens, ctx_lens, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=6, num_padding=2)
+    check_attention_fp8(to_fp8(batch, 0.5, 1.5), 3, decode_config={"KV_MAJOR": True, "BLOCK_N": block_n})
 
 
 @pytest.mark.parametrize("scales", FP8_SCALES)

@@ -216,6 +216,112 @@ def paged_attention_kernel(
         tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
 
 
+# The block tables' row stride: not specialised, as for paged_attention_kernel.
+@triton.jit(do_not_specialize=["stride_bt"])
+def paged_decode_kv_major_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    cu_seqlens_q_ptr,
+    qk_scale,
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    num_heads,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,  # 0: every sequence (all of query length 1); 1: only query length 1
+    KV_FP8: tl.constexpr,
+):
+    """Decode attention computed transposed: s^T = K q^T and o^T = V^T p^T, so that K and V (widened
+    from e4m3 in registers) are the MMAs' first operand, which Hopper's wgmma takes from registers,
+    instead of the second, which it reads from shared memory (paged_attention_kernel's q K^T and
+    p V store the widened tiles there first). Only q^T (once) and p^T (BLOCK_N x GROUP_PAD) go
+    through shared memory. Same grid, scales, splits and partial outputs as paged_attention_kernel
+    with BLOCK_Q = 1; K, V, q and p in fp16 (e4m3 widens to it exactly)."""
+    kv_head = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
+    seq = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    if ROWS == 1:  # noqa: SIM102 (constexpr branch, pruned at compile time)
+        if tl.load(cu_seqlens_q_ptr + seq + 1) - q_start != 1:
+            return
+    context_len = tl.load(context_lens_ptr + seq)
+
+    g = tl.arange(0, GROUP_PAD)  # the KV head's query heads, as columns
+    head = kv_head * GROUP + g
+    g_valid = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:
+        d_valid = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        d_valid = d < HEAD_DIM
+    q_off = q_start.to(tl.int64) * stride_qt + head[None, :] * stride_qh + d[:, None]
+    qt = tl.load(q_ptr + q_off, mask=g_valid[None, :] & d_valid[:, None], other=0.0).to(tl.float16)
+
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_D, GROUP_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        key = tile * BLOCK_N + n
+        key_valid = key < context_len
+        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        row = block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
+        if BLOCK_D == HEAD_DIM:
+            k_mask = key_valid[:, None]
+            v_mask = key_valid[None, :]
+        else:
+            k_mask = key_valid[:, None] & d_valid[None, :]
+            v_mask = key_valid[None, :] & d_valid[:, None]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=k_mask, other=0.0).to(tl.float16)
+        st = tl.dot(k, qt) * qk_scale  # [BLOCK_N, GROUP_PAD], log2 domain
+        st = tl.where(key_valid[:, None], st, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        pt = tl.exp2(st - m_safe[None, :])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(pt, 0)
+        vt = tl.load(v_cache_ptr + row[None, :] + d[:, None], mask=v_mask, other=0.0).to(tl.float16)
+        acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))  # [BLOCK_D, GROUP_PAD]
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+    if KV_FP8:
+        o = o * v_scale
+    out_mask = g_valid[None, :] & d_valid[:, None]
+    if NUM_SPLITS == 1:
+        o_off = q_start.to(tl.int64) * stride_ot + head[None, :] * stride_oh + d[:, None]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(partial_lse_ptr + part, lse, mask=g_valid)
+        tl.store(partial_out_ptr + part[None, :] * HEAD_DIM + d[:, None], o, mask=out_mask)
+
+
 @triton.jit
 def split_kv_reduce_kernel(
     partial_out_ptr,
@@ -262,7 +368,9 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # conversion on sm90; bf16 goes through fp32): 2.51 TB/s of fp8 bytes against 1.79 with the bf16
 # config at b256x1024 (H200, bench/attention.py --sweep-fp8), so 1.7x the bf16 kernel's speed. q is
 # widened to fp16 too: exact for bf16 values within fp16's range (|q| < 65504, normal above 6e-5).
-DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True}
+# Capped at 168 registers a thread (202 uncapped: 2 programs an SM, 12.5% occupancy in Nsight
+# Compute), 3 programs fit: 2.74 against 2.50 TB/s (bench/attention.py --sweep-fp8-registers).
+DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "maxnreg": 168}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
 
@@ -324,7 +432,14 @@ def _launch(
             num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
         )
         partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    paged_attention_kernel[grid](
+    kernel = paged_attention_kernel
+    if meta.pop("KV_MAJOR", False):
+        kernel = paged_decode_kv_major_kernel
+        for unused in ("BLOCK_Q", "DOT_PRECISION", "FP8_DOT_F16"):
+            meta.pop(unused, None)
+    else:
+        meta["DOT_PRECISION"] = "ieee" if q.dtype == torch.float32 else "tf32"
+    kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -349,7 +464,6 @@ def _launch(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=fp8,
         **meta,
     )
@@ -391,8 +505,11 @@ def paged_decode(
     base = DECODE_CONFIG_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_CONFIG
     cfg = {**base, **(config or {})}
     group = q.shape[1] // k_cache.shape[2]
-    # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)
+    # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling); KV_MAJOR:
+    # paged_decode_kv_major_kernel (an e4m3 cache and 16-bit q only: it computes in fp16)
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    if cfg.get("KV_MAJOR") and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32:
+        extra["KV_MAJOR"] = True
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
