@@ -149,9 +149,19 @@ def fp8_register_grid():
 
 
 def fp8_kv_major_grid():
-    """paged_decode_kv_major_kernel's tiles (K and V as the MMAs' register operand)."""
-    for block_n, warps, stages, maxnreg in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None, 128)):
+    """paged_decode_kv_major_kernel's tiles (K and V as the MMAs' register operand), and the
+    first kernel with V loaded a tile ahead into registers (V_AHEAD)."""
+    for block_n, warps, stages, maxnreg in itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 128)):
         cfg = {"KV_MAJOR": True, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
+    for block_n, warps, stages, maxnreg in itertools.product((64, 128), (4, 8), (2, 3), (None, 168, 128)):
+        cfg = {
+            "V_AHEAD": True,
+            "BLOCK_N": block_n,
+            "num_warps": warps,
+            "num_stages": stages,
+            "FP8_DOT_F16": True,
+        }
         yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
 
 

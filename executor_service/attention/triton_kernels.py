@@ -121,6 +121,10 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (Triton would use TF32), ignored for 16-bit
     KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
     FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
+    # With KV_FP8: load each tile's V one iteration ahead into registers and widen it there, so the
+    # MMA's V operand is staged in shared memory as 16-bit values (read back transposed, as for a
+    # 16-bit cache) rather than gathered there byte by byte from the e4m3 tile.
+    V_AHEAD: tl.constexpr = False,
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -174,6 +178,13 @@ def paged_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + d[None, :]
     n = tl.arange(0, BLOCK_N)
+    if V_AHEAD:
+        key = tile_lo * BLOCK_N + n
+        key_valid = (key < kv_end) & (tile_lo < tile_hi)
+        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
+        v_next = tl.load(v_cache_ptr + kv_off, mask=key_valid[:, None] & d_valid[None, :], other=0.0)
+        v_next = v_next.to(q.dtype)
     for tile in range(tile_lo, tile_hi):
         key = tile * BLOCK_N + n
         key_valid = key < kv_end
@@ -185,7 +196,16 @@ def paged_attention_kernel(
         else:
             kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if V_AHEAD:
+            v = v_next
+            key_ahead = key + BLOCK_N
+            valid_ahead = (key_ahead < kv_end) & (tile + 1 < tile_hi)
+            block = tl.load(bt_row + key_ahead // BLOCK_SIZE, mask=valid_ahead, other=0).to(tl.int64)
+            off = block[:, None] * stride_cb + (key_ahead % BLOCK_SIZE)[:, None] * stride_cs + head_off
+            v_next = tl.load(v_cache_ptr + off, mask=valid_ahead[:, None] & d_valid[None, :], other=0.0)
+            v_next = v_next.to(q.dtype)
+        else:
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -510,6 +530,8 @@ def paged_decode(
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     if cfg.get("KV_MAJOR") and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32:
         extra["KV_MAJOR"] = True
+    elif cfg.get("V_AHEAD") and k_cache.dtype == torch.float8_e4m3fn:
+        extra["V_AHEAD"] = True
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
