@@ -144,24 +144,20 @@ def fp8_register_grid():
     """The fp8 cache's tiles under register caps (maxnreg): the default config takes 202
     registers a thread, so 2 programs of 4 warps fit on an SM (12.5% occupancy, Nsight Compute)."""
     for block_n, warps, stages, maxnreg in itertools.product((64, 128), (4, 8), (2, 3), (None, 96, 128, 168)):
-        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": True}
-        yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
-
-
-def fp8_kv_major_grid():
-    """paged_decode_kv_major_kernel's tiles (K and V as the MMAs' register operand), and the
-    first kernel with V loaded a tile ahead into registers (V_AHEAD)."""
-    for block_n, warps, stages, maxnreg in itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 128)):
-        cfg = {"KV_MAJOR": True, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-        yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
-    for block_n, warps, stages, maxnreg in itertools.product((64, 128), (4, 8), (2, 3), (None, 168, 128)):
         cfg = {
-            "V_AHEAD": True,
+            "KV_MAJOR": False,
             "BLOCK_N": block_n,
             "num_warps": warps,
             "num_stages": stages,
             "FP8_DOT_F16": True,
         }
+        yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
+
+
+def fp8_kv_major_grid():
+    """paged_decode_kv_major_kernel's tiles (K and V as the MMAs' register operand)."""
+    for block_n, warps, stages, maxnreg in itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 128)):
+        cfg = {"KV_MAJOR": True, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
         yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
 
 
@@ -174,7 +170,16 @@ def fp8_tile_grid(quick: bool = False):
         else ((32, 64, 128, 256), (4, 8), (2, 3, 4), (False, True))
     )
     for block_n, warps, stages, f16 in itertools.product(*grid):
-        yield None, {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "FP8_DOT_F16": f16}
+        yield (
+            None,
+            {
+                "KV_MAJOR": False,
+                "BLOCK_N": block_n,
+                "num_warps": warps,
+                "num_stages": stages,
+                "FP8_DOT_F16": f16,
+            },
+        )
 
 
 def sweep_decode(batch: int, context: int, block_size: int, kv_dtype: torch.dtype, grid):

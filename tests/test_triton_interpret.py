@@ -57,18 +57,15 @@ for dtype in (torch.bfloat16, f16):
     check_store_fp8(to_fp8(make_batch([7, 2], [7, 30], 4, 2, 48, 16, dtype, "cpu"), 0.02, 3.0))
 for scales in ((1.0, 1.0), (0.05, 2.5)):
     for splits, f16_dot in itertools.product((1, 3), (False, True)):
-        cfg = {"FP8_DOT_F16": f16_dot, "BLOCK_N": 16}
+        cfg = {"KV_MAJOR": False, "FP8_DOT_F16": f16_dot, "BLOCK_N": 16}
         check_attention_fp8(to_fp8(make_batch([1] * 4, [20, 1, 40, 17], 8, 2, 32, 16, f16, "cpu", num_padding=2), *scales), splits, decode_config=cfg)
-    # The transposed decode kernel (K and V as the MMAs' first operand), alone and beside prefill rows.
+    # The transposed decode kernel (the default for 16-bit queries), alone and beside prefill rows.
     for splits, group in itertools.product((1, 3), (2, 4)):
         b = make_batch([1] * 4, [20, 1, 40, 17], 2 * group, 2, 32, 16, f16, "cpu", num_padding=2)
         check_attention_fp8(to_fp8(b, *scales), splits, decode_config={"KV_MAJOR": True, "BLOCK_N": 16})
     b = make_batch([5, 1, 33, 1], [21, 9, 50, 70], 4, 2, 48, 16, f16, "cpu", seed=3, num_padding=1)
     check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"KV_MAJOR": True, "BLOCK_N": 16})
-    # V loaded a tile ahead (the last tile's look-ahead masked off, splits of one or no tile).
-    check_attention_fp8(to_fp8(b, *scales), 3, decode_config={"V_AHEAD": True, "BLOCK_N": 16})
-    b = make_batch([1] * 4, [20, 1, 40, 17], 8, 2, 32, 16, f16, "cpu", num_padding=2)
-    check_attention_fp8(to_fp8(b, *scales), 1, decode_config={"V_AHEAD": True, "BLOCK_N": 16})
+
     b = make_batch([5, 20, 1, 33, 1], [21, 20, 9, 50, 70], 4, 2, 32, 16, f16, "cpu", seed=1, num_padding=1)
     check_attention_fp8(to_fp8(b, *scales), 2)
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})

@@ -121,10 +121,6 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (Triton would use TF32), ignored for 16-bit
     KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
     FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
-    # With KV_FP8: load each tile's V one iteration ahead into registers and widen it there, so the
-    # MMA's V operand is staged in shared memory as 16-bit values (read back transposed, as for a
-    # 16-bit cache) rather than gathered there byte by byte from the e4m3 tile.
-    V_AHEAD: tl.constexpr = False,
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -178,13 +174,6 @@ def paged_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + d[None, :]
     n = tl.arange(0, BLOCK_N)
-    if V_AHEAD:
-        key = tile_lo * BLOCK_N + n
-        key_valid = (key < kv_end) & (tile_lo < tile_hi)
-        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
-        v_next = tl.load(v_cache_ptr + kv_off, mask=key_valid[:, None] & d_valid[None, :], other=0.0)
-        v_next = v_next.to(q.dtype)
     for tile in range(tile_lo, tile_hi):
         key = tile * BLOCK_N + n
         key_valid = key < kv_end
@@ -196,16 +185,7 @@ def paged_attention_kernel(
         else:
             kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if V_AHEAD:
-            v = v_next
-            key_ahead = key + BLOCK_N
-            valid_ahead = (key_ahead < kv_end) & (tile + 1 < tile_hi)
-            block = tl.load(bt_row + key_ahead // BLOCK_SIZE, mask=valid_ahead, other=0).to(tl.int64)
-            off = block[:, None] * stride_cb + (key_ahead % BLOCK_SIZE)[:, None] * stride_cs + head_off
-            v_next = tl.load(v_cache_ptr + off, mask=valid_ahead[:, None] & d_valid[None, :], other=0.0)
-            v_next = v_next.to(q.dtype)
-        else:
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -388,9 +368,18 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # conversion on sm90; bf16 goes through fp32): 2.51 TB/s of fp8 bytes against 1.79 with the bf16
 # config at b256x1024 (H200, bench/attention.py --sweep-fp8), so 1.7x the bf16 kernel's speed. q is
 # widened to fp16 too: exact for bf16 values within fp16's range (|q| < 65504, normal above 6e-5).
-# Capped at 168 registers a thread (202 uncapped: 2 programs an SM, 12.5% occupancy in Nsight
-# Compute), 3 programs fit: 2.74 against 2.50 TB/s (bench/attention.py --sweep-fp8-registers).
-DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "maxnreg": 168}
+# The transposed kernel (KV_MAJOR: paged_decode_kv_major_kernel) for 16-bit queries: 2.80 TB/s at
+# b256x1024 against 2.72 for the first kernel capped at 168 registers a thread (202 uncapped: 2
+# programs an SM, 12.5% occupancy in Nsight Compute; 2.50 TB/s), whose config serves fp32 queries
+# (bench/attention.py --sweep-fp8-kv-major, --sweep-fp8-registers).
+DECODE_CONFIG_FP8 = {
+    "KV_MAJOR": True,
+    "BLOCK_N": 128,
+    "num_warps": 4,
+    "num_stages": 3,
+    "FP8_DOT_F16": True,
+    "maxnreg": 168,
+}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
 
@@ -529,9 +518,7 @@ def paged_decode(
     # paged_decode_kv_major_kernel (an e4m3 cache and 16-bit q only: it computes in fp16)
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     if cfg.get("KV_MAJOR") and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32:
-        extra["KV_MAJOR"] = True
-    elif cfg.get("V_AHEAD") and k_cache.dtype == torch.float8_e4m3fn:
-        extra["V_AHEAD"] = True
+        extra = {"KV_MAJOR": True}  # uncapped: 2.80 TB/s against 2.70 at 128 registers
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
