@@ -177,8 +177,8 @@ class CoreBridge:
         first_latencies: list[float] = []
         gaps: list[float] = []
         for seq in seqs:
-            stream = seq.client
-            if stream is None or seq.logprobs is not None or seq.prompt_logprobs is not None or seq.error:
+            stream = seq.client  # set only for requests without logprobs (RequestTracker.drain_into)
+            if stream is None or seq.error is not None:
                 general.append(to_output(seq))
                 continue
             group = columns.get(stream.peer)

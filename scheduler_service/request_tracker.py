@@ -126,7 +126,9 @@ class RequestTracker:
         failures: Failures = {}
         for engine_id, prompt, params, arrival, deadline, name, stream in adds:
             try:
-                client = stream if stream.peer is not None else None
+                # The engine core's fast path takes outputs of tokens alone (engine_core.py).
+                fast = stream.peer is not None and not params.logprobs and params.prompt_logprobs is None
+                client = stream if fast else None
                 engine.add_request(prompt, params, request_id=engine_id, name=name, client=client)
                 self.arrivals[engine_id] = arrival
                 if deadline is not None:

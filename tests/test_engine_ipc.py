@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from protos.executor import StepOnlyExecutor
-from protos.plan import ExecutorInfo, StepPlan, StepResult
+from protos.plan import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
 from scheduler_service import engine_ipc as ipc
 from scheduler_service.engine import RequestOutput
 from scheduler_service.errors import ErrorCode, TandemRequestError
@@ -182,9 +182,11 @@ class _CountingExecutor(StepOnlyExecutor):
             state = self.seqs[seq_id]
             state[1] += n
             if state[1] >= state[0]:
+                token = (seq_id + state[0]) % 40 + 2
                 result.seq_ids.append(seq_id)
-                result.token_ids.append((seq_id + state[0]) % 40 + 2)
+                result.token_ids.append(token)
                 result.num_tokens.append(1)
+                result.logprobs.append(TokenLogprobs(seq_id, [-0.25 * token], [token], [-0.25 * token]))
                 state[0] += 1
         return result
 
@@ -194,13 +196,14 @@ def test_the_engine_threads_out_messages_leave_what_the_general_path_leaves():
     sequences themselves (no RequestOutput, no dispatch on the loop). Through it, every API
     server's streams end as through the general path (RequestOutputs dispatched on the core's
     StreamTable, forwarded by its listener), over prefill chunks, stop tokens, length limits, a
-    prefix hit and a request with logprobs (which stays on the general path); the core's table
-    is emptied and its queued prompt tokens drop to 0 either way, and TTFT is observed once per
-    request."""
+    prefix hit and a request with logprobs (which RequestTracker leaves on the general path); the
+    core's table is emptied and its queued prompt tokens drop to 0 either way, and TTFT is observed
+    once per request."""
     from types import SimpleNamespace
 
     from scheduler_service.engine import LLMEngine
     from scheduler_service.engine_core import CoreBridge
+    from scheduler_service.request_tracker import RequestTracker
 
     prompts = [list(range(2, 2 + n)) for n in (3, 21, 9, 21, 6)]  # the 4th repeats the 2nd
     params = [
@@ -222,14 +225,21 @@ def test_the_engine_threads_out_messages_leave_what_the_general_path_leaves():
         api = {peer: StreamTable(SchedulerMetrics()) for peer in peers}
         api_streams = []
         engine = LLMEngine(_CountingExecutor())
+        tracker = RequestTracker(core_streams, metrics, lambda outputs, failures: None)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             peer = peers[i % 2]
-            stream = RequestStream(f"r{i}", i, len(prompt), p, 0.0, peer=peer if fast else None)
-            core_streams.add(stream)
-            bridge._remote[i] = (peer, stream)
-            api_streams.append(RequestStream(f"r{i}", i, len(prompt), p, 0.0))
+            stream = tracker.add(f"r{i}", prompt, p, 0.0, None, peer=peer if fast else None)
+            bridge._remote[stream.engine_id] = (peer, stream)
+            api_streams.append(RequestStream(f"r{i}", stream.engine_id, len(prompt), p, 0.0))
             api[peer].add(api_streams[-1])
-            engine.add_request(prompt, p, request_id=i, client=stream if fast else None)
+        tracker.drain_into(engine)
+        assert [seq.client is not None for seq in engine.scheduler.seqs.values()] == [
+            fast,
+            fast,
+            False,
+            fast,
+            fast,
+        ]
         try:
             while engine.has_unfinished_requests() or engine.scheduler.has_finished_to_send():
                 if fast:
@@ -256,3 +266,4 @@ def test_the_engine_threads_out_messages_leave_what_the_general_path_leaves():
     reasons = [s.finish_reason for s in fast[0]]
     assert reasons == ["length", "stop", "length", "length", "stop"], reasons
     assert fast[0][3].num_cached_tokens > 0  # the prefix hit
+    assert [lp.logprob for lp in fast[0][2].logprobs] == [-0.25 * t for t in fast[0][2].token_ids]
