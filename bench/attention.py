@@ -141,24 +141,27 @@ def tile_grid(batch: int):
 
 
 def fp8_register_grid():
-    """The fp8 cache's tiles under register caps (maxnreg): the default config takes 202
-    registers a thread, so 2 programs of 4 warps fit on an SM (12.5% occupancy, Nsight Compute)."""
-    for block_n, warps, stages, maxnreg in itertools.product((64, 128), (4, 8), (2, 3), (None, 96, 128, 168)):
-        cfg = {
-            "KV_MAJOR": False,
-            "BLOCK_N": block_n,
-            "num_warps": warps,
-            "num_stages": stages,
-            "FP8_DOT_F16": True,
-        }
-        yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
+    """The first fp8 decode kernel's tiles under register caps (maxnreg; 0: uncapped, 202 registers
+    a thread, so 2 programs of 4 warps fit on an SM: 12.5% occupancy in Nsight Compute)."""
+    for block_n, warps, stages, maxnreg in itertools.product((64, 128), (4, 8), (2, 3), (0, 96, 128, 168)):
+        cfg = {"KV_MAJOR": False, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        yield None, {**cfg, "FP8_DOT_F16": True, "maxnreg": maxnreg}
 
 
 def fp8_kv_major_grid():
-    """paged_decode_kv_major_kernel's tiles (K and V as the MMAs' register operand)."""
-    for block_n, warps, stages, maxnreg in itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 128)):
-        cfg = {"KV_MAJOR": True, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-        yield None, {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
+    """paged_decode_kv_major_kernel's tiles (K and V as the MMAs' register operand); maxnreg 0:
+    uncapped."""
+    for block_n, warps, stages, maxnreg in itertools.product((32, 64, 128), (4, 8), (2, 3), (0, 128, 168)):
+        yield (
+            None,
+            {
+                "KV_MAJOR": True,
+                "BLOCK_N": block_n,
+                "num_warps": warps,
+                "num_stages": stages,
+                "maxnreg": maxnreg,
+            },
+        )
 
 
 def fp8_tile_grid(quick: bool = False):

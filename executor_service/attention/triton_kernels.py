@@ -368,10 +368,11 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # conversion on sm90; bf16 goes through fp32): 2.51 TB/s of fp8 bytes against 1.79 with the bf16
 # config at b256x1024 (H200, bench/attention.py --sweep-fp8), so 1.7x the bf16 kernel's speed. q is
 # widened to fp16 too: exact for bf16 values within fp16's range (|q| < 65504, normal above 6e-5).
-# The transposed kernel (KV_MAJOR: paged_decode_kv_major_kernel) for 16-bit queries: 2.80 TB/s at
-# b256x1024 against 2.72 for the first kernel capped at 168 registers a thread (202 uncapped: 2
-# programs an SM, 12.5% occupancy in Nsight Compute; 2.50 TB/s), whose config serves fp32 queries
-# (bench/attention.py --sweep-fp8-kv-major, --sweep-fp8-registers).
+# The transposed kernel (KV_MAJOR: paged_decode_kv_major_kernel) for 16-bit queries, capped at 168
+# registers a thread (177 uncapped, 2 programs an SM: 2.44 TB/s): 2.80 TB/s at b256x1024, against
+# 2.72 for the first kernel at the same cap (202 uncapped, 12.5% occupancy in Nsight Compute: 2.50
+# TB/s), whose config serves fp32 queries (bench/attention.py --sweep-fp8-kv-major,
+# --sweep-fp8-registers).
 DECODE_CONFIG_FP8 = {
     "KV_MAJOR": True,
     "BLOCK_N": 128,
@@ -518,7 +519,7 @@ def paged_decode(
     # paged_decode_kv_major_kernel (an e4m3 cache and 16-bit q only: it computes in fp16)
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     if cfg.get("KV_MAJOR") and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32:
-        extra = {"KV_MAJOR": True}  # uncapped: 2.80 TB/s against 2.70 at 128 registers
+        extra["KV_MAJOR"] = True
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
