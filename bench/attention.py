@@ -165,8 +165,8 @@ def fp8_kv_major_grid():
 
 
 def fp8_tile_grid(quick: bool = False):
-    """The fp8 cache's grid: larger key tiles, and K/V widened to q's dtype or to fp16 (quick: the
-    key tiles and warps at 3 stages, widened to fp16)."""
+    """The first fp8 decode kernel's grid, uncapped: larger key tiles, and K/V widened to q's dtype
+    or to fp16 (quick: the key tiles and warps at 3 stages, widened to fp16)."""
     grid = (
         ((64, 128, 256), (4, 8), (3,), (True,))
         if quick
@@ -181,6 +181,7 @@ def fp8_tile_grid(quick: bool = False):
                 "num_warps": warps,
                 "num_stages": stages,
                 "FP8_DOT_F16": f16,
+                "maxnreg": 0,
             },
         )
 

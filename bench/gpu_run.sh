@@ -105,7 +105,7 @@ for what in "$@"; do
     fp8-kv-major-tests) TAIL=8 stage fp8-kv-major-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
     # Nsight Compute on the decode kernel, bf16 and fp8 caches (where the machine's runtime gives
     # ncu the counters; the clocks left alone): what bounds the fp8 kernel.
-    attention-ncu) TAIL=80 stage attention-ncu ncu --clock-control none -k regex:paged_attention_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats "$PY" bench/attention.py --ncu ;;
+    attention-ncu) TAIL=80 stage attention-ncu ncu --clock-control none -k regex:paged_ --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats "$PY" bench/attention.py --ncu ;;
     fp8-gemm) TAIL=30 stage fp8-gemm "$PY" bench/fp8_gemm.py ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;

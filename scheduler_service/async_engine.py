@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from protos.plan import ExecutorInfo
 from protos.service_main import freeze_startup_heap
 from scheduler_service.config import EngineOptions
-from scheduler_service.engine import Executor, LLMEngine, RequestOutput
+from scheduler_service.engine import Executor, LLMEngine, RequestOutput, to_output
 from scheduler_service.errors import ErrorCode, InvalidRequestError, QueueFullError, TandemRequestError
 from scheduler_service.executor_client import ExecutorError, ExecutorUnavailable, PlanRejected
 from scheduler_service.executor_recovery import ExecutorRecovery
@@ -262,10 +262,15 @@ class AsyncEngine:
             self._recovery.lose(engine, f"engine step failed: {e}")
             return
         self._record_step(engine)
-        if step_outputs is not None:
-            step_outputs(updated)
-        else:
+        if step_outputs is None:
             self._post(outputs)
+            return
+        try:
+            step_outputs(updated)
+        except Exception:
+            # (a bug there must not stop the engine thread: this step's outputs take the general path)
+            logger.exception("step_outputs failed: the step's outputs go through the stream table")
+            self._post([to_output(seq) for seq in updated])
 
     def _fail_plan(self, engine: LLMEngine, error: Exception) -> None:
         plan = engine.last_plan

@@ -8,7 +8,8 @@ port. Between them, ZeroMQ (engine_ipc.py): `CoreBridge` admits their requests i
 server one message with its requests' new tokens, so the step loop never waits on a client and
 never writes to one. The engine thread builds those messages itself from the step's sequences
 (`step_outputs`, one pass; a request with logprobs, or one that failed, takes the general path
-of RequestOutputs through the core's StreamTable) and the loop only sends them.
+of RequestOutputs through the core's StreamTable, a second message to that API server in the same
+step) and the loop only sends them.
 
 Lifecycle: the core takes the client port's lock (protos.ports.port_lock: a second service on the
 port is refused), binds the HTTP socket once for all API servers (they inherit it), starts them
@@ -49,15 +50,11 @@ _FINISHED = SequenceStatus.FINISHED
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0
-# The GIL's switch interval in the engine core (Python's default 5 ms). While the loop admits a
-# burst of requests it runs Python for tens of milliseconds; each time the executor's result
-# comes back, the gRPC thread and then the engine thread wait up to one interval for the GIL, and
-# with two plans in flight a wait past a step's time leaves the GPU idle.
-SWITCH_INTERVAL_S = 0.0005
 
 
 class CoreBridge:
-    """The engine core's end of the IPC (runs on the core's asyncio loop)."""
+    """The engine core's end of the IPC: its socket is read and written on the core's asyncio loop;
+    `step_outputs` runs on the engine thread and hands its frames to the loop."""
 
     def __init__(self, engine: AsyncEngine, metrics: SchedulerMetrics, address: str) -> None:
         self.engine = engine
@@ -261,7 +258,6 @@ def _spec_args(args) -> dict:
 
 async def serve(args, count: int, executor, options, tokenizer_for) -> int:
     """Run the engine core and `count` API servers until SIGTERM / SIGINT; returns the exit code."""
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     metrics = SchedulerMetrics()
     port = args.port or _free_port(args.host)
     lock = port_lock(args.host, port)

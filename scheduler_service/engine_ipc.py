@@ -7,7 +7,7 @@ One ROUTER socket in the engine core, one DEALER per API server (its identity `a
     ["hello"]                                   ["state", state]          (on hello, on each change)
     ["add", key, request_id, prompt_ids,        ["added", key, [engine id of each sample]] or
      params, arrival, timeout, user]            ["refused", key, code, message]
-    ["abort", engine_id]                        ["out", engine_ids, token_ids,   (once per engine step)
+    ["abort", engine_id]                        ["out", engine_ids, token_ids,   (after each engine step)
     ["metrics", [record, ...]]                   num_cached_tokens, details]
 
 An API server says hello once it serves (its port bound): the core counts the hellos to know that
@@ -15,7 +15,8 @@ every API server has started.
 
 `state`: {"info": ExecutorInfo fields or None, "limits": SchedulerLimits fields or None,
 "message": why not connected, "admitting": bool}. "out" is one step's news for the API server's
-requests, in columns (outputs_to_wire): each request's engine id, new token ids and cached
+requests (CoreBridge.step_outputs builds it for requests of tokens alone, outputs_to_wire for
+the others: an API server may get both after a step), in columns (outputs_to_wire): each request's engine id, new token ids and cached
 tokens, and `details` only for the few with more than tokens: [column index, logprobs or None,
 prompt logprobs or None (once), finished, finish reason, failure code or None, failure message],
 with logprobs as [token id, logprob, [[id, logprob], ...], rank].

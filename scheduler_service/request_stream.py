@@ -13,7 +13,9 @@ from scheduler_service.sequence import TokenLogprob
 
 
 class RequestStream:
-    """Written by StreamTable.dispatch (one batch per engine step), read by the RPC handler."""
+    """Written by StreamTable.dispatch (one batch per engine step), read by the RPC handler. In the
+    engine core, a stream of a request of tokens alone only keeps its timings and bookkeeping (its
+    outputs go straight to its API server: CoreBridge.step_outputs)."""
 
     def __init__(
         self,
@@ -45,7 +47,7 @@ class RequestStream:
         self.finished = False
         self.finish_reason: str | None = None
         self.failure: TandemRequestError | None = None
-        # Prompt tokens counted in StreamTable.num_queued_tokens until the first output.
+        # Prompt tokens counted in StreamTable.num_queued_tokens until its first token (or its end).
         self.queued_tokens = num_prompt_tokens
         self.first_token_time: float | None = None
         self.last_token_time = 0.0
@@ -75,8 +77,8 @@ class StreamTable:
     def __init__(self, metrics: SchedulerMetrics) -> None:
         self.metrics = metrics
         self._streams: dict[int, RequestStream] = {}
-        # Called after each dispatch with the streams it wrote to (the engine core forwards them
-        # to their API servers, engine_core.py); None in one process.
+        # Called after each dispatch with the streams it wrote to (the engine core forwards those of
+        # the general path to their API servers, engine_core.py); None in one process.
         self.listener: Callable[[list[RequestStream]], None] | None = None
         # Prompt tokens of live requests that have had no output yet (--max-queued-tokens).
         self.num_queued_tokens = 0

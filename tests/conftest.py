@@ -23,6 +23,19 @@ def qwen3_untied(tmp_path_factory):
 
 
 def pytest_configure(config):
+    # Each xdist worker draws free ports from a range of its own: a port one worker's test checked
+    # free could otherwise be taken by another worker's service (one restarted on its port, say)
+    # before this worker's service binds it.
+    import os
+
+    from client import defaults
+
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and count and worker.removeprefix("gw").isdigit():
+        lo, hi = defaults._FREE_PORT_RANGE
+        share = (hi - lo + 1) // int(count)
+        start = lo + int(worker.removeprefix("gw")) * share
+        defaults._FREE_PORT_RANGE = (start, start + share - 1)
     # Two xdist workers on two cores: one intra-op thread each avoids oversubscription.
     try:
         import torch

@@ -267,3 +267,39 @@ def test_the_engine_threads_out_messages_leave_what_the_general_path_leaves():
     assert reasons == ["length", "stop", "length", "length", "stop"], reasons
     assert fast[0][3].num_cached_tokens > 0  # the prefix hit
     assert [lp.logprob for lp in fast[0][2].logprobs] == [-0.25 * t for t in fast[0][2].token_ids]
+
+
+def test_a_failing_step_outputs_hook_leaves_the_steps_outputs_to_the_stream_table(caplog):
+    """A bug in the engine core's step_outputs must not stop the engine thread or lose a token:
+    the step's outputs then go through the stream table, and the request completes."""
+    import asyncio
+    import time
+
+    from scheduler_service.async_engine import AsyncEngine
+    from scheduler_service.config import EngineOptions, SchedulerConfig
+
+    calls = []
+
+    def broken(seqs) -> None:
+        calls.append(len(seqs))
+        raise RuntimeError("a bug in step_outputs")
+
+    async def run() -> RequestStream:
+        engine = AsyncEngine(_CountingExecutor(), EngineOptions(SchedulerConfig()), SchedulerMetrics())
+        engine.step_outputs = broken
+        engine.start(asyncio.get_running_loop())
+        try:
+            for _ in range(200):
+                if engine.engine is not None:
+                    break
+                await asyncio.sleep(0.01)
+            params = SamplingParams(max_tokens=6, ignore_eos=True)
+            stream = engine.add_request("r", [2, 3, 4, 5], params, time.perf_counter())
+            await asyncio.wait_for(stream.wait(6), 10)
+            return stream
+        finally:
+            await engine.aclose()
+
+    stream = asyncio.run(run())
+    assert calls and len(stream.token_ids) == 6 and stream.finished and stream.finish_reason == "length"
+    assert "step_outputs failed" in caplog.text

@@ -12,8 +12,11 @@ causal mask, reading the cached prefix and this chunk's keys through the block t
 
 An e4m3 cache (kv_cache_dtype fp8) is the same kernels with KV_FP8: the store writes
 e4m3(x / scale), rounded in fp32 (round_to_e4m3); attention loads half the bytes, widens K and V to
-q's dtype in registers (exact), folds k_scale into the softmax scale and multiplies the output by
-v_scale, accumulating in fp32 as for 16-bit caches.
+fp16 (or q's dtype) in registers (exact), folds k_scale into the softmax scale and multiplies the
+output by v_scale, accumulating in fp32 as for 16-bit caches. Its decode rows of 16-bit queries
+run paged_decode_kv_major_kernel instead, the same computation transposed (K and V as the MMAs'
+first operand), in fp16: a bf16 query must lie within fp16's range (|q| < 65504), as with
+FP8_DOT_F16.
 """
 
 from __future__ import annotations
@@ -517,8 +520,13 @@ def paged_decode(
     group = q.shape[1] // k_cache.shape[2]
     # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling); KV_MAJOR:
     # paged_decode_kv_major_kernel (an e4m3 cache and 16-bit q only: it computes in fp16)
-    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
-    if cfg.get("KV_MAJOR") and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32:
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and q.dtype != torch.float32 else {}
+    if (
+        cfg.get("KV_MAJOR")
+        and cfg.get("FP8_DOT_F16", True)  # it computes in fp16: FP8_DOT_F16 False keeps q's dtype
+        and k_cache.dtype == torch.float8_e4m3fn
+        and q.dtype != torch.float32
+    ):
         extra["KV_MAJOR"] = True
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
