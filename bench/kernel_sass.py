@@ -1,0 +1,158 @@
+"""The decode attention kernel compiled for Hopper (sm90) on a machine without a GPU: its registers
+per thread, shared memory, and the SASS of its main loop (how many instructions a tile of keys
+costs, and which). Triton compiles for a given target without a device, and its wheel ships
+cuobjdump; nothing is launched. A proxy for the GPU's timing where the kernel is bound by issuing
+instructions (the fp8 decode kernel: bench/RESULTS.md), not a measurement.
+
+    python bench/kernel_sass.py                        # the fp8 cache's default decode config
+    python bench/kernel_sass.py --kv bf16 --block-n 64 # the bf16 one
+    python bench/kernel_sass.py --first-kernel --block-n 128 --maxnreg 168 --top 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from executor_service.attention import triton_kernels as tk
+
+_SCALARS = {"qk_scale": "fp32", "v_scale": "fp32", "num_heads": "i32"}
+# Strides the engine's caches and views always have as multiples of 16 elements.
+_ALIGNED_STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch")
+
+
+def compile_decode(
+    kv: str, kv_major: bool, block_n: int, warps: int, stages: int, maxnreg: int, group: int, head_dim: int
+):
+    """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90."""
+    fn = tk.paged_decode_kv_major_kernel if kv_major else tk.paged_attention_kernel
+    cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
+    constants = {
+        "BLOCK_SIZE": 16,
+        "GROUP": group,
+        "GROUP_PAD": max(16, triton.next_power_of_2(group)),
+        "BLOCK_N": block_n,
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "NUM_SPLITS": 1,
+        "ROWS": 0,
+        "KV_FP8": kv == "fp8",
+    }
+    if not kv_major:
+        constants.update({"BLOCK_Q": 1, "DOT_PRECISION": "tf32", "FP8_DOT_F16": kv == "fp8"})
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in ("k_cache_ptr", "v_cache_ptr"):
+            signature[name] = cache
+        elif name.endswith("_ptr"):
+            signature[name] = (
+                "*i32" if name in ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr") else "*bf16"
+            )
+        else:
+            signature[name] = _SCALARS.get(name, "i32")
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if name.endswith("_ptr") or name in _ALIGNED_STRIDES
+    }
+    source = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+        attrs=attrs,
+    )
+    options = {"num_warps": warps, "num_stages": stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def cuobjdump(*args: str) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
+
+
+def loop_body(sass: str) -> list[str]:
+    """The opcodes of the longest backward branch's body (the loop over key tiles)."""
+    index: dict[int, int] = {}  # address -> position
+    opcodes = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            index[int(m.group(1), 16)] = len(opcodes)
+            opcodes.append(m.group(2))
+    lo, hi = 0, -1
+    for i, text in enumerate(opcodes):
+        target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        start = index.get(int(target.group(1), 16)) if target else None
+        if start is not None and start < i and i - start > hi - lo:
+            lo, hi = start, i
+    ops = []
+    for text in opcodes[lo : hi + 1]:
+        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", text)
+        if m:
+            ops.append(m.group(1))
+    return ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv", choices=("fp8", "bf16"), default="fp8", help="the cache's dtype")
+    parser.add_argument(
+        "--first-kernel",
+        action="store_true",
+        help="paged_attention_kernel for an fp8 cache, not the transposed one",
+    )
+    parser.add_argument("--block-n", type=int, help="keys per tile (default: the decode config's)")
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--maxnreg", type=int, help="register cap (default: the decode config's; 0: none)")
+    parser.add_argument("--group", type=int, default=2, help="query heads per KV head (Qwen3-0.6B: 2)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--top", type=int, default=16, help="opcodes to list")
+    args = parser.parse_args()
+
+    config = tk.DECODE_CONFIG_FP8 if args.kv == "fp8" else tk.DECODE_CONFIG
+    kv_major = args.kv == "fp8" and not args.first_kernel and bool(config.get("KV_MAJOR"))
+    block_n = args.block_n or config["BLOCK_N"]
+    maxnreg = config.get("maxnreg", 0) if args.maxnreg is None else args.maxnreg
+    kernel = compile_decode(
+        args.kv, kv_major, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
+        args.group, args.head_dim,
+    )  # fmt: skip
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = cuobjdump("--dump-resource-usage", cubin.name)
+        ops = loop_body(cuobjdump("-sass", cubin.name))
+    registers = re.search(r"REG:(\d+)", usage)
+    name = "paged_decode_kv_major_kernel" if kv_major else "paged_attention_kernel"
+    tile_bytes = 2 * block_n * args.head_dim * (1 if args.kv == "fp8" else 2)
+    print(
+        f"{name}, {args.kv} cache, BLOCK_N {block_n}, {args.warps} warps, {args.stages} stages, "
+        f"maxnreg {maxnreg or 'none'}: {registers.group(1) if registers else '?'} registers a thread, "
+        f"{kernel.metadata.shared} bytes of shared memory"
+    )
+    print(
+        f"loop: {len(ops)} instructions per tile of {block_n} keys ({tile_bytes // 1024} KB of K and V: "
+        f"{len(ops) / (tile_bytes / 1024):.1f} per KB)"
+    )
+    for op, count in collections.Counter(ops).most_common(args.top):
+        print(f"  {count:5d} {op}")
+
+
+if __name__ == "__main__":
+    main()
