@@ -33,24 +33,35 @@ _ALIGNED_STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_
 
 
 def compile_decode(
-    kv: str, kv_major: bool, block_n: int, warps: int, stages: int, maxnreg: int, group: int, head_dim: int
+    kv: str,
+    kv_major: bool,
+    block_n: int,
+    warps: int,
+    stages: int,
+    maxnreg: int,
+    group: int,
+    head_dim: int,
+    block_q: int = 1,
 ):
-    """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90."""
+    """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
+    block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows)."""
     fn = tk.paged_decode_kv_major_kernel if kv_major else tk.paged_attention_kernel
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
     constants = {
         "BLOCK_SIZE": 16,
         "GROUP": group,
-        "GROUP_PAD": max(16, triton.next_power_of_2(group)),
+        "GROUP_PAD": max(16 // block_q, triton.next_power_of_2(group)),
         "BLOCK_N": block_n,
         "HEAD_DIM": head_dim,
         "BLOCK_D": triton.next_power_of_2(head_dim),
         "NUM_SPLITS": 1,
-        "ROWS": 0,
+        "ROWS": 0 if block_q == 1 else 2,
         "KV_FP8": kv == "fp8",
     }
     if not kv_major:
-        constants.update({"BLOCK_Q": 1, "DOT_PRECISION": "tf32", "FP8_DOT_F16": kv == "fp8"})
+        constants.update(
+            {"BLOCK_Q": block_q, "DOT_PRECISION": "tf32", "FP8_DOT_F16": kv == "fp8" and block_q == 1}
+        )
     signature = {}
     for name in fn.arg_names:
         if name in constants:
@@ -123,15 +134,27 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=2, help="query heads per KV head (Qwen3-0.6B: 2)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--top", type=int, default=16, help="opcodes to list")
+    parser.add_argument(
+        "--prefill",
+        action="store_true",
+        help="paged_prefill's launch (PREFILL_CONFIG's tiles) instead of decode",
+    )
     args = parser.parse_args()
 
     config = tk.DECODE_CONFIG_FP8 if args.kv == "fp8" else tk.DECODE_CONFIG
-    kv_major = args.kv == "fp8" and not args.first_kernel and bool(config.get("KV_MAJOR"))
+    block_q = 1
+    if args.prefill:
+        config = tk.PREFILL_CONFIG
+        block_q = max(config["BLOCK_M"] // triton.next_power_of_2(args.group), 1)
+        args.warps, args.stages = config["num_warps"], config["num_stages"]
+    kv_major = (
+        args.kv == "fp8" and not args.first_kernel and not args.prefill and bool(config.get("KV_MAJOR"))
+    )
     block_n = args.block_n or config["BLOCK_N"]
     maxnreg = config.get("maxnreg", 0) if args.maxnreg is None else args.maxnreg
     kernel = compile_decode(
         args.kv, kv_major, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
-        args.group, args.head_dim,
+        args.group, args.head_dim, block_q,
     )  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
@@ -140,6 +163,8 @@ def main() -> None:
         ops = loop_body(cuobjdump("-sass", cubin.name))
     registers = re.search(r"REG:(\d+)", usage)
     name = "paged_decode_kv_major_kernel" if kv_major else "paged_attention_kernel"
+    if args.prefill:
+        name += f" (prefill, {block_q} query tokens a tile)"
     tile_bytes = 2 * block_n * args.head_dim * (1 if args.kv == "fp8" else 2)
     print(
         f"{name}, {args.kv} cache, BLOCK_N {block_n}, {args.warps} warps, {args.stages} stages, "
