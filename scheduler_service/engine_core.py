@@ -178,6 +178,8 @@ class CoreBridge:
             if stream is None or seq.error is not None:
                 general.append(to_output(seq))
                 continue
+            if not stream.live:  # aborted while the step ran (dispatch skips those too)
+                continue
             group = columns.get(stream.peer)
             if group is None:
                 group = columns[stream.peer] = ([], [], [], [])

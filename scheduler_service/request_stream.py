@@ -52,6 +52,9 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time = 0.0
         self.event = asyncio.Event()
+        # False once it left its StreamTable (finished, failed or aborted): the engine core's
+        # engine thread reads it to drop the outputs of a stream no longer served.
+        self.live = True
 
     def take(self) -> tuple[list[int], list[TokenLogprob]]:
         ids, lps = self.token_ids, self.logprobs
@@ -92,6 +95,7 @@ class StreamTable:
 
     def remove(self, stream: RequestStream) -> None:
         if self._streams.pop(stream.engine_id, None) is not None:
+            stream.live = False
             self.dequeue(stream)
 
     def drain(self) -> list[RequestStream]:
@@ -100,6 +104,7 @@ class StreamTable:
         self._streams.clear()
         self.num_queued_tokens = 0
         for stream in streams:
+            stream.live = False
             stream.queued_tokens = 0
         return streams
 
@@ -146,6 +151,7 @@ class StreamTable:
                 if out.error is not None:
                     stream.failure = TandemRequestError(out.error, ErrorCode.RESOURCE_EXHAUSTED)
                 del streams[out.request_id]
+                stream.live = False
             stream.event.set()
         if first_token_latencies:
             self.metrics.ttft.observe_all(first_token_latencies)
@@ -154,6 +160,7 @@ class StreamTable:
         for engine_id, failure in (failures or {}).items():
             stream = streams.pop(engine_id, None)
             if stream is not None:
+                stream.live = False
                 self.dequeue(stream)
                 stream.fail(failure)
                 if touched is not None:
