@@ -392,24 +392,27 @@ async def stream_all(
     return sum(n for n, _ in results), max(last for _, last in results) - t0
 
 
+def _stat_cpu_seconds(stat: Path) -> float | None:
+    """User + system CPU seconds from a /proc stat file (a process's or a thread's); None if gone."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, all threads (Linux /proc; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat")) or 0.0
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
     """User + system CPU seconds of each thread of `pid` (Linux /proc)."""
     out = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        seconds = _stat_cpu_seconds(task / "stat")
+        if seconds is not None:
+            out[int(task.name)] = seconds
     return out
 
 

@@ -208,8 +208,8 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(callback, *args)
 
     def _post(self, outputs: Sequence[RequestOutput], failures: Failures | None = None) -> None:
-        if self._loop is not None and (outputs or failures):
-            self._loop.call_soon_threadsafe(self.streams.dispatch, outputs, failures, time.perf_counter())
+        if outputs or failures:
+            self.call_soon(self.streams.dispatch, outputs, failures, time.perf_counter())
 
     def _set_health(self, serving: bool) -> None:
         if self._loop is not None:
@@ -239,12 +239,8 @@ class AsyncEngine:
                 recovery.heartbeat()
 
     def _step(self, engine: LLMEngine) -> None:
-        step_outputs = self.step_outputs
         try:
-            if step_outputs is not None:
-                updated = engine.step_sequences()
-            else:
-                outputs = engine.step()
+            updated = engine.step_sequences()
         except (PlanRejected, ValueError) as e:
             # The executor refused this plan and changed no state: fail only its requests.
             self._fail_plan(engine, e)
@@ -262,8 +258,9 @@ class AsyncEngine:
             self._recovery.lose(engine, f"engine step failed: {e}")
             return
         self._record_step(engine)
+        step_outputs = self.step_outputs
         if step_outputs is None:
-            self._post(outputs)
+            self._post([to_output(seq) for seq in updated])
             return
         try:
             step_outputs(updated)

@@ -430,8 +430,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
 
 
 def _launch(
-    q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, grid_q, kv_scales, **meta
-):
+    q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, grid_q, kv_scales,
+    kernel=paged_attention_kernel, **meta,
+):  # fmt: skip
+    """Launch `kernel` (paged_attention_kernel, or paged_decode_kv_major_kernel, which takes no
+    BLOCK_Q, DOT_PRECISION or FP8_DOT_F16) and the split-KV reduce after it."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
@@ -445,12 +448,7 @@ def _launch(
             num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
         )
         partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    kernel = paged_attention_kernel
-    if meta.pop("KV_MAJOR", False):
-        kernel = paged_decode_kv_major_kernel
-        for unused in ("BLOCK_Q", "DOT_PRECISION", "FP8_DOT_F16"):
-            meta.pop(unused, None)
-    else:
+    if kernel is paged_attention_kernel:
         meta["DOT_PRECISION"] = "ieee" if q.dtype == torch.float32 else "tf32"
     kernel[grid](
         q,
@@ -518,21 +516,24 @@ def paged_decode(
     base = DECODE_CONFIG_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_CONFIG
     cfg = {**base, **(config or {})}
     group = q.shape[1] // k_cache.shape[2]
-    # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling); KV_MAJOR:
-    # paged_decode_kv_major_kernel (an e4m3 cache and 16-bit q only: it computes in fp16)
-    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and q.dtype != torch.float32 else {}
+    f16_query = q.dtype != torch.float32
+    # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)
+    meta = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and f16_query else {}
+    # KV_MAJOR: paged_decode_kv_major_kernel, for an e4m3 cache and 16-bit q only (it computes in
+    # fp16: FP8_DOT_F16 False keeps q's dtype, in the first kernel)
     if (
         cfg.get("KV_MAJOR")
-        and cfg.get("FP8_DOT_F16", True)  # it computes in fp16: FP8_DOT_F16 False keeps q's dtype
+        and cfg.get("FP8_DOT_F16", True)
         and k_cache.dtype == torch.float8_e4m3fn
-        and q.dtype != torch.float32
+        and f16_query
     ):
-        extra["KV_MAJOR"] = True
+        meta["kernel"] = paged_decode_kv_major_kernel
+    else:
+        meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NUM_SPLITS=num_splits, ROWS=rows,
-        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and q.dtype != torch.float32, **extra,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, ROWS=rows,
+        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta,
     )  # fmt: skip
 
 
