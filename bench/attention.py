@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from executor_service.attention import triton_kernels as tk
 from executor_service.attention.triton_paged import _VARLEN_PARAMS, prefill_varlen, varlen_attn
 from executor_service.context import Context
+from executor_service.fp8 import fp8_v_cache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -52,6 +53,8 @@ def paged_decode_inputs(batch: int, context: int, block_size: int, kv_dtype: tor
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
     v_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
+    if kv_dtype == FP8:
+        v_cache = fp8_v_cache(v_cache)  # an e4m3 V cache keeps each block transposed
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
     return {
         "q": torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda"),

@@ -3,7 +3,11 @@
 KV cache: x is stored as e4m3(x / scale), saturated to +-448 (a cast alone would make NaN of what
 overflows), one scale per layer for K and one for V; read back as (e4m3 as fp32 * scale) cast to the
 compute dtype. The Triton kernels round the same way (round to nearest even), so they are tested
-against these functions exactly.
+against these functions exactly. An e4m3 V cache keeps each block transposed, [num_blocks,
+num_kv_heads, head_dim, block_size] (fp8_v_cache, v_cache_slots): a block's keys are then
+contiguous for each dimension, which is the reduction axis of attention's P @ V, so the kernel loads
+V in 16-byte vectors (from the slot-major layout sm90 could only read one byte at a time into the
+dot's operand layout).
 
 Weights (the Qwen3-*-FP8 format, transformers' `finegrained_fp8`): an e4m3 weight [out, in] and
 `weight_scale_inv` [ceil(out / 128), ceil(in / 128)] fp32, one scale per 128 x 128 block;
@@ -25,6 +29,18 @@ def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
 def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """What the attention kernels read: fp32(x) * scale in the compute dtype."""
     return (x.float() * scale).to(dtype)
+
+
+def fp8_v_cache(v: torch.Tensor) -> torch.Tensor:
+    """A V cache [num_blocks, block_size, num_kv_heads, head_dim] of e4m3 values in the layout an
+    e4m3 V cache keeps: [num_blocks, num_kv_heads, head_dim, block_size], contiguous."""
+    return v.permute(0, 2, 3, 1).contiguous()
+
+
+def v_cache_slots(v_cache: torch.Tensor) -> torch.Tensor:
+    """Any V cache viewed as [num_blocks, block_size, num_kv_heads, head_dim] (no copy): an e4m3 one
+    is kept transposed per block (fp8_v_cache), a 16-bit one slot-major already."""
+    return v_cache.permute(0, 3, 1, 2) if v_cache.dtype == FP8_DTYPE else v_cache
 
 
 def quantize_weight_blocks(

@@ -3,13 +3,15 @@
 Layout: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim); index 0 = K, 1 = V.
 Slot s of a layer lives at [:, layer, s // block_size, s % block_size]. The element type is the
 model's dtype or e4m3 (kv_cache_dtype fp8: half the bytes of bf16, so twice the blocks in the same
-memory; each attention layer holds its k_scale / v_scale)."""
+memory; each attention layer holds its k_scale / v_scale). An e4m3 layer's V slice is viewed as
+[num_blocks, num_kv_heads, head_dim, block_size], each block transposed (fp8.v_cache_slots)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from executor_service.fp8 import FP8_DTYPE
 from executor_service.layers.attention import Attention
 
 
@@ -49,4 +51,8 @@ class KVCache:
             raise ValueError(f"model has {len(layers)} attention layers, KV cache {self.tensor.shape[1]}")
         for i, layer in enumerate(layers):
             layer.k_cache = self.tensor[0, i]
-            layer.v_cache = self.tensor[1, i]
+            v = self.tensor[1, i]
+            if v.dtype == FP8_DTYPE:  # the same bytes, each block [num_kv_heads, head_dim, block_size]
+                num_blocks, block_size, num_kv_heads, head_dim = v.shape
+                v = v.view(num_blocks, num_kv_heads, head_dim, block_size)
+            layer.v_cache = v

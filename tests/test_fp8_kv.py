@@ -16,7 +16,7 @@ from client.llm import LLM
 from executor_service.attention.torch_ref import TorchRefBackend
 from executor_service.config import ExecutorConfig
 from executor_service.executor import LocalExecutor
-from executor_service.fp8 import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
+from executor_service.fp8 import FP8_DTYPE, FP8_MAX, dequantize_kv, fp8_v_cache, quantize_kv, v_cache_slots
 from executor_service.layers.attention import Attention
 from scheduler_service.sampling_params import SamplingParams
 
@@ -27,15 +27,14 @@ def fp8_batch(batch: dict, k_scale: float, v_scale: float) -> tuple[dict, dict]:
     """(the batch with e4m3 caches, the same batch with model-dtype caches and k/v holding the values
     an e4m3 cache gives back): the second is what the first must compute, exactly."""
     dtype = batch["q"].dtype
-    fp8 = dict(
-        batch, k_cache=quantize_kv(batch["k_cache"], k_scale), v_cache=quantize_kv(batch["v_cache"], v_scale)
-    )
+    v_fp8 = fp8_v_cache(quantize_kv(batch["v_cache"], v_scale))  # kept transposed per block
+    fp8 = dict(batch, k_cache=quantize_kv(batch["k_cache"], k_scale), v_cache=v_fp8)
     ref = dict(
         batch,
         k=dequantize_kv(quantize_kv(batch["k"], k_scale), k_scale, dtype),
         v=dequantize_kv(quantize_kv(batch["v"], v_scale), v_scale, dtype),
         k_cache=dequantize_kv(fp8["k_cache"], k_scale, dtype),
-        v_cache=dequantize_kv(fp8["v_cache"], v_scale, dtype),
+        v_cache=dequantize_kv(v_cache_slots(fp8["v_cache"]), v_scale, dtype),
     )
     return fp8, ref
 

@@ -16,7 +16,12 @@ fp16 (or q's dtype) in registers (exact), folds k_scale into the softmax scale a
 output by v_scale, accumulating in fp32 as for 16-bit caches. Its decode rows of 16-bit queries
 run paged_decode_kv_major_kernel instead, the same computation transposed (K and V as the MMAs'
 first operand), in fp16: a bf16 query must lie within fp16's range (|q| < 65504), as with
-FP8_DOT_F16.
+FP8_DOT_F16. Its V cache keeps each block transposed, [num_blocks, num_kv_heads, head_dim,
+block_size] (fp8.v_cache_slots): P @ V reduces over the keys, and sm90 can only gather 8-bit
+operands along their reduction axis byte by byte from a slot-major tile, while keys that are
+contiguous load as 16-byte vectors. The kernels read a block's V slots past the context (whole
+blocks keep the vectors): the store kernel keeps them zero (a block's first slot written zeroes
+the slots after it that the same launch does not write), so no per-key masking is needed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from executor_service.fp8 import v_cache_slots
 
 LOG2E = 1.4426950408889634
 
@@ -61,14 +68,20 @@ def store_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vcb,  # the V cache's strides as [num_blocks, block_size, num_kv_heads, head_dim] (fp8.v_cache_slots)
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     block_size,
     k_scale,
     v_scale,
+    num_tokens,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache is e4m3: store e4m3(x / scale), saturated
+    BLOCK_S: tl.constexpr,  # block_size, a power of 2 (with KV_FP8)
 ):
     # grid: (num_tokens,). Slot -1 (CUDA-graph padding) stores nothing; no host sync.
     t = tl.program_id(0)
@@ -80,12 +93,28 @@ def store_kv_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
-    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
+    block, offset = slot // block_size, slot % block_size
+    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
+    v_dst = block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
     if KV_FP8:
         k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
         v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if KV_FP8:  # noqa: SIM102 (constexpr branch)
+        # A block's first slot: zero the V slots after it that no token of this launch writes (a
+        # sequence's tokens are consecutive in the batch, with consecutive slots), so that the
+        # attention kernels may read whole blocks.
+        if offset == 0:
+            o = tl.arange(0, BLOCK_S)
+            later = tl.load(slot_mapping_ptr + t + o, mask=(o > 0) & (t + o < num_tokens), other=-1)
+            unwritten = (o > 0) & (later != slot + o)
+            h3 = tl.arange(0, BLOCK_H)[:, None, None]
+            d3 = tl.arange(0, BLOCK_D)[None, :, None]
+            zero_dst = block * stride_vcb + o[None, None, :] * stride_vcs + h3 * stride_vch + d3 * stride_vcd
+            zero_mask = (h3 < NUM_KV_HEADS) & (d3 < HEAD_DIM) & unwritten[None, None, :]
+            zeros = tl.zeros([BLOCK_H, BLOCK_D, BLOCK_S], v_cache_ptr.dtype.element_ty)
+            tl.store(v_cache_ptr + zero_dst, zeros, mask=zero_mask)
 
 
 # The block tables' row stride is the widest table of the step: not specialised (Triton would
@@ -110,6 +139,9 @@ def paged_attention_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vb,  # an e4m3 V cache's block, head and dimension strides (its keys are contiguous)
+    stride_vh,
+    stride_vd,
     stride_bt,
     num_heads,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -180,15 +212,32 @@ def paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         key = tile * BLOCK_N + n
         key_valid = key < kv_end
-        # Gather the cache block of every key: BLOCK_N keys may span several blocks.
-        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        # Gather the cache block of every key: BLOCK_N keys may span several blocks. (An e4m3 V
+        # cache is read by whole blocks: the last block's keys past the end need its id too.)
+        whole_block = (key // BLOCK_SIZE) * BLOCK_SIZE < kv_end
+        block = tl.load(bt_row + key // BLOCK_SIZE, mask=whole_block if KV_FP8 else key_valid, other=0)
+        block = block.to(tl.int64)
         kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
         if BLOCK_D == HEAD_DIM:
             kv_mask = key_valid[:, None]
         else:
             kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            # V^T [BLOCK_D, BLOCK_N] from blocks kept [num_kv_heads, head_dim, block_size]: each
+            # block's keys contiguous. Loaded by whole blocks (a mask constant over a block's keys
+            # keeps the 16-byte vectors); the slots past the context are zeros, so the keys past
+            # it (probability 0) add nothing.
+            vt_off = (
+                block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
+                + (key % BLOCK_SIZE)[None, :]
+            )  # fmt: skip
+            if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
+                vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
+            vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
+            v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
+        else:
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -240,6 +289,9 @@ def paged_decode_kv_major_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vb,  # the e4m3 V cache's block, head and dimension strides (its keys are contiguous)
+    stride_vh,
+    stride_vd,
     stride_bt,
     num_heads,
     BLOCK_SIZE: tl.constexpr,
@@ -291,14 +343,14 @@ def paged_decode_kv_major_kernel(
     for tile in range(tile_lo, tile_hi):
         key = tile * BLOCK_N + n
         key_valid = key < context_len
-        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        # (the whole of the last block: V is read by whole blocks)
+        whole_block = (key // BLOCK_SIZE) * BLOCK_SIZE < context_len
+        block = tl.load(bt_row + key // BLOCK_SIZE, mask=whole_block, other=0).to(tl.int64)
         row = block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
         if BLOCK_D == HEAD_DIM:
             k_mask = key_valid[:, None]
-            v_mask = key_valid[None, :]
         else:
             k_mask = key_valid[:, None] & d_valid[None, :]
-            v_mask = key_valid[None, :] & d_valid[:, None]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=k_mask, other=0.0).to(tl.float16)
         st = tl.dot(k, qt) * qk_scale  # [BLOCK_N, GROUP_PAD], log2 domain
         st = tl.where(key_valid[:, None], st, float("-inf"))
@@ -307,7 +359,18 @@ def paged_decode_kv_major_kernel(
         pt = tl.exp2(st - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(pt, 0)
-        vt = tl.load(v_cache_ptr + row[None, :] + d[:, None], mask=v_mask, other=0.0).to(tl.float16)
+        # V^T [BLOCK_D, BLOCK_N] straight from blocks kept transposed, whole blocks at a time (the
+        # slots past the context are zeros: store_kv_kernel).
+        vt_off = (
+            block[None, :] * stride_vb
+            + kv_head * stride_vh
+            + d[:, None] * stride_vd
+            + (key % BLOCK_SIZE)[None, :]
+        )
+        if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
+            vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
+        vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
+        vt = vt.to(tl.float16)
         acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))  # [BLOCK_D, GROUP_PAD]
         m_i = m_new
 
@@ -371,19 +434,11 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # conversion on sm90; bf16 goes through fp32): 2.51 TB/s of fp8 bytes against 1.79 with the bf16
 # config at b256x1024 (H200, bench/attention.py --sweep-fp8), so 1.7x the bf16 kernel's speed. q is
 # widened to fp16 too: exact for bf16 values within fp16's range (|q| < 65504, normal above 6e-5).
-# The transposed kernel (KV_MAJOR: paged_decode_kv_major_kernel) for 16-bit queries, capped at 168
-# registers a thread (177 uncapped, 2 programs an SM: 2.44 TB/s): 2.80 TB/s at b256x1024, against
-# 2.72 for the first kernel at the same cap (202 uncapped, 12.5% occupancy in Nsight Compute: 2.50
-# TB/s), whose config serves fp32 queries (bench/attention.py --sweep-fp8-kv-major,
-# --sweep-fp8-registers).
-DECODE_CONFIG_FP8 = {
-    "KV_MAJOR": True,
-    "BLOCK_N": 128,
-    "num_warps": 4,
-    "num_stages": 3,
-    "FP8_DOT_F16": True,
-    "maxnreg": 168,
-}
+# The V cache kept transposed per block, read by whole blocks: the first kernel, uncapped (123
+# registers a thread, 4 programs an SM; its loop compiled for sm90 issues 752 instructions per 128
+# keys against 1,083 for the transposed kernel on the slot-major V cache, bench/kernel_sass.py).
+# Not yet timed on the GPU (bench/attention.py --sweep-fp8-kv-major, --sweep-fp8-registers).
+DECODE_CONFIG_FP8 = {"KV_MAJOR": False, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
 
@@ -418,14 +473,17 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache_slots(v_cache).stride(),
         k_cache.shape[1],
         float(k_scale),
         float(v_scale),
+        num_tokens,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        BLOCK_S=triton.next_power_of_2(k_cache.shape[1]),
     )
 
 
@@ -438,6 +496,13 @@ def _launch(
     num_heads, head_dim = q.shape[1], q.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
+    if fp8 and (
+        v_cache.shape[1:] != (k_cache.shape[2], q.shape[2], k_cache.shape[1]) or v_cache.stride(3) != 1
+    ):
+        raise ValueError(
+            f"an e4m3 V cache is [num_blocks, num_kv_heads, head_dim, block_size] with contiguous keys "
+            f"(fp8.fp8_v_cache), got shape {tuple(v_cache.shape)}, strides {v_cache.stride()}"
+        )
     group = num_heads // k_cache.shape[2]
     num_splits = meta["NUM_SPLITS"]
     num_seqs = block_tables.shape[0]
@@ -469,6 +534,9 @@ def _launch(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
         num_heads,
         BLOCK_SIZE=k_cache.shape[1],

@@ -12,28 +12,50 @@ from helpers.attention_checks import (
 
 
 def to_fp8(batch: dict, k_scale: float, v_scale: float) -> dict:
-    """The batch with e4m3 caches (the cached prefix quantized as a store would have; NaN stays NaN)."""
-    from executor_service.fp8 import quantize_kv
+    """The batch with e4m3 caches (the cached prefix quantized as a store would have; NaN stays NaN),
+    the V cache kept transposed per block, with zeros past each sequence's context in its last
+    block, as the store leaves them (the unused blocks keep their NaN)."""
+    from executor_service.fp8 import fp8_v_cache, quantize_kv, v_cache_slots
 
     fp8 = dict(batch, kv_scales=(k_scale, v_scale))
     fp8["k_cache"] = quantize_kv(batch["k_cache"], k_scale)
-    fp8["v_cache"] = quantize_kv(batch["v_cache"], v_scale)
+    fp8["v_cache"] = fp8_v_cache(quantize_kv(batch["v_cache"], v_scale))
+    ctx = batch["context"]
+    block_size = fp8["k_cache"].shape[1]
+    v_slots = v_cache_slots(fp8["v_cache"])
+    for table, context_len in zip(ctx.block_tables.tolist(), ctx.context_lens_host, strict=True):
+        if context_len % block_size:
+            v_slots[table[(context_len - 1) // block_size], context_len % block_size :] = 0
     return fp8
 
 
 def check_store_fp8(batch: dict) -> None:
     """The store kernel writes exactly fp8.quantize_kv's bytes (round to nearest even, saturated)."""
     from executor_service.attention import triton_kernels
-    from executor_service.fp8 import quantize_kv
+    from executor_service.fp8 import quantize_kv, v_cache_slots
 
     ctx, (k_scale, v_scale) = batch["context"], batch["kv_scales"]
     k_cache, v_cache = batch["k_cache"], batch["v_cache"]
-    triton_kernels.store_kv(batch["k"], batch["v"], k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale)
     keep = ctx.slot_mapping >= 0
     slots = ctx.slot_mapping[keep]
-    for cache, x, scale in ((k_cache, batch["k"], k_scale), (v_cache, batch["v"], v_scale)):
-        got = cache.view(-1, *cache.shape[2:])[slots].view(torch.uint8)
+    block_size = k_cache.shape[1]
+    before = v_cache_slots(v_cache).clone()
+    triton_kernels.store_kv(batch["k"], batch["v"], k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale)
+    for cache, x, scale in ((k_cache, batch["k"], k_scale), (v_cache_slots(v_cache), batch["v"], v_scale)):
+        got = cache[slots // block_size, slots % block_size].view(torch.uint8)
         assert torch.equal(got, quantize_kv(x[keep], scale).view(torch.uint8))
+    # A block whose first slot was written has zeros in the V slots after it that were not; every
+    # other slot is untouched.
+    v_slots = v_cache_slots(v_cache).view(torch.uint8)
+    zeroed = torch.zeros(v_slots.shape[:2], dtype=torch.bool, device=v_slots.device)
+    for slot in slots[slots % block_size == 0].tolist():
+        zeroed[slot // block_size, slot % block_size + 1 :] = True
+    zeroed[slots // block_size, slots % block_size] = False
+    written = torch.zeros_like(zeroed)
+    written[slots // block_size, slots % block_size] = True
+    assert (v_slots[zeroed] == 0).all()
+    untouched = ~zeroed & ~written
+    assert torch.equal(v_slots[untouched], before.view(torch.uint8)[untouched])
 
 
 def check_attention_fp8(
@@ -59,6 +81,7 @@ def check_attention_fp8(
     ref = torch_ref.paged_attention(q[:num_tokens].float(), k_ref, v_ref, real, batch["scale"], *kv_scales)
     tk.store_kv(batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], ctx.slot_mapping, *kv_scales)
     assert torch.equal(batch["k_cache"].view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(batch["v_cache"].view(torch.uint8), v_ref.view(torch.uint8))
     out = torch.full_like(q, NAN)
     meta = (ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q)
     caches = (batch["k_cache"], batch["v_cache"])
