@@ -47,7 +47,11 @@ def time_graph_ms(fn) -> float:
     return time_ms(graph.replay)
 
 
-def paged_decode_inputs(batch: int, context: int, block_size: int, kv_dtype: torch.dtype = DTYPE) -> dict:
+def paged_decode_inputs(
+    batch: int, context: int, block_size: int, kv_dtype: torch.dtype = DTYPE, sequential: bool = False
+) -> dict:
+    """A cache of batch x context keys; each sequence's blocks drawn at random from the whole cache
+    (a long-running server's free list), or with sequential=True one after the other."""
     blocks_per_seq = triton.cdiv(context, block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
@@ -55,7 +59,10 @@ def paged_decode_inputs(batch: int, context: int, block_size: int, kv_dtype: tor
     v_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
     if kv_dtype == FP8:
         v_cache = fp8_v_cache(v_cache)  # an e4m3 V cache keeps each block transposed
-    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
+    if sequential:
+        tables = torch.arange(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
+    else:
+        tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
     return {
         "q": torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda"),
         "k_cache": k_cache,
@@ -67,9 +74,15 @@ def paged_decode_inputs(batch: int, context: int, block_size: int, kv_dtype: tor
 
 
 def bench_decode(
-    batch: int, context: int, block_size: int, config: dict | None = None, splits=None, kv_dtype=DTYPE
+    batch: int,
+    context: int,
+    block_size: int,
+    config: dict | None = None,
+    splits=None,
+    kv_dtype=DTYPE,
+    sequential: bool = False,
 ):
-    x = paged_decode_inputs(batch, context, block_size, kv_dtype)
+    x = paged_decode_inputs(batch, context, block_size, kv_dtype, sequential)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = splits or tk.choose_num_splits(batch, NUM_KV_HEADS, num_sms)
     out = torch.empty_like(x["q"])
@@ -236,6 +249,11 @@ def main() -> None:
         "--sweep-fp8-quick", action="store_true", help="six fp8 decode tiles at b256x1024 (block size 16)"
     )
     parser.add_argument(
+        "--sweep-layout",
+        action="store_true",
+        help="bf16 and fp8 decode at b256x1024 over block sizes 8-256, blocks random or sequential",
+    )
+    parser.add_argument(
         "--heads",
         type=int,
         nargs=2,
@@ -255,6 +273,19 @@ def main() -> None:
         return
     print(f"{NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}")
     torch.manual_seed(0)
+    if args.sweep_layout:
+        variants = [
+            ("bf16", DTYPE, None),
+            ("fp8", FP8, None),
+            ("fp8 kv-major", FP8, {"KV_MAJOR": True, "maxnreg": 168}),
+        ]
+        for (name, kv_dtype, cfg), block_size, sequential in itertools.product(
+            variants, (8, 16, 32, 64, 256), (False, True)
+        ):
+            _, tbs, _ = bench_decode(256, 1024, block_size, cfg, kv_dtype=kv_dtype, sequential=sequential)
+            order = "sequential" if sequential else "random"
+            print(f"layout {name} b256x1024 bs{block_size} {order} blocks: {tbs:.2f} TB/s")
+        return
     shapes = [(256, 1024), (8, 8192)]
     for batch, context in shapes:
         for block_size in (16, 256):

@@ -42,15 +42,17 @@ def compile_decode(
     group: int,
     head_dim: int,
     block_q: int = 1,
+    block_size: int = 16,
+    group_pad: int = 0,
 ):
     """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
     block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows)."""
     fn = tk.paged_decode_kv_major_kernel if kv_major else tk.paged_attention_kernel
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
     constants = {
-        "BLOCK_SIZE": 16,
+        "BLOCK_SIZE": block_size,
         "GROUP": group,
-        "GROUP_PAD": max(16 // block_q, triton.next_power_of_2(group)),
+        "GROUP_PAD": group_pad or max(16 // block_q, triton.next_power_of_2(group)),
         "BLOCK_N": block_n,
         "HEAD_DIM": head_dim,
         "BLOCK_D": triton.next_power_of_2(head_dim),
@@ -133,6 +135,8 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, help="register cap (default: the decode config's; 0: none)")
     parser.add_argument("--group", type=int, default=2, help="query heads per KV head (Qwen3-0.6B: 2)")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
+    parser.add_argument("--group-pad", type=int, default=0, help="query rows per KV head (default: >= 16)")
     parser.add_argument("--top", type=int, default=16, help="opcodes to list")
     parser.add_argument(
         "--prefill",
@@ -154,7 +158,7 @@ def main() -> None:
     maxnreg = config.get("maxnreg", 0) if args.maxnreg is None else args.maxnreg
     kernel = compile_decode(
         args.kv, kv_major, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
-        args.group, args.head_dim, block_q,
+        args.group, args.head_dim, block_q, args.block_size, args.group_pad,
     )  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
