@@ -278,6 +278,10 @@ def main() -> None:
             ("bf16", DTYPE, None),
             ("fp8", FP8, None),
             ("fp8 kv-major", FP8, {"KV_MAJOR": True, "maxnreg": 168}),
+            ("fp8 BLOCK_N 64", FP8, {"BLOCK_N": 64}),
+            ("fp8 BLOCK_N 256", FP8, {"BLOCK_N": 256, "num_stages": 2}),
+            ("fp8 BLOCK_N 128 8 warps", FP8, {"num_warps": 8}),
+            ("fp8 kv-major BLOCK_N 64", FP8, {"KV_MAJOR": True, "BLOCK_N": 64, "maxnreg": 168}),
         ]
         for (name, kv_dtype, cfg), block_size, sequential in itertools.product(
             variants, (8, 16, 32, 64, 256), (False, True)

@@ -68,6 +68,10 @@ for scales in ((1.0, 1.0), (0.05, 2.5)):
 
     b = make_batch([5, 20, 1, 33, 1], [21, 20, 9, 50, 70], 4, 2, 32, 16, f16, "cpu", seed=1, num_padding=1)
     check_attention_fp8(to_fp8(b, *scales), 2)
+    # Key tiles of several cache blocks (V^T loaded a block at a time), both decode kernels and prefill.
+    for block_size, kv_major in itertools.product((4, 8), (False, True)):
+        b = make_batch([1, 1, 3, 1], [13, 1, 40, 27], 4, 2, 32, block_size, f16, "cpu", seed=4, num_padding=1)
+        check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"KV_MAJOR": kv_major, "BLOCK_N": 32}, config={"BLOCK_N": 16})
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})
 """,
     "fp8_gemm": """
