@@ -124,6 +124,9 @@ def add_service_flags(p: argparse.ArgumentParser, stream_interval: int) -> None:
     )
     p.add_argument("--kv-cache-dtype", default="auto", help="the executor's --kv-cache-dtype (auto, fp8)")
     p.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (default: the executor's)"
+    )
+    p.add_argument(
         "--executor-cmd",
         default=None,
         help='command that starts the executor (default: "python -m executor_service"), e.g. under a profiler '
@@ -259,6 +262,8 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
     from scheduler_service.sampling_params import SamplingParams
 
     options = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+    if args.block_size:
+        options["block_size"] = args.block_size
     if args.tensor_parallel_size > 1:  # the ranks take this level: each logs its plan broadcast latency
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     llm = LLM(
@@ -326,6 +331,8 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
         executor_argv += ["--dtype", args.dtype]
     if args.num_kv_blocks:
         executor_argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.block_size:
+        executor_argv += ["--block-size", str(args.block_size)]
     executor_argv += args.executor_arg
     scheduler_argv = [sys.executable, "-m", "scheduler_service", "--executor", f"{host}:{executor_port}"]
     scheduler_argv += [

@@ -117,33 +117,6 @@ def store_kv_kernel(
             tl.store(v_cache_ptr + zero_dst, zeros, mask=zero_mask)
 
 
-@triton.jit
-def _load_vt_blocks(
-    v_cache_ptr, bt_row, tile, kv_end, kv_head, stride_vb, stride_vh, stride_vd, d, d_valid,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """A tile's V^T from an e4m3 V cache kept [num_blocks, num_kv_heads, head_dim, block_size], as
-    [BLOCK_D, BLOCK_N // BLOCK_SIZE blocks, BLOCK_SIZE]: a block's head_dim x block_size bytes are
-    contiguous, and Triton lays a warp's threads along the first axis after the contiguous one
-    (axes alike in contiguity keep their order), so a warp loads a run of one block's dimensions
-    (sliced [BLOCK_D, BLOCK_N], a warp would cover 4 dimensions of 8 blocks: 64-byte runs).
-    Whole blocks (the slots past the context are zeros: store_kv_kernel)."""
-    NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
-    nb = tile * NB + tl.arange(0, NB)
-    in_context = nb * BLOCK_SIZE < kv_end
-    block = tl.load(bt_row + nb, mask=in_context, other=0).to(tl.int64)
-    j = tl.arange(0, BLOCK_SIZE)
-    off = (
-        block[None, :, None] * stride_vb
-        + kv_head * stride_vh
-        + d[:, None, None] * stride_vd
-        + j[None, None, :]
-    )
-    if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
-        off = tl.max_contiguous(tl.multiple_of(off, (1, 1, 16)), (1, 1, 16))
-    return tl.load(v_cache_ptr + off, mask=d_valid[:, None, None] & in_context[None, :, None], other=0.0)
-
-
 # The block tables' row stride is the widest table of the step: not specialised (Triton would
 # compile a variant for 1, for multiples of 16 and for the rest, each in the middle of serving).
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -255,21 +228,14 @@ def paged_attention_kernel(
             # block's keys contiguous. Loaded by whole blocks (a mask constant over a block's keys
             # keeps the 16-byte vectors); the slots past the context are zeros, so the keys past
             # it (probability 0) add nothing.
-            if BLOCK_SIZE < BLOCK_N:
-                vb = _load_vt_blocks(
-                    v_cache_ptr, bt_row, tile, kv_end, kv_head, stride_vb, stride_vh, stride_vd, d, d_valid,
-                    BLOCK_SIZE, BLOCK_N,
-                )  # fmt: skip
-                v = tl.trans(tl.reshape(vb, (BLOCK_D, BLOCK_N)))
-            else:
-                vt_off = (
-                    block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
-                    + (key % BLOCK_SIZE)[None, :]
-                )  # fmt: skip
-                if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
-                    vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
-                vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
-                v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
+            vt_off = (
+                block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
+                + (key % BLOCK_SIZE)[None, :]
+            )  # fmt: skip
+            if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
+                vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
+            vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
+            v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
@@ -395,22 +361,15 @@ def paged_decode_kv_major_kernel(
         l_i = l_i * alpha + tl.sum(pt, 0)
         # V^T [BLOCK_D, BLOCK_N] straight from blocks kept transposed, whole blocks at a time (the
         # slots past the context are zeros: store_kv_kernel).
-        if BLOCK_SIZE < BLOCK_N:
-            vb = _load_vt_blocks(
-                v_cache_ptr, bt_row, tile, context_len, kv_head, stride_vb, stride_vh, stride_vd, d, d_valid,
-                BLOCK_SIZE, BLOCK_N,
-            )  # fmt: skip
-            vt = tl.reshape(vb, (BLOCK_D, BLOCK_N))
-        else:
-            vt_off = (
-                block[None, :] * stride_vb
-                + kv_head * stride_vh
-                + d[:, None] * stride_vd
-                + (key % BLOCK_SIZE)[None, :]
-            )
-            if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
-                vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
-            vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
+        vt_off = (
+            block[None, :] * stride_vb
+            + kv_head * stride_vh
+            + d[:, None] * stride_vd
+            + (key % BLOCK_SIZE)[None, :]
+        )
+        if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
+            vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
+        vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
         vt = vt.to(tl.float16)
         acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))  # [BLOCK_D, GROUP_PAD]
         m_i = m_new
