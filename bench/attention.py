@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from executor_service.attention import triton_kernels as tk
 from executor_service.attention.triton_paged import _VARLEN_PARAMS, prefill_varlen, varlen_attn
+from executor_service.config import FP8_DEFAULT_BLOCK_SIZE
 from executor_service.context import Context
 from executor_service.fp8 import fp8_v_cache
 
@@ -305,13 +306,14 @@ def main() -> None:
             print(f"varlen_attn contiguous b{batch}x{context}: {ref[0] * 1e3:.1f} us, {ref[1]:.2f} TB/s")
         # The headline is the engine's default block size, 16.
         print(f"decode kernel b{batch}x{context}: {headline:.2f} TB/s")
-        for block_size in (16, 256):
+        # (an e4m3 cache's default block size is 32: executor_service/config.py)
+        for block_size in (16, FP8_DEFAULT_BLOCK_SIZE, 256):
             ms, tbs, splits = bench_decode(batch, context, block_size, kv_dtype=FP8)
             print(
                 f"decode fp8 b{batch}x{context} block size {block_size}: {ms * 1e3:.1f} us, "
                 f"{tbs:.2f} TB/s of fp8 bytes (splits {splits}, {tk.DECODE_CONFIG_FP8})"
             )
-            if block_size == 16:
+            if block_size == FP8_DEFAULT_BLOCK_SIZE:
                 headline = tbs
         print(f"decode kernel fp8 b{batch}x{context}: {headline:.2f} TB/s")
     if args.sweep_bf16:

@@ -92,7 +92,14 @@ FLAGS = (
         help="fp8: serve an unquantized checkpoint as its FP8 form (the Qwen3-*-FP8 format: e4m3 weights in "
         "128x128 blocks, W8A8 on CUDA), quantized at load (default: the checkpoint as it is)",
     ),
-    flag("--block-size", env="BLOCK_SIZE", type=int, default=16, help="tokens per KV block (default 16)"),
+    flag(
+        "--block-size",
+        env="BLOCK_SIZE",
+        type=int,
+        default=None,
+        help="tokens per KV block (default 16; 32 with --kv-cache-dtype fp8, where the decode kernel reads "
+        "longer runs of a block)",
+    ),
     flag(
         "--kv-cache-gb",
         env="KV_CACHE_GB",

@@ -28,6 +28,11 @@ DTYPES = {
 }
 # --kv-cache-dtype: "auto" (the model's dtype), one of DTYPES, or e4m3 under vLLM's names.
 FP8_KV_NAMES = ("fp8", "fp8_e4m3")
+DEFAULT_BLOCK_SIZE = 16
+# An e4m3 cache's decode kernel reads its V cache a block at a time, along the keys (fp8.py): at 16
+# keys a block its loads are 16-byte runs and it reads 2.9 TB/s, at 32 3.5-3.6 (H200,
+# bench/attention.py --sweep-layout; W1 with fp8 KV +16%: bench/RESULTS.md).
+FP8_DEFAULT_BLOCK_SIZE = 32
 
 
 @dataclass
@@ -38,7 +43,8 @@ class ExecutorConfig:
     # The hub id's branch, tag or commit (with a directory: ignored).
     revision: str | None = None
     dtype: str | None = None
-    block_size: int = 16
+    # Tokens per KV block; None: DEFAULT_BLOCK_SIZE, or FP8_DEFAULT_BLOCK_SIZE for an e4m3 cache.
+    block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_gb: float = 1.0
     # Fraction of the GPU's memory the executor may use (the KV cache is sized from it on CUDA).
@@ -91,6 +97,9 @@ class ExecutorConfig:
         self.torch_dtype = DTYPES[dtype]
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         self._check_kv_cache_dtype()
+        if self.block_size is None:
+            fp8 = self.kv_torch_dtype == torch.float8_e4m3fn
+            self.block_size = FP8_DEFAULT_BLOCK_SIZE if fp8 else DEFAULT_BLOCK_SIZE
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")

@@ -87,10 +87,18 @@ def test_fp8_cache_holds_twice_the_blocks_and_reports_it():
     infos = {}
     for name, dtype in (("auto", torch.bfloat16), ("fp8", FP8_DTYPE)):
         executor = LocalExecutor(
-            ExecutorConfig(model=str(DEFAULT_MODEL), kv_cache_gb=0.01, kv_cache_dtype=name)
+            ExecutorConfig(model=str(DEFAULT_MODEL), kv_cache_gb=0.01, kv_cache_dtype=name, block_size=16)
         )
         assert executor.runner.kv_cache.tensor.dtype == dtype
         infos[name] = executor.describe()
+    # Unless told otherwise an e4m3 cache has 32 tokens a block (16 for 16-bit caches): twice the
+    # tokens in the same memory either way.
+    fp8_default = LocalExecutor(
+        ExecutorConfig(model=str(DEFAULT_MODEL), kv_cache_gb=0.01, kv_cache_dtype="fp8")
+    )
+    info = fp8_default.describe()
+    assert (info.block_size, infos["auto"].block_size) == (32, 16)
+    assert info.num_kv_blocks * info.block_size == 2 * infos["auto"].num_kv_blocks * 16
     bf16, fp8 = infos["auto"], infos["fp8"]
     assert (bf16.kv_cache_dtype, fp8.kv_cache_dtype) == ("bfloat16", "fp8_e4m3")
     assert fp8.block_bytes * 2 == bf16.block_bytes

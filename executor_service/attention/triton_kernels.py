@@ -81,7 +81,7 @@ def store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache is e4m3: store e4m3(x / scale), saturated
-    BLOCK_S: tl.constexpr,  # block_size, a power of 2 (with KV_FP8)
+    BLOCK_S: tl.constexpr,  # block_size rounded up to a power of 2 (with KV_FP8)
 ):
     # grid: (num_tokens,). Slot -1 (CUDA-graph padding) stores nothing; no host sync.
     t = tl.program_id(0)
@@ -108,7 +108,7 @@ def store_kv_kernel(
         if offset == 0:
             o = tl.arange(0, BLOCK_S)
             later = tl.load(slot_mapping_ptr + t + o, mask=(o > 0) & (t + o < num_tokens), other=-1)
-            unwritten = (o > 0) & (later != slot + o)
+            unwritten = (o > 0) & (o < block_size) & (later != slot + o)
             h3 = tl.arange(0, BLOCK_H)[:, None, None]
             d3 = tl.arange(0, BLOCK_D)[None, :, None]
             zero_dst = block * stride_vcb + o[None, None, :] * stride_vcs + h3 * stride_vch + d3 * stride_vcd
