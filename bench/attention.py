@@ -30,6 +30,7 @@ from executor_service.context import Context
 from executor_service.fp8 import fp8_v_cache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
+FP8_BS = FP8_DEFAULT_BLOCK_SIZE  # the fp8 sweeps' block size: the engine's default for an e4m3 cache
 FP8 = torch.float8_e4m3fn
 SCALE = HEAD_DIM**-0.5
 
@@ -235,7 +236,7 @@ def main() -> None:
     parser.add_argument(
         "--sweep-fp8",
         action="store_true",
-        help="only the fp8 decode grid (block size 16; K/V widened to q's dtype or fp16)",
+        help="only the fp8 decode grid (block size 32, the fp8 default; K/V widened to q's dtype or fp16)",
     )
     parser.add_argument("--sweep-bf16", action="store_true", help="only the bf16 decode grid (block size 16)")
     parser.add_argument(
@@ -247,7 +248,7 @@ def main() -> None:
         help="fp8 decode tiles at b256x1024 under register caps (maxnreg)",
     )
     parser.add_argument(
-        "--sweep-fp8-quick", action="store_true", help="six fp8 decode tiles at b256x1024 (block size 16)"
+        "--sweep-fp8-quick", action="store_true", help="six fp8 decode tiles at b256x1024 (block size 32)"
     )
     parser.add_argument(
         "--sweep-layout",
@@ -322,20 +323,22 @@ def main() -> None:
                 print(f"sweep bf16 b{batch}x{context} bs16: {tbs:.2f} TB/s splits {used} {cfg}")
         return
     if args.sweep_fp8_registers:
-        for tbs, _, cfg in sweep_decode(256, 1024, 16, FP8, fp8_register_grid())[:12]:
-            print(f"sweep fp8 registers b256x1024 bs16: {tbs:.2f} TB/s of fp8 bytes {cfg}")
+        for tbs, _, cfg in sweep_decode(256, 1024, FP8_BS, FP8, fp8_register_grid())[:12]:
+            print(f"sweep fp8 registers b256x1024 bs{FP8_BS}: {tbs:.2f} TB/s of fp8 bytes {cfg}")
     if args.sweep_fp8_kv_major:
         for batch, context in shapes:
-            for tbs, used, cfg in sweep_decode(batch, context, 16, FP8, fp8_kv_major_grid())[:8]:
+            for tbs, used, cfg in sweep_decode(batch, context, FP8_BS, FP8, fp8_kv_major_grid())[:8]:
                 print(
-                    f"sweep fp8 kv-major b{batch}x{context} bs16: {tbs:.2f} TB/s of fp8 bytes splits {used} {cfg}"
+                    f"sweep fp8 kv-major b{batch}x{context} bs{FP8_BS}: {tbs:.2f} TB/s of fp8 bytes splits {used} {cfg}"
                 )
     if args.sweep_fp8 or args.sweep_fp8_quick:
         for batch, context in shapes[:1] if args.sweep_fp8_quick else shapes:
-            for tbs, used, cfg in sweep_decode(batch, context, 16, FP8, fp8_tile_grid(args.sweep_fp8_quick))[
-                :6
-            ]:
-                print(f"sweep fp8 b{batch}x{context} bs16: {tbs:.2f} TB/s of fp8 bytes splits {used} {cfg}")
+            for tbs, used, cfg in sweep_decode(
+                batch, context, FP8_BS, FP8, fp8_tile_grid(args.sweep_fp8_quick)
+            )[:6]:
+                print(
+                    f"sweep fp8 b{batch}x{context} bs{FP8_BS}: {tbs:.2f} TB/s of fp8 bytes splits {used} {cfg}"
+                )
         return
     for block_size in (16, 256):
         bench_prefill(64, 512, block_size)
