@@ -217,13 +217,14 @@ def w8a8_block_matmul_v2_kernel(
 
 
 # Per (token bucket, n, k): a config that replaces gemm_config's rule there, from
-# `bench/fp8_gemm.py --sweep-v2` (its "table" lines). Buckets: M_BUCKETS, m taking the first >= m.
+# `bench/fp8_gemm.py --sweep-v2` (its "table" lines). m in (32, 64] takes bucket 64, (64, 128] 128,
+# (128, 256] 256, (256, 512] 512; other token counts (decode's few, prefill's many) keep the rule.
 M_BUCKETS = (64, 128, 256, 512)
 GEMM_TABLE: dict[tuple[int, int, int], dict] = {}
 
 
 def m_bucket(m: int) -> int | None:
-    return next((b for b in M_BUCKETS if m <= b), None)
+    return next((b for b in M_BUCKETS if b // 2 < m <= b), None)
 
 
 def gemm_config(m: int, n: int, k: int | None = None) -> dict:
