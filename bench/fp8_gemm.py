@@ -84,9 +84,10 @@ def sweep(name: str, n: int, k: int, w_q: torch.Tensor, w_s: torch.Tensor) -> No
             )
 
 
-# The v2 kernel's candidates: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, SPLIT_K). 64 x 128 and
-# 128 x 64 take one warpgroup, 128 x 128 and 256 x 64 two (each 64 x 128 / 128 x 64: 64 fp32
-# accumulators and 64 of the K step's partial product a thread); wider tiles would need 256
+# The v2 kernel's candidates: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, SPLIT_K). With 4 warps
+# 64 x 128 and 128 x 64 take one warpgroup, with 8 warps 128 x 128 and 256 x 64 two (64 fp32
+# accumulators and 64 of the K step's partial product a thread: 154-157 registers, one 8-warp
+# program an SM); 64 x 64 a warpgroup (8 or 16 warps) takes 90. Tiles of 128 x 256 would need 256
 # registers a thread. Shared memory: (BLOCK_M + BLOCK_N) * 128 bytes a stage.
 V2_CANDIDATES = (
     (64, 64, 4, 4, 1, 1),
@@ -99,6 +100,10 @@ V2_CANDIDATES = (
     (128, 128, 8, 3, 1, 1),
     (128, 128, 8, 4, 1, 1),
     (128, 128, 8, 3, 0, 1),
+    (64, 128, 8, 4, 1, 1),  # each warpgroup 64 x 64: 90 registers, two programs an SM
+    (128, 128, 16, 3, 1, 1),  # four warpgroups of 64 x 64 (90 registers)
+    (128, 128, 16, 4, 1, 1),
+    (256, 64, 16, 3, 1, 1),
     (256, 64, 8, 3, 1, 1),
     (256, 64, 8, 4, 1, 1),
     (64, 128, 4, 4, 1, 2),  # split-K, for the grids of few tiles (down: K = 12288, N = 4096)
