@@ -3,18 +3,27 @@ linear shapes and decode / prefill token counts: time (activation quantization i
 bf16 GEMM (torch.matmul on the dequantized weights) and against torch._scaled_mm where this torch
 takes 128-block scales, and the relative error of each against the bf16 GEMM.
 
-    python bench/fp8_gemm.py [--sweep]
+    python bench/fp8_gemm.py [--sweep | --sweep-v2 | --sass]
 
 Times are of CUDA-graph replays (as the engine's decode steps run), so that a few-microsecond
 kernel is not measured as Python's launch overhead. --sweep times a grid of launch configurations
-(tile sizes, stages, split-K) of the Triton GEMM at each shape and token count.
+(tile sizes, stages, split-K) of the Triton GEMM at each shape and token count. --sweep-v2 times the
+v2 kernel's candidates (V2_CANDIDATES) at m = 64-512 against the first kernel's default, bf16
+torch.matmul and torch._scaled_mm, every GEMM on activations quantized beforehand (the quantization
+is its own column), and prints the best per shape and GEMM_TABLE lines for where v2 wins. --sass
+(no GPU needed) compiles the first kernel at gemm_config's m = 256 configs and the v2 candidates
+for sm90 and prints registers, shared memory and the SASS of the K loop (instructions per K step,
+wgmma, FFMA / FMUL, barriers, wgmma waits).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from executor_service.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from executor_service.layers.fp8_gemm_triton import (
+    GROUP,
     fp8_linear,
+    gemm_config,
+    m_bucket,
     quantize_per_token_group,
     scaled_mm_applies,
     scaled_mm_blockwise,
@@ -72,6 +84,244 @@ def sweep(name: str, n: int, k: int, w_q: torch.Tensor, w_s: torch.Tensor) -> No
             )
 
 
+# The v2 kernel's candidates: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, SPLIT_K). With 4 warps
+# 64 x 128 and 128 x 64 take one warpgroup, with 8 warps 128 x 128 and 256 x 64 two (64 fp32
+# accumulators and 64 of the K step's partial product a thread: 154-157 registers, one 8-warp
+# program an SM); 64 x 64 a warpgroup (8 or 16 warps) takes 90. Tiles of 128 x 256 would need 256
+# registers a thread. Shared memory: (BLOCK_M + BLOCK_N) * 128 bytes a stage.
+V2_CANDIDATES = (
+    (64, 64, 4, 4, 1, 1),
+    (64, 64, 4, 6, 1, 1),
+    (64, 128, 4, 3, 1, 1),
+    (64, 128, 4, 4, 1, 1),
+    (64, 128, 4, 4, 0, 1),  # pointer loads: what TMA is worth
+    (128, 64, 4, 3, 1, 1),
+    (128, 64, 4, 4, 1, 1),
+    (128, 128, 8, 3, 1, 1),
+    (128, 128, 8, 4, 1, 1),
+    (128, 128, 8, 3, 0, 1),
+    (64, 128, 8, 4, 1, 1),  # each warpgroup 64 x 64: 90 registers, two programs an SM
+    (128, 128, 16, 3, 1, 1),  # four warpgroups of 64 x 64 (90 registers)
+    (128, 128, 16, 4, 1, 1),
+    (256, 64, 16, 3, 1, 1),
+    (256, 64, 8, 3, 1, 1),
+    (256, 64, 8, 4, 1, 1),
+    (64, 128, 4, 4, 1, 2),  # split-K, for the grids of few tiles (down: K = 12288, N = 4096)
+    (128, 128, 8, 4, 1, 2),
+    (128, 128, 8, 4, 1, 3),
+)
+SWEEP_V2_TOKENS = (64, 128, 256, 512)
+
+
+def v2_config(bm: int, bn: int, warps: int, stages: int, tma: int, split_k: int) -> dict:
+    return {"KERNEL": "v2", "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+            "TMA": bool(tma), "SPLIT_K": split_k}  # fmt: skip
+
+
+def v2_label(bm: int, bn: int, warps: int, stages: int, tma: int, split_k: int) -> str:
+    return (
+        f"v2 {bm}x{bn} w{warps} s{stages}{' tma' if tma else ' ptr'}{f' k/{split_k}' if split_k > 1 else ''}"
+    )
+
+
+def time_fast(fn) -> float:
+    """time_ms with shorter warm-up and repetitions (the sweeps' hundreds of timings)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+
+
+def sweep_v2(weights: dict) -> None:
+    """Every V2_CANDIDATES entry at every shape and SWEEP_V2_TOKENS count (tiles of more rows than
+    tokens left out), with the first kernel's default, bf16 and torch._scaled_mm on the same
+    quantized operands; one table per shape (us), then the best of each."""
+    best_lines, table_lines = [], []
+    for name, (n, k) in SHAPES.items():
+        w_q, w_s, w = weights[name]
+        rows: dict[str, dict[int, float]] = collections.defaultdict(dict)
+        for m in SWEEP_V2_TOKENS:
+            x = torch.randn(m, k, device=w_q.device, dtype=torch.bfloat16)
+            a_q, a_s = quantize_per_token_group(x)
+            a_q4, a_s4 = quantize_per_token_group(x, rows_multiple=4)
+            ref = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16)
+            rows["bf16 matmul"][m] = time_fast(lambda: x @ w.T)  # noqa: B023
+            rows["quantize (per token group)"][m] = time_fast(lambda: quantize_per_token_group(x))  # noqa: B023
+            try:
+
+                def mm(a_q4=a_q4, a_s4=a_s4, w_q=w_q, w_s=w_s):
+                    return torch._scaled_mm(
+                        a_q4, w_q.t(), scale_a=a_s4, scale_b=w_s.t(), out_dtype=torch.bfloat16
+                    )
+
+                mm()
+                rows["torch._scaled_mm"][m] = time_fast(mm)
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+                print(f"  {name} m={m} torch._scaled_mm: {str(e).splitlines()[0][:100]}")
+            rows["v1 default (gemm_config)"][m] = time_fast(
+                lambda: w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16)  # noqa: B023
+            )
+            for cand in V2_CANDIDATES:
+                if cand[0] > max(m, 64):
+                    continue
+                cfg = v2_config(*cand)
+                try:
+                    got = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, cfg)
+                    err = rel(got, ref)
+                    t = time_fast(lambda: w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, cfg))  # noqa: B023
+                except Exception as e:  # out of shared memory, say
+                    print(f"  {name} m={m} {v2_label(*cand)}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    continue
+                if err > 1e-2:  # bf16 outputs a rounding apart: ~1e-3
+                    print(
+                        f"  {name} m={m} {v2_label(*cand)}: WRONG, rel err {err:.2g} against the first kernel"
+                    )
+                    continue
+                rows[v2_label(*cand)][m] = t
+        print(f"\n{name} (n={n}, k={k}): us, GEMM alone on quantized activations", flush=True)
+        print(f"  {'':34s}" + "".join(f"{f'm={m}':>9s}" for m in SWEEP_V2_TOKENS))
+        for label, times in rows.items():
+            print(f"  {label:34s}" + "".join(f"{times[m] * 1e3:9.1f}" if m in times else f"{'-':>9s}"
+                                             for m in SWEEP_V2_TOKENS))  # fmt: skip
+        for m in SWEEP_V2_TOKENS:
+            v2 = {lab: t[m] for lab, t in rows.items() if lab.startswith("v2") and m in t}
+            if not v2:
+                continue
+            lab = min(v2, key=v2.get)
+            v1 = rows["v1 default (gemm_config)"][m]
+            bf16, smm = rows["bf16 matmul"][m], rows["torch._scaled_mm"].get(m)
+            fp8, quant = min(v2[lab], smm or 1e9, v1), rows["quantize (per token group)"][m]
+            best_lines.append(
+                f"best {name} m={m}: {lab} {v2[lab] * 1e3:.1f} us; v1 {v1 * 1e3:.1f}, "
+                f"scaled_mm {smm * 1e3 if smm else float('nan'):.1f}, bf16 {bf16 * 1e3:.1f} "
+                f"(fp8's best against bf16 {bf16 / fp8:.2f}x, {bf16 / (fp8 + quant):.2f}x with the quantization)"
+            )
+            if v2[lab] < v1:
+                cand = next(c for c in V2_CANDIDATES if v2_label(*c) == lab)
+                table_lines.append(f"    ({m_bucket(m)}, {n}, {k}): {v2_config(*cand)},")
+    print()
+    print("\n".join(best_lines))
+    print("table (GEMM_TABLE entries where v2 beats the first kernel's default):")
+    print("\n".join(table_lines))
+
+
+def _cuobjdump(*args: str) -> str:
+    import subprocess
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
+
+
+def compile_sm90(cfg: dict):
+    """The GEMM kernel cfg selects (v1 or v2), compiled for sm90 as the engine launches it at
+    Qwen3-8B's shapes: bf16 out, every integer argument a multiple of 16 (M included: 64-512)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from executor_service.layers import fp8_gemm_triton as g
+
+    v2 = cfg.get("KERNEL") == "v2"
+    fn = g.w8a8_block_matmul_v2_kernel if v2 else g.w8a8_block_matmul_kernel
+    constants = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": GROUP, "SCALE_N": GROUP,
+                 "GROUP_M": 8, "SPLIT_K": cfg.get("SPLIT_K", 1)}  # fmt: skip
+    if v2:
+        constants["TMA"] = bool(cfg.get("TMA"))
+    boxes = {"a_ptr": cfg["BLOCK_M"], "b_ptr": cfg["BLOCK_N"]}
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in boxes:
+            signature[name] = (
+                f"tensordesc<fp8e4nv[{boxes[name]}, {GROUP}]>" if constants.get("TMA") else "*fp8e4nv"
+            )
+        elif name == "c_ptr":
+            signature[name] = "*bf16" if constants["SPLIT_K"] == 1 else "*fp32"
+        else:
+            signature[name] = "*fp32" if name.endswith("_ptr") else "i32"
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if signature[name] in ("i32", "*fp32", "*bf16", "*fp8e4nv")
+    }
+    source = ASTSource(
+        fn=fn, signature=signature, attrs=attrs,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+    )  # fmt: skip
+    target = GPUTarget("cuda", 90, 32)
+    return triton.compile(
+        source, target=target, options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    )
+
+
+def k_loop(sass: str) -> list[str]:
+    """The opcodes of the K loop: the shortest backward branch's body that holds a wgmma (GMMA).
+    (The longest backward branch can be an mbarrier's retry path, placed after the epilogue.)"""
+    index: dict[int, int] = {}
+    opcodes = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            index[int(m.group(1), 16)] = len(opcodes)
+            opcodes.append(m.group(2))
+    best = None
+    for i, text in enumerate(opcodes):
+        target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        start = index.get(int(target.group(1), 16)) if target else None
+        if (
+            start is not None
+            and start < i
+            and any("GMMA" in op for op in opcodes[start : i + 1])
+            and (best is None or i - start < best[1] - best[0])
+        ):
+            best = (start, i)
+    body = opcodes[best[0] : best[1] + 1] if best else []
+    return [re.sub(r"^@!?U?P\w+\s+", "", op) for op in body]
+
+
+def sass_report(label: str, cfg: dict, top: int) -> None:
+    kernel = compile_sm90(cfg)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = _cuobjdump("--dump-resource-usage", cubin.name)
+        body = k_loop(_cuobjdump("-sass", cubin.name))
+    ttgir = kernel.asm["ttgir"]
+    ops = collections.Counter(op.split()[0] for op in body)
+    count = lambda pred: sum(v for op, v in ops.items() if pred(op))  # noqa: E731
+    regs = re.search(r"REG:(\d+)", usage)
+    pendings = sorted(set(re.findall(r"pendings = (\d+)", ttgir)))
+    print(
+        f"{label}: {regs.group(1) if regs else '?'} registers, {kernel.metadata.shared} B shared; K step: "
+        f"{len(body)} instructions, {count(lambda o: 'GMMA' in o)} wgmma "
+        f"({', '.join(sorted({o for o in ops if 'GMMA' in o}))}), {ops['FFMA']} FFMA, {ops['FMUL']} FMUL, "
+        f"{count(lambda o: o.startswith('BAR'))} BAR, {count(lambda o: o.startswith('LDGSTS'))} cp.async, "
+        f"{count(lambda o: o.startswith('UTMALDG'))} TMA loads, {count(lambda o: o.startswith('LDS'))} LDS, "
+        f"{count(lambda o: o.startswith('LDG'))} LDG; wgmma waits {count(lambda o: o.startswith('WARPGROUP.DEPBAR'))} "
+        f"(TTGIR pendings {pendings}, "
+        f"warp_group_dot {'yes' if 'ttng.warp_group_dot ' in ttgir else 'no'})",
+        flush=True,
+    )
+    if top:
+        print("   " + ", ".join(f"{v} {op}" for op, v in ops.most_common(top)))
+
+
+def sass_all(top: int) -> None:
+    seen = set()
+    for name, (n, k) in SHAPES.items():
+        cfg = gemm_config(256, n, k)
+        key = tuple(sorted(cfg.items()))
+        label = f"v1 {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+        print(f"{name} m=256: gemm_config -> {label}")
+        if key not in seen:
+            seen.add(key)
+            sass_report(label, cfg, top)
+    sass_report("v1 128x128 w8 s3 (m > 256)", gemm_config(512, 4096), top)
+    for cand in V2_CANDIDATES:
+        sass_report(v2_label(*cand), v2_config(*cand), top)
+
+
 def _scaled_mm_recipes(x, w_q, w_s):
     """torch.nn.functional.scaled_mm with explicit BlockWise1x128 / BlockWise128x128 recipes, the
     activations laid out as for torch._scaled_mm."""
@@ -105,9 +355,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time a grid of GEMM launch configurations")
+    parser.add_argument(
+        "--sweep-v2", action="store_true", help="time the v2 kernel's candidates at m = 64-512"
+    )
+    parser.add_argument(
+        "--sass", action="store_true", help="compile for sm90 (no GPU) and summarize the K loop"
+    )
+    parser.add_argument("--top", type=int, default=0, help="--sass: the most frequent opcodes to list")
     args = parser.parse_args()
+    if args.sass:
+        sass_all(args.top)
+        return
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.sweep_v2:
+        weights = {}
+        for name, (n, k) in SHAPES.items():
+            w_q, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda") * 0.02)
+            weights[name] = (w_q, w_s, dequantize_weight_blocks(w_q, w_s, torch.bfloat16))
+        sweep_v2(weights)
+        return
     for name, (n, k) in SHAPES.items():
         w_q, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda") * 0.02)
         w = dequantize_weight_blocks(w_q, w_s, torch.bfloat16)

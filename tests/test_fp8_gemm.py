@@ -43,6 +43,32 @@ def test_w8a8_block_gemm(m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        (64, 64, 4, 4, 1, 1),
+        (64, 128, 4, 3, 1, 1),
+        (64, 128, 4, 4, 0, 1),
+        (128, 128, 8, 3, 1, 1),
+        (256, 64, 8, 3, 1, 1),
+        (128, 128, 16, 3, 1, 1),
+        (128, 128, 8, 4, 1, 3),
+    ],
+)
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 6144, 4096), (100, 256, 384), (300, 4096, 12288), (513, 24576, 4096)]
+)
+def test_w8a8_v2_gemm_on_gpu(m, n, k, cfg):
+    """The v2 kernel's sweep candidates (bf16 out, TMA or pointer loads, split-K) within rounding of
+    the dequantized math."""
+    bm, bn, warps, stages, tma, split_k = cfg
+    config = {"KERNEL": "v2", "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+              "TMA": bool(tma), "SPLIT_K": split_k}  # fmt: skip
+    rel = check_gemm(m, n, k, torch.bfloat16, "cuda", config)
+    assert rel < 0.05, f"relative error against the unquantized GEMM {rel:.3g}"
+
+
+@pytest.mark.gpu
 def test_fp8_checkpoint_greedy_matches_torch_w8a8_on_gpu(tmp_path, monkeypatch):
     """The repo's trained model quantized to FP8, served through the Triton W8A8 GEMM (CUDA graphs,
     fused ops) against the same engine with every fp8 linear replaced by the W8A8 math in torch, in
@@ -123,3 +149,57 @@ def test_every_fp8_linear_of_the_engine_matches_torch_w8a8(tmp_path):
 @pytest.mark.gpu
 def test_fp8_linear_layers_on_gpu():
     check_fp8_linear_layers("cuda")
+
+
+# The v2 kernel (w8a8_block_matmul_v2_kernel) under TRITON_INTERPRET=1, in a subprocess as
+# test_triton_interpret.py runs the others: pointer loads and TMA descriptors, partial M and N tiles,
+# a K that is no multiple of 128 (TMA's zero fill; K = 200 is no multiple of 16 either, so TMA falls
+# back to pointers), split-K with empty shares, against fp32 math on the dequantized operands.
+V2_CASE = """
+from helpers.fp8_gemm_checks import check_gemm
+from executor_service.layers import fp8_gemm_triton as g
+for tma in (False, True):
+    small = {"KERNEL": "v2", "TMA": tma, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    check_gemm(5, 72, 256, torch.float32, "cpu", small)  # partial M and N tiles, two K steps
+    check_gemm(17, 160, 384, torch.float32, "cpu", small)  # several M tiles, N scale blocks of 128
+    check_gemm(9, 96, 320, torch.float32, "cpu", {**small, "BLOCK_N": 64})  # a partial K step
+    check_gemm(9, 96, 200, torch.float32, "cpu", small)  # K % 16 != 0: pointer loads
+    check_gemm(17, 160, 384, torch.float32, "cpu", {**small, "SPLIT_K": 2})  # shares of 2 and 1 steps
+    check_gemm(5, 72, 256, torch.float32, "cpu", {**small, "SPLIT_K": 4})  # more shares than steps
+    check_gemm(40, 256, 256, torch.float32, "cpu", {**small, "BLOCK_M": 32, "BLOCK_N": 128})
+# Contiguous rows of K = 200 (check_gemm's activations are a view of rows padded to 256 with zeros):
+# what a load past K would read is the next row.
+from helpers.fp8_gemm_checks import _dequantize_rows, reference_quantize
+from executor_service.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+gen = torch.Generator().manual_seed(1)
+a_q, a_s = reference_quantize(torch.randn(9, 200, generator=gen))
+w_q, w_s = quantize_weight_blocks(torch.randn(96, 200, generator=gen))
+out = g.w8a8_block_matmul(a_q.contiguous(), a_s, w_q, w_s, torch.float32, small)
+ref = _dequantize_rows(a_q, a_s) @ dequantize_weight_blocks(w_q, w_s, torch.float32).T
+torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+# The table overrides gemm_config's rule for its (m bucket, n, k) only.
+g.GEMM_TABLE[(64, 160, 384)] = {**small, "BLOCK_M": 32}
+assert g.gemm_config(33, 160, 384)["KERNEL"] == "v2"
+assert "KERNEL" not in g.gemm_config(32, 160, 384) and "KERNEL" not in g.gemm_config(65, 160, 384)
+check_gemm(33, 160, 384, torch.float32, "cpu")
+"""
+
+
+@pytest.mark.slow
+def test_w8a8_v2_gemm_under_interpreter():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    from helpers.interpret import PRELUDE
+
+    result = subprocess.run(
+        [sys.executable, "-c", PRELUDE + V2_CASE],
+        cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]

@@ -16,6 +16,17 @@ out): on the H200 at Qwen3-8B's shapes (bench/fp8_gemm.py) the Triton kernel is 
 tokens (qkv / o / gate_up / down 23.0 / 20.4 / 43.4 / 37.7 us against 24.5 / 23.6 / 48.2 / 47.6) and
 slower from 256 on (38.1 / 31.1 / 96.2 / 79.5 against 29.0 / 27.8 / 57.6 / 60.0). The two agree
 to the summation order (the same quantized operands, fp32 accumulation).
+
+`w8a8_block_matmul_v2_kernel` (config KERNEL "v2", not a default yet: bench/fp8_gemm.py --sweep-v2
+times it) is the same GEMM with BLOCK_N dividing 128, so that a tile's weight scale is one scalar
+per K step: acc = fma(dot(a, b), a_s * b_s, acc), one FFMA per accumulator element where the first
+kernel spends an FMUL, an FFMA and a shared-memory round trip (the weight scales' layout change,
+two barriers) per K step; with TMA the operands come through tensor descriptors (no per-thread
+addresses or masks). Compiled for sm90 at 64 x 128 tiles, 4 warps: 171 instructions per K step and
+154 registers with TMA, 229 / 178 with pointer loads, against the first kernel's 310 / 238
+(bench/fp8_gemm.py --sass). Triton waits for each K step's wgmma before scaling it (the scale is
+applied to its result) in both kernels; more programs per SM overlap one's FMAs with another's
+wgmma. The rounding differs from the first kernel's ((dot * a_s) * b_s + acc) by an ulp a step.
 """
 
 from __future__ import annotations
@@ -131,12 +142,100 @@ def w8a8_block_matmul_kernel(
         tl.atomic_add(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
 
 
-def gemm_config(m: int, n: int) -> dict:
+@triton.jit
+def _load_tile(
+    ptr_or_desc, off_r, rows, k0, K, stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr
+):
+    """Rows off_r.. of an [rows, K] e4m3 matrix, columns k0..k0 + BLOCK_K: [BLOCK_R, BLOCK_K], zero
+    outside the matrix (a TMA descriptor's box, or masked pointer loads)."""
+    if TMA:
+        tile = ptr_or_desc.load([off_r, k0])
+    else:
+        r = off_r + tl.arange(0, BLOCK_R)
+        k = k0 + tl.arange(0, BLOCK_K)
+        ptrs = ptr_or_desc + r.to(tl.int64)[:, None] * stride + k[None, :]
+        tile = tl.load(ptrs, mask=(r < rows)[:, None] & (k < K)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def w8a8_block_matmul_v2_kernel(
+    a_ptr,  # [M, K] e4m3, or its TMA descriptor of [BLOCK_M, BLOCK_K] boxes (TMA)
+    b_ptr,  # [N, K] e4m3, or its descriptor of [BLOCK_N, BLOCK_K] boxes
+    c_ptr,
+    a_s_ptr,
+    b_s_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_bsn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # <= SCALE_N and dividing it: one weight scale per tile and K step
+    BLOCK_K: tl.constexpr,  # == the scale block along K (128)
+    SCALE_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+
+    rm = off_m + tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    a_s_ptrs = a_s_ptr + rm.to(tl.int64) * stride_asm
+    # One weight scale per tile and K step (BLOCK_N divides SCALE_N): a scalar load.
+    b_s_ptr += (off_n // SCALE_N).to(tl.int64) * stride_bsn
+    num_kb = tl.cdiv(K, BLOCK_K)
+    kb_per_split = tl.cdiv(num_kb, SPLIT_K)
+    kb_lo = split * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, num_kb)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        a = _load_tile(a_ptr, off_m, M, kb * BLOCK_K, K, stride_am, BLOCK_M, BLOCK_K, TMA)
+        b = _load_tile(b_ptr, off_n, N, kb * BLOCK_K, K, stride_bn, BLOCK_N, BLOCK_K, TMA)
+        scale = tl.load(a_s_ptrs + kb, mask=m_mask, other=0.0) * tl.load(b_s_ptr + kb)
+        acc = tl.fma(tl.dot(a, b.T), scale[:, None], acc)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    mask = m_mask[:, None] & (rn < N)[None, :]
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")
+
+
+# Per (token bucket, n, k): a config that replaces gemm_config's rule there, from
+# `bench/fp8_gemm.py --sweep-v2` (its "table" lines). m in (32, 64] takes bucket 64, (64, 128] 128,
+# (128, 256] 256, (256, 512] 512; other token counts (decode's few, prefill's many) keep the rule.
+M_BUCKETS = (64, 128, 256, 512)
+GEMM_TABLE: dict[tuple[int, int, int], dict] = {}
+
+
+def m_bucket(m: int) -> int | None:
+    return next((b for b in M_BUCKETS if b // 2 < m <= b), None)
+
+
+def gemm_config(m: int, n: int, k: int | None = None) -> dict:
     """Launch configuration by the number of tokens m and output features n, from
     `bench/fp8_gemm.py --sweep` on an H200 (Qwen3-8B's shapes, CUDA-graph replays). Decode sizes are
     bound by reading the weights: with few column tiles (n / BLOCK_N programs, fewer than two per
     SM) K is split so that every SM streams weights (qkv, o and down at m = 1: 17 / 15 / 26 us
-    against 29 / 89 / 74 without); from m = 256 on, tiles of 64-128 rows, no split."""
+    against 29 / 89 / 74 without); from m = 256 on, tiles of 64-128 rows, no split. GEMM_TABLE's
+    entry for (m_bucket(m), n, k) where it has one (none yet)."""
+    if k is not None and (m_bucket(m), n, k) in GEMM_TABLE:
+        return dict(GEMM_TABLE[m_bucket(m), n, k])
     if m <= 64:
         block_m = 16 if m <= 16 else 64
         programs = triton.cdiv(n, 64)
@@ -164,21 +263,53 @@ def w8a8_block_matmul(
     out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
     if m == 0:
         return out
-    cfg = {**gemm_config(m, n), **(config or {})}
+    cfg = {**gemm_config(m, n, k), **(config or {})}
     split_k = cfg.get("SPLIT_K", 1)
     # Split over K, the partial sums meet in fp32 (the order of the atomic adds varies: not bitwise
     # reproducible run to run, so only where bench/fp8_gemm.py --sweep found it faster).
     c = out if split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=a_q.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
-    w8a8_block_matmul_kernel[grid](
-        a_q, weight, c, a_s, weight_scale_inv, m, n, k,
-        a_q.stride(0), weight.stride(0), c.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SCALE_N=GROUP, GROUP_M=8, SPLIT_K=split_k,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    if cfg.get("KERNEL", "v1") == "v2":
+        _launch_v2(a_q, a_s, weight, weight_scale_inv, c, cfg, grid)
+    else:
+        w8a8_block_matmul_kernel[grid](
+            a_q, weight, c, a_s, weight_scale_inv, m, n, k,
+            a_q.stride(0), weight.stride(0), c.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SCALE_N=GROUP, GROUP_M=8,
+            SPLIT_K=split_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
     if split_k > 1:
         out.copy_(c)
     return out
+
+
+def tma_applies(a_q: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether both e4m3 operands can be read through TMA descriptors: rows contiguous, 16-byte
+    aligned bases and row strides (K a multiple of 16)."""
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a_q, weight))
+
+
+def _launch_v2(a_q, a_s, weight, weight_scale_inv, c, cfg, grid) -> None:
+    """w8a8_block_matmul_v2_kernel with cfg's tiles; TMA descriptors for the operands where cfg asks
+    for them (TMA) and tma_applies, masked pointer loads otherwise."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a_q.shape
+    n = weight.shape[0]
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if GROUP % block_n:
+        raise ValueError(
+            f"the v2 kernel takes BLOCK_N dividing {GROUP} (one weight scale a tile), not {block_n}"
+        )
+    tma = bool(cfg.get("TMA", False)) and tma_applies(a_q, weight)
+    a_arg = TensorDescriptor.from_tensor(a_q, [block_m, GROUP]) if tma else a_q
+    b_arg = TensorDescriptor.from_tensor(weight, [block_n, GROUP]) if tma else weight
+    w8a8_block_matmul_v2_kernel[grid](
+        a_arg, b_arg, c, a_s, weight_scale_inv, m, n, k,
+        a_q.stride(0), weight.stride(0), c.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP, SCALE_N=GROUP, GROUP_M=cfg.get("GROUP_M", 8),
+        SPLIT_K=cfg.get("SPLIT_K", 1), TMA=tma, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
 
 
 # From this many tokens on, fp8_linear takes torch._scaled_mm where it can (the module docstring),
