@@ -125,11 +125,13 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)]
 
 
-def test_prefix_hits_with_fp8_kv_give_the_tokens_of_a_run_without(qwen3_untied):
+# 16 tokens a block, and the fp8 default (32)
+@pytest.mark.parametrize("block_size", [16, None])
+def test_prefix_hits_with_fp8_kv_give_the_tokens_of_a_run_without(qwen3_untied, block_size):
     shared = make_prompts([64], seed=7)[0]
     first = [shared + [5, 6, 7]]
     rest = make_prompts([2, 9, 20, 41], seed=8, prefix=shared)
-    llm = LLM(str(qwen3_untied), num_kv_blocks=64, block_size=16, kv_cache_dtype="fp8")
+    llm = LLM(str(qwen3_untied), num_kv_blocks=64, block_size=block_size, kv_cache_dtype="fp8")
     warm = _greedy(llm, first)
     outputs = llm.generate(rest, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
     assert [o.num_cached_tokens for o in outputs] == [64] * 4
@@ -137,9 +139,14 @@ def test_prefix_hits_with_fp8_kv_give_the_tokens_of_a_run_without(qwen3_untied):
     assert warm + [o.token_ids for o in outputs] == _greedy(plain, first + rest)
 
 
-def test_preemption_with_fp8_kv_gives_the_tokens_of_a_run_without(qwen3_tied):
+@pytest.mark.parametrize(("block_size", "num_kv_blocks"), [(16, 12), (None, 6)])
+def test_preemption_with_fp8_kv_gives_the_tokens_of_a_run_without(qwen3_tied, block_size, num_kv_blocks):
     prompts = make_prompts([30, 31, 32, 33, 34, 35, 36, 37], seed=14)
-    llm = LLM(str(qwen3_tied), num_kv_blocks=12, block_size=16, max_model_len=128, kv_cache_dtype="fp8")
+    llm = LLM(
+        str(qwen3_tied), num_kv_blocks=num_kv_blocks, block_size=block_size, max_model_len=128,
+        kv_cache_dtype="fp8",
+    )  # fmt: skip
+    assert llm.engine.info.block_size == (block_size or 32)
     tokens = _greedy(llm, prompts)
     assert llm.engine.scheduler.stats.num_preemptions > 0
     roomy = LLM(str(qwen3_tied), num_kv_blocks=64, block_size=16, max_model_len=128, kv_cache_dtype="fp8")
