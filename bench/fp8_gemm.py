@@ -197,12 +197,16 @@ def sweep_v2(weights: dict) -> None:
                 f"scaled_mm {smm * 1e3 if smm else float('nan'):.1f}, bf16 {bf16 * 1e3:.1f} "
                 f"(fp8's best against bf16 {bf16 / fp8:.2f}x, {bf16 / (fp8 + quant):.2f}x with the quantization)"
             )
-            if v2[lab] < v1:
+            if v2[lab] < v1 and (smm is None or v2[lab] < smm):
                 cand = next(c for c in V2_CANDIDATES if v2_label(*c) == lab)
-                table_lines.append(f"    ({m_bucket(m)}, {n}, {k}): {v2_config(*cand)},")
+                line = f"    ({m_bucket(m)}, {n}, {k}): {v2_config(*cand)},"
+                if scaled_mm_applies(m, n, k, torch.bfloat16, torch.device("cuda")):
+                    # GEMM_TABLE is the Triton GEMM's: fp8_linear takes torch._scaled_mm here
+                    line += "  # with fp8_linear taking the Triton GEMM at this size"
+                table_lines.append(line)
     print()
     print("\n".join(best_lines))
-    print("table (GEMM_TABLE entries where v2 beats the first kernel's default):")
+    print("table (GEMM_TABLE entries where v2 beats the first kernel's default and torch._scaled_mm):")
     print("\n".join(table_lines))
 
 

@@ -144,6 +144,8 @@ def main() -> None:
         help="paged_prefill's launch (PREFILL_CONFIG's tiles) instead of decode",
     )
     args = parser.parse_args()
+    if args.group_pad and (args.group_pad & (args.group_pad - 1) or args.group_pad < args.group):
+        parser.error(f"--group-pad must be a power of 2 of at least --group ({args.group})")
 
     config = tk.DECODE_CONFIG_FP8 if args.kv == "fp8" else tk.DECODE_CONFIG
     block_q = 1

@@ -262,7 +262,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
     from scheduler_service.sampling_params import SamplingParams
 
     options = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
-    if args.block_size:
+    if args.block_size is not None:
         options["block_size"] = args.block_size
     if args.tensor_parallel_size > 1:  # the ranks take this level: each logs its plan broadcast latency
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -331,7 +331,7 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
         executor_argv += ["--dtype", args.dtype]
     if args.num_kv_blocks:
         executor_argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.block_size:
+    if args.block_size is not None:
         executor_argv += ["--block-size", str(args.block_size)]
     executor_argv += args.executor_arg
     scheduler_argv = [sys.executable, "-m", "scheduler_service", "--executor", f"{host}:{executor_port}"]

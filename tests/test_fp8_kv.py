@@ -79,6 +79,19 @@ def test_kv_cache_dtype_resolves_and_refuses_what_it_cannot_serve():
         ExecutorConfig(model=model, kv_cache_dtype="int4")
 
 
+def test_flash_attn_never_serves_an_fp8_cache(monkeypatch):
+    """flash-attn reads 16-bit caches only: with it installed, auto picks another backend for an e4m3
+    cache, and asking for it by name is refused, naming the way out."""
+    from executor_service.attention.flash import FlashAttnBackend
+
+    monkeypatch.setattr(FlashAttnBackend, "supports", staticmethod(lambda device: True))
+    model = str(DEFAULT_MODEL)
+    assert ExecutorConfig(model=model).attention_backend == "flash"
+    assert ExecutorConfig(model=model, kv_cache_dtype="fp8").attention_backend != "flash"
+    with pytest.raises(ValueError, match="'flash' cannot read an fp8 KV cache: use triton or torch"):
+        ExecutorConfig(model=model, kv_cache_dtype="fp8", attention_backend="flash")
+
+
 def test_fp8_cache_holds_twice_the_blocks_and_reports_it():
     from prometheus_client import generate_latest
 

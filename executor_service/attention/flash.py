@@ -23,6 +23,9 @@ FLASH_PAGE_MULTIPLE = 256
 
 class FlashAttnBackend(TritonPagedBackend):
     name = "flash"
+    # flash-attn reads 16-bit caches only (TritonPagedBackend's fp8 support is not inherited): for an
+    # e4m3 cache `auto` picks triton, and `flash` is refused (ExecutorConfig).
+    fp8_kv = False
 
     @staticmethod
     def supports(device: torch.device) -> bool:

@@ -56,7 +56,7 @@ def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: 
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
     from executor_service.layers.fp8_gemm_triton import gemm_config, scaled_mm_applies
 
-    split = {**gemm_config(m, n), **(config or {})}.get("SPLIT_K", 1)
+    split = {**gemm_config(m, n, k), **(config or {})}.get("SPLIT_K", 1)
     if (
         split == 1 and config is None and not scaled_mm_applies(m, n, k, dtype, x.device)
     ):  # the same sums in the same order
