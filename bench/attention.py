@@ -49,11 +49,32 @@ def time_graph_ms(fn) -> float:
     return time_ms(graph.replay)
 
 
+def relayout(x: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """x's shape and values, its memory laid out with x's dimensions in `order`, outermost first (a
+    strided view: the kernels take strides)."""
+    inverse = [order.index(i) for i in range(len(order))]
+    return x.permute(*order).contiguous().permute(*inverse)
+
+
+# Memory layouts of the caches the kernels can read through their strides, for --sweep-layout:
+# "K head-major": each block's keys of one KV head contiguous ([num_blocks, heads, block_size,
+# head_dim] in memory, as an e4m3 V cache keeps a head's block); "V heads by dim": an e4m3 V cache
+# with the KV heads inside each dimension row ([num_blocks, head_dim, heads, block_size]), so that
+# the KV heads' programs, which run together, read neighbouring bytes as they do the K cache's.
+LAYOUTS = {"K head-major": ("k", (0, 2, 1, 3)), "V heads by dim": ("v", (0, 2, 1, 3))}
+
+
 def paged_decode_inputs(
-    batch: int, context: int, block_size: int, kv_dtype: torch.dtype = DTYPE, sequential: bool = False
+    batch: int,
+    context: int,
+    block_size: int,
+    kv_dtype: torch.dtype = DTYPE,
+    sequential: bool = False,
+    layouts: tuple[str, ...] = (),
 ) -> dict:
     """A cache of batch x context keys; each sequence's blocks drawn at random from the whole cache
-    (a long-running server's free list), or with sequential=True one after the other."""
+    (a long-running server's free list), or with sequential=True one after the other; `layouts`:
+    names from LAYOUTS."""
     blocks_per_seq = triton.cdiv(context, block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
@@ -61,6 +82,12 @@ def paged_decode_inputs(
     v_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
     if kv_dtype == FP8:
         v_cache = fp8_v_cache(v_cache)  # an e4m3 V cache keeps each block transposed
+    for name in layouts:
+        which, order = LAYOUTS[name]
+        if which == "k":
+            k_cache = relayout(k_cache, order)
+        else:
+            v_cache = relayout(v_cache, order)
     if sequential:
         tables = torch.arange(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
     else:
@@ -83,8 +110,9 @@ def bench_decode(
     splits=None,
     kv_dtype=DTYPE,
     sequential: bool = False,
+    layouts: tuple[str, ...] = (),
 ):
-    x = paged_decode_inputs(batch, context, block_size, kv_dtype, sequential)
+    x = paged_decode_inputs(batch, context, block_size, kv_dtype, sequential, layouts)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = splits or tk.choose_num_splits(batch, NUM_KV_HEADS, num_sms)
     out = torch.empty_like(x["q"])
@@ -291,6 +319,12 @@ def main() -> None:
             _, tbs, _ = bench_decode(256, 1024, block_size, cfg, kv_dtype=kv_dtype, sequential=sequential)
             order = "sequential" if sequential else "random"
             print(f"layout {name} b256x1024 bs{block_size} {order} blocks: {tbs:.2f} TB/s")
+        # The caches' memory layouts (LAYOUTS), the default fp8 kernel, random blocks.
+        for layouts, block_size in itertools.product(
+            (("K head-major",), ("V heads by dim",), ("K head-major", "V heads by dim")), (16, 32, 64)
+        ):
+            _, tbs, _ = bench_decode(256, 1024, block_size, kv_dtype=FP8, layouts=layouts)
+            print(f"layout fp8 {' + '.join(layouts)} b256x1024 bs{block_size} random blocks: {tbs:.2f} TB/s")
         return
     shapes = [(256, 1024), (8, 8192)]
     for batch, context in shapes:
