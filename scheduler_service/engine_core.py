@@ -137,13 +137,17 @@ class CoreBridge:
         """A read pass on the loop, once, if messages wait. ZeroMQ's descriptor is edge-triggered:
         it signals a change, and any send or receive may consume the signal of a message that
         arrived meanwhile, so every pass of sends ends here (_deliver, _forward, broadcast_state)."""
-        if not self._read_scheduled and self._loop is not None and self._socket.get(zmq.EVENTS) & zmq.POLLIN:
+        if self._read_scheduled or self._loop is None or self._socket.closed:
+            return
+        if self._socket.get(zmq.EVENTS) & zmq.POLLIN:
             self._read_scheduled = True
             self._loop.call_soon(self._on_readable)
 
     def _on_readable(self) -> None:
         """Handle the messages waiting (at most _READ_BATCH, then the loop's other work first)."""
         self._read_scheduled = False
+        if self._socket.closed:  # a pass scheduled before close()
+            return
         for _ in range(_READ_BATCH):
             try:
                 peer, frame = self._socket.recv_multipart(zmq.NOBLOCK)

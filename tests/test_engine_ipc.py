@@ -154,6 +154,69 @@ def test_a_message_for_an_api_server_that_cannot_take_it_is_reported_once(tmp_pa
     asyncio.run(run())
 
 
+def test_the_core_reads_every_message_while_it_sends(tmp_path):
+    """The engine core's socket is read when the loop sees its descriptor readable, and ZeroMQ's
+    descriptor is edge-triggered (a send can consume the signal of a message that arrived): with
+    the core sending to an API server all the while, every message the API server sends is still
+    handled, without waiting for a later one to wake the loop."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import zmq
+
+    from scheduler_service.engine_core import CoreBridge
+
+    engine = SimpleNamespace(
+        streams=SimpleNamespace(listener=None),
+        engine=None,
+        not_connected_message=lambda: "not connected",
+        admitting=True,
+    )
+    address = f"ipc://{tmp_path}/core"
+    metrics = SchedulerMetrics()
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        bridge = CoreBridge(engine, metrics, address)
+        bridge.start(loop)
+        context = zmq.Context()
+        api = context.socket(zmq.DEALER)
+        api.setsockopt(zmq.IDENTITY, b"api-0")
+        api.setsockopt(zmq.LINGER, 0)
+        api.connect(address)
+        try:
+            api.send(ipc.pack("hello"))
+            for _ in range(100):  # until the core knows the API server
+                await asyncio.sleep(0.01)
+                if bridge.peers:
+                    break
+            assert bridge.peers == {b"api-0"}
+            stop = False
+
+            def keep_sending() -> None:  # the core's sends, as each step's would be
+                if not stop:
+                    bridge.broadcast_state()
+                    loop.call_soon(keep_sending)
+
+            keep_sending()
+            for i in range(300):
+                api.send(ipc.pack("metrics", [["prompt_tokens", [], "inc", 1]]))
+                if i % 50 == 0:
+                    await asyncio.sleep(0)
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if metrics.registry.get_sample_value("tandem_scheduler_prompt_tokens_total") == 300:
+                    break
+            stop = True
+            assert metrics.registry.get_sample_value("tandem_scheduler_prompt_tokens_total") == 300
+        finally:
+            api.close()
+            context.term()
+            bridge.close()
+
+    asyncio.run(run())
+
+
 class _CountingExecutor(StepOnlyExecutor):
     """Samples (seq id + tokens so far) % 40 + 2 for each sequence whose prompt is computed."""
 
