@@ -79,6 +79,37 @@ def quantize_per_token_group(x: torch.Tensor, rows_multiple: int = 1) -> tuple[t
 
 
 @triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid's (row tile, column tile) in grouped order: GROUP_M row tiles share each column
+    tile of W while it is in L2."""
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * num_n) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _split_k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, split):
+    """The K steps [lo, hi) of split `split` of SPLIT_K (the last may be short, or empty)."""
+    num_kb = tl.cdiv(K, BLOCK_K)
+    kb_per_split = tl.cdiv(num_kb, SPLIT_K)
+    lo = split * kb_per_split
+    return lo, tl.minimum(lo + kb_per_split, num_kb)
+
+
+@triton.jit
+def _write_tile(c_ptr, rm, rn, stride_cm, acc, mask, SPLIT_K: tl.constexpr):
+    """The tile's result into c: stored in c's dtype, or with SPLIT_K > 1 added to fp32 c."""
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
 def w8a8_block_matmul_kernel(
     a_ptr,
     b_ptr,
@@ -101,15 +132,8 @@ def w8a8_block_matmul_kernel(
     SPLIT_K: tl.constexpr,  # > 1: each program sums a 1/SPLIT_K share of K into fp32 c (zeroed), atomically
 ):
     # a [M, K] e4m3 row-major, b [N, K] e4m3 (the checkpoint's layout), c [M, N].
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles share each column tile of W while it is in L2.
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    kb_lo, kb_hi = _split_k_range(K, BLOCK_K, SPLIT_K, tl.program_id(1))
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,10 +144,6 @@ def w8a8_block_matmul_kernel(
     a_s_ptrs = a_s_ptr + rm.to(tl.int64) * stride_asm
     b_s_ptrs = b_s_ptr + (rn // SCALE_N).to(tl.int64) * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    num_kb = tl.cdiv(K, BLOCK_K)
-    kb_per_split = tl.cdiv(num_kb, SPLIT_K)
-    kb_lo = split * kb_per_split
-    kb_hi = tl.minimum(kb_lo + kb_per_split, num_kb)
     a_ptrs += kb_lo * BLOCK_K
     b_ptrs += kb_lo * BLOCK_K
     for kb in range(kb_lo, kb_hi):
@@ -135,11 +155,7 @@ def w8a8_block_matmul_kernel(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-    else:
-        tl.atomic_add(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+    _write_tile(c_ptr, rm, rn, stride_cm, acc, m_mask[:, None] & n_mask[None, :], SPLIT_K)
 
 
 @triton.jit
@@ -181,14 +197,8 @@ def w8a8_block_matmul_v2_kernel(
     SPLIT_K: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    kb_lo, kb_hi = _split_k_range(K, BLOCK_K, SPLIT_K, tl.program_id(1))
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
 
@@ -197,10 +207,6 @@ def w8a8_block_matmul_v2_kernel(
     a_s_ptrs = a_s_ptr + rm.to(tl.int64) * stride_asm
     # One weight scale per tile and K step (BLOCK_N divides SCALE_N): a scalar load.
     b_s_ptr += (off_n // SCALE_N).to(tl.int64) * stride_bsn
-    num_kb = tl.cdiv(K, BLOCK_K)
-    kb_per_split = tl.cdiv(num_kb, SPLIT_K)
-    kb_lo = split * kb_per_split
-    kb_hi = tl.minimum(kb_lo + kb_per_split, num_kb)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb in range(kb_lo, kb_hi):
         a = _load_tile(a_ptr, off_m, M, kb * BLOCK_K, K, stride_am, BLOCK_M, BLOCK_K, TMA)
@@ -208,12 +214,7 @@ def w8a8_block_matmul_v2_kernel(
         scale = tl.load(a_s_ptrs + kb, mask=m_mask, other=0.0) * tl.load(b_s_ptr + kb)
         acc = tl.fma(tl.dot(a, b.T), scale[:, None], acc)
     rn = off_n + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    mask = m_mask[:, None] & (rn < N)[None, :]
-    if SPLIT_K == 1:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")
+    _write_tile(c_ptr, rm, rn, stride_cm, acc, m_mask[:, None] & (rn < N)[None, :], SPLIT_K)
 
 
 # Per (token bucket, n, k): a config that replaces gemm_config's rule there, from
