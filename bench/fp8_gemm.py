@@ -31,6 +31,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.kernel_sass import cuobjdump, loops
 from executor_service.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from executor_service.layers.fp8_gemm_triton import (
     GROUP,
@@ -210,13 +211,6 @@ def sweep_v2(weights: dict) -> None:
     print("\n".join(table_lines))
 
 
-def _cuobjdump(*args: str) -> str:
-    import subprocess
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
-
-
 def compile_sm90(cfg: dict):
     """The GEMM kernel cfg selects (v1 or v2), compiled for sm90 as the engine launches it at
     Qwen3-8B's shapes: bf16 out, every integer argument a multiple of 16 (M included: 64-512)."""
@@ -262,26 +256,8 @@ def compile_sm90(cfg: dict):
 def k_loop(sass: str) -> list[str]:
     """The opcodes of the K loop: the shortest backward branch's body that holds a wgmma (GMMA).
     (The longest backward branch can be an mbarrier's retry path, placed after the epilogue.)"""
-    index: dict[int, int] = {}
-    opcodes = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            index[int(m.group(1), 16)] = len(opcodes)
-            opcodes.append(m.group(2))
-    best = None
-    for i, text in enumerate(opcodes):
-        target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        start = index.get(int(target.group(1), 16)) if target else None
-        if (
-            start is not None
-            and start < i
-            and any("GMMA" in op for op in opcodes[start : i + 1])
-            and (best is None or i - start < best[1] - best[0])
-        ):
-            best = (start, i)
-    body = opcodes[best[0] : best[1] + 1] if best else []
-    return [re.sub(r"^@!?U?P\w+\s+", "", op) for op in body]
+    bodies = [body for body in loops(sass) if any("GMMA" in op for op in body)]
+    return min(bodies, key=len, default=[])
 
 
 def sass_report(label: str, cfg: dict, top: int) -> None:
@@ -289,8 +265,8 @@ def sass_report(label: str, cfg: dict, top: int) -> None:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        usage = _cuobjdump("--dump-resource-usage", cubin.name)
-        body = k_loop(_cuobjdump("-sass", cubin.name))
+        usage = cuobjdump("--dump-resource-usage", cubin.name)
+        body = k_loop(cuobjdump("-sass", cubin.name))
     ttgir = kernel.asm["ttgir"]
     ops = collections.Counter(op.split()[0] for op in body)
     count = lambda pred: sum(v for op, v in ops.items() if pred(op))  # noqa: E731

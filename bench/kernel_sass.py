@@ -98,27 +98,31 @@ def cuobjdump(*args: str) -> str:
     return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
 
 
-def loop_body(sass: str) -> list[str]:
-    """The opcodes of the longest backward branch's body (the loop over key tiles)."""
+def loops(sass: str) -> list[list[str]]:
+    """The opcodes (predicates dropped) of every backward branch's body, in SASS order."""
     index: dict[int, int] = {}  # address -> position
-    opcodes = []
+    instructions = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
-            index[int(m.group(1), 16)] = len(opcodes)
-            opcodes.append(m.group(2))
-    lo, hi = 0, -1
-    for i, text in enumerate(opcodes):
+            index[int(m.group(1), 16)] = len(instructions)
+            instructions.append(m.group(2))
+    opcodes = []
+    for text in instructions:
+        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)", text)
+        opcodes.append(m.group(1) if m else "")
+    bodies = []
+    for i, text in enumerate(instructions):
         target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
         start = index.get(int(target.group(1), 16)) if target else None
-        if start is not None and start < i and i - start > hi - lo:
-            lo, hi = start, i
-    ops = []
-    for text in opcodes[lo : hi + 1]:
-        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", text)
-        if m:
-            ops.append(m.group(1))
-    return ops
+        if start is not None and start < i:
+            bodies.append([op for op in opcodes[start : i + 1] if op])
+    return bodies
+
+
+def loop_body(sass: str) -> list[str]:
+    """The opcodes of the longest backward branch's body (the loop over key tiles)."""
+    return max(loops(sass), key=len, default=[])
 
 
 def main() -> None:
