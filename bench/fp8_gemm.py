@@ -149,6 +149,9 @@ def sweep_v2(weights: dict) -> None:
             ref = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16)
             rows["bf16 matmul"][m] = time_fast(lambda: x @ w.T)  # noqa: B023
             rows["quantize (per token group)"][m] = time_fast(lambda: quantize_per_token_group(x))  # noqa: B023
+            rows["quantize, a group a program"][m] = time_fast(
+                lambda: quantize_per_token_group(x, groups_per_program_=1)  # noqa: B023
+            )
             try:
 
                 def mm(a_q4=a_q4, a_s4=a_s4, w_q=w_q, w_s=w_s):

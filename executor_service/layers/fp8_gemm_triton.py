@@ -4,21 +4,22 @@ y = x @ W^T with W e4m3 [N, K] and one fp32 scale per 128 x 128 block (weight_sc
 and x quantized at run time per token in groups of 128 columns (x_s [M, K/128]), as DeepSeek-V3 and
 vLLM do:
 
-- `quantize_per_token_group`: one program per (token, group) computes the group's amax, its scale
-  amax / 448 and the e4m3 values (rounded to nearest even, attention.triton_kernels.round_to_e4m3);
+- `quantize_per_token_group`: a program per token and up to 16 of its groups computes each group's
+  amax, its scale amax / 448 and the e4m3 values (rounded to nearest even,
+  attention.triton_kernels.round_to_e4m3);
 - `w8a8_block_matmul`: tiles of BLOCK_M x BLOCK_N with BLOCK_K = 128, so each K step has one
   activation scale per row and one weight scale per 128 columns of N: acc += dot(a, b) * a_s * b_s,
   accumulated in fp32 and written in the output dtype.
 
 `fp8_linear` takes the Triton GEMM for decode-sized batches and, from SCALED_MM_MIN_TOKENS tokens
 on, torch._scaled_mm's blockwise-scaled CUTLASS GEMM where this torch and GPU have it (sm90, bf16
-out): on the H200 at Qwen3-8B's shapes (bench/fp8_gemm.py) the Triton kernel is faster up to 64
-tokens (qkv / o / gate_up / down 23.0 / 20.4 / 43.4 / 37.7 us against 24.5 / 23.6 / 48.2 / 47.6) and
-slower from 256 on (38.1 / 31.1 / 96.2 / 79.5 against 29.0 / 27.8 / 57.6 / 60.0). The two agree
-to the summation order (the same quantized operands, fp32 accumulation).
+out), except where GEMM_TABLE names a faster Triton configuration for the shape: on the H200 at
+Qwen3-8B's shapes (bench/fp8_gemm.py --sweep-v2) the Triton kernels are faster up to 128 tokens
+and torch's from 256 on (gate_up at 256: 47.8 us against 63.8), with o at 256 and qkv at 512 the
+exceptions. The GEMMs agree to the summation order (the same quantized operands, fp32
+accumulation).
 
-`w8a8_block_matmul_v2_kernel` (config KERNEL "v2", not a default yet: bench/fp8_gemm.py --sweep-v2
-times it) is the same GEMM with BLOCK_N dividing 128, so that a tile's weight scale is one scalar
+`w8a8_block_matmul_v2_kernel` (config KERNEL "v2": GEMM_TABLE's entries) is the same GEMM with BLOCK_N dividing 128, so that a tile's weight scale is one scalar
 per K step: acc = fma(dot(a, b), a_s * b_s, acc), one FFMA per accumulator element where the first
 kernel spends an FMUL, an FFMA and a shared-memory round trip (the weight scales' layout change,
 two barriers) per K step; with TMA the operands come through tensor descriptors (no per-thread
@@ -42,24 +43,37 @@ GROUP = 128
 
 @triton.jit
 def quantize_per_token_group_kernel(
-    x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, stride_sg, K, GROUP_SIZE: tl.constexpr
-):
-    # grid: (num_tokens, ceil(K / GROUP_SIZE))
+    x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, stride_sg, K,
+    GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    # grid: (num_tokens, ceil(K / (GROUPS * GROUP_SIZE))); a program quantizes GROUPS groups of a row
     m = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    k = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = g[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     mask = k < K
     x = tl.load(x_ptr + m * stride_xm + k, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-10), 448.0)
-    q = round_to_e4m3(tl.math.div_rn(x, scale))
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-10), 448.0)
+    q = round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
     tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale, mask=g * GROUP_SIZE < K)
 
 
-def quantize_per_token_group(x: torch.Tensor, rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def groups_per_program(m: int, groups: int) -> int:
+    """How many groups of a row one quantize program takes: enough programs for every SM to hold
+    four (a program per group is a wave of latency-bound programs per 2,000 groups: 10 us at 256 x
+    4096 on the H200), at most 16 groups (2,048 values, 16 a thread at 4 warps) and no more than the
+    row has."""
+    per = triton.next_power_of_2(max(1, m * groups // (4 * _NUM_SMS)))
+    return max(1, min(per, 16, triton.next_power_of_2(groups)))
+
+
+def quantize_per_token_group(
+    x: torch.Tensor, rows_multiple: int = 1, groups_per_program_: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / 128)]): x ~= q * scale of its group.
     rows_multiple > 1 (torch._scaled_mm's layout): M padded to a multiple of it with zero rows of
-    scale 1, the scales column-major."""
+    scale 1, the scales column-major. groups_per_program_ overrides groups_per_program (the
+    benchmark's comparison, the tests)."""
     m, k = x.shape
     groups = triton.cdiv(k, GROUP)
     padded = triton.cdiv(m, rows_multiple) * rows_multiple
@@ -72,8 +86,9 @@ def quantize_per_token_group(x: torch.Tensor, rows_multiple: int = 1) -> tuple[t
         q[m:].zero_()
         s[m:].fill_(1.0)
     if m:
-        quantize_per_token_group_kernel[(m, groups)](
-            x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), k, GROUP_SIZE=GROUP
+        per = groups_per_program_ or groups_per_program(m, groups)
+        quantize_per_token_group_kernel[(m, triton.cdiv(groups, per))](
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), k, GROUP_SIZE=GROUP, GROUPS=per
         )
     return q, s
 
@@ -221,7 +236,23 @@ def w8a8_block_matmul_v2_kernel(
 # `bench/fp8_gemm.py --sweep-v2` (its "table" lines). m in (32, 64] takes bucket 64, (64, 128] 128,
 # (128, 256] 256, (256, 512] 512; other token counts (decode's few, prefill's many) keep the rule.
 M_BUCKETS = (64, 128, 256, 512)
-GEMM_TABLE: dict[tuple[int, int, int], dict] = {}
+_V2_64x64_S6 = {"KERNEL": "v2", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "TMA": True}
+GEMM_TABLE: dict[tuple[int, int, int], dict] = {
+    # Qwen3-8B on the H200, 2026-12-02 (bench/RESULTS.md): us against the first kernel's rule and
+    # torch._scaled_mm at the same m. qkv:
+    (64, 6144, 4096): _V2_64x64_S6,  # 17.9 against 20.3 / -
+    (128, 6144, 4096): _V2_64x64_S6,  # 18.8 against 25.5 / 19.6
+    (512, 6144, 4096): {**_V2_64x64_S6, "BLOCK_N": 128, "num_stages": 3},  # 30.5 against 60.0 / 31.5
+    # o
+    (64, 4096, 4096): _V2_64x64_S6,  # 15.3 against 17.2 / -
+    (128, 4096, 4096): _V2_64x64_S6,  # 15.6 against 19.8 / 18.2
+    (256, 4096, 4096): _V2_64x64_S6,  # 18.2 against 24.3 / 18.6
+    # gate_up
+    (64, 24576, 4096): {**_V2_64x64_S6, "num_stages": 4},  # 38.4 against 41.5 / -
+    # down
+    (128, 4096, 12288): {**_V2_64x64_S6, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4,
+                         "SPLIT_K": 3},  # 36.2 against 50.0 / 39.6
+}  # fmt: skip
 
 
 def m_bucket(m: int) -> int | None:
@@ -234,7 +265,7 @@ def gemm_config(m: int, n: int, k: int | None = None) -> dict:
     bound by reading the weights: with few column tiles (n / BLOCK_N programs, fewer than two per
     SM) K is split so that every SM streams weights (qkv, o and down at m = 1: 17 / 15 / 26 us
     against 29 / 89 / 74 without); from m = 256 on, tiles of 64-128 rows, no split. GEMM_TABLE's
-    entry for (m_bucket(m), n, k) where it has one (none yet)."""
+    entry for (m_bucket(m), n, k) where it has one."""
     if k is not None and (m_bucket(m), n, k) in GEMM_TABLE:
         return dict(GEMM_TABLE[m_bucket(m), n, k])
     if m <= 64:
@@ -247,7 +278,7 @@ def gemm_config(m: int, n: int, k: int | None = None) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
-_NUM_SMS = 132  # H200 / H100 SXM; only the split-K choice depends on it
+_NUM_SMS = 132  # H200 / H100 SXM; only the split-K choice and the quantize grid depend on it
 
 
 def w8a8_block_matmul(
@@ -285,8 +316,10 @@ def w8a8_block_matmul(
 
 
 def tma_applies(a_q: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether both e4m3 operands can be read through TMA descriptors: rows contiguous, 16-byte
-    aligned bases and row strides (K a multiple of 16)."""
+    """Whether both e4m3 operands can be read through TMA descriptors: a GPU that has TMA (sm90 on),
+    rows contiguous, 16-byte aligned bases and row strides (K a multiple of 16)."""
+    if a_q.is_cuda and torch.cuda.get_device_capability(a_q.device) < (9, 0):
+        return False  # TMA is Hopper's
     return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a_q, weight))
 
 
@@ -327,8 +360,8 @@ _blockwise_supported: dict[int, bool] = {}
 def scaled_mm_applies(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether fp8_linear of m tokens of dtype on device through an [n, k] weight goes to
     torch._scaled_mm: bf16 on a GPU whose torch has the blockwise-scaled GEMM (probed once per
-    device, never during a capture)."""
-    if m < SCALED_MM_MIN_TOKENS or min(n, k) < SCALED_MM_MIN_DIM:
+    device, never during a capture), where GEMM_TABLE names no faster Triton GEMM."""
+    if m < SCALED_MM_MIN_TOKENS or min(n, k) < SCALED_MM_MIN_DIM or (m_bucket(m), n, k) in GEMM_TABLE:
         return False
     if dtype != torch.bfloat16 or device.type != "cuda":
         return False
