@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import sys
 from pathlib import Path
 
@@ -71,10 +72,11 @@ def paged_decode_inputs(
     kv_dtype: torch.dtype = DTYPE,
     sequential: bool = False,
     layouts: tuple[str, ...] = (),
+    contexts: list[int] | None = None,
 ) -> dict:
     """A cache of batch x context keys; each sequence's blocks drawn at random from the whole cache
     (a long-running server's free list), or with sequential=True one after the other; `layouts`:
-    names from LAYOUTS."""
+    names from LAYOUTS; `contexts`: each sequence's own length (at most context)."""
     blocks_per_seq = triton.cdiv(context, block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
@@ -97,7 +99,11 @@ def paged_decode_inputs(
         "k_cache": k_cache,
         "v_cache": v_cache,
         "block_tables": tables,
-        "context_lens": torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+        "context_lens": (
+            torch.full((batch,), context, dtype=torch.int32, device="cuda")
+            if contexts is None
+            else torch.tensor(contexts, dtype=torch.int32, device="cuda")
+        ),
         "cu_seqlens_q": torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
     }
 
@@ -111,8 +117,9 @@ def bench_decode(
     kv_dtype=DTYPE,
     sequential: bool = False,
     layouts: tuple[str, ...] = (),
+    contexts: list[int] | None = None,
 ):
-    x = paged_decode_inputs(batch, context, block_size, kv_dtype, sequential, layouts)
+    x = paged_decode_inputs(batch, context, block_size, kv_dtype, sequential, layouts, contexts)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = splits or tk.choose_num_splits(batch, NUM_KV_HEADS, num_sms)
     out = torch.empty_like(x["q"])
@@ -125,8 +132,36 @@ def bench_decode(
         )  # fmt: skip
 
     ms = time_graph_ms(run)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
+    keys = batch * context if contexts is None else sum(contexts)
+    kv_bytes = 2 * keys * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     return ms, kv_bytes / ms / 1e9, splits
+
+
+def mixed_lengths(batch: int, generated: int, order: str, seed: int = 0) -> list[int]:
+    """W1's contexts a decode step in: prompts of 100-1024 tokens (uniform) plus `generated`; in
+    random order (as the engine batches them), longest first or shortest first."""
+    rng = random.Random(seed)
+    contexts = [rng.randint(100, 1024) + generated for _ in range(batch)]
+    if order != "random":
+        contexts.sort(reverse=order == "longest first")
+    return contexts
+
+
+def sweep_mixed_lengths() -> None:
+    """Decode at batch 256 over W1's mixed contexts against one context of the same mean: what the
+    programs of the longest sequences, run last, cost (grid order, splits)."""
+    for generated, (name, kv_dtype, block_size) in itertools.product(
+        (32, 256), (("bf16", DTYPE, 16), ("fp8", FP8, FP8_BS))
+    ):
+        mean = sum(mixed_lengths(256, generated, "random")) // 256
+        _, uniform, _ = bench_decode(256, mean, block_size, kv_dtype=kv_dtype)
+        print(f"mixed {name} b256 +{generated}: one context of {mean}: {uniform:.2f} TB/s")
+        for order, splits in itertools.product(("random", "longest first", "shortest first"), (1, 2, 4)):
+            contexts = mixed_lengths(256, generated, order)
+            _, tbs, _ = bench_decode(
+                256, max(contexts), block_size, splits=splits, kv_dtype=kv_dtype, contexts=contexts
+            )
+            print(f"mixed {name} b256 +{generated} {order}, splits {splits}: {tbs:.2f} TB/s")
 
 
 def bench_varlen_decode(batch: int, context: int):
@@ -284,6 +319,11 @@ def main() -> None:
         help="bf16 and fp8 decode at b256x1024 over block sizes 8-256, blocks random or sequential",
     )
     parser.add_argument(
+        "--sweep-mixed-lengths",
+        action="store_true",
+        help="decode at b256 over W1's mixed contexts: grid orders and splits against one context",
+    )
+    parser.add_argument(
         "--heads",
         type=int,
         nargs=2,
@@ -303,6 +343,9 @@ def main() -> None:
         return
     print(f"{NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}")
     torch.manual_seed(0)
+    if args.sweep_mixed_lengths:
+        sweep_mixed_lengths()
+        return
     if args.sweep_layout:
         variants = [
             ("bf16", DTYPE, None),

@@ -96,8 +96,9 @@ def prepare_batch(
     )
     if holes.size:
         input_ids_d[holes_d] = pending[sources_d]
-    context_lens_d, cu_q_d, cu_k_d, tables_d = _packed_to_device(
-        [ends, cu_q, cu_k, tables.ravel()], np.int32, device
+    order = np.argsort(-ends, kind="stable")  # Context.seq_order: longest context first
+    context_lens_d, cu_q_d, cu_k_d, order_d, tables_d = _packed_to_device(
+        [ends, cu_q, cu_k, order, tables.ravel()], np.int32, device
     )
     context_lens_host = ends.tolist()
     context = Context(
@@ -106,6 +107,7 @@ def prepare_batch(
         context_lens=context_lens_d,
         cu_seqlens_q=cu_q_d,
         cu_seqlens_k=cu_k_d,
+        seq_order=order_d,
         max_seqlen_q=int(q_lens.max()),
         max_seqlen_k=max(context_lens_host),
         query_lens_host=list(num_scheduled_tokens),

@@ -17,6 +17,9 @@ class Context:
     context_lens: torch.Tensor | None = None  # [num_seqs], KV length after this step
     cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1]
     cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1]
+    # [num_seqs] int32, the sequences longest context first: the order the decode kernel's programs
+    # take them in (so the longest are not left for last); None: the batch's order.
+    seq_order: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     # The same lengths on the host, known when the batch is built (no device sync to read them).

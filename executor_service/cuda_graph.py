@@ -67,6 +67,9 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        # The step's seq_order, then the padding rows in order (each program one sequence).
+        self.rows = torch.arange(max_batch, dtype=torch.int32, device=device)
+        self.seq_order = self.rows.clone()
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -79,6 +82,7 @@ class DecodeGraphs:
             context_lens=self.context_lens[:n],
             cu_seqlens_q=self.cu_seqlens_q[: n + 1],
             cu_seqlens_k=None,
+            seq_order=self.seq_order[:n],
             max_seqlen_q=1,
             max_seqlen_k=self.block_tables.shape[1],
             # Host lengths route the step to the decode kernel; a graph never reads them again.
@@ -133,6 +137,11 @@ class DecodeGraphs:
         self.slot_mapping[n:bucket] = -1
         self.context_lens[:n] = context.context_lens
         self.context_lens[n:bucket] = 0
+        if context.seq_order is None:
+            self.seq_order[:bucket] = self.rows[:bucket]
+        else:
+            self.seq_order[:n] = context.seq_order
+            self.seq_order[n:bucket] = self.rows[n:bucket]
         self.block_tables[:n, :width] = context.block_tables
         self.graphs[bucket].replay()
         return self.hidden[:n]

@@ -221,10 +221,13 @@ def test_step_tensors_start_on_16_byte_boundaries(qwen3_tied, num_seqs):
         "cu_seqlens_q": ctx.cu_seqlens_q,
         "cu_seqlens_k": ctx.cu_seqlens_k,
         "block_tables": ctx.block_tables,
+        "seq_order": ctx.seq_order,
     }
     for name, tensor in named.items():
         assert tensor.storage_offset() * tensor.element_size() % 16 == 0, f"{name} is not 16-byte aligned"
     assert ctx.context_lens.tolist() == lengths
+    # The decode kernel's programs take the longest contexts first.
+    assert ctx.seq_order.tolist() == sorted(range(num_seqs), key=lambda i: -lengths[i])
     assert ctx.cu_seqlens_q.tolist() == [0, *itertools.accumulate(scheduled)]
     assert ctx.cu_seqlens_k.tolist() == [0, *itertools.accumulate(lengths)]
     assert batch.logits_indices.tolist() == [end - 1 for end in itertools.accumulate(scheduled)]

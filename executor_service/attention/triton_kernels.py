@@ -117,6 +117,17 @@ def store_kv_kernel(
             tl.store(v_cache_ptr + zero_dst, zeros, mask=zero_mask)
 
 
+@triton.jit
+def _program_seq(seq_order_ptr, ORDERED: tl.constexpr):
+    """The sequence this program attends for: program_id(2), or its entry of seq_order. The GPU
+    starts programs in grid order, so a step's longest contexts first keeps them off the tail:
+    W1's mixed contexts at batch 256 decode 3-5% faster that way (bench/attention.py
+    --sweep-mixed-lengths)."""
+    if ORDERED:
+        return tl.load(seq_order_ptr + tl.program_id(2))
+    return tl.program_id(2)
+
+
 # The block tables' row stride is the widest table of the step: not specialised (Triton would
 # compile a variant for 1, for multiples of 16 and for the rest, each in the middle of serving).
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -130,6 +141,7 @@ def paged_attention_kernel(
     block_tables_ptr,
     context_lens_ptr,
     cu_seqlens_q_ptr,
+    seq_order_ptr,  # with ORDERED: [num_seqs] the sequence of each program_id(2) (longest first)
     qk_scale,  # softmax scale * log2(e) (* k_scale with an fp8 cache): scores go through exp2
     v_scale,  # with an fp8 cache: the output is scaled once instead of every V element
     stride_qt,
@@ -156,13 +168,14 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (Triton would use TF32), ignored for 16-bit
     KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
     FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
+    ORDERED: tl.constexpr = False,  # programs take sequences in seq_order's order
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
     kv_head = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
     q_tile = tl.program_id(1)
-    seq = tl.program_id(2)
+    seq = _program_seq(seq_order_ptr, ORDERED)
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -280,6 +293,7 @@ def paged_decode_kv_major_kernel(
     block_tables_ptr,
     context_lens_ptr,
     cu_seqlens_q_ptr,
+    seq_order_ptr,
     qk_scale,
     v_scale,
     stride_qt,
@@ -303,6 +317,7 @@ def paged_decode_kv_major_kernel(
     NUM_SPLITS: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every sequence (all of query length 1); 1: only query length 1
     KV_FP8: tl.constexpr,
+    ORDERED: tl.constexpr = False,
 ):
     """Decode attention computed transposed: s^T = K q^T and o^T = V^T p^T, so that K and V (widened
     from e4m3 in registers) are the MMAs' first operand, which Hopper's wgmma takes from registers,
@@ -312,7 +327,7 @@ def paged_decode_kv_major_kernel(
     with BLOCK_Q = 1; K, V, q and p in fp16 (e4m3 widens to it exactly)."""
     kv_head = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
-    seq = tl.program_id(2)
+    seq = _program_seq(seq_order_ptr, ORDERED)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     if ROWS == 1:  # noqa: SIM102 (constexpr branch, pruned at compile time)
         if tl.load(cu_seqlens_q_ptr + seq + 1) - q_start != 1:
@@ -490,10 +505,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
 
 def _launch(
     q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, grid_q, kv_scales,
-    kernel=paged_attention_kernel, **meta,
+    kernel=paged_attention_kernel, seq_order=None, **meta,
 ):  # fmt: skip
     """Launch `kernel` (paged_attention_kernel, or paged_decode_kv_major_kernel, which takes no
-    BLOCK_Q, DOT_PRECISION or FP8_DOT_F16) and the split-KV reduce after it."""
+    BLOCK_Q, DOT_PRECISION or FP8_DOT_F16) and the split-KV reduce after it; seq_order: the
+    sequences in the order the programs take them, or None for the batch's order."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
@@ -526,6 +542,7 @@ def _launch(
         block_tables,
         context_lens,
         cu_seqlens_q,
+        context_lens if seq_order is None else seq_order,
         scale * LOG2E * k_scale,
         float(v_scale),
         q.stride(0),
@@ -545,6 +562,7 @@ def _launch(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_FP8=fp8,
+        ORDERED=seq_order is not None,
         **meta,
     )
     if num_splits > 1:
@@ -576,12 +594,15 @@ def paged_decode(
     rows=0,
     config=None,
     kv_scales=(1.0, 1.0),
+    seq_order=None,
 ) -> None:
     """Attention of every sequence's single query token over its paged KV (grid fixed by shapes).
 
     q, out: [num_tokens, num_heads, head_dim]; row cu_seqlens_q[i] is sequence i's query.
     rows=1 touches only sequences of query length 1 (the decode rows of a mixed batch).
-    kv_scales: (k_scale, v_scale) of an e4m3 cache, ignored otherwise."""
+    kv_scales: (k_scale, v_scale) of an e4m3 cache, ignored otherwise.
+    seq_order: int32 [num_seqs], a permutation of the sequences (Context.seq_order: longest
+    context first), the order the GPU starts their programs in; None: the batch's order."""
     base = DECODE_CONFIG_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_CONFIG
     cfg = {**base, **(config or {})}
     group = q.shape[1] // k_cache.shape[2]
@@ -602,7 +623,8 @@ def paged_decode(
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, ROWS=rows,
-        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta,
+        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        seq_order=seq_order, **meta,
     )  # fmt: skip
 
 

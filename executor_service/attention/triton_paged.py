@@ -156,6 +156,7 @@ class TritonPagedBackend(AttentionBackend):
                 num_splits=splits,
                 rows=rows,
                 kv_scales=(k_scale, v_scale),
+                seq_order=context.seq_order,
             )
         if not plan.decode_only:
             rows = 2 if plan.has_decode else 0

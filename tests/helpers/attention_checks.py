@@ -149,12 +149,21 @@ def check_decode(batch: dict, num_splits: int) -> None:
     ref = reference(batch)
     ctx = batch["context"]
     tk.store_kv(batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], ctx.slot_mapping)
-    out = torch.full_like(batch["q"], NAN)
     meta = (ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q)
-    tk.paged_decode(
-        batch["q"], batch["k_cache"], batch["v_cache"], out, *meta, batch["scale"], num_splits=num_splits
-    )
-    assert_matches(out, batch, ref)
+    # In the batch's order, then with the programs taking the longest contexts first (and, in
+    # reverse, the shortest: any permutation gives every sequence its own output).
+    for order in (None, longest_first(ctx.context_lens), longest_first(ctx.context_lens).flip(0)):
+        out = torch.full_like(batch["q"], NAN)
+        tk.paged_decode(
+            batch["q"], batch["k_cache"], batch["v_cache"], out, *meta, batch["scale"],
+            num_splits=num_splits, seq_order=order,
+        )  # fmt: skip
+        assert_matches(out, batch, ref)
+
+
+def longest_first(context_lens: torch.Tensor) -> torch.Tensor:
+    """Context.seq_order of these lengths (batch.prepare_batch's order)."""
+    return torch.argsort(context_lens, descending=True, stable=True).to(torch.int32)
 
 
 def check_prefill(batch: dict, num_splits: int = 1, config: dict | None = None) -> None:
@@ -169,8 +178,9 @@ def check_prefill(batch: dict, num_splits: int = 1, config: dict | None = None) 
     has_decode = 1 in ctx.query_lens_host
     if has_decode:
         tk.paged_decode(
-            batch["q"], batch["k_cache"], batch["v_cache"], out, *meta, batch["scale"], num_splits, rows=1
-        )
+            batch["q"], batch["k_cache"], batch["v_cache"], out, *meta, batch["scale"], num_splits, rows=1,
+            seq_order=longest_first(ctx.context_lens),
+        )  # fmt: skip
     tk.paged_prefill(
         batch["q"], batch["k_cache"], batch["v_cache"], out, *meta, ctx.max_seqlen_q, batch["scale"],
         rows=2 if has_decode else 0, config=config,

@@ -8,6 +8,7 @@ from executor_service.context import Context
 from helpers.attention_checks import (
     NAN,
     assert_matches,
+    longest_first,
 )
 
 
@@ -89,7 +90,8 @@ def check_attention_fp8(
     if has_decode:
         rows = 1 if has_prefill else 0
         tk.paged_decode(
-            q, *caches, out, *meta, batch["scale"], num_splits, rows=rows, config=decode_config, kv_scales=kv_scales
+            q, *caches, out, *meta, batch["scale"], num_splits, rows=rows, config=decode_config, kv_scales=kv_scales,
+            seq_order=longest_first(ctx.context_lens),
         )  # fmt: skip
     if has_prefill:
         tk.paged_prefill(
