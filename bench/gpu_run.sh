@@ -119,6 +119,7 @@ for what in "$@"; do
     w1-fp8-split) TAIL=12 stage w1-fp8-split "$PY" bench/throughput.py --workload w1 --device cuda --mode split --kv-cache-dtype fp8 ;;
     w4) TAIL=12 STAGE_TIMEOUT=580 stage w4 "$PY" bench/throughput.py --workload w4 --device cuda --mode in-process ;;
     w4-bf16) TAIL=12 STAGE_TIMEOUT=580 stage w4-bf16 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process ;;
+    w4-profile) TAIL=40 stage w4-profile "$PY" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
     *) echo "unknown stage $what" | tee -a "$OUT/summary.txt" ;;
     esac
 done

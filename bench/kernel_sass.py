@@ -72,7 +72,9 @@ def compile_decode(
             signature[name] = cache
         elif name.endswith("_ptr"):
             signature[name] = (
-                "*i32" if name in ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr") else "*bf16"
+                "*i32"
+                if name in ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seq_order_ptr")
+                else "*bf16"
             )
         else:
             signature[name] = _SCALARS.get(name, "i32")

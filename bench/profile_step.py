@@ -30,6 +30,7 @@ GROUPS = (
     ("all-reduce", ("nccl", "allreduce", "all_reduce")),
     ("attention", ("paged_attention", "store_kv", "split_kv_reduce", "flash", "varlen", "fmha")),
     ("moe", ("_moe_gemm", "_route", "_count", "_align", "_sum_topk")),
+    ("fp8 quantize", ("quantize_per_token_group",)),  # the W8A8 GEMMs' activations
     ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "matmul", "splitk")),
     ("fused ops", ("_rms_norm", "_silu_and_mul", "_qk_norm_rope")),
     (
