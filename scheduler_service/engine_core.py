@@ -114,7 +114,10 @@ class CoreBridge:
 
     def _send(self, peer: bytes, frame: bytes) -> None:
         try:
-            self._socket.send_multipart([peer, frame], zmq.NOBLOCK)
+            # (send_multipart's type checks of its parts, without them: the frame fails at its
+            # first part, the routing id, when its API server cannot take it)
+            self._socket.send(peer, zmq.NOBLOCK | zmq.SNDMORE)
+            self._socket.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             error = e
         else:
