@@ -114,7 +114,10 @@ class CoreBridge:
 
     def _send(self, peer: bytes, frame: bytes) -> None:
         try:
-            self._socket.send_multipart([peer, frame], zmq.NOBLOCK)
+            # (send_multipart's type checks of its parts, without them: the frame fails at its
+            # first part, the routing id, when its API server cannot take it)
+            self._socket.send(peer, zmq.NOBLOCK | zmq.SNDMORE)
+            self._socket.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             error = e
         else:
@@ -195,7 +198,9 @@ class CoreBridge:
         path: their RequestOutputs go through StreamTable.dispatch and `_forward`, in the same
         callback, so every stream's messages keep their order."""
         now = time.perf_counter()
-        columns: dict[bytes, tuple[list[int], list[list[int]], list[int], list[list]]] = {}
+        # Each API server's "out" columns: engine ids, numbers of new tokens, the new tokens (flat),
+        # cached tokens, details (engine_ipc.py).
+        columns: dict[bytes, tuple[list[int], list[int], list[int], list[int], list[list]]] = {}
         general: list[RequestOutput] = []
         first: list[RequestStream] = []
         finished: list[RequestStream] = []
@@ -210,7 +215,7 @@ class CoreBridge:
                 continue
             group = columns.get(stream.peer)
             if group is None:
-                group = columns[stream.peer] = ([], [], [], [])
+                group = columns[stream.peer] = ([], [], [], [], [])
             k = seq.num_new_tokens
             if k:
                 if stream.first_token_time is None:
@@ -220,11 +225,15 @@ class CoreBridge:
                 else:
                     gaps.append(now - stream.last_token_time)
                 stream.last_token_time = now
+                if k == 1:
+                    group[2].append(seq.token_ids[-1])
+                else:
+                    group[2].extend(seq.token_ids[-k:])
             group[0].append(seq.seq_id)
-            group[1].append(seq.token_ids[-k:] if k else [])
-            group[2].append(seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0)
+            group[1].append(k)
+            group[3].append(seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0)
             if seq.status is _FINISHED:
-                group[3].append([len(group[0]) - 1, None, None, True, seq.finish_reason, None, None])
+                group[4].append([len(group[0]) - 1, None, None, True, seq.finish_reason, None, None])
                 finished.append(stream)
         metrics = self.metrics
         if first_latencies:

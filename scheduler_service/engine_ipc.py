@@ -7,8 +7,8 @@ One ROUTER socket in the engine core, one DEALER per API server (its identity `a
     ["hello"]                                   ["state", state]          (on hello, on each change)
     ["add", key, request_id, prompt_ids,        ["added", key, [engine id of each sample]] or
      params, arrival, timeout, user]            ["refused", key, code, message]
-    ["abort", engine_id]                        ["out", engine_ids, token_ids,   (after each engine step)
-    ["metrics", [record, ...]]                   num_cached_tokens, details]
+    ["abort", engine_id]                        ["out", engine_ids, num_tokens,  (after each engine step)
+    ["metrics", [record, ...]]                   token_ids, num_cached_tokens, details]
 
 An API server says hello once it serves (its port bound): the core counts the hellos to know that
 every API server has started.
@@ -16,10 +16,12 @@ every API server has started.
 `state`: {"info": ExecutorInfo fields or None, "limits": SchedulerLimits fields or None,
 "message": why not connected, "admitting": bool}. "out" is one step's news for the API server's
 requests (CoreBridge.step_outputs builds it for requests of tokens alone, outputs_to_wire for
-the others: an API server may get both after a step), in columns (outputs_to_wire): each request's engine id, new token ids and cached
-tokens, and `details` only for the few with more than tokens: [column index, logprobs or None,
-prompt logprobs or None (once), finished, finish reason, failure code or None, failure message],
-with logprobs as [token id, logprob, [[id, logprob], ...], rank].
+the others: an API server may get both after a step), in columns (outputs_to_wire): each request's
+engine id, number of new tokens and cached tokens; the new tokens of all of them in one flat
+column, `num_tokens` each in order (not a list a request, which the engine thread would build and
+msgpack frame for every request every step); and `details` only for the few with more than tokens:
+[column index, logprobs or None, prompt logprobs or None (once), finished, finish reason, failure
+code or None, failure message], with logprobs as [token id, logprob, [[id, logprob], ...], rank].
 A request of n samples is n engine requests (SamplingParams.for_samples, on both sides). `record`: [metric, label values,
 method, value], a call on the core's SchedulerMetrics (`requests_finished.labels("stop").inc(1)`).
 `arrival` is time.perf_counter() of the API server: CLOCK_MONOTONIC on Linux, one clock for every
@@ -104,19 +106,21 @@ class StreamOutput:
     error: str | None = None
 
 
-def outputs_to_wire(streams: list[RequestStream]) -> tuple[list, list, list, list]:
+def outputs_to_wire(streams: list[RequestStream]) -> tuple[list, list, list, list, list]:
     """Take the news accumulated in each stream (one API server's, after a step): the columns of
     an "out" message. Most streams only have new tokens, so only the others get details."""
     engine_ids = [stream.engine_id for stream in streams]
-    token_ids = [stream.token_ids for stream in streams]
+    num_tokens = []
+    token_ids: list[int] = []
     num_cached_tokens = [stream.num_cached_tokens for stream in streams]
     details = []
     for i, stream in enumerate(streams):
-        stream.token_ids = []
+        new, stream.token_ids = stream.token_ids, []
         if stream.finished or stream.logprobs or stream.prompt_logprobs is not None:
             failure = stream.failure
             if failure is not None:
-                token_ids[i], num_cached_tokens[i] = [], 0
+                num_tokens.append(0)
+                num_cached_tokens[i] = 0
                 details.append([i, None, None, True, "abort", failure.code.name, failure.message])
                 continue
             logprobs, stream.logprobs = stream.logprobs, []
@@ -125,16 +129,26 @@ def outputs_to_wire(streams: list[RequestStream]) -> tuple[list, list, list, lis
                 [i, logprobs_to_wire(logprobs), logprobs_to_wire(prompt_logprobs), stream.finished,
                  stream.finish_reason, None, None]
             )  # fmt: skip
-    return engine_ids, token_ids, num_cached_tokens, details
+        num_tokens.append(len(new))
+        token_ids += new
+    return engine_ids, num_tokens, token_ids, num_cached_tokens, details
 
 
 def outputs_from_wire(
-    engine_ids: list[int], token_ids: list[list[int]], num_cached_tokens: list[int], details: list[list]
+    engine_ids: list[int],
+    num_tokens: list[int],
+    token_ids: list[int],
+    num_cached_tokens: list[int],
+    details: list[list],
 ) -> tuple[list[StreamOutput], dict[int, TandemRequestError]]:
     """An "out" message's outputs for StreamTable.dispatch, and its failures by engine id."""
-    outputs: list[StreamOutput | None] = [
-        StreamOutput(*output) for output in zip(engine_ids, token_ids, num_cached_tokens, strict=True)
-    ]
+    outputs: list[StreamOutput | None] = []
+    end = 0
+    for engine_id, n, cached in zip(engine_ids, num_tokens, num_cached_tokens, strict=True):
+        start, end = end, end + n
+        outputs.append(StreamOutput(engine_id, token_ids[start:end], cached))
+    if end != len(token_ids):
+        raise ValueError(f'an "out" message of {end} tokens by its counts carries {len(token_ids)}')
     failures = {}
     for i, logprobs, prompt_logprobs, finished, reason, code, message in details:
         if code is not None:

@@ -12,6 +12,8 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterable
+from functools import reduce
+from operator import add
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -63,13 +65,22 @@ class StepHistogram:
         self.observe_all((value,))
 
     def observe_all(self, values: Iterable[float]) -> None:
+        values = values if isinstance(values, (list, tuple)) else list(values)
+        if not values:
+            return
         bounds, counts = self._bounds, self._counts
+        # The first bucket with value <= its bound. A step's values are mostly one (its streams'
+        # gaps since the step before): when the least and the greatest share a bucket, all do.
+        first = bisect_left(bounds, min(values))
+        one_bucket = first == bisect_left(bounds, max(values))
         with self._lock:
-            total = self._sum
-            for value in values:
-                counts[bisect_left(bounds, value)] += 1  # the first bucket with value <= its bound
-                total += value
-            self._sum = total
+            if one_bucket:
+                counts[first] += len(values)
+            else:
+                for value in values:
+                    counts[bisect_left(bounds, value)] += 1
+            # (each added in turn, as a loop would: the same sum to the last bit)
+            self._sum = reduce(add, values, self._sum)
 
     def collect(self) -> list[Metric]:
         with self._lock:

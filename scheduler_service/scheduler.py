@@ -154,10 +154,11 @@ class Scheduler:
             if budget <= 0:
                 break
             c = seq.num_computed_tokens
+            pending = seq.num_pending_tokens
             # Tokens known, or sampled by a plan in flight (its token is fed on the executor).
-            known = len(seq.token_ids) + seq.num_pending_tokens
+            known = len(seq.token_ids) + pending
             remaining = known - c
-            if seq.num_pending_tokens and known >= seq.max_num_tokens:
+            if pending and known >= seq.max_num_tokens:
                 continue  # it stops with "length" once the results in flight are in
             n = remaining if remaining <= budget else budget
             if remaining > 1 and n > prefill_left:  # a prefill chunk
@@ -168,7 +169,7 @@ class Scheduler:
             # calls per sequence were 10-25% of the step's scheduling cost.
             if c + n > len(seq.block_table) * bs:
                 if not bm.can_append(seq, n):
-                    if seq.num_pending_tokens:
+                    if pending:
                         # Its token in flight may stop it: wait for that result rather than
                         # preempt a live request for a token that could be thrown away.
                         continue
@@ -190,7 +191,7 @@ class Scheduler:
                 partial.append((seq, c + n))
             else:
                 sampling.append(seq)
-                seq.num_pending_tokens += 1
+                seq.num_pending_tokens = pending + 1
             seq_ids.append(seq.seq_id)
             num_scheduled.append(n)
             num_computed.append(c)
@@ -349,6 +350,7 @@ class Scheduler:
                     reason = "stop"
                 elif num_before + 1 >= seq.max_num_tokens:
                     reason = "length"
+                num_new = 1
             else:
                 for tok in token_ids[offset : offset + k]:
                     tokens.append(tok)
@@ -362,15 +364,16 @@ class Scheduler:
                     if len(tokens) >= seq.max_num_tokens:
                         reason = "length"
                         break
+                num_new = len(tokens) - num_before
             offset += k
-            num_new = seq.num_new_tokens = len(tokens) - num_before
+            seq.num_new_tokens = num_new
             num_generated += num_new
             if logprobs is not None and seq.logprobs is not None and seq_id in logprobs:
                 seq.append_logprobs(logprobs[seq_id], num_before)
             if reason is not None:
                 self._finish(seq, reason)
                 any_finished = True
-            elif caching and seq.num_kv_written // bs > seq.num_registered_blocks:
+            elif caching and num_before // bs > seq.num_registered_blocks:  # (num_kv_written)
                 bm.cache_full_blocks(seq)
             out.append(seq)
         stats.num_generation_tokens += num_generated

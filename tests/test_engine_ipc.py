@@ -85,9 +85,29 @@ def test_details_go_only_with_the_outputs_that_need_them():
     core.dispatch(
         [output(1, [7]), output(2, [8]), output(3, [0], finished=True, finish_reason="stop")], None, 1.0
     )
-    ((engine_ids, token_ids, num_cached_tokens, details),) = sent
-    assert (engine_ids, token_ids, num_cached_tokens) == ([1, 2, 3], [[7], [8], [0]], [0, 0, 0])
+    ((engine_ids, num_tokens, token_ids, num_cached_tokens, details),) = sent
+    assert (engine_ids, num_tokens, token_ids, num_cached_tokens) == (
+        [1, 2, 3],
+        [1, 1, 1],
+        [7, 8, 0],
+        [0, 0, 0],
+    )
     assert details == [[2, None, None, True, "stop", None, None]]
+
+
+def test_the_flat_token_column_splits_by_the_counts():
+    """An "out" message carries every request's new tokens in one column, num_tokens each."""
+    columns = ipc.unpack(ipc.pack("out", [1, 2, 3, 4], [2, 0, 1, 3], [7, 8, 9, 4, 5, 6], [16, 0, 0, 32], []))
+    outputs, failures = ipc.outputs_from_wire(*columns[1:])
+    assert [(o.request_id, o.new_token_ids, o.num_cached_tokens) for o in outputs] == [
+        (1, [7, 8], 16),
+        (2, [], 0),
+        (3, [9], 0),
+        (4, [4, 5, 6], 32),
+    ]
+    assert not failures
+    with pytest.raises(ValueError, match="6 tokens by its counts carries 7"):
+        ipc.outputs_from_wire([1, 2], [2, 4], [1, 2, 3, 4, 5, 6, 7], [0, 0], [])
 
 
 def test_empty_logprobs_cross_as_none():

@@ -61,3 +61,27 @@ def test_step_histogram_exposes_what_a_prometheus_histogram_would():
         return [line for line in generate_latest(registry).decode().splitlines() if "_created " not in line]
 
     assert exposed(batched) == exposed(plain)
+
+
+def test_step_histogram_batches_in_one_bucket_count_as_their_values_would():
+    """observe_all counts a batch whose least and greatest values share a bucket at once (a
+    step's gaps are mostly one value); its count and sum stay those of one observation each."""
+    plain, batched = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("x_seconds", "doc", buckets=_LATENCY_BUCKETS, registry=plain)
+    histogram = StepHistogram("x_seconds", "doc", buckets=_LATENCY_BUCKETS, registry=batched)
+    rng = random.Random(1)
+    batches = [[0.0123456789] * 256, [rng.uniform(0.0101, 0.0199) for _ in range(100)], [0.02, 0.01], [5.0]]
+    for batch in batches:
+        for value in batch:
+            reference.observe(value)
+    for batch in batches:
+        histogram.observe_all(batch)
+    histogram.observe_all(iter([0.5, 0.3]))  # any iterable
+    histogram.observe_all([])
+    reference.observe(0.5)
+    reference.observe(0.3)
+
+    def exposed(registry: CollectorRegistry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created " not in line]
+
+    assert exposed(batched) == exposed(plain)
