@@ -9,6 +9,11 @@ It takes the executor service's flags (--model for the vocabulary, --port, --met
 --max-num-seqs, --max-num-batched-tokens; the rest are ignored) and serves the real
 ExecutorService (servicer, ownership, metrics) over a stub. The token it samples is 7: W1
 ignores EOS.
+
+`--step-ms T` paces it like a GPU: each plan is launched as it arrives (two in flight, as the
+CUDA executor) and its result comes back T ms after the step before it ended, or after its launch
+if the device had run dry, so the executor's gaps between steps (tandem_executor_idle_seconds:
+the scheduler late with a plan) show on a machine without a GPU (W1 on the H200: 5.5 ms a step).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import json
 import signal
 import sys
 import threading
+import time
+from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,6 +84,41 @@ class StubExecutor(StepOnlyExecutor):
         return result
 
 
+class PacedStubExecutor(StubExecutor):
+    """StubExecutor whose steps take step_s each on an emulated device that runs them in order."""
+
+    overlaps_steps = True
+    takes_plans_ahead = True
+
+    def __init__(
+        self, vocab_size: int, max_num_seqs: int, max_num_batched_tokens: int, step_s: float
+    ) -> None:
+        super().__init__(vocab_size, max_num_seqs, max_num_batched_tokens)
+        self.step_s = step_s
+        self._device_free_at = 0.0
+        self._launched: deque[tuple[StepResult, float]] = deque()
+
+    def ready(self) -> bool:
+        """Whether the oldest step launched is done (the servicer answers it then, not before)."""
+        return not self._launched or self._launched[0][1] <= time.perf_counter()
+
+    def send(self, plan: StepPlan) -> None:
+        done = max(time.perf_counter(), self._device_free_at) + self.step_s
+        self._device_free_at = done
+        self._launched.append((self.step(plan), done))
+
+    def receive(self, plan: StepPlan) -> StepResult:
+        result, done = self._launched.popleft()
+        wait = done - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return result
+
+    def discard(self) -> None:
+        self._launched.clear()
+        self._device_free_at = 0.0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -85,6 +127,7 @@ def main() -> int:
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--step-ms", type=float, default=0.0, help="emulated device time a step (0: none)")
     args, _ = p.parse_known_args()
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     server = ExecutorServer(args.host, args.port)
@@ -92,7 +135,10 @@ def main() -> int:
         start_metrics_server(server.metrics, args.host, args.metrics_port) if args.metrics_port else None
     )
     server.start()
-    server.set_executor(StubExecutor(vocab, args.max_num_seqs, args.max_num_batched_tokens))
+    sizes = (vocab, args.max_num_seqs, args.max_num_batched_tokens)
+    server.set_executor(
+        PacedStubExecutor(*sizes, args.step_ms / 1e3) if args.step_ms > 0 else StubExecutor(*sizes)
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: threading.Thread(target=stop.set).start())
