@@ -1,0 +1,305 @@
+"""Scratch: a Gluon prototype of the fp8 (e4m3) decode loop, compiled for sm90 on the CPU.
+
+Nothing here is used by the engine. The same decode as executor_service/attention/triton_kernels.py's
+paged_attention_kernel for an e4m3 cache (BLOCK_N 128, 4 warps, group 2 padded to 16 rows, head_dim
+128, V cache transposed per block), written with explicit layouts: see fp8_decode_gluon_kernel.
+Compiled for sm90 (GPUTarget("cuda", 90, 32)) and counted like bench/kernel_sass.py:
+
+    python bench/fp8_decode_gluon.py [--stages 2 3 4] [--block-size 32] [--dump /tmp/g]
+
+Loop instructions per 128 keys (block size 32; production paged_attention_kernel: 764):
+first version 567 (no IMAD.MOV register moves, q held in registers, p never in shared memory),
+223 registers a thread, 96 KB of shared memory (3 stages).
+
+Not run: Triton's interpreter does not run Gluon, and this machine has no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+WARPS = gl.constexpr(
+    4
+)  # each warp owns BLOCK_N // WARPS keys of a tile: its own softmax state and accumulator
+
+
+@gluon.jit
+def _issue_tile(
+    k_smem,
+    v_smem,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    tile,
+    context_len,
+    kv_head,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vb,
+    stride_vh,
+    stride_vd,
+    BLOCK_SIZE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    KL: gl.constexpr,
+    VL: gl.constexpr,
+):
+    """cp.async of tile's K [WARPS, KEYS, HEAD_DIM] (rows in the permuted order, see the kernel) and
+    V^T [WARPS, HEAD_DIM, KEYS] into one stage. A warp's KEYS keys lie in one cache block
+    (BLOCK_SIZE % KEYS == 0): one block id a warp, read once."""
+    KEYS: gl.constexpr = BLOCK_N // WARPS
+    # K: rows c of warp w hold key tile * BLOCK_N + w * KEYS + perm(c)
+    kw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))
+    kc = gl.arange(0, KEYS, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
+    kd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
+    kperm = (kc & 1) | (((kc >> 3) & 1) << 1) | (((kc >> 1) & 3) << 2) | (kc & ~15)
+    first = tile * BLOCK_N + kw * KEYS  # [WARPS]
+    kblock = gl.load(bt_row + first // BLOCK_SIZE, mask=first < context_len, other=0).to(gl.int64)
+    krow = gl.expand_dims(gl.expand_dims(first % BLOCK_SIZE, 1) + gl.expand_dims(kperm, 0), 2)  # [W, KEYS, 1]
+    kkey = gl.expand_dims(gl.expand_dims(first, 1) + gl.expand_dims(kperm, 0), 2)
+    k_off = (
+        gl.expand_dims(gl.expand_dims(kblock * stride_cb + kv_head * stride_ch, 1), 2)
+        + krow * stride_cs
+        + gl.expand_dims(gl.expand_dims(kd, 0), 1)
+    )
+    async_copy.async_copy_global_to_shared(k_smem, k_cache_ptr + k_off, mask=kkey < context_len)
+    # V^T: warp w's keys are keys (first % BLOCK_SIZE) .. + KEYS of its block, contiguous
+    vw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL)))
+    vd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL)))
+    vk = gl.arange(0, KEYS, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL)))
+    vfirst = tile * BLOCK_N + vw * KEYS
+    vblock = gl.load(bt_row + vfirst // BLOCK_SIZE, mask=vfirst < context_len, other=0).to(gl.int64)
+    vbase = vblock * stride_vb + kv_head * stride_vh + vfirst % BLOCK_SIZE
+    v_off = (
+        gl.expand_dims(gl.expand_dims(vbase, 1), 2)
+        + gl.expand_dims(gl.expand_dims(vd, 0), 2) * stride_vd
+        + gl.expand_dims(gl.expand_dims(vk, 0), 1)
+    )
+    v_off = gl.max_contiguous(gl.multiple_of(v_off, [1, 1, 16]), [1, 1, 16])
+    v_mask = gl.expand_dims(gl.expand_dims(vfirst < context_len, 1), 2)
+    async_copy.async_copy_global_to_shared(v_smem, v_cache_ptr + v_off, mask=v_mask)
+
+
+@gluon.jit
+def fp8_decode_gluon_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    qk_scale,  # softmax scale * log2(e) * k_scale
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vb,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    BLOCK_SIZE: gl.constexpr,
+    GROUP: gl.constexpr,
+    GROUP_PAD: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """grid (num_kv_heads, num_seqs), one query token a sequence, 4 warps. Warp w computes the
+    scores and P @ V of keys w * KEYS .. of every tile (a batched mma over a [WARPS, ...] axis), with
+    its own online-softmax state; the warps' partial results are combined once after the loop.
+
+    Layouts: q is held in registers as the A operand (kWidth 4, the width ldmatrix gives e4m3) for
+    the whole loop. K and V^T go global -> shared by cp.async (STAGES deep) and shared -> registers by
+    ldmatrix as e4m3, widened there. p stays in registers: the score accumulator is already the
+    P @ V dot's A operand with kWidth 2, and V's ldmatrix fragments (kWidth 4) hold the same keys a
+    thread needs because K's rows are loaded permuted (row c = 16i + 8h + 2t + b holds key
+    16i + 4t + 2h + b): V's fragment is then relabelled (reshape / permute, no data movement)."""
+    gl.static_assert(gl.num_warps() == WARPS)
+    KEYS: gl.constexpr = BLOCK_N // WARPS
+    gl.static_assert(KEYS == 32)
+    gl.static_assert(BLOCK_SIZE % KEYS == 0)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8]
+    )
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    kt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    v_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    KL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])
+    VL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 16, 2], [WARPS, 1, 1], [2, 1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [WARPS, 1, 1], [2, 1, 0])
+    k_sl: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [2, 1, 0])
+    v_sl: gl.constexpr = gl.SwizzledSharedLayout(16, 4, 2, [2, 1, 0])
+
+    kv_head = gl.program_id(0)
+    seq = gl.program_id(1)
+    context_len = gl.load(context_lens_ptr + seq)
+    bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
+
+    # q, every warp a copy: [WARPS, GROUP_PAD, HEAD_DIM] -> the A operand, once
+    qr = gl.arange(0, GROUP_PAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
+    qw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
+    q_row = gl.expand_dims(gl.expand_dims(qw * 0, 1) + gl.expand_dims(qr, 0), 2)  # [W, G, 1]
+    q_off = seq * stride_qt + (kv_head * GROUP + q_row) * stride_qh + gl.expand_dims(gl.expand_dims(qd, 0), 1)
+    q = gl.load(q_ptr + q_off, mask=q_row < GROUP, other=0.0).to(gl.float16)
+    q = gl.convert_layout(q, q_layout)
+
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, WARPS, KEYS, HEAD_DIM], k_sl)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, WARPS, HEAD_DIM, KEYS], v_sl)
+
+    # the score columns' keys (K's permuted rows), relative to the tile
+    sw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma)))
+    sc = gl.arange(0, KEYS, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    sperm = (sc & 1) | (((sc >> 3) & 1) << 1) | (((sc >> 1) & 3) << 2) | (sc & ~15)
+    s_key = gl.expand_dims(gl.expand_dims(sw * KEYS, 1) + gl.expand_dims(sperm, 0), 1)  # [W, 1, KEYS]
+
+    m_i = gl.full([WARPS, GROUP_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(2, mma))
+    l_i = gl.zeros([WARPS, GROUP_PAD], gl.float32, layout=gl.SliceLayout(2, mma))
+    acc = gl.zeros([WARPS, GROUP_PAD, HEAD_DIM], gl.float32, layout=mma)
+    s_zero = gl.zeros([WARPS, GROUP_PAD, KEYS], gl.float32, layout=mma)
+
+    num_tiles = gl.cdiv(context_len, BLOCK_N)
+    for st in gl.static_range(STAGES - 1):
+        _issue_tile(
+            k_smem.index(st), v_smem.index(st), k_cache_ptr, v_cache_ptr, bt_row, st, context_len, kv_head,
+            stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_N, HEAD_DIM, KL, VL,
+        )  # fmt: skip
+        async_copy.commit_group()
+    for tile in range(num_tiles):
+        async_copy.wait_group(STAGES - 2)  # this tile's copies are done (later ones may not be)
+        gl.thread_barrier()  # everyone's copies visible; the previous tile's stage free
+        nxt = tile + STAGES - 1
+        _issue_tile(
+            k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_cache_ptr, v_cache_ptr, bt_row, nxt,
+            context_len, kv_head, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, KL, VL,
+        )  # fmt: skip
+        async_copy.commit_group()
+        stage = tile % STAGES
+        kt = k_smem.index(stage).permute([0, 2, 1]).load(kt_layout).to(gl.float16)  # [W, D, KEYS]
+        s = mma_v2(q, kt, s_zero)  # [W, G, KEYS], raw scores (qk_scale applied in the exp2)
+        s = gl.where(s_key + tile * BLOCK_N < context_len, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 2))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 2))
+        alpha = gl.exp2(m_i * qk_scale - m_safe)
+        l_i = l_i * alpha + gl.sum(p, 2)
+        # V as loaded ([W, KEYS in cache order, D], kWidth 4) relabelled to the scores' column order
+        v = v_smem.index(stage).permute([0, 2, 1]).load(gl.DotOperandLayout(1, mma, 4))
+        v = gl.reshape(v, [WARPS, 2, 4, 2, 2, HEAD_DIM])
+        v = gl.permute(v, [0, 1, 3, 2, 4, 5])
+        v = gl.convert_layout(gl.reshape(v, [WARPS, KEYS, HEAD_DIM]), v_layout, assert_trivial=True)
+        p16 = gl.convert_layout(p.to(gl.float16), p_layout, assert_trivial=True)
+        acc = mma_v2(p16, v.to(gl.float16), acc * gl.expand_dims(alpha, 2))
+        m_i = m_new
+    async_copy.wait_group(0)
+
+    # combine the warps' partial softmax states
+    m_all = gl.max(m_i, 0)  # [G]
+    m_all = gl.where(m_all == float("-inf"), 0.0, m_all)
+    w = gl.exp2((m_i - gl.expand_dims(m_all, 0)) * qk_scale)  # [W, G]; 0 for a warp that saw no key
+    l_all = gl.sum(l_i * w, 0)
+    o = gl.sum(acc * gl.expand_dims(w, 2), 0)  # [G, D]
+    out_l: gl.constexpr = gl.SliceLayout(0, mma)
+    l_all = gl.convert_layout(gl.where(l_all > 0, l_all, 1.0), gl.SliceLayout(1, out_l))
+    o = o / gl.expand_dims(l_all, 1) * v_scale
+    orow = gl.arange(0, GROUP_PAD, layout=gl.SliceLayout(1, out_l))
+    od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_l))
+    o_off = seq * stride_ot + gl.expand_dims(kv_head * GROUP + orow, 1) * stride_oh + gl.expand_dims(od, 0)
+    gl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(orow < GROUP, 1))
+
+
+def compile_gluon(stages: int = 3, block_size: int = 32, block_n: int = 128):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = fp8_decode_gluon_kernel
+    constants = {
+        "BLOCK_SIZE": block_size,
+        "GROUP": 2,
+        "GROUP_PAD": 16,
+        "BLOCK_N": block_n,
+        "HEAD_DIM": 128,
+        "STAGES": stages,
+    }
+    ptr_types = {
+        "q_ptr": "*bf16",
+        "k_cache_ptr": "*fp8e4nv",
+        "v_cache_ptr": "*fp8e4nv",
+        "out_ptr": "*bf16",
+        "block_tables_ptr": "*i32",
+        "context_lens_ptr": "*i32",
+    }
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in ptr_types:
+            signature[name] = ptr_types[name]
+        elif name in ("qk_scale", "v_scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    aligned = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch")
+    aligned += ("stride_vb", "stride_vh", "stride_vd")
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if name.endswith("_ptr") or name in aligned
+    }
+    source = GluonASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+        attrs=attrs,
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS.value})
+
+
+def main() -> None:
+    from fp8_decode_tl_variants import loop_stats
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="*", default=[3])
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--dump", help="write the ttgir / ptx / sass to this prefix")
+    args = parser.parse_args()
+    for stages in args.stages:
+        kernel = compile_gluon(stages, args.block_size)
+        ops, regs = loop_stats(kernel)
+        print(
+            f"gluon stages {stages}, block size {args.block_size}: {len(ops)} loop instructions per 128 keys, "
+            f"{regs} registers, {kernel.metadata.shared} bytes of shared memory"
+        )
+        for op, count in collections.Counter(ops).most_common(args.top):
+            print(f"  {count:5d} {op}")
+        if args.dump:
+            import kernel_sass
+
+            Path(args.dump + ".ttgir").write_text(kernel.asm["ttgir"])
+            Path(args.dump + ".ptx").write_text(kernel.asm["ptx"])
+            cubin = Path(args.dump + ".cubin")
+            cubin.write_bytes(kernel.asm["cubin"])
+            Path(args.dump + ".sass").write_text(kernel_sass.cuobjdump("-sass", str(cubin)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""Scratch: plain-Triton (tl) reformulations of the fp8 decode loop, counted in SASS on the CPU.
+
+A trimmed copy of executor_service/attention/triton_kernels.py's paged_attention_kernel for the
+fp8 decode launch only (BLOCK_Q 1, one split, e4m3 K and transposed V, fp16 dots), with a VARIANT
+switch, compiled for sm90 like bench/kernel_sass.py (whose compile and loop counting it reuses).
+Nothing here is used by the engine.
+
+    python bench/fp8_decode_tl_variants.py            # every variant's loop, instructions per 128 keys
+    python bench/fp8_decode_tl_variants.py --check    # the variants under TRITON_INTERPRET=1 vs torch
+
+Results (group 2 padded to 16 rows, HEAD_DIM 128, block size 32, BLOCK_N 128, 4 warps, 3 stages;
+see the table printed by main(), filled in below from a run on the CPU machine):
+
+RESULTS_TABLE
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import triton
+import triton.language as tl
+
+# VARIANT:
+#   0 the production formulation (q's dot operand reloaded from shared memory every tile)
+#   1 K widened to fp16 by inline PTX before it meets the dot (not hoisted past the shared memory:
+#     K's operand fp16 with kWidth 2, so q's too)
+#   2 as 1, and V too
+#   3 q carried through the loop (multiplied by a runtime 1.0 each tile), so its dot operand is a
+#     loop value instead of a loop-invariant reload
+#   4 q and K^T split by head-dim halves: two dots of K 64
+#   5 K read as int16 (two e4m3 bytes each) and widened by PTX into two fp16 outputs, joined back
+#     to [BLOCK_N, HEAD_DIM]: no 8-bit type upstream of the dot, so Triton's kWidth is 2
+#   6 as 5, and V too
+VARIANTS = {
+    0: "production (tl.dot, conversion hoisted into the operand load)",
+    1: "K widened by inline PTX before the dot (fp16 K operand, kWidth 2)",
+    2: "K and V widened by inline PTX before the dots",
+    3: "q carried through the loop (q * runtime 1.0 every tile)",
+    4: "QK^T split in two head-dim halves",
+    5: "K loaded as int16 byte pairs, widened by PTX into two fp16 halves joined (16-bit origin: kWidth 2)",
+    6: "as 5, and V too",
+}
+
+
+@triton.jit
+def _widen_asm(x):
+    """e4m3 -> fp16 by PTX, two values an instruction: opaque to Triton's layout passes."""
+    return tl.inline_asm_elementwise(
+        "cvt.rn.f16x2.e4m3x2 $0, $1;",
+        "=r,h",
+        [x],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _widen_pairs(x):
+    """int16 holding two e4m3 bytes -> [..., 2] fp16 (low byte first)."""
+    lo, hi = tl.inline_asm_elementwise(
+        "{\n\t.reg .b32 t;\n\tcvt.rn.f16x2.e4m3x2 t, $2;\n\tmov.b32 {$0, $1}, t;\n\t}",
+        "=h,=h,h",
+        [x],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def fp8_decode_variant_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    qk_scale,
+    v_scale,
+    one,  # 1.0 (VARIANT 3)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vb,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    VARIANT: tl.constexpr,
+):
+    # grid: (num_kv_heads, num_seqs); one query token a sequence.
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    rows = tl.arange(0, GROUP_PAD)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_valid[:, None], other=0.0
+    )
+    q = q.to(tl.float16)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_ch + d[None, :]
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(0, tl.cdiv(context_len, BLOCK_N)):
+        key = tile * BLOCK_N + n
+        key_valid = key < context_len
+        whole_block = (key // BLOCK_SIZE) * BLOCK_SIZE < context_len
+        block = tl.load(bt_row + key // BLOCK_SIZE, mask=whole_block, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
+        if VARIANT == 5 or VARIANT == 6:
+            pair_off = block[:, None] * (stride_cb // 2) + (key % BLOCK_SIZE)[:, None] * (stride_cs // 2)
+            pair_off += kv_head * (stride_ch // 2) + tl.arange(0, HEAD_DIM // 2)[None, :]
+            k_pairs = tl.load(
+                k_cache_ptr.to(tl.pointer_type(tl.int16)) + pair_off, mask=key_valid[:, None], other=0
+            )
+            k = tl.reshape(_widen_pairs(k_pairs), [BLOCK_N, HEAD_DIM])
+        else:
+            k = tl.load(k_cache_ptr + kv_off, mask=key_valid[:, None], other=0.0)
+        vt_off = (
+            block[None, :] * stride_vb
+            + kv_head * stride_vh
+            + d[:, None] * stride_vd
+            + (key % BLOCK_SIZE)[None, :]
+        )
+        vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
+        if VARIANT == 6:
+            key_pair = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            pblock = tl.load(bt_row + key_pair // (BLOCK_SIZE // 2), mask=key_pair * 2 < context_len, other=0)
+            vp_off = (
+                pblock.to(tl.int64)[None, :] * (stride_vb // 2) + kv_head * (stride_vh // 2)
+                + d[:, None] * (stride_vd // 2) + (key_pair % (BLOCK_SIZE // 2))[None, :]
+            )  # fmt: skip
+            vp_off = tl.max_contiguous(tl.multiple_of(vp_off, (1, 8)), (1, 8))
+            vt_pairs = tl.load(v_cache_ptr.to(tl.pointer_type(tl.int16)) + vp_off)
+            v = tl.trans(tl.reshape(_widen_pairs(vt_pairs), [HEAD_DIM, BLOCK_N]))
+        else:
+            vt = tl.load(v_cache_ptr + vt_off, mask=whole_block[None, :], other=0.0)
+            v = tl.trans(vt)
+        if VARIANT == 1 or VARIANT == 2:
+            k = _widen_asm(k)
+        elif VARIANT != 5 and VARIANT != 6:
+            k = k.to(tl.float16)
+        if VARIANT == 2:
+            v = _widen_asm(v)
+        elif VARIANT != 6:
+            v = v.to(tl.float16)
+        if VARIANT == 4:
+            q_lo, q_hi = tl.split(tl.permute(tl.reshape(q, [GROUP_PAD, 2, HEAD_DIM // 2]), [0, 2, 1]))
+            k_lo, k_hi = tl.split(tl.permute(tl.reshape(k, [BLOCK_N, 2, HEAD_DIM // 2]), [0, 2, 1]))
+            s = tl.dot(q_lo, tl.trans(k_lo))
+            s = tl.dot(q_hi, tl.trans(k_hi), s)
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        s = tl.where(key_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        m_i = m_new
+        if VARIANT == 3:
+            q = q * one.to(tl.float16)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
+    o_off = seq * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def compile_variant(variant: int, stages: int = 3, warps: int = 4, block_n: int = 128, block_size: int = 32):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = fp8_decode_variant_kernel
+    constants = {
+        "BLOCK_SIZE": block_size,
+        "GROUP": 2,
+        "GROUP_PAD": 16,
+        "BLOCK_N": block_n,
+        "HEAD_DIM": 128,
+        "VARIANT": variant,
+    }
+    ptr_types = {
+        "q_ptr": "*bf16",
+        "k_cache_ptr": "*fp8e4nv",
+        "v_cache_ptr": "*fp8e4nv",
+        "out_ptr": "*bf16",
+        "block_tables_ptr": "*i32",
+        "context_lens_ptr": "*i32",
+    }
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in ptr_types:
+            signature[name] = ptr_types[name]
+        elif name in ("qk_scale", "v_scale", "one"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    aligned = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch")
+    aligned += ("stride_vb", "stride_vh", "stride_vd")
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if name.endswith("_ptr") or name in aligned
+    }
+    source = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+        attrs=attrs,
+    )
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+    )
+
+
+def loop_stats(kernel) -> tuple[list[str], str]:
+    """The loop's opcodes and the registers a thread (bench/kernel_sass.py's counting)."""
+    import re
+
+    import kernel_sass
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = kernel_sass.cuobjdump("--dump-resource-usage", cubin.name)
+        ops = kernel_sass.loop_body(kernel_sass.cuobjdump("-sass", cubin.name))
+    registers = re.search(r"REG:(\d+)", usage)
+    return ops, registers.group(1) if registers else "?"
+
+
+def q_reloaded_in_loop(ttgir: str) -> bool:
+    """Whether a local_load of a 16 x HEAD_DIM fp16 operand (q) sits inside the scf.for."""
+    body = ttgir[ttgir.index("scf.for") :]
+    return any(
+        "local_load" in line and "16x128xf16" in line and "opIdx = 0" in line for line in body.splitlines()
+    )
+
+
+def check(variant: int) -> float:
+    """Run the variant under Triton's interpreter against a float64 torch reference; max abs error."""
+    import torch
+
+    torch.manual_seed(variant)
+    num_seqs, num_kv_heads, group, head_dim, block_size = 3, 2, 2, 128, 32
+    context_lens = torch.tensor([1, 200, 300], dtype=torch.int32)
+    blocks_per_seq = 10
+    num_blocks = num_seqs * blocks_per_seq + 1
+    perm = torch.randperm(num_blocks - 1)[: num_seqs * blocks_per_seq] + 1
+    block_tables = perm.view(num_seqs, blocks_per_seq).to(torch.int32)
+    k_scale, v_scale = 0.05, 0.03
+    k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 2).to(torch.float8_e4m3fn)
+    v_t = (torch.randn(num_blocks, num_kv_heads, head_dim, block_size) * 2).to(torch.float8_e4m3fn)
+    for s in range(num_seqs):  # zeros past the context in the last block, as the store leaves them
+        c = int(context_lens[s])
+        v_t[block_tables[s, (c - 1) // block_size], :, :, c % block_size or block_size :] = 0
+    q = torch.randn(num_seqs, num_kv_heads * group, head_dim).to(torch.bfloat16)
+    out = torch.zeros_like(q)
+    scale = head_dim**-0.5
+    grid = (num_kv_heads, num_seqs)
+    fp8_decode_variant_kernel[grid](
+        q, k_cache, v_t, out, block_tables, context_lens, scale * 1.4426950408889634 * k_scale, v_scale, 1.0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_t.stride(0), v_t.stride(1), v_t.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=16, BLOCK_N=128, HEAD_DIM=head_dim, VARIANT=variant,
+    )  # fmt: skip
+    worst = 0.0
+    for s in range(num_seqs):
+        c = int(context_lens[s])
+        slots = [int(block_tables[s, i // block_size]) * block_size + i % block_size for i in range(c)]
+        kk = k_cache.view(-1, num_kv_heads, head_dim)[slots].double() * k_scale
+        vv = v_t.permute(0, 3, 1, 2).reshape(-1, num_kv_heads, head_dim)[slots].double() * v_scale
+        for h in range(num_kv_heads * group):
+            qh = q[s, h].double()
+            w = torch.softmax(kk[:, h // group] @ qh * scale, 0)
+            ref = w @ vv[:, h // group]
+            worst = max(worst, (out[s, h].double() - ref).abs().max().item())
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", type=int, nargs="*", default=sorted(VARIANTS))
+    parser.add_argument("--stages", type=int, nargs="*", default=[3])
+    parser.add_argument("--check", action="store_true", help="run under TRITON_INTERPRET=1 against torch")
+    parser.add_argument("--top", type=int, default=6)
+    args = parser.parse_args()
+    if args.check:
+        assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+        for v in args.variants:
+            print(f"variant {v}: max abs error {check(v):.2e} ({VARIANTS[v]})")
+        return
+    for v in args.variants:
+        for stages in args.stages:
+            kernel = compile_variant(v, stages)
+            ops, regs = loop_stats(kernel)
+            top = ", ".join(f"{c} {op}" for op, c in collections.Counter(ops).most_common(args.top))
+            print(
+                f"variant {v} stages {stages}: {len(ops)} loop instructions, {regs} registers, "
+                f"q reloaded in loop: {q_reloaded_in_loop(kernel.asm['ttgir'])} ({VARIANTS[v]})\n    {top}"
+            )
+
+
+if __name__ == "__main__":
+    main()
