@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import sys
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def _issue_tile(
     HEAD_DIM: gl.constexpr,
     KL: gl.constexpr,
     VL: gl.constexpr,
+    K_MASK: gl.constexpr,
 ):
     """cp.async of tile's K [WARPS, KEYS, HEAD_DIM] (rows in the permuted order, see the kernel) and
     V^T [WARPS, HEAD_DIM, KEYS] into one stage. A warp's KEYS keys lie in one cache block
@@ -74,7 +76,10 @@ def _issue_tile(
         + krow * stride_cs
         + gl.expand_dims(gl.expand_dims(kd, 0), 1)
     )
-    async_copy.async_copy_global_to_shared(k_smem, k_cache_ptr + k_off, mask=kkey < context_len)
+    if K_MASK:
+        async_copy.async_copy_global_to_shared(k_smem, k_cache_ptr + k_off, mask=kkey < context_len)
+    else:  # rows past the context read whatever their slot (or block 0) holds: their scores are masked
+        async_copy.async_copy_global_to_shared(k_smem, k_cache_ptr + k_off)
     # V^T: warp w's keys are keys (first % BLOCK_SIZE) .. + KEYS of its block, contiguous
     vw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL)))
     vd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL)))
@@ -90,6 +95,34 @@ def _issue_tile(
     v_off = gl.max_contiguous(gl.multiple_of(v_off, [1, 1, 16]), [1, 1, 16])
     v_mask = gl.expand_dims(gl.expand_dims(vfirst < context_len, 1), 2)
     async_copy.async_copy_global_to_shared(v_smem, v_cache_ptr + v_off, mask=v_mask)
+
+
+@gluon.jit
+def _attend_tile(
+    q, k_stage, v_stage, m_i, l_i, acc, s_key, tile, context_len, qk_scale,
+    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, MASKED: gl.constexpr,
+):  # fmt: skip
+    """One tile's scores, online softmax and P @ V, from its shared-memory stage."""
+    mma: gl.constexpr = acc.type.layout
+    KEYS: gl.constexpr = BLOCK_N // WARPS
+    kt = k_stage.permute([0, 2, 1]).load(gl.DotOperandLayout(1, mma, 4)).to(gl.float16)  # [W, D, KEYS]
+    s = mma_v2(q, kt, gl.zeros([WARPS, q.shape[1], KEYS], gl.float32, layout=mma))  # raw scores
+    if MASKED:
+        s = gl.where(s_key + tile * BLOCK_N < context_len, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 2))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale  # qk_scale applied in the exp2
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 2))
+    alpha = gl.exp2(m_i * qk_scale - m_safe)
+    l_i = l_i * alpha + gl.sum(p, 2)
+    # V as loaded ([W, KEYS in cache order, D], kWidth 4) relabelled to the scores' column order
+    v = v_stage.permute([0, 2, 1]).load(gl.DotOperandLayout(1, mma, 4))
+    v = gl.permute(gl.reshape(v, [WARPS, 2, 4, 2, 2, HEAD_DIM]), [0, 1, 3, 2, 4, 5])
+    v = gl.convert_layout(
+        gl.reshape(v, [WARPS, KEYS, HEAD_DIM]), gl.DotOperandLayout(1, mma, 2), assert_trivial=True
+    )
+    p16 = gl.convert_layout(p.to(gl.float16), gl.DotOperandLayout(0, mma, 2), assert_trivial=True)
+    acc = mma_v2(p16, v.to(gl.float16), acc * gl.expand_dims(alpha, 2))
+    return m_new, l_i, acc
 
 
 @gluon.jit
@@ -119,6 +152,8 @@ def fp8_decode_gluon_kernel(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     STAGES: gl.constexpr,
+    PEEL: gl.constexpr,  # the last tile's masking out of the loop (the loop's tiles are all full)
+    K_MASK: gl.constexpr,  # K's cp.async masked by key (else only its scores are)
 ):
     """grid (num_kv_heads, num_seqs), one query token a sequence, 4 warps. Warp w computes the
     scores and P @ V of keys w * KEYS .. of every tile (a batched mma over a [WARPS, ...] axis), with
@@ -138,9 +173,6 @@ def fp8_decode_gluon_kernel(
         version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8]
     )
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    kt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    v_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     KL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])
     VL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 16, 2], [WARPS, 1, 1], [2, 1, 0])
     QL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [WARPS, 1, 1], [2, 1, 0])
@@ -173,42 +205,44 @@ def fp8_decode_gluon_kernel(
     m_i = gl.full([WARPS, GROUP_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(2, mma))
     l_i = gl.zeros([WARPS, GROUP_PAD], gl.float32, layout=gl.SliceLayout(2, mma))
     acc = gl.zeros([WARPS, GROUP_PAD, HEAD_DIM], gl.float32, layout=mma)
-    s_zero = gl.zeros([WARPS, GROUP_PAD, KEYS], gl.float32, layout=mma)
 
     num_tiles = gl.cdiv(context_len, BLOCK_N)
     for st in gl.static_range(STAGES - 1):
         _issue_tile(
             k_smem.index(st), v_smem.index(st), k_cache_ptr, v_cache_ptr, bt_row, st, context_len, kv_head,
             stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_N, HEAD_DIM, KL, VL,
+            K_MASK,
         )  # fmt: skip
         async_copy.commit_group()
-    for tile in range(num_tiles):
+    if PEEL:
+        loop_tiles = context_len // BLOCK_N  # the full ones
+    else:
+        loop_tiles = num_tiles
+    stage = 0  # tile % STAGES, carried (no division)
+    prev = STAGES - 1  # (tile + STAGES - 1) % STAGES: the stage the next copies go to
+    for tile in range(loop_tiles):
         async_copy.wait_group(STAGES - 2)  # this tile's copies are done (later ones may not be)
         gl.thread_barrier()  # everyone's copies visible; the previous tile's stage free
-        nxt = tile + STAGES - 1
         _issue_tile(
-            k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_cache_ptr, v_cache_ptr, bt_row, nxt,
+            k_smem.index(prev), v_smem.index(prev), k_cache_ptr, v_cache_ptr, bt_row, tile + STAGES - 1,
             context_len, kv_head, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, KL, VL,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, KL, VL, K_MASK,
         )  # fmt: skip
         async_copy.commit_group()
-        stage = tile % STAGES
-        kt = k_smem.index(stage).permute([0, 2, 1]).load(kt_layout).to(gl.float16)  # [W, D, KEYS]
-        s = mma_v2(q, kt, s_zero)  # [W, G, KEYS], raw scores (qk_scale applied in the exp2)
-        s = gl.where(s_key + tile * BLOCK_N < context_len, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 2))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 2))
-        alpha = gl.exp2(m_i * qk_scale - m_safe)
-        l_i = l_i * alpha + gl.sum(p, 2)
-        # V as loaded ([W, KEYS in cache order, D], kWidth 4) relabelled to the scores' column order
-        v = v_smem.index(stage).permute([0, 2, 1]).load(gl.DotOperandLayout(1, mma, 4))
-        v = gl.reshape(v, [WARPS, 2, 4, 2, 2, HEAD_DIM])
-        v = gl.permute(v, [0, 1, 3, 2, 4, 5])
-        v = gl.convert_layout(gl.reshape(v, [WARPS, KEYS, HEAD_DIM]), v_layout, assert_trivial=True)
-        p16 = gl.convert_layout(p.to(gl.float16), p_layout, assert_trivial=True)
-        acc = mma_v2(p16, v.to(gl.float16), acc * gl.expand_dims(alpha, 2))
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, k_smem.index(stage), v_smem.index(stage), m_i, l_i, acc, s_key, tile, context_len, qk_scale,
+            BLOCK_N, HEAD_DIM, not PEEL,
+        )  # fmt: skip
+        prev = stage
+        stage = gl.where(stage == STAGES - 1, 0, stage + 1)
+    if PEEL:  # noqa: SIM102 (constexpr branch, pruned at compile time)
+        if loop_tiles < num_tiles:  # the partial last tile
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            m_i, l_i, acc = _attend_tile(
+                q, k_smem.index(stage), v_smem.index(stage), m_i, l_i, acc, s_key, loop_tiles, context_len,
+                qk_scale, BLOCK_N, HEAD_DIM, True,
+            )  # fmt: skip
     async_copy.wait_group(0)
 
     # combine the warps' partial softmax states
@@ -226,7 +260,18 @@ def fp8_decode_gluon_kernel(
     gl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(orow < GROUP, 1))
 
 
-def compile_gluon(stages: int = 3, block_size: int = 32, block_n: int = 128):
+def compile_gluon(
+    stages: int = 3,
+    block_size: int = 32,
+    block_n: int = 128,
+    maxnreg: int = 0,
+    peel: bool = True,
+    k_mask: bool = False,
+    const_strides: bool = True,
+    num_kv_heads: int = 8,
+):
+    """With const_strides the cache strides are compile-time constants (a model's cache shape:
+    num_kv_heads KV heads, HEAD_DIM 128), so that ptxas folds the copies' offsets into immediates."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -238,7 +283,21 @@ def compile_gluon(stages: int = 3, block_size: int = 32, block_n: int = 128):
         "BLOCK_N": block_n,
         "HEAD_DIM": 128,
         "STAGES": stages,
+        "PEEL": peel,
+        "K_MASK": k_mask,
     }
+    if const_strides:
+        head_dim = constants["HEAD_DIM"]
+        constants.update(
+            {
+                "stride_cb": block_size * num_kv_heads * head_dim,
+                "stride_cs": num_kv_heads * head_dim,
+                "stride_ch": head_dim,
+                "stride_vb": num_kv_heads * head_dim * block_size,
+                "stride_vh": head_dim * block_size,
+                "stride_vd": block_size,
+            }
+        )
     ptr_types = {
         "q_ptr": "*bf16",
         "k_cache_ptr": "*fp8e4nv",
@@ -262,7 +321,7 @@ def compile_gluon(stages: int = 3, block_size: int = 32, block_n: int = 128):
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
-        if name.endswith("_ptr") or name in aligned
+        if (name.endswith("_ptr") or name in aligned) and name not in constants
     }
     source = GluonASTSource(
         fn=fn,
@@ -270,7 +329,10 @@ def compile_gluon(stages: int = 3, block_size: int = 32, block_n: int = 128):
         constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
         attrs=attrs,
     )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS.value})
+    options = {"num_warps": WARPS.value}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def main() -> None:
@@ -279,15 +341,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="*", default=[3])
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--maxnreg", type=int, nargs="*", default=[0], help="register caps (0: none)")
+    parser.add_argument("--no-peel", action="store_true", help="mask every tile in the loop")
+    parser.add_argument("--k-mask", action="store_true", help="mask K's copies by key")
+    parser.add_argument("--runtime-strides", action="store_true", help="cache strides as arguments")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--dump", help="write the ttgir / ptx / sass to this prefix")
     args = parser.parse_args()
-    for stages in args.stages:
-        kernel = compile_gluon(stages, args.block_size)
+    for stages, maxnreg in itertools.product(args.stages, args.maxnreg):
+        kernel = compile_gluon(
+            stages, args.block_size, maxnreg=maxnreg, peel=not args.no_peel, k_mask=args.k_mask,
+            const_strides=not args.runtime_strides,
+        )  # fmt: skip
         ops, regs = loop_stats(kernel)
         print(
-            f"gluon stages {stages}, block size {args.block_size}: {len(ops)} loop instructions per 128 keys, "
-            f"{regs} registers, {kernel.metadata.shared} bytes of shared memory"
+            f"gluon stages {stages}, block size {args.block_size}, maxnreg {maxnreg or 'none'}: {len(ops)} loop "
+            f"instructions per 128 keys, {regs} registers, {kernel.metadata.shared} bytes of shared memory, "
+            f"{sum(op.startswith(('LDL', 'STL')) for op in ops)} local-memory (spill) instructions"
         )
         for op, count in collections.Counter(ops).most_common(args.top):
             print(f"  {count:5d} {op}")

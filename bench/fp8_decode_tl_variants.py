@@ -48,6 +48,9 @@ VARIANTS = {
     4: "QK^T split in two head-dim halves",
     5: "K loaded as int16 byte pairs, widened by PTX into two fp16 halves joined (16-bit origin: kWidth 2)",
     6: "as 5, and V too",
+    7: "keys split in 4 groups of 32 (a batch axis of 3-D dots), each its own softmax state",
+    8: "as 7, with the Gluon prototype's permuted K rows and relabelled V",
+    9: "as 8 without V's relabelling (wrong on purpose: the check's negative control)",
 }
 
 
@@ -191,11 +194,112 @@ def fp8_decode_variant_kernel(
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
+@triton.jit
+def fp8_decode_split_warps_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    qk_scale,
+    v_scale,
+    one,  # unused (the variant kernel's signature)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vb,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    VARIANT: tl.constexpr,  # 7: keys in order; 8: bench/fp8_decode_gluon.py's permuted K rows; 9: 8 broken
+):
+    """VARIANTS 7 and 8: bench/fp8_decode_gluon.py's algorithm in tl. The tile's keys split in W = 4
+    groups of 32 (a batch axis of the dots: in the Gluon kernel, one a warp), each with its own
+    online-softmax state and accumulator, combined after the loop. With VARIANT 8 K's rows are
+    loaded permuted (row c = 16i + 8h + 2t + b holds key 16i + 4t + 2h + b) and V relabelled to
+    match, exactly as the Gluon kernel does: run under the interpreter, a check of that index math."""
+    W: tl.constexpr = 4
+    KEYS: tl.constexpr = BLOCK_N // W
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    rows = tl.arange(0, GROUP_PAD)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_valid[:, None], other=0.0
+    )
+    q3 = tl.broadcast_to(q.to(tl.float16)[None, :, :], [W, GROUP_PAD, HEAD_DIM])
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    w = tl.arange(0, W)
+    c = tl.arange(0, KEYS)
+    if VARIANT == 8 or VARIANT == 9:
+        perm = (c & 1) | (((c >> 3) & 1) << 1) | (((c >> 1) & 3) << 2) | (c & ~15)
+    else:
+        perm = c
+    m_i = tl.full([W, GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([W, GROUP_PAD], tl.float32)
+    acc = tl.zeros([W, GROUP_PAD, HEAD_DIM], tl.float32)
+    for tile in range(0, tl.cdiv(context_len, BLOCK_N)):
+        key = tile * BLOCK_N + w[:, None] * KEYS + perm[None, :]  # [W, KEYS]: K's rows
+        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key < context_len, other=0).to(tl.int64)
+        k_off = (block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch)[:, :, None]
+        k = tl.load(k_cache_ptr + k_off + d[None, None, :], mask=(key < context_len)[:, :, None], other=0.0)
+        s = tl.dot(q3, tl.permute(k.to(tl.float16), (0, 2, 1)))  # [W, G, KEYS], raw
+        s = tl.where((key < context_len)[:, None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
+        p = tl.exp2(s * qk_scale - m_safe[:, :, None])
+        alpha = tl.exp2(m_i * qk_scale - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 2)
+        vkey = tile * BLOCK_N + w[:, None] * KEYS + c[None, :]  # V^T's keys, in cache order
+        vfirst = tile * BLOCK_N + w * KEYS
+        vblock = tl.load(bt_row + vkey // BLOCK_SIZE, mask=(vfirst < context_len)[:, None], other=0).to(
+            tl.int64
+        )
+        v_off = (vblock * stride_vb + kv_head * stride_vh + vkey % BLOCK_SIZE)[:, None, :]
+        vt = tl.load(
+            v_cache_ptr + v_off + d[None, :, None] * stride_vd,
+            mask=(vfirst < context_len)[:, None, None],
+            other=0.0,
+        )  # [W, D, KEYS]
+        v = tl.permute(vt, (0, 2, 1))
+        if VARIANT == 8:
+            v = tl.reshape(
+                tl.permute(tl.reshape(v, [W, 2, 4, 2, 2, HEAD_DIM]), (0, 1, 3, 2, 4, 5)), [W, KEYS, HEAD_DIM]
+            )
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        m_i = m_new
+    m_all = tl.max(m_i, 0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    wt = tl.exp2((m_i - m_all[None, :]) * qk_scale)
+    l_all = tl.sum(l_i * wt, 0)
+    o = tl.sum(acc * wt[:, :, None], 0)
+    o = o / tl.where(l_all > 0, l_all, 1.0)[:, None] * v_scale
+    o_off = seq * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def _kernel(variant: int):
+    return fp8_decode_split_warps_kernel if variant in (7, 8, 9) else fp8_decode_variant_kernel
+
+
 def compile_variant(variant: int, stages: int = 3, warps: int = 4, block_n: int = 128, block_size: int = 32):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = fp8_decode_variant_kernel
+    fn = _kernel(variant)
     constants = {
         "BLOCK_SIZE": block_size,
         "GROUP": 2,
@@ -263,10 +367,23 @@ def q_reloaded_in_loop(ttgir: str) -> bool:
     )
 
 
-def check(variant: int) -> float:
-    """Run the variant under Triton's interpreter against a float64 torch reference; max abs error."""
+def check(variant: int) -> tuple[float, float]:
+    """Run the variant under Triton's interpreter against a float64 torch reference: the max abs
+    error and the reference's max abs value."""
     import torch
+    from triton.runtime import interpreter
 
+    # numpy >= 2.4 refuses int() of a 1-element array (a loop bound loaded from memory): as
+    # tests/helpers/interpret.py's prelude does
+    patch = interpreter._patch_lang_tensor
+    if not getattr(patch, "_index_patched", False):
+
+        def patched(tensor, scope):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        patched._index_patched = True
+        interpreter._patch_lang_tensor = patched
     torch.manual_seed(variant)
     num_seqs, num_kv_heads, group, head_dim, block_size = 3, 2, 2, 128, 32
     context_lens = torch.tensor([1, 200, 300], dtype=torch.int32)
@@ -274,8 +391,8 @@ def check(variant: int) -> float:
     num_blocks = num_seqs * blocks_per_seq + 1
     perm = torch.randperm(num_blocks - 1)[: num_seqs * blocks_per_seq] + 1
     block_tables = perm.view(num_seqs, blocks_per_seq).to(torch.int32)
-    k_scale, v_scale = 0.05, 0.03
-    k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 2).to(torch.float8_e4m3fn)
+    k_scale, v_scale = 0.5, 0.03  # scores of std ~2: a peaked softmax, so that mismatched keys show
+    k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 4).to(torch.float8_e4m3fn)
     v_t = (torch.randn(num_blocks, num_kv_heads, head_dim, block_size) * 2).to(torch.float8_e4m3fn)
     for s in range(num_seqs):  # zeros past the context in the last block, as the store leaves them
         c = int(context_lens[s])
@@ -284,14 +401,14 @@ def check(variant: int) -> float:
     out = torch.zeros_like(q)
     scale = head_dim**-0.5
     grid = (num_kv_heads, num_seqs)
-    fp8_decode_variant_kernel[grid](
+    _kernel(variant)[grid](
         q, k_cache, v_t, out, block_tables, context_lens, scale * 1.4426950408889634 * k_scale, v_scale, 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_t.stride(0), v_t.stride(1), v_t.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=16, BLOCK_N=128, HEAD_DIM=head_dim, VARIANT=variant,
     )  # fmt: skip
-    worst = 0.0
+    worst = biggest = 0.0
     for s in range(num_seqs):
         c = int(context_lens[s])
         slots = [int(block_tables[s, i // block_size]) * block_size + i % block_size for i in range(c)]
@@ -302,7 +419,8 @@ def check(variant: int) -> float:
             w = torch.softmax(kk[:, h // group] @ qh * scale, 0)
             ref = w @ vv[:, h // group]
             worst = max(worst, (out[s, h].double() - ref).abs().max().item())
-    return worst
+            biggest = max(biggest, ref.abs().max().item())
+    return worst, biggest
 
 
 def main() -> None:
@@ -315,7 +433,8 @@ def main() -> None:
     if args.check:
         assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
         for v in args.variants:
-            print(f"variant {v}: max abs error {check(v):.2e} ({VARIANTS[v]})")
+            err, ref = check(v)
+            print(f"variant {v}: max abs error {err:.2e} (reference max {ref:.2e}) ({VARIANTS[v]})")
         return
     for v in args.variants:
         for stages in args.stages:
