@@ -7,11 +7,39 @@ Compiled for sm90 (GPUTarget("cuda", 90, 32)) and counted like bench/kernel_sass
 
     python bench/fp8_decode_gluon.py [--stages 2 3 4] [--block-size 32] [--dump /tmp/g]
 
-Loop instructions per 128 keys (block size 32; production paged_attention_kernel: 764):
-first version 567 (no IMAD.MOV register moves, q held in registers, p never in shared memory),
-223 registers a thread, 96 KB of shared memory (3 stages).
+One program = one sequence x one KV head, 4 warps; warp w owns keys 32w .. 32w + 31 of each
+128-key tile (a batched mma_v2 over a [4, ...] axis whose layout puts one batch on each warp), with
+its own online softmax (fp32), combined across warps once after the loop. q is converted once to
+the A-operand layout (kWidth 4) and stays in registers. K and V^T are gathered through the block
+table by cp.async into a STAGES-deep shared-memory ring (one block id a warp a tile), read back by
+ldmatrix as e4m3 and widened to fp16 in registers. p never touches shared memory: the score
+accumulator is the P @ V dot's A operand with kWidth 2 as it stands, and V's ldmatrix fragments
+(kWidth 4) hold the very keys each thread needs because K's rows are loaded in a permuted order
+(row c = 16i + 8h + 2t + b holds key 16i + 4t + 2h + b); V is then relabelled by reshape/permute
+(checked trivial: no data movement). Full tiles run unmasked; the partial last one is peeled.
 
-Not run: Triton's interpreter does not run Gluon, and this machine has no GPU.
+SASS instructions of the loop per 128 keys (block size 32; production paged_attention_kernel: 764
+with 151 IMAD.MOV.U32; 23.9 a KB; bf16's kernel 14.4 a KB):
+
+                                                                    3 stages   2 stages
+    first version (every tile masked, K copies masked, runtime strides,
+      the stage index by tile % STAGES)                                 567        534
+    the stage index carried instead                                     537        538
+    + full tiles unmasked, the last one peeled (`--no-peel`: without)   489        509
+    + K copies unmasked (`--k-mask`: with)                              475        476
+    + cache strides as compile-time constants (the default now)         449        450
+
+i.e. 14.1 a KB: 128 F2FP.F16.E4M3.UNPACK_B, 64 HMMA.16816.F32, 66 FMUL (64 the accumulator's
+rescale), 16 LDGSTS.128 + 16 LDSM.x4, 2 IMAD.MOV.U32, 2 BAR.SYNC; 168 registers a thread (no
+spills; a cap of 168 gives the same count plus spills), 64 KB (2 stages) / 96 KB (3) of shared
+memory: 3 or 2 programs an SM by registers. Needs BLOCK_SIZE % 32 == 0 and GROUP <= 16.
+
+Correctness: Triton's interpreter does not run Gluon and this machine has no GPU, so the kernel
+itself has not run. Its algorithm (the key split, K's row permutation and V's relabelling, the
+combine) is the same as bench/fp8_decode_tl_variants.py's variant 8, which passes the interpreter
+check against torch (and variant 9, the relabelling left out, fails it). The launcher
+(launch_gluon) binds and compiles through the JIT path (a fake sm90 driver) to the same 450.
+On the GPU: bench/fp8_decode_proto_gpu.py checks it against paged_decode and times it.
 """
 
 from __future__ import annotations
@@ -139,13 +167,15 @@ def fp8_decode_gluon_kernel(
     stride_qh,
     stride_ot,
     stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_vb,
-    stride_vh,
-    stride_vd,
     stride_bt,
+    # the caches' strides: compile-time constants (a model's cache shape), so that ptxas folds the
+    # copies' offsets into immediates (as runtime arguments: 475 loop instructions, not 450)
+    stride_cb: gl.constexpr,
+    stride_cs: gl.constexpr,
+    stride_ch: gl.constexpr,
+    stride_vb: gl.constexpr,
+    stride_vh: gl.constexpr,
+    stride_vd: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     GROUP: gl.constexpr,
     GROUP_PAD: gl.constexpr,
@@ -267,11 +297,9 @@ def compile_gluon(
     maxnreg: int = 0,
     peel: bool = True,
     k_mask: bool = False,
-    const_strides: bool = True,
     num_kv_heads: int = 8,
 ):
-    """With const_strides the cache strides are compile-time constants (a model's cache shape:
-    num_kv_heads KV heads, HEAD_DIM 128), so that ptxas folds the copies' offsets into immediates."""
+    """The kernel for sm90 (no GPU needed): Qwen3-0.6B's shapes, caches of num_kv_heads heads."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -286,18 +314,17 @@ def compile_gluon(
         "PEEL": peel,
         "K_MASK": k_mask,
     }
-    if const_strides:
-        head_dim = constants["HEAD_DIM"]
-        constants.update(
-            {
-                "stride_cb": block_size * num_kv_heads * head_dim,
-                "stride_cs": num_kv_heads * head_dim,
-                "stride_ch": head_dim,
-                "stride_vb": num_kv_heads * head_dim * block_size,
-                "stride_vh": head_dim * block_size,
-                "stride_vd": block_size,
-            }
-        )
+    head_dim = constants["HEAD_DIM"]
+    constants.update(
+        {
+            "stride_cb": block_size * num_kv_heads * head_dim,
+            "stride_cs": num_kv_heads * head_dim,
+            "stride_ch": head_dim,
+            "stride_vb": num_kv_heads * head_dim * block_size,
+            "stride_vh": head_dim * block_size,
+            "stride_vd": block_size,
+        }
+    )
     ptr_types = {
         "q_ptr": "*bf16",
         "k_cache_ptr": "*fp8e4nv",
@@ -335,6 +362,23 @@ def compile_gluon(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def launch_gluon(q, k_cache, v_cache, out, block_tables, context_lens, scale, kv_scales, stages=2):
+    """Decode (one query token a sequence, cu_seqlens_q = arange) over an e4m3 cache with the
+    prototype: q, out [num_seqs, num_heads, head_dim]; k_cache [num_blocks, block_size, kv_heads,
+    head_dim]; v_cache [num_blocks, kv_heads, head_dim, block_size] (fp8.fp8_v_cache)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    k_scale, v_scale = kv_scales
+    fp8_decode_gluon_kernel[(num_kv_heads, num_seqs)](
+        q, k_cache, v_cache, out, block_tables, context_lens, scale * 1.4426950408889634 * k_scale, v_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, PEEL=True, K_MASK=False, num_warps=WARPS.value,
+    )  # fmt: skip
+
+
 def main() -> None:
     from fp8_decode_tl_variants import loop_stats
 
@@ -344,14 +388,12 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, nargs="*", default=[0], help="register caps (0: none)")
     parser.add_argument("--no-peel", action="store_true", help="mask every tile in the loop")
     parser.add_argument("--k-mask", action="store_true", help="mask K's copies by key")
-    parser.add_argument("--runtime-strides", action="store_true", help="cache strides as arguments")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--dump", help="write the ttgir / ptx / sass to this prefix")
     args = parser.parse_args()
     for stages, maxnreg in itertools.product(args.stages, args.maxnreg):
         kernel = compile_gluon(
             stages, args.block_size, maxnreg=maxnreg, peel=not args.no_peel, k_mask=args.k_mask,
-            const_strides=not args.runtime_strides,
         )  # fmt: skip
         ops, regs = loop_stats(kernel)
         print(

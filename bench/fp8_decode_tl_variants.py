@@ -8,10 +8,34 @@ Nothing here is used by the engine.
     python bench/fp8_decode_tl_variants.py            # every variant's loop, instructions per 128 keys
     python bench/fp8_decode_tl_variants.py --check    # the variants under TRITON_INTERPRET=1 vs torch
 
-Results (group 2 padded to 16 rows, HEAD_DIM 128, block size 32, BLOCK_N 128, 4 warps, 3 stages;
-see the table printed by main(), filled in below from a run on the CPU machine):
+SASS instructions of the loop per 128-key tile (group 2 padded to 16 rows, HEAD_DIM 128, block size
+32, BLOCK_N 128, 4 warps; runtime strides unless said; production paged_attention_kernel: 764):
 
-RESULTS_TABLE
+    variant                                              3 stages        2 stages     q in the loop
+    0  production formulation (trimmed copy)             755 (128 regs)  772 (161)    reloaded from smem
+    1  K widened by inline PTX                           985             1021         reloaded
+    2  K and V widened by inline PTX                     1214            1274         reloaded
+    3  q carried through the loop                        775             781          reloaded
+    4  QK^T in two head-dim halves                       967             996          reloaded
+    5  K read as int16 pairs, widened by PTX             765             775          reloaded
+    6  as 5, V too                                       863             787          reloaded
+    7  keys split in 4 groups of 32 (3-D batched dots)   571 (226 regs)  559 (242)    registers
+    8  as 7, Gluon's permuted K rows + relabelled V      671             614          registers
+    10 as 7, full tiles unmasked, last tile peeled       503 (234 regs)  497 (236)    registers
+    10 with the cache strides as constants               509 (223 regs)  465 (217)    registers
+
+Variants 1-6 keep Triton's kWidth 4 operands (its layout passes trace the 8-bit origin through
+inline asm and joins) and its per-tile q reload. Variant 7's batched formulation is what changes it:
+each group of 32 keys (Triton puts one on each warp, warpsPerCTA [4, 1, 1]) keeps its own softmax
+state, so p goes from the score accumulator to the P @ V operand within a warp, there are no
+cross-warp reductions per tile, and q is a loop-invariant register operand (no local_load of q in
+the loop's TTGIR). Its price: every warp holds a 16 x 128 fp32 accumulator (64 registers a thread,
+64 FMUL a tile to rescale it) and the four are combined after the loop.
+
+Checked under the interpreter (`--check`; no inline asm there, so variants 0, 4, 7, 8, 9, 10)
+against a float64 torch reference, 4 sequences of 1-300 keys, block size 32: max abs error
+6e-4..9e-4 against outputs of up to 0.18 (bf16 output; the same as variant 0's), and variant 9,
+deliberately wrong, 9e-2 (the check sees a key mismatch). Not run on a GPU.
 """
 
 from __future__ import annotations
@@ -51,6 +75,7 @@ VARIANTS = {
     7: "keys split in 4 groups of 32 (a batch axis of 3-D dots), each its own softmax state",
     8: "as 7, with the Gluon prototype's permuted K rows and relabelled V",
     9: "as 8 without V's relabelling (wrong on purpose: the check's negative control)",
+    10: "as 7, the loop's tiles all full (unmasked), the partial last one after it",
 }
 
 
@@ -195,6 +220,58 @@ def fp8_decode_variant_kernel(
 
 
 @triton.jit
+def _split_tile(
+    q3, k_cache_ptr, v_cache_ptr, bt_row, m_i, l_i, acc, tile, context_len, kv_head, qk_scale, perm,
+    stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, RELABEL: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """One tile of fp8_decode_split_warps_kernel; MASKED: keys past the context may be in it."""
+    W: tl.constexpr = 4
+    KEYS: tl.constexpr = BLOCK_N // W
+    w = tl.arange(0, W)
+    c = tl.arange(0, KEYS)
+    d = tl.arange(0, HEAD_DIM)
+    key = tile * BLOCK_N + w[:, None] * KEYS + perm[None, :]  # [W, KEYS]: K's rows
+    if MASKED:
+        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key < context_len, other=0).to(tl.int64)
+    else:
+        block = tl.load(bt_row + key // BLOCK_SIZE).to(tl.int64)
+    k_off = (block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch)[:, :, None]
+    k = tl.load(k_cache_ptr + k_off + d[None, None, :])  # unmasked: past the context, scores are masked
+    s = tl.dot(q3, tl.permute(k.to(tl.float16), (0, 2, 1)))  # [W, G, KEYS], raw
+    if MASKED:
+        s = tl.where((key < context_len)[:, None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 2))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
+    p = tl.exp2(s * qk_scale - m_safe[:, :, None])
+    alpha = tl.exp2(m_i * qk_scale - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 2)
+    vkey = tile * BLOCK_N + w[:, None] * KEYS + c[None, :]  # V^T's keys, in cache order
+    vfirst = tile * BLOCK_N + w * KEYS
+    if MASKED:
+        vblock = tl.load(bt_row + vkey // BLOCK_SIZE, mask=(vfirst < context_len)[:, None], other=0)
+    else:
+        vblock = tl.load(bt_row + vkey // BLOCK_SIZE)
+    v_off = (vblock.to(tl.int64) * stride_vb + kv_head * stride_vh + vkey % BLOCK_SIZE)[:, None, :]
+    v_off = v_off + d[None, :, None] * stride_vd
+    v_off = tl.max_contiguous(tl.multiple_of(v_off, (1, 1, 16)), (1, 1, 16))
+    if MASKED:
+        vt = tl.load(
+            v_cache_ptr + v_off, mask=(vfirst < context_len)[:, None, None], other=0.0
+        )  # [W, D, KEYS]
+    else:
+        vt = tl.load(v_cache_ptr + v_off)
+    v = tl.permute(vt, (0, 2, 1))
+    if RELABEL:
+        v = tl.reshape(
+            tl.permute(tl.reshape(v, [W, 2, 4, 2, 2, HEAD_DIM]), (0, 1, 3, 2, 4, 5)), [W, KEYS, HEAD_DIM]
+        )
+    acc = acc * alpha[:, :, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+    return m_new, l_i, acc
+
+
+@triton.jit
 def fp8_decode_split_warps_kernel(
     q_ptr,
     k_cache_ptr,
@@ -221,7 +298,7 @@ def fp8_decode_split_warps_kernel(
     GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    VARIANT: tl.constexpr,  # 7: keys in order; 8: bench/fp8_decode_gluon.py's permuted K rows; 9: 8 broken
+    VARIANT: tl.constexpr,  # 7: keys in order; 8: the Gluon kernel's permuted K rows; 9: 8 broken; 10: 7 peeled
 ):
     """VARIANTS 7 and 8: bench/fp8_decode_gluon.py's algorithm in tl. The tile's keys split in W = 4
     groups of 32 (a batch axis of the dots: in the Gluon kernel, one a warp), each with its own
@@ -242,7 +319,6 @@ def fp8_decode_split_warps_kernel(
     )
     q3 = tl.broadcast_to(q.to(tl.float16)[None, :, :], [W, GROUP_PAD, HEAD_DIM])
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    w = tl.arange(0, W)
     c = tl.arange(0, KEYS)
     if VARIANT == 8 or VARIANT == 9:
         perm = (c & 1) | (((c >> 3) & 1) << 1) | (((c >> 1) & 3) << 2) | (c & ~15)
@@ -251,36 +327,21 @@ def fp8_decode_split_warps_kernel(
     m_i = tl.full([W, GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([W, GROUP_PAD], tl.float32)
     acc = tl.zeros([W, GROUP_PAD, HEAD_DIM], tl.float32)
-    for tile in range(0, tl.cdiv(context_len, BLOCK_N)):
-        key = tile * BLOCK_N + w[:, None] * KEYS + perm[None, :]  # [W, KEYS]: K's rows
-        block = tl.load(bt_row + key // BLOCK_SIZE, mask=key < context_len, other=0).to(tl.int64)
-        k_off = (block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch)[:, :, None]
-        k = tl.load(k_cache_ptr + k_off + d[None, None, :], mask=(key < context_len)[:, :, None], other=0.0)
-        s = tl.dot(q3, tl.permute(k.to(tl.float16), (0, 2, 1)))  # [W, G, KEYS], raw
-        s = tl.where((key < context_len)[:, None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 2))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
-        p = tl.exp2(s * qk_scale - m_safe[:, :, None])
-        alpha = tl.exp2(m_i * qk_scale - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 2)
-        vkey = tile * BLOCK_N + w[:, None] * KEYS + c[None, :]  # V^T's keys, in cache order
-        vfirst = tile * BLOCK_N + w * KEYS
-        vblock = tl.load(bt_row + vkey // BLOCK_SIZE, mask=(vfirst < context_len)[:, None], other=0).to(
-            tl.int64
-        )
-        v_off = (vblock * stride_vb + kv_head * stride_vh + vkey % BLOCK_SIZE)[:, None, :]
-        vt = tl.load(
-            v_cache_ptr + v_off + d[None, :, None] * stride_vd,
-            mask=(vfirst < context_len)[:, None, None],
-            other=0.0,
-        )  # [W, D, KEYS]
-        v = tl.permute(vt, (0, 2, 1))
-        if VARIANT == 8:
-            v = tl.reshape(
-                tl.permute(tl.reshape(v, [W, 2, 4, 2, 2, HEAD_DIM]), (0, 1, 3, 2, 4, 5)), [W, KEYS, HEAD_DIM]
-            )
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-        m_i = m_new
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    loop_tiles = context_len // BLOCK_N if VARIANT == 10 else num_tiles
+    for tile in range(0, loop_tiles):
+        m_i, l_i, acc = _split_tile(
+            q3, k_cache_ptr, v_cache_ptr, bt_row, m_i, l_i, acc, tile, context_len, kv_head, qk_scale, perm,
+            stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, VARIANT == 8, VARIANT != 10,
+        )  # fmt: skip
+    if VARIANT == 10:  # noqa: SIM102 (constexpr branch)
+        if loop_tiles < num_tiles:
+            m_i, l_i, acc = _split_tile(
+                q3, k_cache_ptr, v_cache_ptr, bt_row, m_i, l_i, acc, loop_tiles, context_len, kv_head, qk_scale,
+                perm, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
+                BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, True,
+            )  # fmt: skip
     m_all = tl.max(m_i, 0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     wt = tl.exp2((m_i - m_all[None, :]) * qk_scale)
@@ -292,10 +353,20 @@ def fp8_decode_split_warps_kernel(
 
 
 def _kernel(variant: int):
-    return fp8_decode_split_warps_kernel if variant in (7, 8, 9) else fp8_decode_variant_kernel
+    return fp8_decode_split_warps_kernel if variant in (7, 8, 9, 10) else fp8_decode_variant_kernel
 
 
-def compile_variant(variant: int, stages: int = 3, warps: int = 4, block_n: int = 128, block_size: int = 32):
+def compile_variant(
+    variant: int,
+    stages: int = 3,
+    warps: int = 4,
+    block_n: int = 128,
+    block_size: int = 32,
+    const_strides: bool = False,
+    maxnreg: int = 0,
+):
+    """The variant for sm90 (no GPU needed); const_strides: the caches' strides compile-time
+    constants (8 KV heads), as bench/fp8_decode_gluon.py has them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -308,6 +379,17 @@ def compile_variant(variant: int, stages: int = 3, warps: int = 4, block_n: int 
         "HEAD_DIM": 128,
         "VARIANT": variant,
     }
+    if const_strides:
+        constants.update(
+            {
+                "stride_cb": block_size * 8 * 128,
+                "stride_cs": 8 * 128,
+                "stride_ch": 128,
+                "stride_vb": 8 * 128 * block_size,
+                "stride_vh": 128 * block_size,
+                "stride_vd": block_size,
+            }
+        )
     ptr_types = {
         "q_ptr": "*bf16",
         "k_cache_ptr": "*fp8e4nv",
@@ -331,7 +413,7 @@ def compile_variant(variant: int, stages: int = 3, warps: int = 4, block_n: int 
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
-        if name.endswith("_ptr") or name in aligned
+        if (name.endswith("_ptr") or name in aligned) and name not in constants
     }
     source = ASTSource(
         fn=fn,
@@ -339,9 +421,10 @@ def compile_variant(variant: int, stages: int = 3, warps: int = 4, block_n: int 
         constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
         attrs=attrs,
     )
-    return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
-    )
+    options = {"num_warps": warps, "num_stages": stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def loop_stats(kernel) -> tuple[list[str], str]:
@@ -360,11 +443,13 @@ def loop_stats(kernel) -> tuple[list[str], str]:
 
 
 def q_reloaded_in_loop(ttgir: str) -> bool:
-    """Whether a local_load of a 16 x HEAD_DIM fp16 operand (q) sits inside the scf.for."""
-    body = ttgir[ttgir.index("scf.for") :]
-    return any(
-        "local_load" in line and "16x128xf16" in line and "opIdx = 0" in line for line in body.splitlines()
-    )
+    """Whether a tensor stored to shared memory before the loop (q: a local_alloc with a value, of
+    fp16 elements) is read back (local_load) inside it."""
+    import re
+
+    head, body = ttgir.split("scf.for", 1)
+    stored = re.findall(r"(%[\w.]+) = ttg.local_alloc %[\w.]+ : \(tensor<[0-9x]+xf16", head)
+    return any(re.search(rf"ttg.local_load {re.escape(name)}\b", body) for name in stored)
 
 
 def check(variant: int) -> tuple[float, float]:
@@ -385,8 +470,8 @@ def check(variant: int) -> tuple[float, float]:
         patched._index_patched = True
         interpreter._patch_lang_tensor = patched
     torch.manual_seed(variant)
-    num_seqs, num_kv_heads, group, head_dim, block_size = 3, 2, 2, 128, 32
-    context_lens = torch.tensor([1, 200, 300], dtype=torch.int32)
+    num_seqs, num_kv_heads, group, head_dim, block_size = 4, 2, 2, 128, 32
+    context_lens = torch.tensor([1, 200, 256, 300], dtype=torch.int32)
     blocks_per_seq = 10
     num_blocks = num_seqs * blocks_per_seq + 1
     perm = torch.randperm(num_blocks - 1)[: num_seqs * blocks_per_seq] + 1
@@ -423,11 +508,33 @@ def check(variant: int) -> tuple[float, float]:
     return worst, biggest
 
 
+def launch_variant(
+    q, k_cache, v_cache, out, block_tables, context_lens, scale, kv_scales, variant=10, stages=2
+):
+    """Decode (one query token a sequence) over an e4m3 cache with a variant (runtime strides): q, out
+    [num_seqs, num_heads, head_dim]; k_cache [num_blocks, block_size, kv_heads, head_dim]; v_cache
+    [num_blocks, kv_heads, head_dim, block_size] (fp8.fp8_v_cache). Group <= 16, BLOCK_N 128."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    k_scale, v_scale = kv_scales
+    _kernel(variant)[(num_kv_heads, num_seqs)](
+        q, k_cache, v_cache, out, block_tables, context_lens, scale * 1.4426950408889634 * k_scale, v_scale, 1.0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=16, BLOCK_N=128, HEAD_DIM=head_dim, VARIANT=variant,
+        num_warps=4, num_stages=stages,
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", type=int, nargs="*", default=sorted(VARIANTS))
     parser.add_argument("--stages", type=int, nargs="*", default=[3])
     parser.add_argument("--check", action="store_true", help="run under TRITON_INTERPRET=1 against torch")
+    parser.add_argument("--const-strides", action="store_true", help="the caches' strides as constants")
+    parser.add_argument("--maxnreg", type=int, default=0)
     parser.add_argument("--top", type=int, default=6)
     args = parser.parse_args()
     if args.check:
@@ -438,11 +545,13 @@ def main() -> None:
         return
     for v in args.variants:
         for stages in args.stages:
-            kernel = compile_variant(v, stages)
+            kernel = compile_variant(v, stages, const_strides=args.const_strides, maxnreg=args.maxnreg)
             ops, regs = loop_stats(kernel)
             top = ", ".join(f"{c} {op}" for op, c in collections.Counter(ops).most_common(args.top))
+            spills = sum(op.startswith(("LDL", "STL")) for op in ops)
             print(
-                f"variant {v} stages {stages}: {len(ops)} loop instructions, {regs} registers, "
+                f"variant {v} stages {stages}: {len(ops)} loop instructions, {regs} registers ({spills} spill "
+                "instructions in the loop), "
                 f"q reloaded in loop: {q_reloaded_in_loop(kernel.asm['ttgir'])} ({VARIANTS[v]})\n    {top}"
             )
 
