@@ -70,7 +70,7 @@ def _issue_tile(
     k_cache_ptr,
     v_cache_ptr,
     bt_row,
-    tile,
+    group_start,
     context_len,
     kv_head,
     stride_cb,
@@ -80,22 +80,21 @@ def _issue_tile(
     stride_vh,
     stride_vd,
     BLOCK_SIZE: gl.constexpr,
-    BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     KL: gl.constexpr,
     VL: gl.constexpr,
     K_MASK: gl.constexpr,
 ):
-    """cp.async of tile's K [WARPS, KEYS, HEAD_DIM] (rows in the permuted order, see the kernel) and
-    V^T [WARPS, HEAD_DIM, KEYS] into one stage. A warp's KEYS keys lie in one cache block
-    (BLOCK_SIZE % KEYS == 0): one block id a warp, read once."""
-    KEYS: gl.constexpr = BLOCK_N // WARPS
+    """cp.async of the 128 keys from group_start on: K [WARPS, 32, HEAD_DIM] (rows in the permuted
+    order, see the kernel) and V^T [WARPS, HEAD_DIM, 32], into one buffer each. A warp's 32 keys lie
+    in one cache block (BLOCK_SIZE % 32 == 0): one block id a warp, read once."""
+    KEYS: gl.constexpr = 32
     # K: rows c of warp w hold key tile * BLOCK_N + w * KEYS + perm(c)
     kw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))
     kc = gl.arange(0, KEYS, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
     kd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
     kperm = (kc & 1) | (((kc >> 3) & 1) << 1) | (((kc >> 1) & 3) << 2) | (kc & ~15)
-    first = tile * BLOCK_N + kw * KEYS  # [WARPS]
+    first = group_start + kw * KEYS  # [WARPS]
     kblock = gl.load(bt_row + first // BLOCK_SIZE, mask=first < context_len, other=0).to(gl.int64)
     krow = gl.expand_dims(gl.expand_dims(first % BLOCK_SIZE, 1) + gl.expand_dims(kperm, 0), 2)  # [W, KEYS, 1]
     kkey = gl.expand_dims(gl.expand_dims(first, 1) + gl.expand_dims(kperm, 0), 2)
@@ -112,7 +111,7 @@ def _issue_tile(
     vw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL)))
     vd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL)))
     vk = gl.arange(0, KEYS, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL)))
-    vfirst = tile * BLOCK_N + vw * KEYS
+    vfirst = group_start + vw * KEYS
     vblock = gl.load(bt_row + vfirst // BLOCK_SIZE, mask=vfirst < context_len, other=0).to(gl.int64)
     vbase = vblock * stride_vb + kv_head * stride_vh + vfirst % BLOCK_SIZE
     v_off = (
@@ -126,31 +125,53 @@ def _issue_tile(
 
 
 @gluon.jit
-def _attend_tile(
-    q, k_stage, v_stage, m_i, l_i, acc, s_key, tile, context_len, qk_scale,
-    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, MASKED: gl.constexpr,
-):  # fmt: skip
-    """One tile's scores, online softmax and P @ V, from its shared-memory stage."""
-    mma: gl.constexpr = acc.type.layout
-    KEYS: gl.constexpr = BLOCK_N // WARPS
-    kt = k_stage.permute([0, 2, 1]).load(gl.DotOperandLayout(1, mma, 4)).to(gl.float16)  # [W, D, KEYS]
-    s = mma_v2(q, kt, gl.zeros([WARPS, q.shape[1], KEYS], gl.float32, layout=mma))  # raw scores
+def _scores(q, k_smem, s_key, group_start, context_len, MASKED: gl.constexpr):
+    """Raw scores [WARPS, GROUP_PAD, 32] of one 128-key group from its K buffer."""
+    mma: gl.constexpr = s_key.type.layout
+    kt = k_smem.permute([0, 2, 1]).load(gl.DotOperandLayout(1, mma, 4)).to(gl.float16)  # [W, D, 32]
+    s = mma_v2(q, kt, gl.zeros([WARPS, q.shape[1], 32], gl.float32, layout=mma))
     if MASKED:
-        s = gl.where(s_key + tile * BLOCK_N < context_len, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 2))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale  # qk_scale applied in the exp2
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 2))
-    alpha = gl.exp2(m_i * qk_scale - m_safe)
-    l_i = l_i * alpha + gl.sum(p, 2)
-    # V as loaded ([W, KEYS in cache order, D], kWidth 4) relabelled to the scores' column order
-    v = v_stage.permute([0, 2, 1]).load(gl.DotOperandLayout(1, mma, 4))
+        s = gl.where(s_key + group_start < context_len, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _pv(p, v_smem, acc, HEAD_DIM: gl.constexpr):
+    """acc + p @ V of one 128-key group from its V^T buffer."""
+    mma: gl.constexpr = acc.type.layout
+    # V as loaded ([W, 32 keys in cache order, D], kWidth 4) relabelled to the scores' column order
+    v = v_smem.permute([0, 2, 1]).load(gl.DotOperandLayout(1, mma, 4))
     v = gl.permute(gl.reshape(v, [WARPS, 2, 4, 2, 2, HEAD_DIM]), [0, 1, 3, 2, 4, 5])
     v = gl.convert_layout(
-        gl.reshape(v, [WARPS, KEYS, HEAD_DIM]), gl.DotOperandLayout(1, mma, 2), assert_trivial=True
+        gl.reshape(v, [WARPS, 32, HEAD_DIM]), gl.DotOperandLayout(1, mma, 2), assert_trivial=True
     )
     p16 = gl.convert_layout(p.to(gl.float16), gl.DotOperandLayout(0, mma, 2), assert_trivial=True)
-    acc = mma_v2(p16, v.to(gl.float16), acc * gl.expand_dims(alpha, 2))
-    return m_new, l_i, acc
+    return mma_v2(p16, v.to(gl.float16), acc)
+
+
+@gluon.jit
+def _attend_tile(
+    q, k_smem, v_smem, stage, m_i, l_i, acc, s_key, tile, context_len, qk_scale,
+    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB: gl.constexpr, MASKED: gl.constexpr,
+):  # fmt: skip
+    """One tile (SUB groups of 128 keys, 32 a warp each) from its stage: scores, one online-softmax
+    update, P @ V."""
+    start = tile * BLOCK_N
+    s0 = _scores(q, k_smem.index(stage * SUB), s_key, start, context_len, MASKED)
+    m_new = gl.maximum(m_i, gl.max(s0, 2))
+    if SUB == 2:
+        s1 = _scores(q, k_smem.index(stage * SUB + 1), s_key, start + 128, context_len, MASKED)
+        m_new = gl.maximum(m_new, gl.max(s1, 2))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale  # qk_scale applied in the exp2
+    alpha = gl.exp2(m_i * qk_scale - m_safe)
+    p0 = gl.exp2(s0 * qk_scale - gl.expand_dims(m_safe, 2))
+    l_new = gl.sum(p0, 2)
+    acc = _pv(p0, v_smem.index(stage * SUB), acc * gl.expand_dims(alpha, 2), HEAD_DIM)
+    if SUB == 2:
+        p1 = gl.exp2(s1 * qk_scale - gl.expand_dims(m_safe, 2))
+        l_new += gl.sum(p1, 2)
+        acc = _pv(p1, v_smem.index(stage * SUB + 1), acc, HEAD_DIM)
+    return m_new, l_i * alpha + l_new, acc
 
 
 @gluon.jit
@@ -182,6 +203,7 @@ def fp8_decode_gluon_kernel(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     STAGES: gl.constexpr,
+    SUB: gl.constexpr,  # groups of 128 keys a tile (1 or 2): BLOCK_N = 128 * SUB, 32 * SUB keys a warp
     PEEL: gl.constexpr,  # the last tile's masking out of the loop (the loop's tiles are all full)
     K_MASK: gl.constexpr,  # K's cp.async masked by key (else only its scores are)
 ):
@@ -196,8 +218,9 @@ def fp8_decode_gluon_kernel(
     thread needs because K's rows are loaded permuted (row c = 16i + 8h + 2t + b holds key
     16i + 4t + 2h + b): V's fragment is then relabelled (reshape / permute, no data movement)."""
     gl.static_assert(gl.num_warps() == WARPS)
-    KEYS: gl.constexpr = BLOCK_N // WARPS
-    gl.static_assert(KEYS == 32)
+    KEYS: gl.constexpr = 32  # a warp's keys of each 128-key group
+    gl.static_assert(BLOCK_N == 128 * SUB)
+    gl.static_assert(SUB == 1 or SUB == 2)
     gl.static_assert(BLOCK_SIZE % KEYS == 0)
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8]
@@ -223,8 +246,8 @@ def fp8_decode_gluon_kernel(
     q = gl.load(q_ptr + q_off, mask=q_row < GROUP, other=0.0).to(gl.float16)
     q = gl.convert_layout(q, q_layout)
 
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, WARPS, KEYS, HEAD_DIM], k_sl)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, WARPS, HEAD_DIM, KEYS], v_sl)
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * SUB, WARPS, KEYS, HEAD_DIM], k_sl)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * SUB, WARPS, HEAD_DIM, KEYS], v_sl)
 
     # the score columns' keys (K's permuted rows), relative to the tile
     sw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma)))
@@ -238,11 +261,12 @@ def fp8_decode_gluon_kernel(
 
     num_tiles = gl.cdiv(context_len, BLOCK_N)
     for st in gl.static_range(STAGES - 1):
-        _issue_tile(
-            k_smem.index(st), v_smem.index(st), k_cache_ptr, v_cache_ptr, bt_row, st, context_len, kv_head,
-            stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_N, HEAD_DIM, KL, VL,
-            K_MASK,
-        )  # fmt: skip
+        for j in gl.static_range(SUB):
+            _issue_tile(
+                k_smem.index(st * SUB + j), v_smem.index(st * SUB + j), k_cache_ptr, v_cache_ptr, bt_row,
+                st * BLOCK_N + j * 128, context_len, kv_head, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh,
+                stride_vd, BLOCK_SIZE, HEAD_DIM, KL, VL, K_MASK,
+            )  # fmt: skip
         async_copy.commit_group()
     if PEEL:
         loop_tiles = context_len // BLOCK_N  # the full ones
@@ -253,15 +277,16 @@ def fp8_decode_gluon_kernel(
     for tile in range(loop_tiles):
         async_copy.wait_group(STAGES - 2)  # this tile's copies are done (later ones may not be)
         gl.thread_barrier()  # everyone's copies visible; the previous tile's stage free
-        _issue_tile(
-            k_smem.index(prev), v_smem.index(prev), k_cache_ptr, v_cache_ptr, bt_row, tile + STAGES - 1,
-            context_len, kv_head, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, KL, VL, K_MASK,
-        )  # fmt: skip
+        for j in gl.static_range(SUB):
+            _issue_tile(
+                k_smem.index(prev * SUB + j), v_smem.index(prev * SUB + j), k_cache_ptr, v_cache_ptr, bt_row,
+                (tile + STAGES - 1) * BLOCK_N + j * 128, context_len, kv_head, stride_cb, stride_cs, stride_ch,
+                stride_vb, stride_vh, stride_vd, BLOCK_SIZE, HEAD_DIM, KL, VL, K_MASK,
+            )  # fmt: skip
         async_copy.commit_group()
         m_i, l_i, acc = _attend_tile(
-            q, k_smem.index(stage), v_smem.index(stage), m_i, l_i, acc, s_key, tile, context_len, qk_scale,
-            BLOCK_N, HEAD_DIM, not PEEL,
+            q, k_smem, v_smem, stage, m_i, l_i, acc, s_key, tile, context_len, qk_scale,
+            BLOCK_N, HEAD_DIM, SUB, not PEEL,
         )  # fmt: skip
         prev = stage
         stage = gl.where(stage == STAGES - 1, 0, stage + 1)
@@ -270,8 +295,8 @@ def fp8_decode_gluon_kernel(
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             m_i, l_i, acc = _attend_tile(
-                q, k_smem.index(stage), v_smem.index(stage), m_i, l_i, acc, s_key, loop_tiles, context_len,
-                qk_scale, BLOCK_N, HEAD_DIM, True,
+                q, k_smem, v_smem, stage, m_i, l_i, acc, s_key, loop_tiles, context_len, qk_scale,
+                BLOCK_N, HEAD_DIM, SUB, True,
             )  # fmt: skip
     async_copy.wait_group(0)
 
@@ -293,7 +318,7 @@ def fp8_decode_gluon_kernel(
 def compile_gluon(
     stages: int = 3,
     block_size: int = 32,
-    block_n: int = 128,
+    sub: int = 1,
     maxnreg: int = 0,
     peel: bool = True,
     k_mask: bool = False,
@@ -308,9 +333,10 @@ def compile_gluon(
         "BLOCK_SIZE": block_size,
         "GROUP": 2,
         "GROUP_PAD": 16,
-        "BLOCK_N": block_n,
+        "BLOCK_N": 128 * sub,
         "HEAD_DIM": 128,
         "STAGES": stages,
+        "SUB": sub,
         "PEEL": peel,
         "K_MASK": k_mask,
     }
@@ -362,7 +388,7 @@ def compile_gluon(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def launch_gluon(q, k_cache, v_cache, out, block_tables, context_lens, scale, kv_scales, stages=2):
+def launch_gluon(q, k_cache, v_cache, out, block_tables, context_lens, scale, kv_scales, stages=2, sub=1):
     """Decode (one query token a sequence, cu_seqlens_q = arange) over an e4m3 cache with the
     prototype: q, out [num_seqs, num_heads, head_dim]; k_cache [num_blocks, block_size, kv_heads,
     head_dim]; v_cache [num_blocks, kv_heads, head_dim, block_size] (fp8.fp8_v_cache)."""
@@ -375,7 +401,7 @@ def launch_gluon(q, k_cache, v_cache, out, block_tables, context_lens, scale, kv
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, PEEL=True, K_MASK=False, num_warps=WARPS.value,
+        BLOCK_N=128 * sub, HEAD_DIM=head_dim, STAGES=stages, SUB=sub, PEEL=True, K_MASK=False, num_warps=WARPS.value,
     )  # fmt: skip
 
 
@@ -386,19 +412,20 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="*", default=[3])
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--maxnreg", type=int, nargs="*", default=[0], help="register caps (0: none)")
+    parser.add_argument("--sub", type=int, nargs="*", default=[1], help="128-key groups a tile (1, 2)")
     parser.add_argument("--no-peel", action="store_true", help="mask every tile in the loop")
     parser.add_argument("--k-mask", action="store_true", help="mask K's copies by key")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--dump", help="write the ttgir / ptx / sass to this prefix")
     args = parser.parse_args()
-    for stages, maxnreg in itertools.product(args.stages, args.maxnreg):
+    for stages, maxnreg, sub in itertools.product(args.stages, args.maxnreg, args.sub):
         kernel = compile_gluon(
-            stages, args.block_size, maxnreg=maxnreg, peel=not args.no_peel, k_mask=args.k_mask,
+            stages, args.block_size, sub, maxnreg=maxnreg, peel=not args.no_peel, k_mask=args.k_mask,
         )  # fmt: skip
         ops, regs = loop_stats(kernel)
         print(
-            f"gluon stages {stages}, block size {args.block_size}, maxnreg {maxnreg or 'none'}: {len(ops)} loop "
-            f"instructions per 128 keys, {regs} registers, {kernel.metadata.shared} bytes of shared memory, "
+            f"gluon stages {stages}, block size {args.block_size}, {128 * sub} keys a tile, maxnreg "
+            f"{maxnreg or 'none'}: {len(ops)} loop instructions ({len(ops) / sub:.0f} per 128 keys), {regs} registers, {kernel.metadata.shared} bytes of shared memory, "
             f"{sum(op.startswith(('LDL', 'STL')) for op in ops)} local-memory (spill) instructions"
         )
         for op, count in collections.Counter(ops).most_common(args.top):

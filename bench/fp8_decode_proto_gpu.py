@@ -39,10 +39,11 @@ def candidates() -> dict:
             num_splits=1, kv_scales=KV_SCALES,
         ),
     }  # fmt: skip
-    for stages in (2, 3):
-        out[f"gluon stages {stages}"] = lambda q, k, v, o, bt, cl, s=stages: launch_gluon(
-            q, k, v, o, bt, cl, SCALE, KV_SCALES, stages=s
+    for stages, sub in ((2, 1), (3, 1), (2, 2)):
+        out[f"gluon stages {stages} tile {128 * sub}"] = lambda q, k, v, o, bt, cl, s=stages, u=sub: (
+            launch_gluon(q, k, v, o, bt, cl, SCALE, KV_SCALES, stages=s, sub=u)
         )
+    for stages in (2, 3):
         out[f"tl variant 10 stages {stages}"] = lambda q, k, v, o, bt, cl, s=stages: launch_variant(
             q, k, v, o, bt, cl, SCALE, KV_SCALES, variant=10, stages=s
         )
