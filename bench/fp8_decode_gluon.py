@@ -30,9 +30,13 @@ with 151 IMAD.MOV.U32; 23.9 a KB; bf16's kernel 14.4 a KB):
     + cache strides as compile-time constants (the default now)         449        450
 
 i.e. 14.1 a KB: 128 F2FP.F16.E4M3.UNPACK_B, 64 HMMA.16816.F32, 66 FMUL (64 the accumulator's
-rescale), 16 LDGSTS.128 + 16 LDSM.x4, 2 IMAD.MOV.U32, 2 BAR.SYNC; 168 registers a thread (no
-spills; a cap of 168 gives the same count plus spills), 64 KB (2 stages) / 96 KB (3) of shared
-memory: 3 or 2 programs an SM by registers. Needs BLOCK_SIZE % 32 == 0 and GROUP <= 16.
+rescale), 16 LDGSTS.128 + 16 LDSM.x4, 4 IMAD.MOV.U32, 2 BAR.SYNC; 168 registers a thread, no spills
+(`--maxnreg 168` spills: 461, 5 local-memory instructions); 64 KB (2 stages) / 96 KB (3) of shared
+memory: 3 programs an SM at 2 stages (registers and shared memory both allow 3), 2 at 3 stages.
+`--sub 2` (256-key tiles: two 128-key groups under one softmax update, halving the accumulator's
+rescale and the per-tile work): 794 a tile, 397 per 128 keys (12.4 a KB), but 215 registers and
+128 KB of shared memory at 2 stages, so one program an SM. Needs BLOCK_SIZE % 32 == 0, GROUP <= 16;
+no split-KV (one program per KV head and sequence), no seq_order, decode rows only.
 
 Correctness: Triton's interpreter does not run Gluon and this machine has no GPU, so the kernel
 itself has not run. Its algorithm (the key split, K's row permutation and V's relabelling, the
@@ -58,9 +62,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-WARPS = gl.constexpr(
-    4
-)  # each warp owns BLOCK_N // WARPS keys of a tile: its own softmax state and accumulator
+# Each warp owns 32 keys of every 128: its own softmax state and accumulator.
+WARPS = gl.constexpr(4)
 
 
 @gluon.jit
