@@ -37,6 +37,11 @@ memory: 3 programs an SM at 2 stages (registers and shared memory both allow 3),
 rescale and the per-tile work): 794 a tile, 397 per 128 keys (12.4 a KB), but 215 registers and
 128 KB of shared memory at 2 stages, so one program an SM. Needs BLOCK_SIZE % 32 == 0, GROUP <= 16;
 no split-KV (one program per KV head and sequence), no seq_order, decode rows only.
+`--lazy` (LAZY: the running max, and with it the accumulator's 64-FMUL rescale, moves only when
+some row's max grew by more than 2**8 in p, tested once for the program: a cross-warp max and a
+branch): 486 static, of which 408 run on a tile that skips the rescale (the usual case once the
+first tiles set the max); with `--sub 2` 377 per 128 keys when skipped. Its math is
+bench/fp8_decode_tl_variants.py's variant 11 (checked under the interpreter).
 
 Correctness: Triton's interpreter does not run Gluon and this machine has no GPU, so the kernel
 itself has not run. Its algorithm (the key split, K's row permutation and V's relabelling, the
@@ -64,6 +69,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 # Each warp owns 32 keys of every 128: its own softmax state and accumulator.
 WARPS = gl.constexpr(4)
+LAZY_LOG2 = gl.constexpr(8.0)  # with LAZY: how far (log2) a row's max may run ahead of m_i
 
 
 @gluon.jit
@@ -156,25 +162,41 @@ def _pv(p, v_smem, acc, HEAD_DIM: gl.constexpr):
 def _attend_tile(
     q, k_smem, v_smem, stage, m_i, l_i, acc, s_key, tile, context_len, qk_scale,
     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB: gl.constexpr, MASKED: gl.constexpr,
+    LAZY: gl.constexpr,
 ):  # fmt: skip
     """One tile (SUB groups of 128 keys, 32 a warp each) from its stage: scores, one online-softmax
-    update, P @ V."""
+    update, P @ V. LAZY: the running max (and so the accumulator's rescale) moves only when some
+    row's max grew by more than 2**LAZY_LOG2 in p (one test for the whole program, a branch around
+    the rescale); p then stays below 2**LAZY_LOG2 (fp16: fine), m_i may lag the true max."""
     start = tile * BLOCK_N
     s0 = _scores(q, k_smem.index(stage * SUB), s_key, start, context_len, MASKED)
     m_new = gl.maximum(m_i, gl.max(s0, 2))
     if SUB == 2:
         s1 = _scores(q, k_smem.index(stage * SUB + 1), s_key, start + 128, context_len, MASKED)
         m_new = gl.maximum(m_new, gl.max(s1, 2))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale  # qk_scale applied in the exp2
-    alpha = gl.exp2(m_i * qk_scale - m_safe)
+    if LAZY:
+        # (m_new - m_i) is NaN for a row of -inf so far and now (no key yet): no move needed
+        grow = ((m_new - m_i) * qk_scale > LAZY_LOG2).to(gl.int32)
+        if gl.max(gl.max(grow, 1), 0) > 0:
+            alpha = gl.exp2(m_i * qk_scale - gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale)
+            acc = acc * gl.expand_dims(alpha, 2)
+            l_i = l_i * alpha
+            m_i = m_new
+        m_new = m_i
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
+    else:
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale  # qk_scale applied in the exp2
+        alpha = gl.exp2(m_i * qk_scale - m_safe)
+        acc = acc * gl.expand_dims(alpha, 2)
+        l_i = l_i * alpha
     p0 = gl.exp2(s0 * qk_scale - gl.expand_dims(m_safe, 2))
     l_new = gl.sum(p0, 2)
-    acc = _pv(p0, v_smem.index(stage * SUB), acc * gl.expand_dims(alpha, 2), HEAD_DIM)
+    acc = _pv(p0, v_smem.index(stage * SUB), acc, HEAD_DIM)
     if SUB == 2:
         p1 = gl.exp2(s1 * qk_scale - gl.expand_dims(m_safe, 2))
         l_new += gl.sum(p1, 2)
         acc = _pv(p1, v_smem.index(stage * SUB + 1), acc, HEAD_DIM)
-    return m_new, l_i * alpha + l_new, acc
+    return m_new, l_i + l_new, acc
 
 
 @gluon.jit
@@ -208,6 +230,7 @@ def fp8_decode_gluon_kernel(
     STAGES: gl.constexpr,
     SUB: gl.constexpr,  # groups of 128 keys a tile (1 or 2): BLOCK_N = 128 * SUB, 32 * SUB keys a warp
     PEEL: gl.constexpr,  # the last tile's masking out of the loop (the loop's tiles are all full)
+    LAZY: gl.constexpr,  # the accumulator rescaled only when the max grew by more than 2**LAZY_LOG2
     K_MASK: gl.constexpr,  # K's cp.async masked by key (else only its scores are)
 ):
     """grid (num_kv_heads, num_seqs), one query token a sequence, 4 warps. Warp w computes the
@@ -289,7 +312,7 @@ def fp8_decode_gluon_kernel(
         async_copy.commit_group()
         m_i, l_i, acc = _attend_tile(
             q, k_smem, v_smem, stage, m_i, l_i, acc, s_key, tile, context_len, qk_scale,
-            BLOCK_N, HEAD_DIM, SUB, not PEEL,
+            BLOCK_N, HEAD_DIM, SUB, not PEEL, LAZY,
         )  # fmt: skip
         prev = stage
         stage = gl.where(stage == STAGES - 1, 0, stage + 1)
@@ -299,7 +322,7 @@ def fp8_decode_gluon_kernel(
             gl.thread_barrier()
             m_i, l_i, acc = _attend_tile(
                 q, k_smem, v_smem, stage, m_i, l_i, acc, s_key, loop_tiles, context_len, qk_scale,
-                BLOCK_N, HEAD_DIM, SUB, True,
+                BLOCK_N, HEAD_DIM, SUB, True, LAZY,
             )  # fmt: skip
     async_copy.wait_group(0)
 
@@ -322,6 +345,7 @@ def compile_gluon(
     stages: int = 3,
     block_size: int = 32,
     sub: int = 1,
+    lazy: bool = False,
     maxnreg: int = 0,
     peel: bool = True,
     k_mask: bool = False,
@@ -340,6 +364,7 @@ def compile_gluon(
         "HEAD_DIM": 128,
         "STAGES": stages,
         "SUB": sub,
+        "LAZY": lazy,
         "PEEL": peel,
         "K_MASK": k_mask,
     }
@@ -391,7 +416,9 @@ def compile_gluon(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def launch_gluon(q, k_cache, v_cache, out, block_tables, context_lens, scale, kv_scales, stages=2, sub=1):
+def launch_gluon(
+    q, k_cache, v_cache, out, block_tables, context_lens, scale, kv_scales, stages=2, sub=1, lazy=False
+):
     """Decode (one query token a sequence, cu_seqlens_q = arange) over an e4m3 cache with the
     prototype: q, out [num_seqs, num_heads, head_dim]; k_cache [num_blocks, block_size, kv_heads,
     head_dim]; v_cache [num_blocks, kv_heads, head_dim, block_size] (fp8.fp8_v_cache)."""
@@ -404,7 +431,7 @@ def launch_gluon(q, k_cache, v_cache, out, block_tables, context_lens, scale, kv
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=128 * sub, HEAD_DIM=head_dim, STAGES=stages, SUB=sub, PEEL=True, K_MASK=False, num_warps=WARPS.value,
+        BLOCK_N=128 * sub, HEAD_DIM=head_dim, STAGES=stages, SUB=sub, PEEL=True, LAZY=lazy, K_MASK=False, num_warps=WARPS.value,
     )  # fmt: skip
 
 
@@ -416,6 +443,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--maxnreg", type=int, nargs="*", default=[0], help="register caps (0: none)")
     parser.add_argument("--sub", type=int, nargs="*", default=[1], help="128-key groups a tile (1, 2)")
+    parser.add_argument("--lazy", action="store_true", help="rescale only when the max grew by > 2**8")
     parser.add_argument("--no-peel", action="store_true", help="mask every tile in the loop")
     parser.add_argument("--k-mask", action="store_true", help="mask K's copies by key")
     parser.add_argument("--top", type=int, default=20)
@@ -423,7 +451,7 @@ def main() -> None:
     args = parser.parse_args()
     for stages, maxnreg, sub in itertools.product(args.stages, args.maxnreg, args.sub):
         kernel = compile_gluon(
-            stages, args.block_size, sub, maxnreg=maxnreg, peel=not args.no_peel, k_mask=args.k_mask,
+            stages, args.block_size, sub, args.lazy, maxnreg=maxnreg, peel=not args.no_peel, k_mask=args.k_mask,
         )  # fmt: skip
         ops, regs = loop_stats(kernel)
         print(

@@ -1,5 +1,5 @@
 """The fp8 decode prototypes on the GPU (not yet run): bench/fp8_decode_gluon.py's Gluon kernel and
-bench/fp8_decode_tl_variants.py's plain-Triton variant 10, checked against the production
+bench/fp8_decode_tl_variants.py's plain-Triton variants 10 and 11, checked against the production
 paged_decode over the same e4m3 caches, then timed like bench/attention.py (CUDA-graph replays,
 TB/s of fp8 K and V bytes). Qwen3-0.6B shapes: 16 query heads, 8 KV heads, head_dim 128.
 
@@ -39,13 +39,14 @@ def candidates() -> dict:
             num_splits=1, kv_scales=KV_SCALES,
         ),
     }  # fmt: skip
-    for stages, sub in ((2, 1), (3, 1), (2, 2)):
-        out[f"gluon stages {stages} tile {128 * sub}"] = lambda q, k, v, o, bt, cl, s=stages, u=sub: (
-            launch_gluon(q, k, v, o, bt, cl, SCALE, KV_SCALES, stages=s, sub=u)
+    for stages, sub, lazy in ((2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True), (2, 2, True)):
+        name = f"gluon stages {stages} tile {128 * sub}{' lazy' if lazy else ''}"
+        out[name] = lambda q, k, v, o, bt, cl, s=stages, u=sub, z=lazy: launch_gluon(
+            q, k, v, o, bt, cl, SCALE, KV_SCALES, stages=s, sub=u, lazy=z
         )
-    for stages in (2, 3):
-        out[f"tl variant 10 stages {stages}"] = lambda q, k, v, o, bt, cl, s=stages: launch_variant(
-            q, k, v, o, bt, cl, SCALE, KV_SCALES, variant=10, stages=s
+    for variant, stages in ((10, 2), (10, 3), (11, 2)):
+        out[f"tl variant {variant} stages {stages}"] = lambda q, k, v, o, bt, cl, s=stages, n=variant: (
+            launch_variant(q, k, v, o, bt, cl, SCALE, KV_SCALES, variant=n, stages=s)
         )
     return out
 

@@ -21,8 +21,12 @@ SASS instructions of the loop per 128-key tile (group 2 padded to 16 rows, HEAD_
     6  as 5, V too                                       863             787          reloaded
     7  keys split in 4 groups of 32 (3-D batched dots)   571 (226 regs)  559 (242)    registers
     8  as 7, Gluon's permuted K rows + relabelled V      671             614          registers
-    10 as 7, full tiles unmasked, last tile peeled       503 (234 regs)  497 (236)    registers
+    10 as 7, full tiles unmasked, last tile peeled       503 (234 regs)  494 (240)    registers
     10 with the cache strides as constants               509 (223 regs)  465 (217)    registers
+    11 as 10, rescaled only when a max grew by > 2**8    549 (254 regs)  537 (252)    registers
+       (of which run when the rescale is skipped)                        459
+    11 with the cache strides as constants               552             506 (228)    registers
+       (of which run when the rescale is skipped)                        428
 
 Variants 1-6 keep Triton's kWidth 4 operands (its layout passes trace the 8-bit origin through
 inline asm and joins) and its per-tile q reload. Variant 7's batched formulation is what changes it:
@@ -32,10 +36,12 @@ cross-warp reductions per tile, and q is a loop-invariant register operand (no l
 the loop's TTGIR). Its price: every warp holds a 16 x 128 fp32 accumulator (64 registers a thread,
 64 FMUL a tile to rescale it) and the four are combined after the loop.
 
-Checked under the interpreter (`--check`; no inline asm there, so variants 0, 4, 7, 8, 9, 10)
-against a float64 torch reference, 4 sequences of 1-300 keys, block size 32: max abs error
-6e-4..9e-4 against outputs of up to 0.18 (bf16 output; the same as variant 0's), and variant 9,
-deliberately wrong, 9e-2 (the check sees a key mismatch). Not run on a GPU.
+Checked under the interpreter (`--check`; no inline asm there, so variants 0, 4, 7-11) against a
+float64 torch reference, 4 sequences of 1, 200, 256 and 300 keys, block size 32, one block of
+larger keys late in the last (its max jumps: variant 11's rescale branch taken mid-sequence): max
+abs error 8e-4..9.5e-4 against outputs of up to 0.24 (bf16 output; variant 0, the production
+formulation, 9.4e-4), and variant 9, deliberately wrong, 0.26 (the check sees a key mismatch).
+Not run on a GPU: bench/fp8_decode_proto_gpu.py times variants 10 and 11 there.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ VARIANTS = {
     8: "as 7, with the Gluon prototype's permuted K rows and relabelled V",
     9: "as 8 without V's relabelling (wrong on purpose: the check's negative control)",
     10: "as 7, the loop's tiles all full (unmasked), the partial last one after it",
+    11: "as 10, the accumulator rescaled only when a row's max grew by more than 2**8 (Gluon's LAZY)",
 }
 
 
@@ -224,9 +231,10 @@ def _split_tile(
     q3, k_cache_ptr, v_cache_ptr, bt_row, m_i, l_i, acc, tile, context_len, kv_head, qk_scale, perm,
     stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, RELABEL: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, LAZY: tl.constexpr = False,
 ):  # fmt: skip
-    """One tile of fp8_decode_split_warps_kernel; MASKED: keys past the context may be in it."""
+    """One tile of fp8_decode_split_warps_kernel; MASKED: keys past the context may be in it; LAZY:
+    bench/fp8_decode_gluon.py's LAZY (the max moves only when a row's grew by more than 2**8)."""
     W: tl.constexpr = 4
     KEYS: tl.constexpr = BLOCK_N // W
     w = tl.arange(0, W)
@@ -243,10 +251,22 @@ def _split_tile(
     if MASKED:
         s = tl.where((key < context_len)[:, None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 2))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
+    if LAZY:
+        grow = ((m_new - m_i) * qk_scale > 8.0).to(tl.int32)  # NaN (no key yet): no move
+        if tl.max(tl.max(grow, 1), 0) > 0:
+            alpha = tl.exp2(m_i * qk_scale - tl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale)
+            acc = acc * alpha[:, :, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        m_new = m_i
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
+    else:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
+        alpha = tl.exp2(m_i * qk_scale - m_safe)
+        acc = acc * alpha[:, :, None]
+        l_i = l_i * alpha
     p = tl.exp2(s * qk_scale - m_safe[:, :, None])
-    alpha = tl.exp2(m_i * qk_scale - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 2)
+    l_i = l_i + tl.sum(p, 2)
     vkey = tile * BLOCK_N + w[:, None] * KEYS + c[None, :]  # V^T's keys, in cache order
     vfirst = tile * BLOCK_N + w * KEYS
     if MASKED:
@@ -267,7 +287,7 @@ def _split_tile(
         v = tl.reshape(
             tl.permute(tl.reshape(v, [W, 2, 4, 2, 2, HEAD_DIM]), (0, 1, 3, 2, 4, 5)), [W, KEYS, HEAD_DIM]
         )
-    acc = acc * alpha[:, :, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+    acc = acc + tl.dot(p.to(tl.float16), v.to(tl.float16))
     return m_new, l_i, acc
 
 
@@ -328,19 +348,19 @@ def fp8_decode_split_warps_kernel(
     l_i = tl.zeros([W, GROUP_PAD], tl.float32)
     acc = tl.zeros([W, GROUP_PAD, HEAD_DIM], tl.float32)
     num_tiles = tl.cdiv(context_len, BLOCK_N)
-    loop_tiles = context_len // BLOCK_N if VARIANT == 10 else num_tiles
+    loop_tiles = context_len // BLOCK_N if VARIANT >= 10 else num_tiles
     for tile in range(0, loop_tiles):
         m_i, l_i, acc = _split_tile(
             q3, k_cache_ptr, v_cache_ptr, bt_row, m_i, l_i, acc, tile, context_len, kv_head, qk_scale, perm,
             stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, VARIANT == 8, VARIANT != 10,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, VARIANT == 8, VARIANT < 10, VARIANT == 11,
         )  # fmt: skip
-    if VARIANT == 10:  # noqa: SIM102 (constexpr branch)
+    if VARIANT >= 10:  # noqa: SIM102 (constexpr branch)
         if loop_tiles < num_tiles:
             m_i, l_i, acc = _split_tile(
                 q3, k_cache_ptr, v_cache_ptr, bt_row, m_i, l_i, acc, loop_tiles, context_len, kv_head, qk_scale,
                 perm, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
-                BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, True,
+                BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, True, VARIANT == 11,
             )  # fmt: skip
     m_all = tl.max(m_i, 0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
@@ -353,7 +373,7 @@ def fp8_decode_split_warps_kernel(
 
 
 def _kernel(variant: int):
-    return fp8_decode_split_warps_kernel if variant in (7, 8, 9, 10) else fp8_decode_variant_kernel
+    return fp8_decode_split_warps_kernel if variant in (7, 8, 9, 10, 11) else fp8_decode_variant_kernel
 
 
 def compile_variant(
@@ -477,7 +497,10 @@ def check(variant: int) -> tuple[float, float]:
     perm = torch.randperm(num_blocks - 1)[: num_seqs * blocks_per_seq] + 1
     block_tables = perm.view(num_seqs, blocks_per_seq).to(torch.int32)
     k_scale, v_scale = 0.5, 0.03  # scores of std ~2: a peaked softmax, so that mismatched keys show
-    k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 4).to(torch.float8_e4m3fn)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 4
+    # a block of larger keys late in the last sequence: its scores' max jumps (past LAZY's 2**8)
+    k_cache[block_tables[num_seqs - 1, 7]] *= 6
+    k_cache = k_cache.to(torch.float8_e4m3fn)
     v_t = (torch.randn(num_blocks, num_kv_heads, head_dim, block_size) * 2).to(torch.float8_e4m3fn)
     for s in range(num_seqs):  # zeros past the context in the last block, as the store leaves them
         c = int(context_lens[s])
