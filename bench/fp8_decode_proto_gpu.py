@@ -48,14 +48,15 @@ def candidates() -> dict:
             num_splits=1, kv_scales=KV_SCALES,
         ),
     }  # fmt: skip
+    # the plain-Triton ones first: a Gluon kernel faulting would leave the CUDA context unusable
+    for variant, stages in ((10, 2), (10, 3), (11, 2)):
+        out[f"tl variant {variant} stages {stages}"] = lambda q, k, v, o, bt, cl, s=stages, n=variant: (
+            launch_variant(q, k, v, o, bt, cl, SCALE, KV_SCALES, variant=n, stages=s)
+        )
     for stages, sub, lazy in ((2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True), (2, 2, True)):
         name = f"gluon stages {stages} tile {128 * sub}{' lazy' if lazy else ''}"
         out[name] = lambda q, k, v, o, bt, cl, s=stages, u=sub, z=lazy: launch_gluon(
             q, k, v, o, bt, cl, SCALE, KV_SCALES, stages=s, sub=u, lazy=z
-        )
-    for variant, stages in ((10, 2), (10, 3), (11, 2)):
-        out[f"tl variant {variant} stages {stages}"] = lambda q, k, v, o, bt, cl, s=stages, n=variant: (
-            launch_variant(q, k, v, o, bt, cl, SCALE, KV_SCALES, variant=n, stages=s)
         )
     return out
 
