@@ -98,7 +98,7 @@ def _issue_tile(
     order, see the kernel) and V^T [WARPS, HEAD_DIM, 32], into one buffer each. A warp's 32 keys lie
     in one cache block (BLOCK_SIZE % 32 == 0): one block id a warp, read once."""
     KEYS: gl.constexpr = 32
-    # K: rows c of warp w hold key tile * BLOCK_N + w * KEYS + perm(c)
+    # K: row c of warp w holds key group_start + w * KEYS + perm(c)
     kw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))
     kc = gl.arange(0, KEYS, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
     kd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
