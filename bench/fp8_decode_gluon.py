@@ -352,7 +352,8 @@ def compile_gluon(
     num_kv_heads: int = 8,
 ):
     """The kernel for sm90 (no GPU needed): Qwen3-0.6B's shapes, caches of num_kv_heads heads."""
-    from triton.backends.compiler import GPUTarget
+    import kernel_sass
+    from fp8_decode_tl_variants import PROTO_ALIGNED, PROTO_TYPES
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = fp8_decode_gluon_kernel
@@ -368,52 +369,10 @@ def compile_gluon(
         "PEEL": peel,
         "K_MASK": k_mask,
     }
-    head_dim = constants["HEAD_DIM"]
-    constants.update(
-        {
-            "stride_cb": block_size * num_kv_heads * head_dim,
-            "stride_cs": num_kv_heads * head_dim,
-            "stride_ch": head_dim,
-            "stride_vb": num_kv_heads * head_dim * block_size,
-            "stride_vh": head_dim * block_size,
-            "stride_vd": block_size,
-        }
+    constants.update(kernel_sass.cache_stride_constants(block_size, num_kv_heads, constants["HEAD_DIM"]))
+    return kernel_sass.compile_sm90(
+        fn, constants, PROTO_TYPES, PROTO_ALIGNED, WARPS.value, maxnreg=maxnreg, source_cls=GluonASTSource
     )
-    ptr_types = {
-        "q_ptr": "*bf16",
-        "k_cache_ptr": "*fp8e4nv",
-        "v_cache_ptr": "*fp8e4nv",
-        "out_ptr": "*bf16",
-        "block_tables_ptr": "*i32",
-        "context_lens_ptr": "*i32",
-    }
-    signature = {}
-    for name in fn.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in ptr_types:
-            signature[name] = ptr_types[name]
-        elif name in ("qk_scale", "v_scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    aligned = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch")
-    aligned += ("stride_vb", "stride_vh", "stride_vd")
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(fn.arg_names)
-        if (name.endswith("_ptr") or name in aligned) and name not in constants
-    }
-    source = GluonASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-        attrs=attrs,
-    )
-    options = {"num_warps": WARPS.value}
-    if maxnreg:
-        options["maxnreg"] = maxnreg
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def launch_gluon(
@@ -436,7 +395,7 @@ def launch_gluon(
 
 
 def main() -> None:
-    from fp8_decode_tl_variants import loop_stats
+    from kernel_sass import loop_stats
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="*", default=[3])

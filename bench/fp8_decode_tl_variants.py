@@ -50,12 +50,12 @@ import argparse
 import collections
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kernel_sass
 import triton
 import triton.language as tl
 
@@ -84,6 +84,25 @@ VARIANTS = {
     10: "as 7, the loop's tiles all full (unmasked), the partial last one after it",
     11: "as 10, the accumulator rescaled only when a row's max grew by more than 2**8 (Gluon's LAZY)",
 }
+
+
+# The prototypes' argument types and 16-byte aligned strides, for kernel_sass.compile_sm90 (the
+# Gluon prototype's too).
+PROTO_TYPES = {
+    "q_ptr": "*bf16",
+    "k_cache_ptr": "*fp8e4nv",
+    "v_cache_ptr": "*fp8e4nv",
+    "out_ptr": "*bf16",
+    "block_tables_ptr": "*i32",
+    "context_lens_ptr": "*i32",
+    "qk_scale": "fp32",
+    "v_scale": "fp32",
+    "one": "fp32",
+}
+PROTO_ALIGNED = (
+    "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch",
+    "stride_vb", "stride_vh", "stride_vd",
+)  # fmt: skip
 
 
 @triton.jit
@@ -387,9 +406,6 @@ def compile_variant(
 ):
     """The variant for sm90 (no GPU needed); const_strides: the caches' strides compile-time
     constants (8 KV heads), as bench/fp8_decode_gluon.py has them."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     fn = _kernel(variant)
     constants = {
         "BLOCK_SIZE": block_size,
@@ -400,66 +416,8 @@ def compile_variant(
         "VARIANT": variant,
     }
     if const_strides:
-        constants.update(
-            {
-                "stride_cb": block_size * 8 * 128,
-                "stride_cs": 8 * 128,
-                "stride_ch": 128,
-                "stride_vb": 8 * 128 * block_size,
-                "stride_vh": 128 * block_size,
-                "stride_vd": block_size,
-            }
-        )
-    ptr_types = {
-        "q_ptr": "*bf16",
-        "k_cache_ptr": "*fp8e4nv",
-        "v_cache_ptr": "*fp8e4nv",
-        "out_ptr": "*bf16",
-        "block_tables_ptr": "*i32",
-        "context_lens_ptr": "*i32",
-    }
-    signature = {}
-    for name in fn.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in ptr_types:
-            signature[name] = ptr_types[name]
-        elif name in ("qk_scale", "v_scale", "one"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    aligned = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch")
-    aligned += ("stride_vb", "stride_vh", "stride_vd")
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(fn.arg_names)
-        if (name.endswith("_ptr") or name in aligned) and name not in constants
-    }
-    source = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-        attrs=attrs,
-    )
-    options = {"num_warps": warps, "num_stages": stages}
-    if maxnreg:
-        options["maxnreg"] = maxnreg
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def loop_stats(kernel) -> tuple[list[str], str]:
-    """The loop's opcodes and the registers a thread (bench/kernel_sass.py's counting)."""
-    import re
-
-    import kernel_sass
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = kernel_sass.cuobjdump("--dump-resource-usage", cubin.name)
-        ops = kernel_sass.loop_body(kernel_sass.cuobjdump("-sass", cubin.name))
-    registers = re.search(r"REG:(\d+)", usage)
-    return ops, registers.group(1) if registers else "?"
+        constants.update(kernel_sass.cache_stride_constants(block_size, 8, 128))
+    return kernel_sass.compile_sm90(fn, constants, PROTO_TYPES, PROTO_ALIGNED, warps, stages, maxnreg)
 
 
 def q_reloaded_in_loop(ttgir: str) -> bool:
@@ -569,7 +527,7 @@ def main() -> None:
     for v in args.variants:
         for stages in args.stages:
             kernel = compile_variant(v, stages, const_strides=args.const_strides, maxnreg=args.maxnreg)
-            ops, regs = loop_stats(kernel)
+            ops, regs = kernel_sass.loop_stats(kernel)
             top = ", ".join(f"{c} {op}" for op, c in collections.Counter(ops).most_common(args.top))
             spills = sum(op.startswith(("LDL", "STL")) for op in ops)
             print(

@@ -32,6 +32,47 @@ _SCALARS = {"qk_scale": "fp32", "v_scale": "fp32", "num_heads": "i32"}
 _ALIGNED_STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch")
 
 
+def compile_sm90(
+    fn, constants: dict, types: dict[str, str], aligned, num_warps: int, num_stages: int | None = None,
+    maxnreg: int = 0, source_cls=ASTSource,
+):  # fmt: skip
+    """fn compiled for sm90 without a GPU. `constants`: its constexprs (and any argument made one);
+    `types`: the Triton type of each other argument by name (i32 where not named); pointers and
+    the `aligned` arguments are declared 16-byte divisible. source_cls: Gluon's GluonASTSource for
+    a Gluon kernel."""
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if (name.endswith("_ptr") or name in aligned) and name not in constants
+    }
+    source = source_cls(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+        attrs=attrs,
+    )
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def cache_stride_constants(block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, int]:
+    """The e4m3 caches' strides (K [blocks, block_size, heads, head_dim], V^T [blocks, heads,
+    head_dim, block_size]) as compile-time constants, for the prototypes that take them so."""
+    return {
+        "stride_cb": block_size * num_kv_heads * head_dim,
+        "stride_cs": num_kv_heads * head_dim,
+        "stride_ch": head_dim,
+        "stride_vb": num_kv_heads * head_dim * block_size,
+        "stride_vh": head_dim * block_size,
+        "stride_vd": block_size,
+    }
+
+
 def compile_decode(
     kv: str,
     kv_major: bool,
@@ -64,35 +105,10 @@ def compile_decode(
         constants.update(
             {"BLOCK_Q": block_q, "DOT_PRECISION": "tf32", "FP8_DOT_F16": kv == "fp8" and block_q == 1}
         )
-    signature = {}
-    for name in fn.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in ("k_cache_ptr", "v_cache_ptr"):
-            signature[name] = cache
-        elif name.endswith("_ptr"):
-            signature[name] = (
-                "*i32"
-                if name in ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seq_order_ptr")
-                else "*bf16"
-            )
-        else:
-            signature[name] = _SCALARS.get(name, "i32")
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(fn.arg_names)
-        if name.endswith("_ptr") or name in _ALIGNED_STRIDES
-    }
-    source = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-        attrs=attrs,
-    )
-    options = {"num_warps": warps, "num_stages": stages}
-    if maxnreg:
-        options["maxnreg"] = maxnreg
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    int_ptrs = ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seq_order_ptr")
+    types = {name: "*i32" if name in int_ptrs else "*bf16" for name in fn.arg_names if name.endswith("_ptr")}
+    types.update(k_cache_ptr=cache, v_cache_ptr=cache, **_SCALARS)
+    return compile_sm90(fn, constants, types, _ALIGNED_STRIDES, warps, stages, maxnreg)
 
 
 def cuobjdump(*args: str) -> str:
@@ -125,6 +141,17 @@ def loops(sass: str) -> list[list[str]]:
 def loop_body(sass: str) -> list[str]:
     """The opcodes of the longest backward branch's body (the loop over key tiles)."""
     return max(loops(sass), key=len, default=[])
+
+
+def loop_stats(kernel) -> tuple[list[str], str]:
+    """A compiled kernel's loop opcodes (loop_body) and its registers a thread."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = cuobjdump("--dump-resource-usage", cubin.name)
+        ops = loop_body(cuobjdump("-sass", cubin.name))
+    registers = re.search(r"REG:(\d+)", usage)
+    return ops, registers.group(1) if registers else "?"
 
 
 def main() -> None:
@@ -168,19 +195,14 @@ def main() -> None:
         args.kv, kv_major, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
         args.group, args.head_dim, block_q, args.block_size, args.group_pad,
     )  # fmt: skip
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = cuobjdump("--dump-resource-usage", cubin.name)
-        ops = loop_body(cuobjdump("-sass", cubin.name))
-    registers = re.search(r"REG:(\d+)", usage)
+    ops, registers = loop_stats(kernel)
     name = "paged_decode_kv_major_kernel" if kv_major else "paged_attention_kernel"
     if args.prefill:
         name += f" (prefill, {block_q} query tokens a tile)"
     tile_bytes = 2 * block_n * args.head_dim * (1 if args.kv == "fp8" else 2)
     print(
         f"{name}, {args.kv} cache, BLOCK_N {block_n}, {args.warps} warps, {args.stages} stages, "
-        f"maxnreg {maxnreg or 'none'}: {registers.group(1) if registers else '?'} registers a thread, "
+        f"maxnreg {maxnreg or 'none'}: {registers} registers a thread, "
         f"{kernel.metadata.shared} bytes of shared memory"
     )
     print(
