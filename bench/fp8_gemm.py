@@ -150,7 +150,7 @@ def sweep_v2(weights: dict) -> None:
             rows["bf16 matmul"][m] = time_fast(lambda: x @ w.T)  # noqa: B023
             rows["quantize (per token group)"][m] = time_fast(lambda: quantize_per_token_group(x))  # noqa: B023
             rows["quantize, a group a program"][m] = time_fast(
-                lambda: quantize_per_token_group(x, groups_per_program_=1)  # noqa: B023
+                lambda: quantize_per_token_group(x, per_program=1)  # noqa: B023
             )
             try:
 

@@ -68,11 +68,11 @@ def groups_per_program(m: int, groups: int) -> int:
 
 
 def quantize_per_token_group(
-    x: torch.Tensor, rows_multiple: int = 1, groups_per_program_: int | None = None
+    x: torch.Tensor, rows_multiple: int = 1, per_program: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / 128)]): x ~= q * scale of its group.
     rows_multiple > 1 (torch._scaled_mm's layout): M padded to a multiple of it with zero rows of
-    scale 1, the scales column-major. groups_per_program_ overrides groups_per_program (the
+    scale 1, the scales column-major. per_program overrides groups_per_program (the
     benchmark's comparison, the tests)."""
     m, k = x.shape
     groups = triton.cdiv(k, GROUP)
@@ -86,7 +86,7 @@ def quantize_per_token_group(
         q[m:].zero_()
         s[m:].fill_(1.0)
     if m:
-        per = groups_per_program_ or groups_per_program(m, groups)
+        per = per_program or groups_per_program(m, groups)
         quantize_per_token_group_kernel[(m, triton.cdiv(groups, per))](
             x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), k, GROUP_SIZE=GROUP, GROUPS=per
         )

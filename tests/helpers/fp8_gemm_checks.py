@@ -32,7 +32,7 @@ def check_quantize(m: int, k: int, dtype: torch.dtype, device: str) -> None:
     # The default grid, then 2 and 4 groups a program: a row's groups split between programs, and
     # programs past the last group (masked loads, scales not stored).
     for per in (None, 2, 4):
-        q, s = quantize_per_token_group(x, groups_per_program_=per)
+        q, s = quantize_per_token_group(x, per_program=per)
         assert torch.equal(s, ref_s), f"scales differ at {per} groups a program"
         assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), f"values differ at {per}"
     # torch._scaled_mm's layout: rows padded to a multiple of 4 (zeros of scale 1), scales column-major.
