@@ -119,6 +119,8 @@ for what in "$@"; do
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;
     w1-fp8) TAIL=12 stage w1-fp8 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 ;;
+    w1-gpu) TAIL=8 stage w1-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --profile-gpu ;;
+    w1-fp8-gpu) TAIL=8 stage w1-fp8-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --profile-gpu ;;
     w1-fp8-split) TAIL=12 stage w1-fp8-split "$PY" bench/throughput.py --workload w1 --device cuda --mode split --kv-cache-dtype fp8 ;;
     w4) TAIL=12 STAGE_TIMEOUT=580 stage w4 "$PY" bench/throughput.py --workload w4 --device cuda --mode in-process ;;
     w4-bf16) TAIL=12 STAGE_TIMEOUT=580 stage w4-bf16 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process ;;

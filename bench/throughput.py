@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,6 +168,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=["both", "in-process", "split"], default="both")
     add_service_flags(p, stream_interval=16)
     p.add_argument(
+        "--profile-gpu",
+        action="store_true",
+        help="in-process: the timed run under torch.profiler, then where its wall time went on the "
+        "GPU (kernel time by group, idle time and the gaps between kernels)",
+    )
+    p.add_argument(
         "--trace-compiles",
         action="store_true",
         help="in-process: list the Triton kernel variants first launched during the timed run "
@@ -186,6 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fp8: the built checkpoint is a random FP8 block-scaled one (--shape qwen3-8b)",
     )
     args = p.parse_args(argv)
+    if args.profile_gpu and not args.device.startswith("cuda"):
+        p.error("--profile-gpu profiles CUDA kernels: it needs --device cuda")
     if args.workload == "w4":  # BENCH.md W4: Qwen3-8B's shape, FP8 weights and an fp8 KV cache
         args.shape, args.quantization, args.kv_cache_dtype = "qwen3-8b", "fp8", "fp8"
     if args.quantization == "fp8" and args.shape not in FP8_SHAPES:
@@ -293,9 +302,19 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
             compiles.append((time.perf_counter(), kwargs["repr"]))
 
         knobs.runtime.jit_cache_hook = on_compile
+    steps0 = llm.engine.scheduler.stats.num_steps
+    profiler = None
+    if args.profile_gpu:
+        import torch
+
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        profiler.start()
     t0, cpu0 = time.perf_counter(), time.process_time()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    if profiler is not None:
+        profiler.stop()
+        print_gpu_time(profiler, elapsed, llm.engine.scheduler.stats.num_steps - steps0)
     if args.trace_compiles:
         knobs.runtime.jit_cache_hook = None
         print(f"kernel variants first launched in the timed run: {len(compiles)}")
@@ -310,6 +329,59 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
 
         torch.cuda.empty_cache()
     return tokens, elapsed, cpu
+
+
+def print_gpu_time(profiler, elapsed: float, steps: int) -> None:
+    """Where a profiled run's wall time went on the GPU: kernel time by group (bench/profile_step.py's
+    groups), the time no kernel ran, and the gaps between kernels by length (a gap of tens of us
+    or more is the device waiting on the host: a step's plan, its inputs or a launch)."""
+    import torch
+
+    from bench.profile_step import group_of
+
+    spans, groups, by_kernel = [], defaultdict(float), defaultdict(lambda: [0.0, 0])
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            start, end = event.time_range.start, event.time_range.end
+            spans.append((start, end, event.name))
+            groups[group_of(event.name)] += (end - start) / 1e6
+            by_kernel[event.name][0] += (end - start) / 1e6
+            by_kernel[event.name][1] += 1
+    spans.sort()
+    busy, gaps = 0.0, []  # gaps: (seconds, us since the first kernel, the kernels before and after)
+    first = edge = spans[0][0] if spans else 0
+    before = ""
+    for start, end, name in spans:
+        if start > edge:
+            gaps.append(((start - edge) / 1e6, edge - first, before, name))
+        if end > edge:
+            busy += (end - max(start, edge)) / 1e6
+            edge, before = end, name
+    kernels = sum(groups.values())
+    print(
+        f"GPU: {steps} steps in {elapsed:.2f} s; kernels {kernels:.2f} s ({busy:.2f} s busy, "
+        f"{busy / elapsed:.0%} of the wall time, {busy / max(steps, 1) * 1e3:.2f} ms a step); by group: "
+        + ", ".join(f"{g} {t:.2f} s" for g, t in sorted(groups.items(), key=lambda x: -x[1]))
+    )
+    for low, high in ((0, 1e-5), (1e-5, 1e-4), (1e-4, 1e-3), (1e-3, float("inf"))):
+        chosen = [g[0] for g in gaps if low <= g[0] < high]
+        print(
+            f"  gaps between kernels {low * 1e6:.0f}-{high * 1e6:.0f} us: {len(chosen)}, {sum(chosen):.3f} s"
+        )
+    window = 0.25  # seconds of the run; its idle time in gaps of 100 us or more
+    idle = defaultdict(float)
+    for seconds, at, _, _ in gaps:
+        if seconds >= 1e-4:
+            idle[int(at / 1e6 / window)] += seconds
+    print(
+        f"  idle in gaps >= 100 us by {window} s of the run: "
+        + " ".join(f"{idle.get(i, 0.0) * 1e3:.0f}" for i in range(int(elapsed / window) + 1))
+        + " ms"
+    )
+    for name, (seconds, n) in sorted(by_kernel.items(), key=lambda x: -x[1][0])[:16]:
+        print(f"  {seconds:6.3f} s {seconds / n * 1e6:8.1f} us x {n:6d}  {name[:90]}")
+    for seconds, at, before, after in sorted(gaps, reverse=True)[:8]:
+        print(f"  gap {seconds * 1e3:.2f} ms at {at / 1e6:.3f} s: after {before[:60]}, before {after[:60]}")
 
 
 def start_services(args: argparse.Namespace, model: str, log_dir: Path):
