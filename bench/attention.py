@@ -65,6 +65,28 @@ def relayout(x: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 LAYOUTS = {"K head-major": ("k", (0, 2, 1, 3)), "V heads by dim": ("v", (0, 2, 1, 3))}
 
 
+def bench_store(num_tokens: int, run: int, block_size: int, kv_dtype: torch.dtype) -> tuple[float, float]:
+    """store_kv of num_tokens tokens (bf16 K/V [num_tokens, 8, 128]) into a cache of kv_dtype, in
+    runs of `run` consecutive slots (a prefill's; run 1: a decode step's tokens, one per sequence),
+    each run in blocks drawn at random. Returns (us, GB/s of cache bytes written)."""
+    num_runs = num_tokens // run
+    blocks_per_run = triton.cdiv(run, block_size)
+    num_blocks = num_runs * blocks_per_run * 4
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    k_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=kv_dtype)
+    v_cache = fp8_v_cache(torch.zeros_like(k_cache)) if kv_dtype == FP8 else torch.zeros_like(k_cache)
+    order = torch.randperm(num_blocks, device="cuda")[: num_runs * blocks_per_run].view(num_runs, -1)
+    within = torch.arange(run, device="cuda")
+    # A decode token sits anywhere in its block; a prefill run starts its first block.
+    start = torch.randint(0, block_size if run == 1 else 1, (num_runs, 1), device="cuda")
+    pos = within[None, :] + start
+    slots = (order.gather(1, pos // block_size) * block_size + pos % block_size).view(-1).to(torch.int32)
+    us = time_ms(lambda: tk.store_kv(k, v, k_cache, v_cache, slots)) * 1e3
+    written = 2 * num_tokens * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    return us, written / us / 1e3
+
+
 def paged_decode_inputs(
     batch: int,
     context: int,
@@ -336,8 +358,24 @@ def main() -> None:
         action="store_true",
         help="only launch the bf16 and fp8 decode kernels at b256x1024 eagerly, twice each (for ncu)",
     )
+    parser.add_argument(
+        "--store",
+        action="store_true",
+        help="only store_kv: a prefill's 8,192 tokens and a decode step's 256, bf16 and fp8 caches",
+    )
     args = parser.parse_args()
     NUM_HEADS, NUM_KV_HEADS = args.heads
+    if args.store:
+        for (num_tokens, run), block_size, kv_dtype in itertools.product(
+            ((8192, 512), (256, 1)), (16, FP8_DEFAULT_BLOCK_SIZE), (DTYPE, FP8)
+        ):
+            us, gbs = bench_store(num_tokens, run, block_size, kv_dtype)
+            what = "prefill" if run > 1 else "decode"
+            name = "fp8" if kv_dtype == FP8 else "bf16"
+            print(
+                f"store {what} {num_tokens} tokens {name} block size {block_size}: {us:.1f} us, {gbs:.0f} GB/s written"
+            )
+        return
     if args.ncu:
         launch_for_profiler()
         return

@@ -102,6 +102,7 @@ for what in "$@"; do
     fp8-attention) TAIL=20 stage fp8-attention "$PY" bench/attention.py ;;
     # The leaner fp8 decode loops (CPU-compiled only so far): the Gluon prototype and tl variant 10,
     # checked against paged_decode, then timed at b256x1024, block sizes 32 and 64.
+    store) TAIL=10 stage store "$PY" bench/attention.py --store ;;
     fp8-proto) TAIL=30 stage fp8-proto "$PY" bench/fp8_decode_proto_gpu.py ;;
     fp8-sweep) TAIL=20 stage fp8-sweep "$PY" bench/attention.py --sweep-fp8 ;;
     fp8-registers) TAIL=16 stage fp8-registers "$PY" bench/attention.py --sweep-fp8-registers ;;

@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gc_times import GCTimes
 from client.defaults import DEFAULT_HOST, DEFAULT_MODEL, free_port
 
 # BENCH.md W1: Qwen3-0.6B's shape, random bf16 weights.
@@ -304,17 +305,23 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         knobs.runtime.jit_cache_hook = on_compile
     steps0 = llm.engine.scheduler.stats.num_steps
     profiler = None
+    host_steps: list[tuple] = []
     if args.profile_gpu:
         import torch
 
+        record_host_steps(llm.engine.executor, host_steps)
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         profiler.start()
+    gc_times = GCTimes()
     t0, cpu0 = time.perf_counter(), time.process_time()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    gc_times.stop()
+    print(f"garbage collections in the timed in-process run: {gc_times}")
     if profiler is not None:
         profiler.stop()
         print_gpu_time(profiler, elapsed, llm.engine.scheduler.stats.num_steps - steps0)
+        print_host_steps(host_steps, t0)
     if args.trace_compiles:
         knobs.runtime.jit_cache_hook = None
         print(f"kernel variants first launched in the timed run: {len(compiles)}")
@@ -329,6 +336,44 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
 
         torch.cuda.empty_cache()
     return tokens, elapsed, cpu
+
+
+def record_host_steps(executor, log: list[tuple]) -> None:
+    """Wrap the in-process executor's send / receive: (what, step id, tokens, new sequences, start,
+    end) of each call goes into log."""
+    send, receive = executor.send, executor.receive
+
+    def timed(fn, what):
+        def call(plan):
+            start = time.perf_counter()
+            out = fn(plan)
+            log.append(
+                (
+                    what,
+                    plan.step_id,
+                    sum(plan.num_scheduled_tokens),
+                    len(plan.new_seqs),
+                    start,
+                    time.perf_counter(),
+                )
+            )
+            return out
+
+        return call
+
+    executor.send, executor.receive = timed(send, "send"), timed(receive, "receive")
+
+
+def print_host_steps(log: list[tuple], t0: float, first_s: float = 1.0) -> None:
+    """The host's side of the run's first second: each step's send (schedule done: prepare and
+    launch) and receive (the wait for its sampled ids), ms since the run started."""
+    print(f"host, the first {first_s:g} s (ms since the start: send = prepare + launch, receive = the wait):")
+    for what, step, tokens, new, start, end in log:
+        if start - t0 > first_s:
+            break
+        print(
+            f"  {(start - t0) * 1e3:8.2f} {what:7s} step {step:4d} ({tokens:5d} tokens, {new:3d} new): {(end - start) * 1e3:6.2f} ms"
+        )
 
 
 def print_gpu_time(profiler, elapsed: float, steps: int) -> None:
@@ -380,6 +425,11 @@ def print_gpu_time(profiler, elapsed: float, steps: int) -> None:
     )
     for name, (seconds, n) in sorted(by_kernel.items(), key=lambda x: -x[1][0])[:16]:
         print(f"  {seconds:6.3f} s {seconds / n * 1e6:8.1f} us x {n:6d}  {name[:90]}")
+    early = [g for g in gaps if g[0] >= 1e-3 and g[1] < 1e6]
+    print(
+        "  gaps of 1 ms or more in the first second (ms since the first kernel: length): "
+        + ", ".join(f"{g[1] / 1e3:.1f}: {g[0] * 1e3:.2f}" for g in early)
+    )
     for seconds, at, before, after in sorted(gaps, reverse=True)[:8]:
         print(f"  gap {seconds * 1e3:.2f} ms at {at / 1e6:.3f} s: after {before[:60]}, before {after[:60]}")
 
