@@ -40,6 +40,7 @@ def prepare_batch(
     pending: torch.Tensor | None = None,
     score_prompts: bool = False,
     bias_logits: bool = False,
+    previous_sampling: SamplingMetadata | None = None,
 ) -> PreparedBatch:
     """Flatten a mixed batch (prefill chunks and decodes): sequence i computes tokens
     [c, c + n) with c = its num_computed_tokens and n = num_scheduled_tokens[i]. Sampling
@@ -51,7 +52,8 @@ def prepare_batch(
 
     `score_prompts`: some sequence held asks for prompt logprobs (every rank looks for the rows
     they score: the LM head over them is a collective); `bias_logits`: some sequence held has a
-    logit bias or min_tokens (otherwise the sampling metadata does not look for them)."""
+    logit bias or min_tokens (otherwise the sampling metadata does not look for them);
+    `previous_sampling`: the sampling metadata of the batch before (SamplingMetadata.build)."""
     bs = block_size
     num_seqs = len(seqs)
     q_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
@@ -119,7 +121,7 @@ def prepare_batch(
         context=context,
         logits_indices=logits_indices_d,
         sampling_seqs=sampling_seqs,
-        sampling=SamplingMetadata.build(sampling_seqs, vocab_size, device, bias_logits)
+        sampling=SamplingMetadata.build(sampling_seqs, vocab_size, device, bias_logits, previous_sampling)
         if sampling_seqs and is_driver
         else None,
         decode_only=num_tokens == num_seqs,

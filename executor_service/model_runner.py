@@ -31,6 +31,7 @@ from executor_service.prompt_logprobs import (
 )
 from executor_service.quantization import scale_names
 from executor_service.sampler import Sampler, SamplerOutput
+from executor_service.sampling_metadata import SamplingMetadata
 from executor_service.sequence import SequenceState
 from protos.plan import PromptLogprobs, TokenLogprobs
 
@@ -145,6 +146,9 @@ class ModelRunner:
         # looks for the rows that need them only while some do.
         self._num_scoring_prompts = 0
         self._num_biasing = 0
+        # The last batch's sampling metadata, reused by the next batch whose rows have the same
+        # parameters (SamplingMetadata.build).
+        self._last_sampling: SamplingMetadata | None = None
         self._graph_safe = backend.graph_safe and self.model.cuda_graph_safe()
         self.kv_cache: KVCache | None = None  # bind_kv_cache() sets it
 
@@ -234,7 +238,7 @@ class ModelRunner:
         """Flatten a mixed batch (prefill chunks and decodes): sequence i computes tokens
         [c, c + n) with c = its num_computed_tokens and n = num_scheduled_tokens[i]; placeholder
         input tokens come from `pending`, the ids sampled by the step in flight."""
-        return prepare_batch(
+        batch = prepare_batch(
             seqs,
             num_scheduled_tokens,
             self.block_tables,
@@ -245,7 +249,11 @@ class ModelRunner:
             pending,
             score_prompts=self._num_scoring_prompts > 0,
             bias_logits=self._num_biasing > 0,
+            previous_sampling=self._last_sampling,
         )
+        if batch.sampling is not None:
+            self._last_sampling = batch.sampling
+        return batch
 
     @torch.inference_mode()
     def execute_model(

@@ -47,6 +47,10 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Stop tokens of rows short of their min_tokens as (rows, token ids), [k] each: banned.
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The rows' parameters, when nothing above depends on more than them (no seeded row, no
+    # penalties, logit bias or min_tokens): then a step whose rows have the same parameters reuses
+    # this metadata as it is (build's `previous`). Empty otherwise.
+    params: tuple[StepSamplingParams, ...] = ()
 
     @property
     def temperature_only(self) -> bool:
@@ -61,10 +65,25 @@ class SamplingMetadata:
 
     @classmethod
     def build(
-        cls, seqs: list[SequenceState], vocab_size: int, device: torch.device, bias_logits: bool = True
+        cls,
+        seqs: list[SequenceState],
+        vocab_size: int,
+        device: torch.device,
+        bias_logits: bool = True,
+        previous: SamplingMetadata | None = None,
     ) -> SamplingMetadata:
-        """`bias_logits`: whether a row may have a logit bias or min_tokens (False skips the look)."""
+        """`bias_logits`: whether a row may have a logit bias or min_tokens (False skips the look).
+        `previous`: the metadata of the step before, returned as it is when it depends on its rows'
+        parameters only and this step's rows have the same ones (most decode steps: the same
+        sequences in the same order), which spares the host a pass over the rows and a copy per
+        tensor."""
         params = [s.sampling_params for s in seqs]
+        if (
+            previous is not None
+            and len(previous.params) == len(params) > 0
+            and all(a is b for a, b in zip(previous.params, params))
+        ):
+            return previous
         temperatures = [p.temperature for p in params]
         all_greedy = all(t == 0 for t in temperatures)
         random = [p for p in params if p.temperature > 0]
@@ -112,6 +131,8 @@ class SamplingMetadata:
             meta.output_token_ids = _padded(
                 [s.token_ids[s.num_prompt_tokens :] for s in seqs], vocab_size, device
             )
+        elif not seeded and not any(p.logit_bias_token_ids or p.min_tokens for p in params):
+            meta.params = tuple(params)
         return meta
 
 

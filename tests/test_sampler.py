@@ -161,3 +161,24 @@ def test_plans_without_bias_or_min_tokens_build_neither():
     done = StepSamplingParams(min_tokens=1, stop_token_ids=[0])
     meta = SamplingMetadata.build([_seq(done, [1, 2, 3], num_prompt=2)], V, CPU)
     assert meta.banned_tokens is None
+
+
+def test_metadata_reused_only_while_it_depends_on_the_rows_parameters_alone():
+    """A decode step whose rows have the same parameters as the step before gets the same metadata
+    (no rebuild); other rows, a seeded row (its seed moves with the token count) or a penalty (it
+    reads the tokens) build anew, and the reused metadata samples what a fresh one does."""
+    plain = [_seq(StepSamplingParams(temperature=t, top_k=k)) for t, k in ((0.0, 0), (0.7, 5), (1.2, 0))]
+    first = SamplingMetadata.build(plain, V, CPU)
+    again = SamplingMetadata.build(plain, V, CPU, previous=first)
+    assert again is first
+    assert SamplingMetadata.build(plain[:2], V, CPU, previous=first) is not first
+    assert SamplingMetadata.build(plain[::-1], V, CPU, previous=first) is not first
+    logits = _random_logits(3, seed=4)
+    torch.testing.assert_close(
+        Sampler(1, CPU)(logits, again).sampled_token_ids,
+        Sampler(1, CPU)(logits, SamplingMetadata.build(plain, V, CPU)).sampled_token_ids,
+    )
+    for params in (StepSamplingParams(temperature=0.8, seed=3), StepSamplingParams(repetition_penalty=1.3)):
+        seqs = [_seq(params, [1, 2, 3], num_prompt=2)]
+        built = SamplingMetadata.build(seqs, V, CPU)
+        assert SamplingMetadata.build(seqs, V, CPU, previous=built) is not built
