@@ -100,9 +100,9 @@ for what in "$@"; do
     fp8-tests) TAIL=20 stage fp8-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_gemm.py tests/test_fp8_kv.py -k "fp8 or w8a8 or quantize" ;;
     fp8-profile) TAIL=40 stage fp8-profile "$PY" bench/profile_step.py --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
     fp8-attention) TAIL=20 stage fp8-attention "$PY" bench/attention.py ;;
-    # The leaner fp8 decode loops (CPU-compiled only so far): the Gluon prototype and tl variant 10,
-    # checked against paged_decode, then timed at b256x1024, block sizes 32 and 64.
     store) TAIL=10 stage store "$PY" bench/attention.py --store ;;
+    # The leaner fp8 decode loops (all slower than paged_decode on the H200, 2026-12-02): Gluon and tl variants,
+    # checked against paged_decode, then timed at b256x1024, block sizes 32 and 64.
     fp8-proto) TAIL=30 stage fp8-proto "$PY" bench/fp8_decode_proto_gpu.py ;;
     fp8-sweep) TAIL=20 stage fp8-sweep "$PY" bench/attention.py --sweep-fp8 ;;
     fp8-registers) TAIL=16 stage fp8-registers "$PY" bench/attention.py --sweep-fp8-registers ;;

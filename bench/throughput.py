@@ -384,14 +384,16 @@ def print_gpu_time(profiler, elapsed: float, steps: int) -> None:
 
     from bench.profile_step import group_of
 
-    spans, groups, by_kernel = [], defaultdict(float), defaultdict(lambda: [0.0, 0])
+    spans, by_kernel = [], defaultdict(lambda: [0.0, 0])  # by kernel: seconds, launches
     for event in profiler.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             start, end = event.time_range.start, event.time_range.end
             spans.append((start, end, event.name))
-            groups[group_of(event.name)] += (end - start) / 1e6
             by_kernel[event.name][0] += (end - start) / 1e6
             by_kernel[event.name][1] += 1
+    groups = defaultdict(float)
+    for name, (seconds, _) in by_kernel.items():
+        groups[group_of(name)] += seconds
     spans.sort()
     busy, gaps = 0.0, []  # gaps: (seconds, us since the first kernel, the kernels before and after)
     first = edge = spans[0][0] if spans else 0
