@@ -101,14 +101,12 @@ for what in "$@"; do
     fp8-profile) TAIL=40 stage fp8-profile "$PY" bench/profile_step.py --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
     fp8-attention) TAIL=20 stage fp8-attention "$PY" bench/attention.py ;;
     store) TAIL=10 stage store "$PY" bench/attention.py --store ;;
-    # The leaner fp8 decode loops (all slower than paged_decode on the H200, 2026-12-02): Gluon and tl variants,
-    # checked against paged_decode, then timed at b256x1024, block sizes 32 and 64.
-    fp8-proto) TAIL=30 stage fp8-proto "$PY" bench/fp8_decode_proto_gpu.py ;;
     fp8-sweep) TAIL=20 stage fp8-sweep "$PY" bench/attention.py --sweep-fp8 ;;
     fp8-registers) TAIL=16 stage fp8-registers "$PY" bench/attention.py --sweep-fp8-registers ;;
     fp8-kv-major) TAIL=20 stage fp8-kv-major "$PY" bench/attention.py --sweep-fp8-kv-major ;;
     fp8-layout) TAIL=32 stage fp8-layout "$PY" bench/attention.py --sweep-layout ;;
     fp8-mixed) TAIL=40 stage fp8-mixed "$PY" bench/attention.py --sweep-mixed-lengths ;;
+    fp8-v-group) TAIL=12 stage fp8-v-group "$PY" bench/attention.py --sweep-v-group ;;
     fp8-engine-tests) TAIL=8 stage fp8-engine-tests "$PY" -m pytest -q -m gpu tests/test_fp8_kv.py tests/test_gpu_engine.py -k fp8 ;;
     fp8-kv-major-tests) TAIL=8 stage fp8-kv-major-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
     # Nsight Compute on the decode kernel, bf16 and fp8 caches (where the machine's runtime gives

@@ -123,9 +123,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return self._worker.submit(fn, *args)
 
     def close(self, timeout: float) -> None:
-        """Let the running step finish (up to `timeout`), then refuse further steps."""
-        acquired = self._lock.acquire(timeout=timeout)
+        """Refuse further steps, and let the running step finish (up to `timeout`)."""
+        # Closed first: a plan that arrives while the running step finishes is refused, even if
+        # its stream takes the lock before this thread does (a lock is not fair).
         self._closed = True
+        acquired = self._lock.acquire(timeout=timeout)
         if acquired:
             self._lock.release()
         else:
@@ -191,12 +193,16 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     self._refuse(refusal, context)
                 if not context.is_active():  # cancelled: a plan read ahead is not launched
                     break
+                if self._closed:  # answer the steps that ran, then refuse
+                    while in_flight:
+                        yield self._receive(executor, in_flight, context)
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                 # Waits, outside the executor lock, while another stream has steps in flight.
                 idle = in_flight.sending(plan, _num_graph_steps(executor))
                 if idle is not None:
                     self.metrics.idle.observe(idle)
                 with self._lock:
-                    if self._closed:
+                    if self._closed:  # (closed since: what is in flight is discarded)
                         context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                     if not context.is_active():  # cancelled while it waited (a Reset may have run)
                         return  # not sent, nothing more answered; `finally` discards what was

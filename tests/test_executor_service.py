@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import random
 import re
 import signal
@@ -409,6 +410,58 @@ def test_internal_error_keeps_service_up():
             if s.name == "tandem_executor_step_failures_total"
         }
         assert failures == {"INTERNAL": 1, "INVALID_ARGUMENT": 1}
+    finally:
+        server.stop(1)
+
+
+class UnfinishedExecutor(FakeExecutor):
+    """Overlaps steps, as on CUDA, and no step it is sent finishes until it is received."""
+
+    overlaps_steps = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[StepPlan] = []
+
+    def ready(self) -> bool:
+        return False
+
+    def send(self, plan: StepPlan) -> None:
+        self.sent.append(plan)
+
+    def receive(self, plan: StepPlan) -> StepResult:
+        assert self.sent.pop(0) is plan
+        return StepResult(plan.step_id, list(plan.seq_ids), list(plan.seq_ids), [1] * len(plan.seq_ids))
+
+    def discard(self) -> None:
+        self.sent.clear()
+
+
+def test_shutdown_answers_the_step_in_flight_before_refusing_the_next():
+    """SIGTERM's close while a step is in flight on the device: the plan behind it is refused
+    UNAVAILABLE, but only after the step in flight is answered (its tokens are not lost)."""
+    executor = UnfinishedExecutor()
+    server = ExecutorServer("127.0.0.1", 0)
+    server.start()
+    server.set_executor(executor)
+    plan = lambda step_id: StepPlan(step_id, seq_ids=[9], num_scheduled_tokens=[1], num_computed_tokens=[0])  # noqa: E731
+    plans: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            responses = pb_grpc.ExecutorServiceStub(channel).Step(iter(plans.get, None), timeout=30)
+            plans.put(plan_to_proto(plan(0)))
+            deadline = time.monotonic() + 10
+            while not executor.sent and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert [p.step_id for p in executor.sent] == [0]
+            server.servicer.close(timeout=1)  # what SIGTERM does first
+            plans.put(plan_to_proto(plan(1)))
+            first = next(responses)
+            assert (first.step_id, list(first.token_ids)) == (0, [9])
+            with pytest.raises(grpc.RpcError) as e:
+                next(responses)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
+            plans.put(None)
     finally:
         server.stop(1)
 

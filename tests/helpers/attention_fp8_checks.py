@@ -12,21 +12,22 @@ from helpers.attention_checks import (
 )
 
 
-def to_fp8(batch: dict, k_scale: float, v_scale: float) -> dict:
+def to_fp8(batch: dict, k_scale: float, v_scale: float, v_group: int | None = None) -> dict:
     """The batch with e4m3 caches (the cached prefix quantized as a store would have; NaN stays NaN),
-    the V cache kept transposed per block, with zeros past each sequence's context in its last
-    block, as the store leaves them (the unused blocks keep their NaN)."""
-    from executor_service.fp8 import fp8_v_cache, quantize_kv, v_cache_slots
+    the V cache kept transposed per block in groups of slots (v_group: fp8.v_group's by default),
+    with zeros past each sequence's context in its last block, as the store leaves them (the unused
+    blocks keep their NaN)."""
+    from executor_service.fp8 import fp8_v_cache, quantize_kv
 
     fp8 = dict(batch, kv_scales=(k_scale, v_scale))
     fp8["k_cache"] = quantize_kv(batch["k_cache"], k_scale)
-    fp8["v_cache"] = fp8_v_cache(quantize_kv(batch["v_cache"], v_scale))
+    v_slots = quantize_kv(batch["v_cache"], v_scale)
     ctx = batch["context"]
     block_size = fp8["k_cache"].shape[1]
-    v_slots = v_cache_slots(fp8["v_cache"])
     for table, context_len in zip(ctx.block_tables.tolist(), ctx.context_lens_host, strict=True):
         if context_len % block_size:
             v_slots[table[(context_len - 1) // block_size], context_len % block_size :] = 0
+    fp8["v_cache"] = fp8_v_cache(v_slots, v_group)
     return fp8
 
 
