@@ -60,28 +60,22 @@ def relayout(x: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 # Memory layouts of the caches the kernels can read through their strides, for --sweep-layout:
 # "K head-major": each block's keys of one KV head contiguous ([num_blocks, heads, block_size,
 # head_dim] in memory, as an e4m3 V cache keeps a head's block); "V heads by dim": an e4m3 V cache
-# with the KV heads inside each dimension row ([num_blocks, block_size / group, head_dim, heads,
-# group]), so that the KV heads' programs, which run together, read neighbouring bytes as they do
-# the K cache's.
-LAYOUTS = {"K head-major": ("k", (0, 2, 1, 3)), "V heads by dim": ("v", (0, 2, 3, 1, 4))}
+# with the KV heads inside each dimension row ([num_blocks, head_dim, heads, block_size]), so that
+# the KV heads' programs, which run together, read neighbouring bytes as they do the K cache's.
+LAYOUTS = {"K head-major": ("k", (0, 2, 1, 3)), "V heads by dim": ("v", (0, 2, 1, 3))}
 
 
-def bench_store(
-    num_tokens: int, run: int, block_size: int, kv_dtype: torch.dtype, v_group: int | None = None
-) -> tuple[float, float]:
+def bench_store(num_tokens: int, run: int, block_size: int, kv_dtype: torch.dtype) -> tuple[float, float]:
     """store_kv of num_tokens tokens (bf16 K/V [num_tokens, 8, 128]) into a cache of kv_dtype, in
     runs of `run` consecutive slots (a prefill's; run 1: a decode step's tokens, one per sequence),
-    each run in blocks drawn at random; v_group: an e4m3 V cache's slots a group (fp8.v_group's by
-    default). Returns (us, GB/s of cache bytes written)."""
+    each run in blocks drawn at random. Returns (us, GB/s of cache bytes written)."""
     num_runs = num_tokens // run
     blocks_per_run = triton.cdiv(run, block_size)
     num_blocks = num_runs * blocks_per_run * 4
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
     k_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=kv_dtype)
-    v_cache = (
-        fp8_v_cache(torch.zeros_like(k_cache), v_group) if kv_dtype == FP8 else torch.zeros_like(k_cache)
-    )
+    v_cache = fp8_v_cache(torch.zeros_like(k_cache)) if kv_dtype == FP8 else torch.zeros_like(k_cache)
     order = torch.randperm(num_blocks, device="cuda")[: num_runs * blocks_per_run].view(num_runs, -1)
     within = torch.arange(run, device="cuda")
     # A decode token sits anywhere in its block; a prefill run starts its first block.
@@ -101,19 +95,17 @@ def paged_decode_inputs(
     sequential: bool = False,
     layouts: tuple[str, ...] = (),
     contexts: list[int] | None = None,
-    v_group: int | None = None,
 ) -> dict:
     """A cache of batch x context keys; each sequence's blocks drawn at random from the whole cache
     (a long-running server's free list), or with sequential=True one after the other; `layouts`:
-    names from LAYOUTS; `contexts`: each sequence's own length (at most context); v_group: an e4m3
-    V cache's slots a group (fp8.v_group's by default)."""
+    names from LAYOUTS; `contexts`: each sequence's own length (at most context)."""
     blocks_per_seq = triton.cdiv(context, block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
     v_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
     if kv_dtype == FP8:
-        v_cache = fp8_v_cache(v_cache, v_group)  # an e4m3 V cache keeps each block transposed in groups
+        v_cache = fp8_v_cache(v_cache)  # an e4m3 V cache keeps each block transposed
     for name in layouts:
         which, order = LAYOUTS[name]
         if which == "k":
@@ -148,9 +140,8 @@ def bench_decode(
     sequential: bool = False,
     layouts: tuple[str, ...] = (),
     contexts: list[int] | None = None,
-    v_group: int | None = None,
 ):
-    x = paged_decode_inputs(batch, context, block_size, kv_dtype, sequential, layouts, contexts, v_group)
+    x = paged_decode_inputs(batch, context, block_size, kv_dtype, sequential, layouts, contexts)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = splits or tk.choose_num_splits(batch, NUM_KV_HEADS, num_sms)
     out = torch.empty_like(x["q"])
@@ -166,25 +157,6 @@ def bench_decode(
     keys = batch * context if contexts is None else sum(contexts)
     kv_bytes = 2 * keys * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     return ms, kv_bytes / ms / 1e9, splits
-
-
-def sweep_v_group() -> None:
-    """An e4m3 V cache transposed in groups of 4 .. block_size slots (fp8.fp8_v_cache): a decode
-    step's store of 256 tokens (one byte in head_dim * group / 32 sectors a token and head), a
-    prefill's of 8,192, and decode at b256x1024, over one context and W1's mixed ones."""
-    mixed = mixed_lengths(256, 128, "random")
-    for block_size in (FP8_DEFAULT_BLOCK_SIZE, 64):
-        for group in (4, 8, 16, block_size):
-            decode_us, _ = bench_store(256, 1, block_size, FP8, group)
-            prefill_us, _ = bench_store(8192, 512, block_size, FP8, group)
-            _, tbs, _ = bench_decode(256, 1024, block_size, kv_dtype=FP8, v_group=group)
-            _, mixed_tbs, _ = bench_decode(
-                256, max(mixed), block_size, kv_dtype=FP8, contexts=mixed, v_group=group
-            )
-            print(
-                f"v group {group:3d} block size {block_size}: store decode 256 {decode_us:.1f} us, "
-                f"prefill 8192 {prefill_us:.1f} us; decode b256x1024 {tbs:.2f} TB/s, W1 mixed {mixed_tbs:.2f} TB/s"
-            )
 
 
 def mixed_lengths(batch: int, generated: int, order: str, seed: int = 0) -> list[int]:
@@ -369,11 +341,6 @@ def main() -> None:
         help="bf16 and fp8 decode at b256x1024 over block sizes 8-256, blocks random or sequential",
     )
     parser.add_argument(
-        "--sweep-v-group",
-        action="store_true",
-        help="an e4m3 V cache's slot groups: the decode and prefill stores and decode at b256x1024",
-    )
-    parser.add_argument(
         "--sweep-mixed-lengths",
         action="store_true",
         help="decode at b256 over W1's mixed contexts: grid orders and splits against one context",
@@ -408,9 +375,6 @@ def main() -> None:
             print(
                 f"store {what} {num_tokens} tokens {name} block size {block_size}: {us:.1f} us, {gbs:.0f} GB/s written"
             )
-        return
-    if args.sweep_v_group:
-        sweep_v_group()
         return
     if args.ncu:
         launch_for_profiler()

@@ -106,7 +106,6 @@ for what in "$@"; do
     fp8-kv-major) TAIL=20 stage fp8-kv-major "$PY" bench/attention.py --sweep-fp8-kv-major ;;
     fp8-layout) TAIL=32 stage fp8-layout "$PY" bench/attention.py --sweep-layout ;;
     fp8-mixed) TAIL=40 stage fp8-mixed "$PY" bench/attention.py --sweep-mixed-lengths ;;
-    fp8-v-group) TAIL=12 stage fp8-v-group "$PY" bench/attention.py --sweep-v-group ;;
     fp8-engine-tests) TAIL=8 stage fp8-engine-tests "$PY" -m pytest -q -m gpu tests/test_fp8_kv.py tests/test_gpu_engine.py -k fp8 ;;
     fp8-kv-major-tests) TAIL=8 stage fp8-kv-major-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
     # Nsight Compute on the decode kernel, bf16 and fp8 caches (where the machine's runtime gives

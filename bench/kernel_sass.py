@@ -25,15 +25,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from executor_service import fp8
 from executor_service.attention import triton_kernels as tk
 
 _SCALARS = {"qk_scale": "fp32", "v_scale": "fp32", "num_heads": "i32"}
 # Strides the engine's caches and views always have as multiples of 16 elements.
-_ALIGNED_STRIDES = (
-    "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch",
-    "stride_vb", "stride_vh", "stride_vg",
-)  # fmt: skip
+_ALIGNED_STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch")
 
 
 def compile_sm90(
@@ -76,7 +72,6 @@ def compile_decode(
     block_q: int = 1,
     block_size: int = 16,
     group_pad: int = 0,
-    v_group: int | None = None,
 ):
     """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
     block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows)."""
@@ -93,9 +88,6 @@ def compile_decode(
         "ROWS": 0 if block_q == 1 else 2,
         "KV_FP8": kv == "fp8",
     }
-    if kv == "fp8":
-        group_slots = v_group or fp8.v_group(block_size)
-        constants.update(V_GROUP=group_slots, V_VEC=min(group_slots & -group_slots, 16))
     if not kv_major:
         constants.update(
             {"BLOCK_Q": block_q, "DOT_PRECISION": "tf32", "FP8_DOT_F16": kv == "fp8" and block_q == 1}
@@ -164,9 +156,6 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=2, help="query heads per KV head (Qwen3-0.6B: 2)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
-    parser.add_argument(
-        "--v-group", type=int, help="an e4m3 V cache's slots a group (default: fp8.v_group's)"
-    )
     parser.add_argument("--group-pad", type=int, default=0, help="query rows per KV head (default: >= 16)")
     parser.add_argument("--top", type=int, default=16, help="opcodes to list")
     parser.add_argument(
@@ -191,7 +180,7 @@ def main() -> None:
     maxnreg = config.get("maxnreg", 0) if args.maxnreg is None else args.maxnreg
     kernel = compile_decode(
         args.kv, kv_major, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
-        args.group, args.head_dim, block_q, args.block_size, args.group_pad, args.v_group,
+        args.group, args.head_dim, block_q, args.block_size, args.group_pad,
     )  # fmt: skip
     ops, registers = loop_stats(kernel)
     name = "paged_decode_kv_major_kernel" if kv_major else "paged_attention_kernel"

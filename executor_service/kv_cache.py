@@ -4,15 +4,14 @@ Layout: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim); index 0
 Slot s of a layer lives at [:, layer, s // block_size, s % block_size]. The element type is the
 model's dtype or e4m3 (kv_cache_dtype fp8: half the bytes of bf16, so twice the blocks in the same
 memory; each attention layer holds its k_scale / v_scale). An e4m3 layer's V slice is viewed as
-[num_blocks, num_kv_heads, block_size / group, head_dim, group], each block transposed in groups of
-slots (fp8.fp8_v_cache)."""
+[num_blocks, num_kv_heads, head_dim, block_size], each block transposed (fp8.v_cache_slots)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from executor_service.fp8 import FP8_DTYPE, v_group
+from executor_service.fp8 import FP8_DTYPE
 from executor_service.layers.attention import Attention
 
 
@@ -53,8 +52,7 @@ class KVCache:
         for i, layer in enumerate(layers):
             layer.k_cache = self.tensor[0, i]
             v = self.tensor[1, i]
-            if v.dtype == FP8_DTYPE:  # the same bytes, each block transposed in groups of slots
+            if v.dtype == FP8_DTYPE:  # the same bytes, each block [num_kv_heads, head_dim, block_size]
                 num_blocks, block_size, num_kv_heads, head_dim = v.shape
-                group = v_group(block_size)
-                v = v.view(num_blocks, num_kv_heads, block_size // group, head_dim, group)
+                v = v.view(num_blocks, num_kv_heads, head_dim, block_size)
             layer.v_cache = v

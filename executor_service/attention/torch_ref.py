@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from executor_service.attention.base import AttentionBackend
 from executor_service.context import Context
-from executor_service.fp8 import FP8_DTYPE, dequantize_kv, quantize_kv, set_v_slots, v_cache_slots
+from executor_service.fp8 import FP8_DTYPE, dequantize_kv, quantize_kv, v_cache_slots
 
 
 def store_kv(
@@ -21,8 +21,8 @@ def store_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    # k_cache viewed as [num_slots, num_kv_heads, head_dim] (an e4m3 V cache, grouped, through
-    # fp8.set_v_slots); slot -1 is padding and is skipped.
+    # k_cache viewed as [num_slots, num_kv_heads, head_dim] (an e4m3 V cache through its slot view,
+    # fp8.v_cache_slots); slot -1 is padding and is skipped.
     # The boolean mask syncs on CUDA: fine for the reference, the GPU backends' store kernels skip -1.
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -31,14 +31,8 @@ def store_kv(
         k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k
     block_size = k_cache.shape[1]
-    set_v_slots(v_cache, slots // block_size, slots % block_size, v)
-    if v_cache.dtype == FP8_DTYPE:
-        # As the Triton store: a block's first slot written zeroes the slots after it that this
-        # call does not write (the attention kernels read an e4m3 V cache by whole blocks).
-        starts = slots[slots % block_size == 0]
-        after = starts[:, None] + torch.arange(1, block_size, device=slots.device)[None, :]
-        unwritten = after[~torch.isin(after, slots)]
-        set_v_slots(v_cache, unwritten // block_size, unwritten % block_size, 0)
+    v_slots = v_cache_slots(v_cache)
+    v_slots[slots // block_size, slots % block_size] = v
 
 
 def paged_attention(
@@ -58,7 +52,7 @@ def paged_attention(
         blocks = context.block_tables[i, :num_blocks]
         # [kv_len, num_kv_heads, head_dim] -> [num_kv_heads, kv_len, head_dim]
         k = k_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)
-        v = v_cache_slots(v_cache, blocks).flatten(0, 1)[:kv_len].transpose(0, 1)
+        v = v_cache_slots(v_cache)[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)
         if k_cache.dtype == FP8_DTYPE:  # only this sequence's blocks are dequantized
             k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
         qi = q[start : start + n].transpose(0, 1)  # [num_heads, n, head_dim]

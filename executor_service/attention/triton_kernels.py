@@ -16,14 +16,13 @@ fp16 (or q's dtype) in registers (exact), folds k_scale into the softmax scale a
 output by v_scale, accumulating in fp32 as for 16-bit caches. Its decode rows of 16-bit queries
 run paged_decode_kv_major_kernel instead, the same computation transposed (K and V as the MMAs'
 first operand), in fp16: a bf16 query must lie within fp16's range (|q| < 65504), as with
-FP8_DOT_F16. Its V cache keeps each block transposed in groups of slots, [num_blocks, num_kv_heads,
-block_size / group, head_dim, group] (fp8.fp8_v_cache): P @ V reduces over the keys, and sm90 can
-only gather 8-bit operands along their reduction axis byte by byte from a slot-major tile, while a
-group's keys are contiguous and load as one vector; a decode append writes one byte in each of
-head_dim * group / 32 sectors (the whole block transposed would touch head_dim sectors a token and
-head). The kernels read a block's V slots past the context (whole blocks keep the vectors): the
-store kernel keeps them zero (a block's first slot written zeroes the slots after it that the same
-launch does not write), so no per-key masking is needed.
+FP8_DOT_F16. Its V cache keeps each block transposed, [num_blocks, num_kv_heads, head_dim,
+block_size] (fp8.v_cache_slots): P @ V reduces over the keys, and sm90 can only gather 8-bit
+operands along their reduction axis byte by byte from a slot-major tile, while keys that are
+contiguous load as 16-byte vectors. The kernels read a block's V slots past the context too (a
+mask constant over a block keeps the vectors), whatever a block's earlier owner left there (NaN
+is an e4m3 value): the key tile that reaches past the context selects zeros for those keys after
+the load (their probabilities are 0, but 0 * NaN is not).
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from executor_service.fp8 import v_cache_slots
 
 LOG2E = 1.4426950408889634
 
@@ -68,21 +69,18 @@ def store_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_vcb,  # the V cache's block, head, slot-group and dimension strides (a 16-bit cache: groups
-    stride_vch,  # of one slot; an e4m3 one: fp8.fp8_v_cache's, its group's slots contiguous)
-    stride_vcg,
+    stride_vcb,  # the V cache's strides as [num_blocks, block_size, num_kv_heads, head_dim] (fp8.v_cache_slots)
+    stride_vcs,
+    stride_vch,
     stride_vcd,
     block_size,
     k_scale,
     v_scale,
-    num_tokens,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache is e4m3: store e4m3(x / scale), saturated
-    BLOCK_S: tl.constexpr,  # block_size rounded up to a power of 2 (with KV_FP8)
-    V_GROUP: tl.constexpr,  # slots per group of the V cache (1 for a 16-bit cache)
 ):
     # grid: (num_tokens,). Slot -1 (CUDA-graph padding) stores nothing; no host sync.
     t = tl.program_id(0)
@@ -96,28 +94,12 @@ def store_kv_kernel(
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
     block, offset = slot // block_size, slot % block_size
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
-    v_slot = (offset // V_GROUP) * stride_vcg + offset % V_GROUP
-    v_dst = block * stride_vcb + v_slot + h * stride_vch + d * stride_vcd
+    v_dst = block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
     if KV_FP8:
         k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
         v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-    if KV_FP8:  # noqa: SIM102 (constexpr branch)
-        # A block's first slot: zero the V slots after it that no token of this launch writes (a
-        # sequence's tokens are consecutive in the batch, with consecutive slots), so that the
-        # attention kernels may read whole blocks.
-        if offset == 0:
-            o = tl.arange(0, BLOCK_S)
-            later = tl.load(slot_mapping_ptr + t + o, mask=(o > 0) & (t + o < num_tokens), other=-1)
-            unwritten = (o > 0) & (o < block_size) & (later != slot + o)
-            h3 = tl.arange(0, BLOCK_H)[:, None, None]
-            d3 = tl.arange(0, BLOCK_D)[None, :, None]
-            o_slot = (o // V_GROUP) * stride_vcg + o % V_GROUP
-            zero_dst = block * stride_vcb + o_slot[None, None, :] + h3 * stride_vch + d3 * stride_vcd
-            zero_mask = (h3 < NUM_KV_HEADS) & (d3 < HEAD_DIM) & unwritten[None, None, :]
-            zeros = tl.zeros([BLOCK_H, BLOCK_D, BLOCK_S], v_cache_ptr.dtype.element_ty)
-            tl.store(v_cache_ptr + zero_dst, zeros, mask=zero_mask)
 
 
 @triton.jit
@@ -154,9 +136,8 @@ def paged_attention_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_vb,  # an e4m3 V cache's block, head, slot-group and dimension strides (fp8.fp8_v_cache)
+    stride_vb,  # an e4m3 V cache's block, head and dimension strides (its keys are contiguous)
     stride_vh,
-    stride_vg,
     stride_vd,
     stride_bt,
     num_heads,
@@ -173,8 +154,7 @@ def paged_attention_kernel(
     KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
     FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
     ORDERED: tl.constexpr = False,  # programs take sequences in seq_order's order
-    V_GROUP: tl.constexpr = 1,  # with KV_FP8: slots per group of the V cache
-    V_VEC: tl.constexpr = 1,  # with KV_FP8: contiguous keys a V load may vectorize (a power of 2 <= 16)
+    V_MASK: tl.constexpr = 2,  # with KV_FP8: zero V past the context in every key tile (1) or the last (2)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -243,24 +223,27 @@ def paged_attention_kernel(
             kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:
-            # V^T [BLOCK_D, BLOCK_N] from blocks kept [num_kv_heads, block_size / group, head_dim,
-            # group]: each group's keys contiguous. Loaded by whole blocks (a mask constant over a
-            # block's keys keeps the vectors); the slots past the context are zeros, so the keys
-            # past it (probability 0) add nothing.
-            slot = key % BLOCK_SIZE
+            # V^T [BLOCK_D, BLOCK_N] from blocks kept [num_kv_heads, head_dim, block_size]: each
+            # block's keys contiguous. Loaded by whole blocks (a mask constant over a block's keys
+            # keeps the 16-byte vectors); the slots past the context are zeroed below.
             vt_off = (
-                block[None, :] * stride_vb + kv_head * stride_vh + (slot // V_GROUP)[None, :] * stride_vg
-                + d[:, None] * stride_vd + (slot % V_GROUP)[None, :]
+                block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
+                + (key % BLOCK_SIZE)[None, :]
             )  # fmt: skip
-            if V_VEC > 1:  # runs of V_VEC contiguous keys, each starting V_VEC-byte aligned
-                vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, V_VEC)), (1, V_VEC))
+            if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
+                vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
             vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
-            v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
+            v = tl.trans(vt)
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
             k = k.to(q.dtype)
             v = v.to(q.dtype)
+            # Slots past the context hold what the block's earlier owner left (perhaps NaN).
+            if V_MASK == 1:  # noqa: SIM114 (constexpr branch, then a runtime one)
+                v = tl.where(key_valid[:, None], v, 0.0)
+            elif tile == num_tiles - 1:
+                v = tl.where(key_valid[:, None], v, 0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
         s = tl.where((key[None, :] <= row_pos[:, None]) & key_valid[None, :], s, float("-inf"))
@@ -310,9 +293,8 @@ def paged_decode_kv_major_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_vb,  # the e4m3 V cache's block, head, slot-group and dimension strides
+    stride_vb,  # the e4m3 V cache's block, head and dimension strides (its keys are contiguous)
     stride_vh,
-    stride_vg,
     stride_vd,
     stride_bt,
     num_heads,
@@ -326,8 +308,7 @@ def paged_decode_kv_major_kernel(
     ROWS: tl.constexpr,  # 0: every sequence (all of query length 1); 1: only query length 1
     KV_FP8: tl.constexpr,
     ORDERED: tl.constexpr = False,
-    V_GROUP: tl.constexpr = 1,
-    V_VEC: tl.constexpr = 1,
+    V_MASK: tl.constexpr = 2,
 ):
     """Decode attention computed transposed: s^T = K q^T and o^T = V^T p^T, so that K and V (widened
     from e4m3 in registers) are the MMAs' first operand, which Hopper's wgmma takes from registers,
@@ -384,20 +365,22 @@ def paged_decode_kv_major_kernel(
         pt = tl.exp2(st - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(pt, 0)
-        # V^T [BLOCK_D, BLOCK_N] straight from blocks kept transposed in groups, whole blocks at a
-        # time (the slots past the context are zeros: store_kv_kernel).
-        slot = key % BLOCK_SIZE
+        # V^T [BLOCK_D, BLOCK_N] straight from blocks kept transposed, whole blocks at a time (the
+        # slots past the context zeroed after the load: they may hold NaN).
         vt_off = (
             block[None, :] * stride_vb
             + kv_head * stride_vh
-            + (slot // V_GROUP)[None, :] * stride_vg
             + d[:, None] * stride_vd
-            + (slot % V_GROUP)[None, :]
+            + (key % BLOCK_SIZE)[None, :]
         )
-        if V_VEC > 1:  # runs of V_VEC contiguous keys, each starting V_VEC-byte aligned
-            vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, V_VEC)), (1, V_VEC))
+        if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
+            vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
         vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
         vt = vt.to(tl.float16)
+        if V_MASK == 1:  # noqa: SIM114 (constexpr branch, then a runtime one)
+            vt = tl.where(key_valid[None, :], vt, 0.0)
+        elif tile == num_tiles - 1:
+            vt = tl.where(key_valid[None, :], vt, 0.0)
         acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))  # [BLOCK_D, GROUP_PAD]
         m_i = m_new
 
@@ -488,12 +471,6 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    if (
-        v_cache.dtype == torch.float8_e4m3fn
-    ):  # [num_blocks, num_kv_heads, block_size / group, head_dim, group]
-        v_strides, v_group = v_cache.stride()[:4], v_cache.shape[4]
-    else:  # [num_blocks, block_size, num_kv_heads, head_dim]: groups of one slot
-        v_strides, v_group = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), v_cache.stride(3)), 1
     store_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -507,18 +484,15 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        *v_strides,
+        *v_cache_slots(v_cache).stride(),
         k_cache.shape[1],
         float(k_scale),
         float(v_scale),
-        num_tokens,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
-        BLOCK_S=triton.next_power_of_2(k_cache.shape[1]),
-        V_GROUP=v_group,
     )
 
 
@@ -532,21 +506,13 @@ def _launch(
     num_heads, head_dim = q.shape[1], q.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
-    v_meta = {}
-    if fp8:
-        block_size, group = k_cache.shape[1], v_cache.shape[-1]
-        want = (k_cache.shape[2], block_size // group, q.shape[2], group)
-        if v_cache.dim() != 5 or v_cache.shape[1:] != want or block_size % group or v_cache.stride(4) != 1:
-            raise ValueError(
-                "an e4m3 V cache is [num_blocks, num_kv_heads, block_size / group, head_dim, group] with "
-                f"a group's keys contiguous (fp8.fp8_v_cache), got shape {tuple(v_cache.shape)}, "
-                f"strides {v_cache.stride()}"
-            )
-        # A group's keys are vector loads of its largest power-of-2 divisor, up to 16 bytes.
-        v_meta = {"V_GROUP": group, "V_VEC": min(group & -group, 16)}
-        v_strides = v_cache.stride()[:4]
-    else:
-        v_strides = (0, 0, 0, 0)  # (read through the K cache's strides)
+    if fp8 and (
+        v_cache.shape[1:] != (k_cache.shape[2], q.shape[2], k_cache.shape[1]) or v_cache.stride(3) != 1
+    ):
+        raise ValueError(
+            f"an e4m3 V cache is [num_blocks, num_kv_heads, head_dim, block_size] with contiguous keys "
+            f"(fp8.fp8_v_cache), got shape {tuple(v_cache.shape)}, strides {v_cache.stride()}"
+        )
     group = num_heads // k_cache.shape[2]
     num_splits = meta["NUM_SPLITS"]
     num_seqs = block_tables.shape[0]
@@ -579,7 +545,9 @@ def _launch(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        *v_strides,
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
         num_heads,
         BLOCK_SIZE=k_cache.shape[1],
@@ -588,7 +556,6 @@ def _launch(
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_FP8=fp8,
         ORDERED=seq_order is not None,
-        **v_meta,
         **meta,
     )
     if num_splits > 1:
@@ -650,7 +617,7 @@ def paged_decode(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        seq_order=seq_order, **meta,
+        V_MASK=cfg.get("V_MASK", 2), seq_order=seq_order, **meta,
     )  # fmt: skip
 
 
@@ -678,4 +645,5 @@ def paged_prefill(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, triton.cdiv(max_seqlen_q, block_q),
         kv_scales, GROUP_PAD=group_pad, BLOCK_Q=block_q, NUM_SPLITS=1, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        V_MASK=cfg.get("V_MASK", 2),
     )  # fmt: skip
