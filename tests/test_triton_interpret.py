@@ -55,7 +55,7 @@ for dtype in (torch.bfloat16, f16):
     b["v"].mul_(0.001)
     check_store_fp8(to_fp8(b, 1.0, 1.0))
     check_store_fp8(to_fp8(make_batch([7, 2], [7, 30], 4, 2, 48, 16, dtype, "cpu"), 0.02, 3.0))
-    # A block size that is no power of 2.
+    # A block size that is no power of 2: the zeroing stays inside the block.
     check_store_fp8(to_fp8(make_batch([13, 2], [13, 30], 4, 2, 32, 12, dtype, "cpu", seed=5), 0.02, 3.0))
 for scales in ((1.0, 1.0), (0.05, 2.5)):
     for splits, f16_dot in itertools.product((1, 3), (False, True)):
@@ -75,10 +75,6 @@ for scales in ((1.0, 1.0), (0.05, 2.5)):
         b = make_batch([1, 1, 3, 1], [13, 1, 40, 27], 4, 2, 32, block_size, f16, "cpu", seed=4, num_padding=1)
         check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"KV_MAJOR": kv_major, "BLOCK_N": 32}, config={"BLOCK_N": 16})
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})
-    # V past the context (NaN in these caches) zeroed in every key tile instead of the last only.
-    for kv_major in (False, True):
-        b = make_batch([1, 5, 1], [13, 36, 29], 4, 2, 32, 16, f16, "cpu", seed=7)
-        check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"KV_MAJOR": kv_major, "BLOCK_N": 32, "V_MASK": 1}, config={"BLOCK_N": 16, "V_MASK": 1})
 """,
     "fp8_gemm": """
 from helpers.fp8_gemm_checks import check_gemm, check_quantize

@@ -33,6 +33,13 @@ def store_kv(
     block_size = k_cache.shape[1]
     v_slots = v_cache_slots(v_cache)
     v_slots[slots // block_size, slots % block_size] = v
+    if v_cache.dtype == FP8_DTYPE:
+        # As the Triton store: a block's first slot written zeroes the slots after it that this
+        # call does not write (the attention kernels read an e4m3 V cache by whole blocks).
+        starts = slots[slots % block_size == 0]
+        after = starts[:, None] + torch.arange(1, block_size, device=slots.device)[None, :]
+        unwritten = after[~torch.isin(after, slots)]
+        v_slots[unwritten // block_size, unwritten % block_size] = 0
 
 
 def paged_attention(

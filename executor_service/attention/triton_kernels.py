@@ -19,10 +19,9 @@ first operand), in fp16: a bf16 query must lie within fp16's range (|q| < 65504)
 FP8_DOT_F16. Its V cache keeps each block transposed, [num_blocks, num_kv_heads, head_dim,
 block_size] (fp8.v_cache_slots): P @ V reduces over the keys, and sm90 can only gather 8-bit
 operands along their reduction axis byte by byte from a slot-major tile, while keys that are
-contiguous load as 16-byte vectors. The kernels read a block's V slots past the context too (a
-mask constant over a block keeps the vectors), whatever a block's earlier owner left there (NaN
-is an e4m3 value): the key tile that reaches past the context selects zeros for those keys after
-the load (their probabilities are 0, but 0 * NaN is not).
+contiguous load as 16-byte vectors. The kernels read a block's V slots past the context (whole
+blocks keep the vectors): the store kernel keeps them zero (a block's first slot written zeroes
+the slots after it that the same launch does not write), so no per-key masking is needed.
 """
 
 from __future__ import annotations
@@ -76,11 +75,13 @@ def store_kv_kernel(
     block_size,
     k_scale,
     v_scale,
+    num_tokens,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache is e4m3: store e4m3(x / scale), saturated
+    BLOCK_S: tl.constexpr,  # block_size rounded up to a power of 2 (with KV_FP8)
 ):
     # grid: (num_tokens,). Slot -1 (CUDA-graph padding) stores nothing; no host sync.
     t = tl.program_id(0)
@@ -100,6 +101,20 @@ def store_kv_kernel(
         v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if KV_FP8:  # noqa: SIM102 (constexpr branch)
+        # A block's first slot: zero the V slots after it that no token of this launch writes (a
+        # sequence's tokens are consecutive in the batch, with consecutive slots), so that the
+        # attention kernels may read whole blocks.
+        if offset == 0:
+            o = tl.arange(0, BLOCK_S)
+            later = tl.load(slot_mapping_ptr + t + o, mask=(o > 0) & (t + o < num_tokens), other=-1)
+            unwritten = (o > 0) & (o < block_size) & (later != slot + o)
+            h3 = tl.arange(0, BLOCK_H)[:, None, None]
+            d3 = tl.arange(0, BLOCK_D)[None, :, None]
+            zero_dst = block * stride_vcb + o[None, None, :] * stride_vcs + h3 * stride_vch + d3 * stride_vcd
+            zero_mask = (h3 < NUM_KV_HEADS) & (d3 < HEAD_DIM) & unwritten[None, None, :]
+            zeros = tl.zeros([BLOCK_H, BLOCK_D, BLOCK_S], v_cache_ptr.dtype.element_ty)
+            tl.store(v_cache_ptr + zero_dst, zeros, mask=zero_mask)
 
 
 @triton.jit
@@ -154,7 +169,6 @@ def paged_attention_kernel(
     KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
     FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
     ORDERED: tl.constexpr = False,  # programs take sequences in seq_order's order
-    V_MASK: tl.constexpr = 2,  # with KV_FP8: zero V past the context in every key tile (1) or the last (2)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -225,7 +239,8 @@ def paged_attention_kernel(
         if KV_FP8:
             # V^T [BLOCK_D, BLOCK_N] from blocks kept [num_kv_heads, head_dim, block_size]: each
             # block's keys contiguous. Loaded by whole blocks (a mask constant over a block's keys
-            # keeps the 16-byte vectors); the slots past the context are zeroed below.
+            # keeps the 16-byte vectors); the slots past the context are zeros, so the keys past
+            # it (probability 0) add nothing.
             vt_off = (
                 block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
                 + (key % BLOCK_SIZE)[None, :]
@@ -233,17 +248,12 @@ def paged_attention_kernel(
             if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
                 vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
             vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
-            v = tl.trans(vt)
+            v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-            # Slots past the context hold what the block's earlier owner left (perhaps NaN).
-            if V_MASK == 1:  # noqa: SIM114 (constexpr branch, then a runtime one)
-                v = tl.where(key_valid[:, None], v, 0.0)
-            elif tile == num_tiles - 1:
-                v = tl.where(key_valid[:, None], v, 0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
         s = tl.where((key[None, :] <= row_pos[:, None]) & key_valid[None, :], s, float("-inf"))
@@ -308,7 +318,6 @@ def paged_decode_kv_major_kernel(
     ROWS: tl.constexpr,  # 0: every sequence (all of query length 1); 1: only query length 1
     KV_FP8: tl.constexpr,
     ORDERED: tl.constexpr = False,
-    V_MASK: tl.constexpr = 2,
 ):
     """Decode attention computed transposed: s^T = K q^T and o^T = V^T p^T, so that K and V (widened
     from e4m3 in registers) are the MMAs' first operand, which Hopper's wgmma takes from registers,
@@ -366,7 +375,7 @@ def paged_decode_kv_major_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(pt, 0)
         # V^T [BLOCK_D, BLOCK_N] straight from blocks kept transposed, whole blocks at a time (the
-        # slots past the context zeroed after the load: they may hold NaN).
+        # slots past the context are zeros: store_kv_kernel).
         vt_off = (
             block[None, :] * stride_vb
             + kv_head * stride_vh
@@ -377,10 +386,6 @@ def paged_decode_kv_major_kernel(
             vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
         vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
         vt = vt.to(tl.float16)
-        if V_MASK == 1:  # noqa: SIM114 (constexpr branch, then a runtime one)
-            vt = tl.where(key_valid[None, :], vt, 0.0)
-        elif tile == num_tiles - 1:
-            vt = tl.where(key_valid[None, :], vt, 0.0)
         acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))  # [BLOCK_D, GROUP_PAD]
         m_i = m_new
 
@@ -488,11 +493,13 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
         k_cache.shape[1],
         float(k_scale),
         float(v_scale),
+        num_tokens,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        BLOCK_S=triton.next_power_of_2(k_cache.shape[1]),
     )
 
 
@@ -617,7 +624,7 @@ def paged_decode(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        V_MASK=cfg.get("V_MASK", 2), seq_order=seq_order, **meta,
+        seq_order=seq_order, **meta,
     )  # fmt: skip
 
 
@@ -645,5 +652,4 @@ def paged_prefill(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, triton.cdiv(max_seqlen_q, block_q),
         kv_scales, GROUP_PAD=group_pad, BLOCK_Q=block_q, NUM_SPLITS=1, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        V_MASK=cfg.get("V_MASK", 2),
     )  # fmt: skip

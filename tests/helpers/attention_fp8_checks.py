@@ -13,14 +13,20 @@ from helpers.attention_checks import (
 
 
 def to_fp8(batch: dict, k_scale: float, v_scale: float) -> dict:
-    """The batch with e4m3 caches (the cached prefix quantized as a store would have), the V cache
-    kept transposed per block. NaN stays NaN: the unused slots, those past each sequence's context
-    in its last block included, hold NaN as a block's earlier owner may have left them."""
-    from executor_service.fp8 import fp8_v_cache, quantize_kv
+    """The batch with e4m3 caches (the cached prefix quantized as a store would have; NaN stays NaN),
+    the V cache kept transposed per block, with zeros past each sequence's context in its last
+    block, as the store leaves them (the unused blocks keep their NaN)."""
+    from executor_service.fp8 import fp8_v_cache, quantize_kv, v_cache_slots
 
     fp8 = dict(batch, kv_scales=(k_scale, v_scale))
     fp8["k_cache"] = quantize_kv(batch["k_cache"], k_scale)
     fp8["v_cache"] = fp8_v_cache(quantize_kv(batch["v_cache"], v_scale))
+    ctx = batch["context"]
+    block_size = fp8["k_cache"].shape[1]
+    v_slots = v_cache_slots(fp8["v_cache"])
+    for table, context_len in zip(ctx.block_tables.tolist(), ctx.context_lens_host, strict=True):
+        if context_len % block_size:
+            v_slots[table[(context_len - 1) // block_size], context_len % block_size :] = 0
     return fp8
 
 
@@ -39,11 +45,18 @@ def check_store_fp8(batch: dict) -> None:
     for cache, x, scale in ((k_cache, batch["k"], k_scale), (v_cache_slots(v_cache), batch["v"], v_scale)):
         got = cache[slots // block_size, slots % block_size].view(torch.uint8)
         assert torch.equal(got, quantize_kv(x[keep], scale).view(torch.uint8))
-    # Every other slot is untouched.
-    written = torch.zeros(before.shape[:2], dtype=torch.bool, device=before.device)
+    # A block whose first slot was written has zeros in the V slots after it that were not; every
+    # other slot is untouched.
+    v_slots = v_cache_slots(v_cache).view(torch.uint8)
+    zeroed = torch.zeros(v_slots.shape[:2], dtype=torch.bool, device=v_slots.device)
+    for slot in slots[slots % block_size == 0].tolist():
+        zeroed[slot // block_size, slot % block_size + 1 :] = True
+    zeroed[slots // block_size, slots % block_size] = False
+    written = torch.zeros_like(zeroed)
     written[slots // block_size, slots % block_size] = True
-    after = v_cache_slots(v_cache).view(torch.uint8)
-    assert torch.equal(after[~written], before.view(torch.uint8)[~written])
+    assert (v_slots[zeroed] == 0).all()
+    untouched = ~zeroed & ~written
+    assert torch.equal(v_slots[untouched], before.view(torch.uint8)[untouched])
 
 
 def check_attention_fp8(
