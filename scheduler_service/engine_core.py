@@ -9,7 +9,9 @@ server one message with its requests' new tokens, so the step loop never waits o
 never writes to one. The engine thread builds those messages itself from the step's sequences
 (`step_outputs`, one pass; a request with logprobs, or one that failed, takes the general path
 of RequestOutputs through the core's StreamTable, a second message to that API server in the same
-step) and the loop only sends them.
+step) and sends them itself, on the loop's socket under a lock: the loop is woken (a
+call_soon_threadsafe, a write to its self-pipe, and the GIL handed over) only for a step with
+bookkeeping for it (first tokens, finished or failed requests) or messages to read.
 
 Lifecycle: the core takes the client port's lock (protos.ports.port_lock: a second service on the
 port is refused), binds the HTTP socket once for all API servers (they inherit it), starts them
@@ -29,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import zmq
@@ -54,8 +57,9 @@ _READ_BATCH = 64
 
 
 class CoreBridge:
-    """The engine core's end of the IPC: its socket is read and written on the core's asyncio loop;
-    `step_outputs` runs on the engine thread and hands its frames to the loop."""
+    """The engine core's end of the IPC: its socket is read and written on the core's asyncio loop,
+    and written by `step_outputs` on the engine thread, each use under `_lock` (a ZeroMQ socket may
+    move between threads behind a full memory barrier)."""
 
     def __init__(self, engine: AsyncEngine, metrics: SchedulerMetrics, address: str) -> None:
         self.engine = engine
@@ -71,6 +75,7 @@ class CoreBridge:
         # once per server) rather than vanishing silently.
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.bind(address)
+        self._lock = threading.Lock()
         self._unreachable: set[bytes] = set()
         # The API servers that said hello: each does once it serves (SchedulerServer.start starts
         # its engine, and so the hello, after binding).
@@ -90,7 +95,8 @@ class CoreBridge:
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._socket.FD)
-        self._socket.close()
+        with self._lock:
+            self._socket.close()
         self._context.term()
         ipc.remove_ipc_address(self.address)
 
@@ -113,6 +119,12 @@ class CoreBridge:
         )
 
     def _send(self, peer: bytes, frame: bytes) -> None:
+        with self._lock:
+            self._send_locked(peer, frame)
+
+    def _send_locked(self, peer: bytes, frame: bytes) -> None:
+        if self._socket.closed:
+            return
         try:
             # (send_multipart's type checks of its parts, without them: the frame fails at its
             # first part, the routing id, when its API server cannot take it)
@@ -140,9 +152,11 @@ class CoreBridge:
         """A read pass on the loop, once, if messages wait. ZeroMQ's descriptor is edge-triggered:
         it signals a change, and any send or receive may consume the signal of a message that
         arrived meanwhile, so every pass of sends ends here (_deliver, _forward, broadcast_state)."""
-        if self._read_scheduled or self._loop is None or self._socket.closed:
+        if self._read_scheduled or self._loop is None:
             return
-        if self._socket.get(zmq.EVENTS) & zmq.POLLIN:
+        with self._lock:
+            readable = not self._socket.closed and self._socket.get(zmq.EVENTS) & zmq.POLLIN
+        if readable:
             self._read_scheduled = True
             self._loop.call_soon(self._on_readable)
 
@@ -153,7 +167,8 @@ class CoreBridge:
             return
         for _ in range(_READ_BATCH):
             try:
-                peer, frame = self._socket.recv_multipart(zmq.NOBLOCK)
+                with self._lock:
+                    peer, frame = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             message = ipc.unpack(frame)
@@ -193,10 +208,10 @@ class CoreBridge:
     def step_outputs(self, seqs: list[Sequence]) -> None:
         """AsyncEngine.step_outputs, on the engine thread: a step's "out" message for each API
         server, built from its sequences in one pass (no RequestOutput, no dispatch on the loop;
-        TTFT and ITL observed here), then handed to the loop with the step's bookkeeping
-        (`_deliver`). Sequences of requests with logprobs, or that failed, take the general
-        path: their RequestOutputs go through StreamTable.dispatch and `_forward`, in the same
-        callback, so every stream's messages keep their order."""
+        TTFT and ITL observed here) and sent, then the step's bookkeeping handed to the loop
+        (`_deliver`) if it has any. Sequences of requests with logprobs, or that failed, take the
+        general path: their RequestOutputs go through StreamTable.dispatch and `_forward` on the
+        loop (a stream takes one path or the other, so its messages keep their order)."""
         now = time.perf_counter()
         # Each API server's "out" columns: engine ids, numbers of new tokens, the new tokens (flat),
         # cached tokens, details (engine_ipc.py).
@@ -240,28 +255,34 @@ class CoreBridge:
             metrics.ttft.observe_all(first_latencies)
         if gaps:
             metrics.itl.observe_all(gaps)
-        frames = [(peer, ipc.pack("out", *group)) for peer, group in columns.items()]
-        if frames or general:
-            self.engine.call_soon(self._deliver, frames, first, finished, general, now)
+        # A finished request's abort from its API server finds nothing once its last message is out
+        # (one dict operation: atomic beside the loop's).
+        remote = self._remote
+        for stream in finished:
+            remote.pop(stream.engine_id, None)
+        readable = False
+        if columns:
+            with self._lock:
+                for peer, group in columns.items():
+                    self._send_locked(peer, ipc.pack("out", *group))
+                # A send may consume the edge of a message that arrived meanwhile (_schedule_read).
+                readable = not self._socket.closed and bool(self._socket.get(zmq.EVENTS) & zmq.POLLIN)
+        if first or finished or general or readable:
+            self.engine.call_soon(self._deliver, first, finished, general, now)
 
     def _deliver(
         self,
-        frames: list[tuple[bytes, bytes]],
         first: list[RequestStream],
         finished: list[RequestStream],
         general: list[RequestOutput],
         now: float,
     ) -> None:
-        """On the loop: a step's messages from step_outputs sent, its streams' bookkeeping done."""
+        """On the loop: the bookkeeping of a step whose messages step_outputs sent."""
         streams = self.engine.streams
         for stream in first:
             streams.dequeue(stream)
-        remote = self._remote
         for stream in finished:
             streams.remove(stream)
-            remote.pop(stream.engine_id, None)
-        for peer, frame in frames:
-            self._send(peer, frame)
         if general:
             streams.dispatch(general, None, now)
         self._schedule_read()

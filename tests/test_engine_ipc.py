@@ -304,7 +304,7 @@ def test_the_engine_threads_out_messages_leave_what_the_general_path_leaves():
         core = SimpleNamespace(streams=core_streams, step_outputs=None, call_soon=lambda f, *a: f(*a))
         bridge = CoreBridge(core, metrics, address)
         sent: list[tuple[bytes, bytes]] = []
-        bridge._send = lambda peer, frame: sent.append((peer, frame))
+        bridge._send_locked = lambda peer, frame: sent.append((peer, frame))
         api = {peer: StreamTable(SchedulerMetrics()) for peer in peers}
         api_streams = []
         engine = LLMEngine(_CountingExecutor())
