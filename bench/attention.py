@@ -65,10 +65,15 @@ def relayout(x: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 LAYOUTS = {"K head-major": ("k", (0, 2, 1, 3)), "V heads by dim": ("v", (0, 2, 1, 3))}
 
 
-def bench_store(num_tokens: int, run: int, block_size: int, kv_dtype: torch.dtype) -> tuple[float, float]:
+def bench_store(
+    num_tokens: int, run: int, block_size: int, kv_dtype: torch.dtype, decode_at: str = "random"
+) -> tuple[float, float]:
     """store_kv of num_tokens tokens (bf16 K/V [num_tokens, 8, 128]) into a cache of kv_dtype, in
     runs of `run` consecutive slots (a prefill's; run 1: a decode step's tokens, one per sequence),
-    each run in blocks drawn at random. Returns (us, GB/s of cache bytes written)."""
+    each run in blocks drawn at random. A decode token sits anywhere in its block (decode_at
+    "random"), never at its first slot ("mid-block": an e4m3 store zeroes no block) or always there
+    ("block start": each token zeroes the rest of its block). Returns (us, GB/s of cache bytes
+    written)."""
     num_runs = num_tokens // run
     blocks_per_run = triton.cdiv(run, block_size)
     num_blocks = num_runs * blocks_per_run * 4
@@ -79,7 +84,12 @@ def bench_store(num_tokens: int, run: int, block_size: int, kv_dtype: torch.dtyp
     order = torch.randperm(num_blocks, device="cuda")[: num_runs * blocks_per_run].view(num_runs, -1)
     within = torch.arange(run, device="cuda")
     # A decode token sits anywhere in its block; a prefill run starts its first block.
-    start = torch.randint(0, block_size if run == 1 else 1, (num_runs, 1), device="cuda")
+    low, high = {"random": (0, block_size), "mid-block": (1, block_size), "block start": (0, 1)}[decode_at]
+    start = (
+        torch.randint(low, high, (num_runs, 1), device="cuda")
+        if run == 1
+        else torch.zeros(num_runs, 1, device="cuda", dtype=torch.long)
+    )
     pos = within[None, :] + start
     slots = (order.gather(1, pos // block_size) * block_size + pos % block_size).view(-1).to(torch.int32)
     us = time_ms(lambda: tk.store_kv(k, v, k_cache, v_cache, slots)) * 1e3
@@ -374,6 +384,14 @@ def main() -> None:
             name = "fp8" if kv_dtype == FP8 else "bf16"
             print(
                 f"store {what} {num_tokens} tokens {name} block size {block_size}: {us:.1f} us, {gbs:.0f} GB/s written"
+            )
+        # An e4m3 decode store with no block start (no zeroing) and with one in every token.
+        for block_size, decode_at in itertools.product(
+            (16, FP8_DEFAULT_BLOCK_SIZE), ("mid-block", "block start")
+        ):
+            us, gbs = bench_store(256, 1, block_size, FP8, decode_at)
+            print(
+                f"store decode 256 tokens fp8 block size {block_size}, {decode_at}: {us:.1f} us, {gbs:.0f} GB/s written"
             )
         return
     if args.ncu:

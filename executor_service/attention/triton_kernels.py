@@ -82,6 +82,7 @@ def store_kv_kernel(
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache is e4m3: store e4m3(x / scale), saturated
     BLOCK_S: tl.constexpr,  # block_size rounded up to a power of 2 (with KV_FP8)
+    WHOLE_ROWS: tl.constexpr = False,  # BLOCK_S == block_size: a block's V rows have no padding
 ):
     # grid: (num_tokens,). Slot -1 (CUDA-graph padding) stores nothing; no host sync.
     t = tl.program_id(0)
@@ -112,9 +113,21 @@ def store_kv_kernel(
             h3 = tl.arange(0, BLOCK_H)[:, None, None]
             d3 = tl.arange(0, BLOCK_D)[None, :, None]
             zero_dst = block * stride_vcb + o[None, None, :] * stride_vcs + h3 * stride_vch + d3 * stride_vcd
-            zero_mask = (h3 < NUM_KV_HEADS) & (d3 < HEAD_DIM) & unwritten[None, None, :]
-            zeros = tl.zeros([BLOCK_H, BLOCK_D, BLOCK_S], v_cache_ptr.dtype.element_ty)
-            tl.store(v_cache_ptr + zero_dst, zeros, mask=zero_mask)
+            hd_mask = (h3 < NUM_KV_HEADS) & (d3 < HEAD_DIM)
+            num_unwritten = tl.sum(unwritten.to(tl.int32), 0)
+            if WHOLE_ROWS:
+                lone = num_unwritten == block_size - 1
+            else:
+                lone = False
+            if lone:
+                # A lone token in its block (a decode step's): its V and the zeros after it as
+                # whole rows of the transposed block, a mask constant along the slots (16-byte
+                # stores instead of one byte a slot).
+                rows = tl.where(o[None, None, :] == 0, v[:, :, None], 0.0)
+                tl.store(v_cache_ptr + zero_dst, rows.to(v_cache_ptr.dtype.element_ty), mask=hd_mask)
+            elif num_unwritten > 0:  # (a prefill run that fills its block leaves none)
+                zeros = tl.zeros([BLOCK_H, BLOCK_D, BLOCK_S], v_cache_ptr.dtype.element_ty)
+                tl.store(v_cache_ptr + zero_dst, zeros, mask=hd_mask & unwritten[None, None, :])
 
 
 @triton.jit
@@ -500,6 +513,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         BLOCK_S=triton.next_power_of_2(k_cache.shape[1]),
+        WHOLE_ROWS=triton.next_power_of_2(k_cache.shape[1]) == k_cache.shape[1],
     )
 
 

@@ -31,7 +31,9 @@ def to_fp8(batch: dict, k_scale: float, v_scale: float) -> dict:
 
 
 def check_store_fp8(batch: dict) -> None:
-    """The store kernel writes exactly fp8.quantize_kv's bytes (round to nearest even, saturated)."""
+    """The store kernel writes exactly fp8.quantize_kv's bytes (round to nearest even, saturated),
+    and zeroes the V slots after a block's first slot that the launch does not write (over NaN:
+    both the lone token's whole rows and the masked path of a run ending inside its block)."""
     from executor_service.attention import triton_kernels
     from executor_service.fp8 import quantize_kv, v_cache_slots
 
@@ -40,6 +42,7 @@ def check_store_fp8(batch: dict) -> None:
     keep = ctx.slot_mapping >= 0
     slots = ctx.slot_mapping[keep]
     block_size = k_cache.shape[1]
+    v_cache.view(torch.uint8).fill_(0x7F)  # NaN everywhere, as a block's earlier owner may leave it
     before = v_cache_slots(v_cache).clone()
     triton_kernels.store_kv(batch["k"], batch["v"], k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale)
     for cache, x, scale in ((k_cache, batch["k"], k_scale), (v_cache_slots(v_cache), batch["v"], v_scale)):
