@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
@@ -33,6 +34,7 @@ from executor_service.metrics import start_metrics_server
 from executor_service.server import ExecutorServer
 from protos.executor import StepOnlyExecutor
 from protos.plan import ExecutorInfo, StepPlan, StepResult
+from protos.service_main import LOG_FORMAT
 
 TOKEN = 7
 
@@ -129,6 +131,7 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--step-ms", type=float, default=0.0, help="emulated device time a step (0: none)")
     args, _ = p.parse_known_args()
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # as the executor service's
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     server = ExecutorServer(args.host, args.port)
     metrics = (

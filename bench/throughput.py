@@ -137,6 +137,12 @@ def add_service_flags(p: argparse.ArgumentParser, stream_interval: int) -> None:
     p.add_argument("--executor-arg", action="append", default=[], help="extra executor flag (repeatable)")
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
     p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
+    p.add_argument(
+        "--log-idle-ms",
+        type=float,
+        help="split: the executor logs each wait of the device for a plan of this many ms or more, "
+        "with the step it came before; the first 60 are printed",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -477,7 +483,10 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     scheduler_argv += ["--max-plans-in-flight", str(args.max_plans_in_flight)]
     scheduler_argv += ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
     scheduler_argv += args.scheduler_arg
-    executor = Service("executor", executor_argv, log_dir / "executor.log")
+    executor_env = None
+    if args.log_idle_ms is not None:  # servicer.LOG_IDLE_MS_ENV
+        executor_env = {**os.environ, "TANDEM_LOG_IDLE_MS": str(args.log_idle_ms)}
+    executor = Service("executor", executor_argv, log_dir / "executor.log", env=executor_env)
     scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log")
     ports = {
         "executor": f"{host}:{executor_port}",
@@ -634,9 +643,16 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
             service.stop(10.0)
     if args.keep_logs:
         print(f"service logs: {log_dir}")
+    idle_lines = []
     for line in (log_dir / "executor.log").read_text(errors="replace").splitlines():
         if "plan broadcast over" in line:  # the TP ranks', at close
             print(f"split executor: {line}")
+        elif "device idle" in line:
+            idle_lines.append(line)
+    if args.log_idle_ms is not None:
+        print(f"split executor: {len(idle_lines)} waits of {args.log_idle_ms} ms or more for a plan")
+        for line in idle_lines[:60]:
+            print(f"  {line}")
     return tokens, elapsed, steps
 
 

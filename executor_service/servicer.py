@@ -8,6 +8,7 @@ a repeated or older plan is a replay or a second writer, never the scheduler's."
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -50,6 +51,9 @@ class ServedExecutor(Executor, Protocol):
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
+# A diagnostic: log each wait of the device for a plan of at least this many milliseconds (the
+# tandem_executor_idle_seconds histogram counts them; this says which steps they came before).
+LOG_IDLE_MS_ENV = "TANDEM_LOG_IDLE_MS"
 
 
 def _refuse_malformed(message: object, context: grpc.ServicerContext) -> None:
@@ -113,6 +117,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._closed = False
         self._worker = ExecutorThread("executor-step")
         self._log_refusal = LogThrottle()
+        log_idle_ms = os.environ.get(LOG_IDLE_MS_ENV)
+        self._log_idle_s = float(log_idle_ms) / 1e3 if log_idle_ms else None
 
     def run_on_worker(self, fn, *args):
         """fn(*args) on the executor's own thread; returns its result or raises its exception."""
@@ -201,6 +207,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 idle = in_flight.sending(plan, _num_graph_steps(executor))
                 if idle is not None:
                     self.metrics.idle.observe(idle)
+                    if self._log_idle_s is not None and idle >= self._log_idle_s:
+                        logger.info(
+                            "device idle %.2f ms before step %d: %d sequences (%d new, %d finished), %d tokens",
+                            idle * 1e3, plan.step_id, len(plan.seq_ids), len(plan.new_seqs),
+                            len(plan.finished_seq_ids), sum(plan.num_scheduled_tokens),
+                        )  # fmt: skip
                 with self._lock:
                     if self._closed:  # (closed since: what is in flight is discarded)
                         context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")

@@ -466,6 +466,45 @@ def test_shutdown_answers_the_step_in_flight_before_refusing_the_next():
         server.stop(1)
 
 
+class FinishedExecutor(UnfinishedExecutor):
+    """Overlaps steps, and each step it is sent is done at once."""
+
+    def ready(self) -> bool:
+        return bool(self.sent)
+
+
+def test_idle_waits_are_logged_when_asked(monkeypatch, caplog):
+    """TANDEM_LOG_IDLE_MS: each wait of the device for a plan that long is logged with the step it
+    came before (what tandem_executor_idle_seconds counts, placed in the run)."""
+    monkeypatch.setenv("TANDEM_LOG_IDLE_MS", "30")
+    server = ExecutorServer("127.0.0.1", 0)
+    server.start()
+    server.set_executor(FinishedExecutor())
+    plan = lambda step_id: StepPlan(step_id, seq_ids=[9], num_scheduled_tokens=[1], num_computed_tokens=[0])  # noqa: E731
+    plans: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        with (
+            caplog.at_level("INFO", logger="executor_service.servicer"),
+            grpc.insecure_channel(server.address) as channel,
+        ):
+            responses = pb_grpc.ExecutorServiceStub(channel).Step(iter(plans.get, None), timeout=30)
+            plans.put(plan_to_proto(plan(0)))
+            assert next(responses).step_id == 0
+            plans.put(plan_to_proto(plan(1)))  # at once: no wait logged
+            assert next(responses).step_id == 1
+            time.sleep(0.1)
+            plans.put(plan_to_proto(plan(2)))
+            assert next(responses).step_id == 2
+            plans.put(None)
+        waits = [r.getMessage() for r in caplog.records if "device idle" in r.getMessage()]
+        assert len(waits) == 1 and "before step 2: 1 sequences (0 new, 0 finished), 1 tokens" in waits[0], (
+            waits
+        )
+        assert float(waits[0].split()[2]) >= 100
+    finally:
+        server.stop(1)
+
+
 def test_port_in_use_fails_loudly():
     first = ExecutorServer("127.0.0.1", 0)
     first.start()
