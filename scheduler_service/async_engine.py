@@ -1,8 +1,10 @@
 """The engine thread: a synchronous LLMEngine stepping in its own thread.
 
 Requests and aborts arrive through a thread-safe inbox (request_tracker.py); each step's outputs
-go to the asyncio side in one batch (one `call_soon_threadsafe` per step). The loop never waits
-on a client: streams pick up whatever accumulated whenever they are ready to write.
+go to the asyncio side in one batch (one `call_soon_threadsafe` per step), or, in the engine core
+of a split service, through its `step_outputs` hook, which sends them to the API servers itself
+and hands the loop only a step's bookkeeping (engine_core.py). The loop never waits on a client:
+streams pick up whatever accumulated whenever they are ready to write.
 
 When the executor is lost, accepted requests are kept and re-run by recompute on the next one
 (executor_recovery.py).
