@@ -484,8 +484,10 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     scheduler_argv += ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
     scheduler_argv += args.scheduler_arg
     executor_env = None
-    if args.log_idle_ms is not None:  # servicer.LOG_IDLE_MS_ENV
-        executor_env = {**os.environ, "TANDEM_LOG_IDLE_MS": str(args.log_idle_ms)}
+    if args.log_idle_ms is not None:
+        from executor_service.servicer import LOG_IDLE_MS_ENV
+
+        executor_env = {**os.environ, LOG_IDLE_MS_ENV: str(args.log_idle_ms)}
     executor = Service("executor", executor_argv, log_dir / "executor.log", env=executor_env)
     scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log")
     ports = {

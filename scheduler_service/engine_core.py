@@ -148,6 +148,10 @@ class CoreBridge:
                 "API server %s %s; messages to it are dropped until it reads again", peer.decode(), why
             )
 
+    def _readable_locked(self) -> bool:
+        """Whether messages wait to be read (under `_lock`)."""
+        return not self._socket.closed and bool(self._socket.get(zmq.EVENTS) & zmq.POLLIN)
+
     def _schedule_read(self) -> None:
         """A read pass on the loop, once, if messages wait. ZeroMQ's descriptor is edge-triggered:
         it signals a change, and any send or receive may consume the signal of a message that
@@ -155,7 +159,7 @@ class CoreBridge:
         if self._read_scheduled or self._loop is None:
             return
         with self._lock:
-            readable = not self._socket.closed and self._socket.get(zmq.EVENTS) & zmq.POLLIN
+            readable = self._readable_locked()
         if readable:
             self._read_scheduled = True
             self._loop.call_soon(self._on_readable)
@@ -266,7 +270,7 @@ class CoreBridge:
                 for peer, group in columns.items():
                     self._send_locked(peer, ipc.pack("out", *group))
                 # A send may consume the edge of a message that arrived meanwhile (_schedule_read).
-                readable = not self._socket.closed and bool(self._socket.get(zmq.EVENTS) & zmq.POLLIN)
+                readable = self._readable_locked()
         if first or finished or general or readable:
             self.engine.call_soon(self._deliver, first, finished, general, now)
 
