@@ -55,6 +55,8 @@ for dtype in (torch.bfloat16, f16):
     b["v"].mul_(0.001)
     check_store_fp8(to_fp8(b, 1.0, 1.0))
     check_store_fp8(to_fp8(make_batch([7, 2], [7, 30], 4, 2, 48, 16, dtype, "cpu"), 0.02, 3.0))
+    # A decode step with tokens at their blocks' first slots (whole rows of V^T and zeros).
+    check_store_fp8(to_fp8(make_batch([1] * 4, [17, 33, 20, 1], 4, 2, 32, 16, dtype, "cpu", num_padding=1), 0.02, 3.0))
     # A block size that is no power of 2: the zeroing stays inside the block.
     check_store_fp8(to_fp8(make_batch([13, 2], [13, 30], 4, 2, 32, 12, dtype, "cpu", seed=5), 0.02, 3.0))
 for scales in ((1.0, 1.0), (0.05, 2.5)):

@@ -181,9 +181,14 @@ FP8_SCALES = [(1.0, 1.0), (0.03, 2.5)]
 @pytest.mark.parametrize("scales", FP8_SCALES)
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_fp8_is_byte_exact(scales, block_size, dtype):
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_store_kv_fp8_is_byte_exact(scales, block_size, dtype, kind):
     ctx_lens = random_lengths(40, 600, seed=1)
-    q_lens = [min(c, n) for c, n in zip(ctx_lens, random_lengths(40, 70, seed=2), strict=True)]
+    if kind == "mixed":
+        q_lens = [min(c, n) for c, n in zip(ctx_lens, random_lengths(40, 70, seed=2), strict=True)]
+    else:  # a decode step with every other token at its block's first slot (the lone token's rows)
+        ctx_lens = [c - (c - 1) % block_size if i % 2 else c for i, c in enumerate(ctx_lens)]
+        q_lens = [1] * 40
     batch = make_batch(q_lens, ctx_lens, 8, 4, 128, block_size, dtype, "cuda", seed=3, num_padding=5)
     batch["k"].mul_(200.0)  # past 448 * k_scale: saturates
     check_store_fp8(to_fp8(batch, *scales))

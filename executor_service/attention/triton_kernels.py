@@ -122,9 +122,14 @@ def store_kv_kernel(
             if lone:
                 # A lone token in its block (a decode step's): its V and the zeros after it as
                 # whole rows of the transposed block, a mask constant along the slots (16-byte
-                # stores instead of one byte a slot).
-                rows = tl.where(o[None, None, :] == 0, v[:, :, None], 0.0)
-                tl.store(v_cache_ptr + zero_dst, rows.to(v_cache_ptr.dtype.element_ty), mask=hd_mask)
+                # stores instead of one byte a slot). The rows are built from the e4m3 bytes:
+                # converting fp32 zeros to e4m3 beside V left other registers' bytes in the packed
+                # 16-byte stores on sm90 (ptxas: F2FP ... MERGE_C), NaN or garbage past the token.
+                v_bytes = v.to(v_cache_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+                rows = tl.where(
+                    o[None, None, :] == 0, v_bytes[:, :, None], tl.zeros_like(v_bytes)[:, :, None]
+                )
+                tl.store(v_cache_ptr.to(tl.pointer_type(tl.uint8)) + zero_dst, rows, mask=hd_mask)
             elif num_unwritten > 0:  # (a prefill run that fills its block leaves none)
                 zeros = tl.zeros([BLOCK_H, BLOCK_D, BLOCK_S], v_cache_ptr.dtype.element_ty)
                 tl.store(v_cache_ptr + zero_dst, zeros, mask=hd_mask & unwritten[None, None, :])
