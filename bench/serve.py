@@ -153,13 +153,19 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def _send_all(address, items, start, temperature, concurrency) -> list[dict]:
-    from client.aio import AsyncTandemClient
+async def _drain(client, request: throughput.Request, temperature: float) -> None:
+    async for _ in client.generate(
+        request.prompt_token_ids, max_tokens=request.max_tokens, temperature=temperature, ignore_eos=True
+    ):
+        pass
+
+
+async def _send_all(client, items, start, temperature, concurrency) -> list[dict]:
     from client.messages import Chunk
 
     gate = asyncio.Semaphore(concurrency) if concurrency else None
 
-    async def one(client, index: int, offset: float, request: throughput.Request) -> dict:
+    async def one(index: int, offset: float, request: throughput.Request) -> dict:
         delay = start + offset - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -195,41 +201,88 @@ async def _send_all(address, items, start, temperature, concurrency) -> list[dic
             "error": error,
         }
 
-    async with AsyncTandemClient(address) as client:
-        return await asyncio.gather(*(one(client, i, off, r) for i, off, r in items))
+    return await asyncio.gather(*(one(i, off, r) for i, off, r in items))
 
 
-def client_process(address, items, start, temperature, concurrency, queue) -> None:
-    """One load-generator process: its share of the requests, then its records and its CPU seconds."""
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    records = asyncio.run(_send_all(address, items, start, temperature, concurrency))
-    queue.put({"records": records, "cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - wall0})
+def client_process(address, items, temperature, concurrency, warm, queue, go, start) -> None:
+    """One load-generator process on its own channel (its own connection, so the client processes
+    spread over the scheduler's API servers as separate clients do): `warm` short requests first
+    (outside the timing: the connection's API server warmed), "ready", then, once `go` is set, its
+    share of the requests from `start`; then its records and its CPU seconds."""
+    from client.aio import AsyncTandemClient
+
+    async def run() -> tuple[list[dict], float]:
+        async with AsyncTandemClient(address) as client:
+            await asyncio.gather(*(_drain(client, r, temperature) for r in warm))
+            queue.put("ready")
+            await asyncio.get_running_loop().run_in_executor(None, go.wait)
+            cpu0 = time.process_time()
+            records = await _send_all(client, items, start.value, temperature, concurrency)
+            return records, time.process_time() - cpu0
+
+    records, cpu_s = asyncio.run(run())
+    queue.put({"records": records, "cpu_s": cpu_s, "wall_s": time.monotonic() - start.value})
 
 
-def run_load(args, address: str, workload, rate: float) -> tuple[list[dict], list[dict]]:
-    """Every request at its arrival time, dealt round-robin over the client processes (spawned, so
-    none inherits this process's gRPC state). Returns the records in request order and per-process
-    CPU."""
-    offsets = arrival_offsets(len(workload), rate, args.seed)
+def load_from_processes(
+    address: str,
+    workload: list[throughput.Request],
+    offsets: list[float],
+    temperature: float,
+    num_processes: int,
+    concurrency: int | None = None,
+    warm: int = 0,
+    on_ready=None,
+    timeout: float = 300.0,
+) -> tuple[list[dict], list[dict], float]:
+    """Request i sent `offsets[i]` seconds after the start, dealt round-robin over `num_processes`
+    client processes (spawned, so none inherits this process's gRPC state), each at most
+    `concurrency` in flight and `warm` short requests first. `on_ready()` runs once every process
+    is connected and warmed, just before the start (a caller's counters before the timed part).
+    Returns the records in request order, per-process CPU, and the start (time.monotonic())."""
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    nproc = min(args.num_processes, len(workload))
-    share = math.ceil(args.max_concurrency / nproc) if args.max_concurrency else None
-    # Start a little later, so that every process is up before the first arrival.
-    start = time.monotonic() + 2.0 + 0.5 * nproc
+    queue, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    nproc = min(num_processes, len(workload))
     procs = []
     for k in range(nproc):
         items = [(i, offsets[i], workload[i]) for i in range(k, len(workload), nproc)]
+        warm_requests = [throughput.Request(r.prompt_token_ids, 8) for _, _, r in items[:warm]]
         proc = ctx.Process(
-            target=client_process, args=(address, items, start, args.temperature, share, queue), daemon=True
+            target=client_process,
+            args=(address, items, temperature, concurrency, warm_requests, queue, go, start),
+            daemon=True,
         )
         proc.start()
         procs.append(proc)
-    results = [queue.get() for _ in procs]
+    try:
+        for _ in procs:
+            if queue.get(timeout=timeout) != "ready":
+                raise RuntimeError("a client process answered before it was ready")
+        if on_ready is not None:
+            on_ready()
+        start.value = time.monotonic() + 0.05
+        go.set()
+        results = [queue.get(timeout=timeout + max(offsets, default=0.0)) for _ in procs]
+    except Exception as e:
+        for proc in procs:
+            proc.kill()
+        raise SystemExit(f"the load generator failed: {type(e).__name__}: {e}") from e
     for proc in procs:
         proc.join()
     records = sorted((r for res in results for r in res["records"]), key=lambda r: r["index"])
     cpu = [{"cpu_s": res["cpu_s"], "wall_s": res["wall_s"]} for res in results]
+    return records, cpu, start.value
+
+
+def run_load(args, address: str, workload, rate: float) -> tuple[list[dict], list[dict]]:
+    """Every request at its arrival time (Poisson at `rate`) over the client processes. Returns
+    the records in request order and per-process CPU."""
+    offsets = arrival_offsets(len(workload), rate, args.seed)
+    nproc = min(args.num_processes, len(workload))
+    share = math.ceil(args.max_concurrency / nproc) if args.max_concurrency else None
+    records, cpu, _ = load_from_processes(
+        address, workload, offsets, args.temperature, nproc, concurrency=share
+    )
     return records, cpu
 
 

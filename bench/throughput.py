@@ -1,6 +1,7 @@
 """Offline throughput, in-process (`LLM`) and through the gRPC split (executor + scheduler as two
-subprocesses, one asyncio client streaming every request at once). Prints output tokens/s of
-each and their ratio.
+subprocesses; every request streamed at once from --num-client-processes client processes, each
+its own connection, as separate clients are, so that they spread over the scheduler's API servers
+and no one Python client bounds the figure). Prints output tokens/s of each and their ratio.
 
     python bench/throughput.py                      # CPU: the embedded model, 64 requests
     python bench/throughput.py --workload w1 --device cuda     # BENCH.md W1 (Qwen3-0.6B shape)
@@ -12,7 +13,7 @@ each and their ratio.
 
 Requests have token-id prompts, random (seeded) prompt and output lengths and ignore_eos, so
 every run generates exactly the same number of tokens. Time runs from submitting the first
-request to the last token, after a warm-up.
+request to the last token, after a warm-up (the split: each client process warms its connection).
 """
 
 from __future__ import annotations
@@ -173,6 +174,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=None, help="default 0 (greedy); w1: 0.6")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument("--mode", choices=["both", "in-process", "split"], default="both")
+    p.add_argument(
+        "--num-client-processes",
+        type=int,
+        default=4,
+        help="split: client processes streaming the requests, each its own connection (default 4)",
+    )
     add_service_flags(p, stream_interval=16)
     p.add_argument(
         "--profile-gpu",
@@ -607,22 +614,44 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
         wait_serving(executor, ports["executor"])
         scheduler.start()
         wait_serving(scheduler, ports["scheduler"])
-        asyncio.run(stream_all(ports["scheduler"], workload, args.temperature, warm_up=True))
-        before = scrape(ports["executor_metrics"])
-        api_servers = child_pids(
-            scheduler.process.pid
-        )  # --api-server-count: the scheduler is the engine core
-        cpu_before = {s.name: cpu_seconds(s.process.pid) for s in services}
-        api_before = sum(cpu_seconds(pid) for pid in api_servers)
-        client_cpu = time.process_time()
-        threads_before = thread_cpu(scheduler.process.pid)
-        tokens, elapsed = asyncio.run(stream_all(ports["scheduler"], workload, args.temperature))
+        from serve import load_from_processes
+
         pid = scheduler.process.pid
-        threads = {t: v - threads_before.get(t, 0.0) for t, v in thread_cpu(pid).items()}
-        cpu = {s.name: cpu_seconds(s.process.pid) - cpu_before[s.name] for s in services}
+        api_servers = child_pids(pid)  # --api-server-count: the scheduler is the engine core
+        counters = {}
+
+        def before_timed_run() -> None:
+            counters["metrics"] = scrape(ports["executor_metrics"])
+            counters["cpu"] = {s.name: cpu_seconds(s.process.pid) for s in services}
+            counters["api"] = {p: cpu_seconds(p) for p in api_servers}
+            counters["threads"] = thread_cpu(pid)
+
+        # Several client processes, each its own connection (a single channel is one HTTP/2
+        # connection: one API server would take every stream, and one Python client process near
+        # a core at stream interval 1 would bound what it measures); each warms its connection.
+        records, client_cpu, t0 = load_from_processes(
+            ports["scheduler"],
+            workload,
+            [0.0] * len(workload),
+            args.temperature,
+            args.num_client_processes,
+            warm=2,
+            on_ready=before_timed_run,
+        )
+        failed = [r for r in records if r["error"]]
+        if failed:
+            raise SystemExit(f"{len(failed)} requests failed, the first: {failed[0]['error']}")
+        tokens = sum(r["output_tokens"] for r in records)
+        elapsed = max(r["chunks"][-1] for r in records if r["chunks"]) - t0
+        before = counters["metrics"]
+        threads = {t: v - counters["threads"].get(t, 0.0) for t, v in thread_cpu(pid).items()}
+        cpu = {s.name: cpu_seconds(s.process.pid) - counters["cpu"][s.name] for s in services}
         if api_servers:
-            cpu[f"{len(api_servers)} API servers"] = sum(cpu_seconds(pid) for pid in api_servers) - api_before
-        cpu["client"] = time.process_time() - client_cpu
+            per_server = [cpu_seconds(p) - counters["api"][p] for p in api_servers]
+            cpu[f"{len(api_servers)} API servers"] = sum(per_server)
+            cpu["the busiest API server"] = max(per_server)
+        cpu[f"{len(client_cpu)} client processes"] = sum(c["cpu_s"] for c in client_cpu)
+        cpu["the busiest client"] = max(c["cpu_s"] for c in client_cpu)
         after = scrape(ports["executor_metrics"])
         steps = {
             k: after.get(k, 0.0) - before.get(k, 0.0)
