@@ -117,6 +117,8 @@ for what in "$@"; do
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;
     w1-fp8) TAIL=12 stage w1-fp8 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 ;;
+    # Each in-process step's host time by phase (prepare, the eager model's modules, the sampler).
+    host-phases) TAIL=30 stage host-phases "$PY" bench/host_phases.py --workload w1 --device cuda --mode in-process --kv-cache-dtype ${KV_DTYPE:-fp8} ;;
     w1-gpu) TAIL=8 stage w1-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --profile-gpu ;;
     w1-fp8-gpu) TAIL=8 stage w1-fp8-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --profile-gpu ;;
     w1-fp8-split) TAIL=12 stage w1-fp8-split "$PY" bench/throughput.py --workload w1 --device cuda --mode split --kv-cache-dtype fp8 ;;
