@@ -325,12 +325,17 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         record_host_steps(llm.engine.executor, host_steps)
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         profiler.start()
+    timeline = getattr(llm.executor, "device_timeline", None)
+    device0 = timeline.totals() if timeline is not None else None
     gc_times = GCTimes()
     t0, cpu0 = time.perf_counter(), time.process_time()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     gc_times.stop()
     print(f"garbage collections in the timed in-process run: {gc_times}")
+    if device0 is not None:
+        busy, gaps, count = (now - before for now, before in zip(timeline.totals(), device0, strict=True))
+        print(f"in-process device: {device_line(busy, gaps, count, elapsed)}")
     if profiler is not None:
         profiler.stop()
         print_gpu_time(profiler, elapsed, llm.engine.scheduler.stats.num_steps - steps0)
@@ -591,6 +596,14 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
+def device_line(busy: float, gaps: float, count: int, elapsed: float) -> str:
+    """The device timeline's sums over a run (executor_service/device_timeline.py)."""
+    return (
+        f"{busy:.2f} s in steps ({busy / elapsed:.0%} of the wall time), {count} gaps between steps, "
+        f"{gaps * 1e3:.0f} ms in all"
+    )
+
+
 def idle_gaps(steps: dict[str, float]) -> str:
     """The executor's gaps between steps (tandem_executor_idle_seconds) during the timed run: how
     many, their total, and the share of it in gaps over 1 ms (a few long stalls, or many short)."""
@@ -664,6 +677,9 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
                 "tandem_executor_idle_seconds_count",
                 "tandem_executor_idle_seconds_bucket:0.0001",
                 "tandem_executor_idle_seconds_bucket:0.001",
+                "tandem_executor_device_busy_seconds_total",
+                "tandem_executor_device_gap_seconds_sum",
+                "tandem_executor_device_gap_seconds_count",
             )
         }
         steps["cpu"] = cpu
@@ -743,6 +759,14 @@ def main(argv: list[str] | None = None) -> int:
             + f"{floor(elapsed)})",
             flush=True,
         )
+        if steps["tandem_executor_device_busy_seconds_total"]:  # CUDA
+            line = device_line(
+                steps["tandem_executor_device_busy_seconds_total"],
+                steps["tandem_executor_device_gap_seconds_sum"],
+                int(steps["tandem_executor_device_gap_seconds_count"]),
+                elapsed,
+            )
+            print(f"split device: {line}", flush=True)
         print(
             f"{'engine core' if steps['api_servers'] else 'scheduler'} CPU per output token: "
             f"{steps['cpu']['scheduler'] / max(tokens, 1) * 1e6:.1f} us (its threads: the loop "

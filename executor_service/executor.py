@@ -182,6 +182,11 @@ class LocalExecutor:
         return drop_all(self.runner, self.seqs)
 
     @property
+    def device_timeline(self):
+        """The device's time in steps and between them (device_timeline.py); None off CUDA."""
+        return self.runner.timeline
+
+    @property
     def num_graph_steps(self) -> int:
         """Steps the model runner replayed from a CUDA graph."""
         return self.runner.num_graph_steps

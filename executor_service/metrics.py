@@ -93,6 +93,19 @@ class ExecutorMetrics:
             buckets=IDLE_BUCKETS,
             registry=r,
         )
+        self.device_busy = Counter(
+            "tandem_executor_device_busy_seconds",
+            "On CUDA, from events around each step: the device's time in steps, from a step's forward "
+            "(its inputs copied) to its last op",
+            registry=r,
+        )
+        self.device_gap = Histogram(
+            "tandem_executor_device_gap_seconds",
+            "On CUDA, from events around each step: the device's gaps between one step's last op and "
+            "the next step's first (nothing of a step queued: the host, the scheduler or no work)",
+            buckets=IDLE_BUCKETS,
+            registry=r,
+        )
         self.forward_tokens = Counter(
             "tandem_executor_forward_tokens",
             "Tokens run through the model (prefill chunks and decodes)",
@@ -154,6 +167,13 @@ class ExecutorMetrics:
         self.step_duration.labels(step_kind(plan)).observe(seconds)
         self.forward_tokens.inc(sum(plan.num_scheduled_tokens))
         self.steps.labels("cuda_graph" if cuda_graph else "eager").inc()
+
+    def observe_device(self, busy_seconds: float, gaps: list[float]) -> None:
+        """The device timeline's steps settled since the last call (device_timeline.py)."""
+        if busy_seconds:
+            self.device_busy.inc(busy_seconds)
+        for gap in gaps:
+            self.device_gap.observe(gap)
 
     def step_failed(self, code: str) -> None:
         self.step_failures.labels(code).inc()

@@ -19,6 +19,7 @@ from executor_service.block_tables import BlockTables
 from executor_service.config import ExecutorConfig
 from executor_service.context import reset_context, set_context
 from executor_service.cuda_graph import MAX_MIXED_GRAPH_TOKENS, DecodeGraphs, MixedGraphs
+from executor_service.device_timeline import DeviceTimeline
 from executor_service.kv_cache import KVCache, block_bytes
 from executor_service.layers.attention import Attention
 from executor_service.layers.fp8_layers import convert_to_fp8
@@ -140,6 +141,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.block_tables = BlockTables(self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self.num_graph_steps = 0
+        # The device's time in steps and between them (rank 0 on CUDA; device_timeline.py).
+        self.timeline = DeviceTimeline() if self.device.type == "cuda" and self.is_driver else None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         # Sequences held that ask for prompt logprobs, and for a logit bias or min_tokens: prepare()
@@ -294,6 +297,8 @@ class ModelRunner:
         """Prepare, forward and sample without waiting for the device (see Launch)."""
         t0 = time.perf_counter()
         batch = self.prepare(seqs, num_scheduled_tokens, pending)
+        # After the inputs' copies, before the forward: a device idle meanwhile waited on the host.
+        started = self.timeline.begin() if self.timeline is not None else None
         t1 = time.perf_counter()
         logits, prompt = self.execute_model(batch, all_logits)
         sampled = None
@@ -320,8 +325,10 @@ class ModelRunner:
                 )
             )
         if on_cuda and (sampled is not None or prompt is not None):
-            launch.done = torch.cuda.Event()
+            launch.done = DeviceTimeline.event()
             launch.done.record()
+        if started is not None:
+            self.timeline.end(started, launch.done)
         if self.tp_size > 1 and batch.sampling_seqs:
             # Rank 0's sampled ids to every rank's device (after the host copy, which need not wait
             # for it): a step launched before this one is collected takes its inputs from them.
@@ -339,6 +346,8 @@ class ModelRunner:
         out = RunOutput(sampled_token_ids=[], logits=launch.logits if all_logits else None)
         if launch.done is not None:
             launch.done.synchronize()
+        if self.timeline is not None:
+            self.timeline.settle()
         if launch.prompt_logprobs is not None:
             out.prompt_logprobs = prompt_logprobs_results(
                 launch.batch.prompt_logprobs, launch.prompt_logprobs

@@ -256,6 +256,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         """The oldest step's result, just received, as the stream's answer."""
         step, seconds = in_flight.answered()
         self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > step.num_graph_steps)
+        timeline = getattr(executor, "device_timeline", None)
+        if timeline is not None:
+            self.metrics.observe_device(*timeline.take())
         return result_to_proto(result)
 
     def _run_step(self, fn, plan: StepPlan, context: grpc.ServicerContext):

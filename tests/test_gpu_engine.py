@@ -288,3 +288,27 @@ def test_qwen3_moe_fp8_experts_match_torch_w8a8_and_the_dequantized_experts(tmp_
     same = sum(first[i][0][0] == truth[i][0][0] for i in clear)
     assert len(clear) >= 6 and same >= 0.7 * len(clear), (same, len(clear), list(zip(first, truth)))
     assert error < 0.2, (error, list(zip(first, truth)))
+
+
+def test_device_timeline_accounts_for_the_run(qwen3_tied):
+    """The device timeline (CUDA events around each step) covers every step of a run once: its
+    time in steps and the gaps between them add up to most of the run's wall time and no more."""
+    import time
+
+    prompts = make_prompts([20 + 3 * i for i in range(16)], seed=3)
+    llm = LLM(str(qwen3_tied), device="cuda", dtype="bfloat16", attention_backend="triton", num_kv_blocks=256)
+    timeline = llm.executor.device_timeline
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    steps0, (busy0, gaps0, count0) = timeline.num_steps, timeline.totals()
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
+    wall = time.perf_counter() - start
+    timeline.settle()
+    torch.cuda.synchronize()
+    timeline.settle()
+    busy, gaps, count = (a - b for a, b in zip(timeline.totals(), (busy0, gaps0, count0), strict=True))
+    steps = timeline.num_steps - steps0
+    assert steps >= 64  # at least one launch per generated token position
+    assert count == steps  # every step after the warm-up's last one has a gap before it
+    assert busy > 0 and gaps >= 0
+    assert 0.5 * wall <= busy + gaps <= wall * 1.05 + 0.01
