@@ -18,10 +18,13 @@ and bench/throughput.py prints them for both modes.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class DeviceTimeline:
@@ -39,6 +42,7 @@ class DeviceTimeline:
         self._new_busy = 0.0
         self._new_gaps: list[float] = []
         self._lock = threading.Lock()
+        self.stopped = False  # the events refused once: nothing more is recorded
 
     @staticmethod
     def begin() -> torch.cuda.Event:
@@ -55,19 +59,29 @@ class DeviceTimeline:
     def end(self, start: torch.cuda.Event, end: torch.cuda.Event | None = None) -> None:
         """The step's end: `end` if recorded after its last op already (its done event), else an
         event recorded now. It is settled once the device gets there."""
+        if self.stopped:
+            return
         if end is None:
             end = self.event()
             end.record()
         self._open.append((start, end))
 
     def settle(self) -> None:
-        """Add up the steps whose end event has completed, in launch order (never waits)."""
+        """Add up the steps whose end event has completed, in launch order (never waits). A
+        diagnostic must not fail a step: should the events refuse (a RuntimeError), the timeline
+        stops, with a warning."""
         while self._open and self._open[0][1].query():
             start, end = self._open.popleft()
-            busy = start.elapsed_time(end) / 1e3
-            gap = None
-            if self._last_end is not None:
-                gap = max(0.0, self._last_end.elapsed_time(start) / 1e3)
+            try:
+                busy = start.elapsed_time(end) / 1e3
+                gap = None
+                if self._last_end is not None:
+                    gap = max(0.0, self._last_end.elapsed_time(start) / 1e3)
+            except RuntimeError as e:
+                logger.warning("the device timeline stops: %s", e)
+                self._open.clear()
+                self.stopped = True
+                return
             self._last_end = end
             with self._lock:
                 self.busy_seconds += busy

@@ -298,7 +298,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = self.prepare(seqs, num_scheduled_tokens, pending)
         # After the inputs' copies, before the forward: a device idle meanwhile waited on the host.
-        started = self.timeline.begin() if self.timeline is not None else None
+        timeline = self.timeline if self.timeline is not None and not self.timeline.stopped else None
+        started = timeline.begin() if timeline is not None else None
         t1 = time.perf_counter()
         logits, prompt = self.execute_model(batch, all_logits)
         sampled = None
@@ -328,7 +329,7 @@ class ModelRunner:
             launch.done = DeviceTimeline.event()
             launch.done.record()
         if started is not None:
-            self.timeline.end(started, launch.done)
+            timeline.end(started, launch.done)
         if self.tp_size > 1 and batch.sampling_seqs:
             # Rank 0's sampled ids to every rank's device (after the host copy, which need not wait
             # for it): a step launched before this one is collected takes its inputs from them.

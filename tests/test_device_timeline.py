@@ -67,3 +67,22 @@ def test_a_steps_done_event_is_its_end(events):
     done = FakeEvent()
     end = _step(timeline, 1.0, 3.0, done=done)
     assert end is done
+
+
+def test_events_that_refuse_stop_the_timeline_not_the_step(events, caplog):
+    class Refusing(FakeEvent):
+        def elapsed_time(self, other):
+            raise RuntimeError("event not recorded")
+
+    timeline = DeviceTimeline()
+    start = Refusing()
+    start.record()
+    end = FakeEvent()
+    end.record()
+    end.done = True
+    timeline.end(start, end)
+    with caplog.at_level("WARNING"):
+        timeline.settle()
+    assert timeline.stopped and "the device timeline stops" in caplog.text
+    timeline.end(FakeEvent(), FakeEvent())  # ignored from now on
+    assert timeline.totals() == (0.0, 0.0, 0) and not timeline._open
