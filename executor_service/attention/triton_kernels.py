@@ -94,6 +94,47 @@ def store_kv_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    store_token_kv(
+        k, v, t, slot, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+        block_size, k_scale, v_scale, num_tokens,
+        NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, KV_FP8, BLOCK_S, WHOLE_ROWS,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_token_kv(
+    k,  # [BLOCK_H, BLOCK_D] one token's K and V in the model dtype (rows past NUM_KV_HEADS and
+    v,  # columns past HEAD_DIM are not stored)
+    t,  # the token's row in the launch (its slot_mapping entry)
+    slot,  # its slot, >= 0
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vcb,  # the V cache's strides as [num_blocks, block_size, num_kv_heads, head_dim]
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    block_size,
+    k_scale,
+    v_scale,
+    num_tokens,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WHOLE_ROWS: tl.constexpr,
+):
+    """One token's K and V into the paged cache (store_kv_kernel's body; the fused rotary kernel
+    of layers/triton_ops.py calls it too), with an e4m3 cache's zeroing of its block."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     block, offset = slot // block_size, slot % block_size
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
     v_dst = block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
