@@ -100,6 +100,11 @@ for dtype in (torch.float32, torch.bfloat16, f16):
     check_qk_norm_rope(3, 2, 1, 64, dtype, "cpu")
     yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024}
     check_qk_norm_rope(5, 4, 2, 32, dtype, "cpu", with_norm=False, rope=yarn)
+from helpers.triton_op_checks import check_qk_norm_rope_stores_kv
+FP8 = torch.float8_e4m3fn
+for kv_dtype, block_size, scales in ((torch.bfloat16, 16, (1.0, 1.0)), (FP8, 16, (0.02, 3.0)), (FP8, 8, (1.0, 1.0)), (FP8, 12, (1.0, 1.0))):
+    check_qk_norm_rope_stores_kv(2, 32, torch.bfloat16, kv_dtype, block_size, "cpu", scales)
+check_qk_norm_rope_stores_kv(1, 64, f16, FP8, 16, "cpu", (1.0, 2.5), with_norm=False)
 """,
     "sampling": """
 from helpers.sampling_checks import (

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.triton_op_checks import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
+from helpers.triton_op_checks import (
+    check_qk_norm_rope,
+    check_qk_norm_rope_stores_kv,
+    check_rms_norm,
+    check_silu_and_mul,
+)
 
 # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest, so there bf16 results
 # are only checked for closeness.
@@ -55,4 +60,25 @@ def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dty
     """The rotary-only variant (Llama, Qwen2, Mistral), with a scaled cos/sin table."""
     check_qk_norm_rope(
         num_tokens, num_heads, num_kv_heads, head_dim, dtype, "cuda", with_norm=False, rope=LLAMA3
+    )
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "kv_dtype, block_size, scales",
+    [
+        (None, 16, (1.0, 1.0)),
+        (torch.float8_e4m3fn, 16, (1.0, 1.0)),
+        (torch.float8_e4m3fn, 32, (0.03, 2.5)),
+        (torch.float8_e4m3fn, 12, (1.0, 1.0)),
+    ],
+)
+@pytest.mark.parametrize("num_kv_heads, head_dim, with_norm", [(8, 128, True), (2, 64, False)])
+def test_qk_norm_rope_stores_kv(dtype, kv_dtype, block_size, scales, num_kv_heads, head_dim, with_norm):
+    """The fused rotary kernel's K/V store: byte for byte the attention backend's (the model
+    dtype's cache, and e4m3 with the lone token's rows, a run's zeroing and a block size no power
+    of 2), the q and k it returns unchanged."""
+    check_qk_norm_rope_stores_kv(
+        num_kv_heads, head_dim, dtype, kv_dtype or dtype, block_size, "cuda", scales, with_norm=with_norm
     )

@@ -13,6 +13,9 @@ class AttentionBackend:
     graph_safe: bool = False
     # Whether it stores and reads an e4m3 KV cache (kv_cache_dtype fp8).
     fp8_kv: bool = False
+    # Whether its store is attention/triton_kernels.store_kv (layers/triton_ops.qk_norm_rope can
+    # write the cache for it, the same bytes, and forward is then called with kv_stored=True).
+    fused_store: bool = False
 
     @staticmethod
     def supports(device: torch.device) -> bool:

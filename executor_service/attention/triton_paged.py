@@ -83,6 +83,7 @@ class TritonPagedBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
     fp8_kv = True
+    fused_store = True
 
     def __init__(self) -> None:
         self._plan: StepPlan | None = None

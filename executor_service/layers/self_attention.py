@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from executor_service.context import get_context, recording
 from executor_service.layers.attention import Attention
 from executor_service.layers.fusable import Fusable
 from executor_service.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -70,9 +71,11 @@ class SelfAttention(Fusable, nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # [num_tokens, heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        kv_cache = None
         if self.fused:
             from executor_service.layers import triton_ops
 
+            kv_cache = self._cache_to_store()
             q, k = triton_ops.qk_norm_rope(
                 qkv,
                 positions,
@@ -83,6 +86,7 @@ class SelfAttention(Fusable, nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
+                kv_cache=kv_cache,
             )
         else:
             q = q.view(-1, self.num_heads, self.head_dim)
@@ -90,5 +94,17 @@ class SelfAttention(Fusable, nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)
+        o = self.attn(q, k, v, kv_stored=kv_cache is not None)
         return self.o_proj(o.flatten(1))
+
+    def _cache_to_store(self) -> tuple | None:
+        """What the fused rotary kernel needs to write this step's K/V into the cache itself: with
+        a backend whose store it is (fused_store), the cache bound, and outside a piecewise-graph
+        capture (MixedGraphs puts the store in its graphs); None otherwise."""
+        attn = self.attn
+        if not attn.backend.fused_store or not attn.k_cache.numel() or recording() is not None:
+            return None
+        slot_mapping = get_context().slot_mapping
+        if slot_mapping is None:
+            return None
+        return attn.k_cache, attn.v_cache, slot_mapping, attn.k_scale, attn.v_scale

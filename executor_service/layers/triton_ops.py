@@ -7,7 +7,9 @@ intermediate the reference stores in the model dtype rounded to it here too. In 
 agree to the last bits; in bf16 they differ only where Triton's and CUDA's exp or rsqrt do.
 
 Under CUDA graphs a decode step of Qwen3-0.6B runs about 50 tiny elementwise kernels per layer on
-the unfused path; these replace them with three launches per layer.
+the unfused path; these replace them with three launches per layer. With the Triton attention
+backend the rotary kernel also writes the token's K and V into the paged KV cache (the attention
+backend's store, attention/triton_kernels.store_token_kv: the same bytes), one launch fewer a layer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from executor_service.attention.triton_kernels import store_token_kv
 
 
 @triton.jit
@@ -121,11 +125,30 @@ def _qk_norm_rope_kernel(
     stride_qkv,
     stride_cs,
     eps,
+    k_cache_ptr,  # with STORE_KV: the paged KV cache, as attention/triton_kernels.store_kv
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_cb,
+    stride_cs_cache,
+    stride_ch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    block_size,
+    k_scale,
+    v_scale,
+    num_tokens,
     NUM_HEADS: tl.constexpr,
     NUM_QK_HEADS: tl.constexpr,  # query heads then key heads, contiguous in a qkv row
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr = False,  # also write the token's K and V (the qkv row's last heads) to the cache
+    BLOCK_KVH: tl.constexpr = 1,  # the KV heads rounded up to a power of 2
+    KV_FP8: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 1,
+    WHOLE_ROWS: tl.constexpr = False,
 ):
     # grid: (num_tokens,); a program normalises (HAS_NORM) and rotates every query and key head of one token.
     t = tl.program_id(0).to(tl.int64)
@@ -162,6 +185,24 @@ def _qk_norm_rope_kernel(
     dst = tl.where(is_q, q_dst, k_dst)
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot >= 0:  # (-1: CUDA-graph padding)
+            # The K rows just stored, read back whole (visible to every thread of the program
+            # after the barrier), and V from the qkv row: store_kv's inputs, so its bytes.
+            tl.debug_barrier()
+            NUM_KV_HEADS: tl.constexpr = NUM_QK_HEADS - NUM_HEADS
+            hk = tl.arange(0, BLOCK_KVH)[:, None]
+            dk = tl.arange(0, HEAD_DIM)[None, :]
+            kv_mask = hk < NUM_KV_HEADS
+            k = tl.load(k_out_ptr + (t * NUM_KV_HEADS + hk) * HEAD_DIM + dk, mask=kv_mask)
+            v = tl.load(qkv_ptr + t * stride_qkv + (NUM_QK_HEADS + hk) * HEAD_DIM + dk, mask=kv_mask)
+            store_token_kv(
+                k, v, t, slot, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                stride_cb, stride_cs_cache, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+                block_size, k_scale, v_scale, num_tokens,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8, BLOCK_S, WHOLE_ROWS,
+            )  # fmt: skip
 
 
 def qk_norm_rope(
@@ -174,33 +215,59 @@ def qk_norm_rope(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_cache: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] -> rotary(norm(q)) [num_tokens,
     num_heads, head_dim] and rotary(norm(k)) [num_tokens, num_kv_heads, head_dim], new contiguous
     tensors. cos_sin_cache: [max_position, head_dim], the cos of each frequency twice, then its sin
-    twice. Without q/k weights (families with no q/k norm) it only rotates."""
+    twice. Without q/k weights (families with no q/k norm) it only rotates.
+
+    kv_cache: (k_cache, v_cache, slot_mapping, k_scale, v_scale): also store each token's K (as
+    returned) and V (qkv's last heads) in the paged cache, exactly as
+    attention.triton_kernels.store_kv(k, v, ...) would."""
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError("qk_norm_rope needs row-contiguous inputs and a power-of-two head_dim")
     num_tokens = qkv.shape[0]
     qk_heads = num_heads + num_kv_heads
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    if num_tokens:
-        _qk_norm_rope_kernel[(num_tokens,)](
-            qkv,
-            positions,
-            q_weight if q_weight is not None else qkv,
-            k_weight if k_weight is not None else qkv,
-            cos_sin_cache,
-            q,
-            k,
-            qkv.stride(0),
-            cos_sin_cache.stride(0),
-            eps,
-            NUM_HEADS=num_heads,
-            NUM_QK_HEADS=qk_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(qk_heads),
-            HAS_NORM=q_weight is not None,
-        )
+    if not num_tokens:
+        return q, k
+    store = {}
+    cache_args = [qkv, qkv, positions, *([0] * 8), 1.0, 1.0, num_tokens]  # unused without a cache
+    if kv_cache is not None:
+        from executor_service.fp8 import v_cache_slots
+
+        k_cache, v_cache, slot_mapping, k_scale, v_scale = kv_cache
+        block_size = k_cache.shape[1]
+        cache_args = [
+            k_cache, v_cache, slot_mapping, *k_cache.stride()[:3], *v_cache_slots(v_cache).stride(),
+            block_size, float(k_scale), float(v_scale), num_tokens,
+        ]  # fmt: skip
+        store = {
+            "STORE_KV": True,
+            "BLOCK_KVH": triton.next_power_of_2(num_kv_heads),
+            "KV_FP8": k_cache.dtype == torch.float8_e4m3fn,
+            "BLOCK_S": triton.next_power_of_2(block_size),
+            "WHOLE_ROWS": triton.next_power_of_2(block_size) == block_size,
+        }
+    _qk_norm_rope_kernel[(num_tokens,)](
+        qkv,
+        positions,
+        q_weight if q_weight is not None else qkv,
+        k_weight if k_weight is not None else qkv,
+        cos_sin_cache,
+        q,
+        k,
+        qkv.stride(0),
+        cos_sin_cache.stride(0),
+        eps,
+        *cache_args,
+        NUM_HEADS=num_heads,
+        NUM_QK_HEADS=qk_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(qk_heads),
+        HAS_NORM=q_weight is not None,
+        **store,
+    )
     return q, k

@@ -122,3 +122,50 @@ def check_qk_norm_rope(
     assert out_q.is_contiguous() and out_k.is_contiguous(), "the attention backends get dense q and k"
     _close_rotated(out_q, ref_q, what + " (q)")
     _close_rotated(out_k, ref_k, what + " (k)")
+
+
+def check_qk_norm_rope_stores_kv(
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
+    device: str, scales: tuple[float, float] = (1.0, 1.0), with_norm: bool = True,
+) -> None:  # fmt: skip
+    """qk_norm_rope with the KV cache: the same q and k as without it, and the cache's bytes those of
+    the attention backend's store of that k and of qkv's V (torch_ref.store_kv, which the Triton
+    store matches byte for byte): a prefill run into a new block (an e4m3 cache zeroes the rest of
+    its V slots), decode tokens at a block's first slot and mid-block, a padding row (-1). Every
+    cache slot starts as NaN, so that a slot written or zeroed wrongly shows."""
+    from executor_service.attention import torch_ref
+    from executor_service.fp8 import fp8_v_cache
+    from executor_service.layers.triton_ops import qk_norm_rope
+
+    gen = torch.Generator().manual_seed(7)
+    num_heads = 2 * num_kv_heads
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    bs = block_size
+    slots = [3 * bs + bs - 2, 3 * bs + bs - 1, 7 * bs, 7 * bs + 1, 7 * bs + 2, 9 * bs, 11 * bs + 5, -1]
+    num_tokens = len(slots)
+    qkv = (2 * torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen)).to(dtype).to(device)
+    positions = torch.tensor([30, 31, 32, 33, 34, 16, 5, 0], device=device)
+    slot_mapping = torch.tensor(slots, device=device)
+    weights = [(1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device) for _ in range(2)]
+    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(device)
+    args = (qkv, positions, *(weights if with_norm else (None, None)), rotary.cos_sin_cache, 1e-6)
+    shape = (12, bs, num_kv_heads, head_dim)
+    if kv_dtype == torch.float8_e4m3fn:
+        k_cache = torch.empty(shape, dtype=torch.uint8, device=device).fill_(0x7F).view(kv_dtype)
+        v_cache = fp8_v_cache(torch.empty(shape, dtype=torch.uint8, device=device).fill_(0x7F).view(kv_dtype))
+    else:
+        k_cache = torch.full(shape, float("nan"), dtype=kv_dtype, device=device)
+        v_cache = torch.full(shape, float("nan"), dtype=kv_dtype, device=device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    q, k = qk_norm_rope(*args, num_heads, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    torch_ref.store_kv(k, v, k_ref, v_ref, slot_mapping, *scales)
+    q_fused, k_fused = qk_norm_rope(
+        *args, num_heads, num_kv_heads, head_dim, kv_cache=(k_cache, v_cache, slot_mapping, *scales)
+    )
+    what = f"qk_norm_rope storing KV ({dtype} into {kv_dtype}, block size {bs}, scales {scales})"
+    assert torch.equal(q_fused, q) and torch.equal(k_fused, k), what + ": q / k changed"
+    bits = torch.uint8 if kv_dtype == torch.float8_e4m3fn else torch.int16
+    assert torch.equal(k_cache.view(bits), k_ref.view(bits)), what + ": K cache"
+    assert torch.equal(v_cache.view(bits), v_ref.view(bits)), what + ": V cache"
