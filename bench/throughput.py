@@ -114,9 +114,9 @@ def add_service_flags(p: argparse.ArgumentParser, stream_interval: int) -> None:
     p.add_argument(
         "--max-plans-in-flight",
         type=int,
-        choices=[1, 2],
+        choices=[1, 2, 3],
         default=2,
-        help="plans sent before the oldest result is read (default 2; 1: no overlap)",
+        help="plans sent before the oldest result is read (default 2; 1: no overlap; 3: the split only)",
     )
     p.add_argument(
         "--fused-ops",
@@ -297,7 +297,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         max_num_batched_tokens=args.max_num_batched_tokens,
         fused_ops=args.fused_ops,
         tensor_parallel_size=args.tensor_parallel_size,
-        max_plans_in_flight=args.max_plans_in_flight,
+        max_plans_in_flight=min(args.max_plans_in_flight, 2),  # in-process the executor takes two
         kv_cache_dtype=args.kv_cache_dtype,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         **options,

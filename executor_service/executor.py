@@ -49,6 +49,7 @@ class LocalExecutor:
     It implements protos.executor.Executor and the servicer's ServedExecutor."""
 
     takes_plans_ahead = True
+    max_plans_in_flight = 2  # its steps in flight; the service queues a third plan (servicer.py)
 
     def __init__(
         self, config: ExecutorConfig, on_workers: Callable[[WorkerProcesses], None] | None = None
@@ -119,7 +120,7 @@ class LocalExecutor:
         """Validate, apply and launch a step. A plan the executor refuses (PlanError) changes
         nothing; its error, like any other, is raised by receive(), and plans sent after a
         failed one are not run."""
-        if len(self._in_flight) >= 2:
+        if len(self._in_flight) >= self.max_plans_in_flight:
             raise StepOrderError(f"step {plan.step_id} sent with two steps in flight: receive one first")
         if self._in_flight and self._in_flight[-1].error is not None:
             error = RuntimeError(

@@ -115,10 +115,11 @@ FLAGS = (
         "--max-plans-in-flight",
         env="MAX_PLANS_IN_FLIGHT",
         type=int,
-        choices=(1, 2),
+        choices=(1, 2, 3),
         default=2,
         help="step plans sent before the oldest result is back (default 2: the next step is scheduled "
-        "and on its way while the executor runs one)",
+        "and on its way while the executor runs one; 3: one more waits at the executor, so that the "
+        "scheduler's round trip is not between two steps)",
     ),
     flag(
         "--max-queued-tokens",

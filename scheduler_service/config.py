@@ -32,8 +32,10 @@ class SchedulerConfig:
     # None = the executor's max_model_len.
     max_model_len: int | None = None
     # Plans sent before the oldest result is read: 2 hides the scheduler and the network behind
-    # the executor's step (engine.py and scheduler.py tell how); None = 2 for an executor that
-    # takes a plan ahead (send/receive: the gRPC one and LocalExecutor), else 1.
+    # the executor's step (engine.py and scheduler.py tell how); 3 (a remote executor) also keeps
+    # the next plan waiting at the executor while it runs two, so that the scheduler's round trip
+    # is off its path; None = 2 for an executor that takes a plan ahead (send/receive: the gRPC one
+    # and LocalExecutor), else 1.
     max_plans_in_flight: int | None = None
     # The most top logprobs per token a request may ask for.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -55,8 +57,8 @@ class SchedulerConfig:
                 "max_prefill_tokens_while_decoding must be >= 0 (0 for no budget), "
                 f"got {self.max_prefill_tokens_while_decoding}"
             )
-        if self.max_plans_in_flight not in (None, 1, 2):
-            raise ValueError(f"max_plans_in_flight must be 1 or 2, got {self.max_plans_in_flight}")
+        if self.max_plans_in_flight not in (None, 1, 2, 3):
+            raise ValueError(f"max_plans_in_flight must be 1, 2 or 3, got {self.max_plans_in_flight}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(
                 f"max_model_len must be >= 2 (or None for the executor's), got {self.max_model_len}"

@@ -74,6 +74,12 @@ class LLMEngine:
         depth = self.config.max_plans_in_flight
         if depth is None:  # two where the executor works while the next plan travels
             depth = 2 if executor.takes_plans_ahead else 1
+        limit = getattr(executor, "max_plans_in_flight", None)  # None: it queues what it cannot run yet
+        if limit is not None and depth > limit:
+            raise ValueError(
+                f"max_plans_in_flight {depth}: this executor takes at most {limit} plans in flight "
+                "(3 needs a remote executor, whose service queues the plan behind its two)"
+            )
         self.max_plans_in_flight = depth
         # The plans scheduled and not yet applied (steps_in_flight.py).
         self._in_flight = self.scheduler.in_flight

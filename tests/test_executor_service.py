@@ -118,8 +118,13 @@ def waves() -> list[list[tuple[list[int], SamplingParams]]]:
     return [items[:4], items[4:]]
 
 
-def generate(executor) -> tuple[dict[int, list[int]], dict[int, list], LLMEngine]:
-    engine = LLMEngine(executor, SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=32))
+def generate(
+    executor, max_plans_in_flight: int | None = None
+) -> tuple[dict[int, list[int]], dict[int, list], LLMEngine]:
+    config = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=32, max_plans_in_flight=max_plans_in_flight
+    )
+    engine = LLMEngine(executor, config)
     tokens: dict[int, list[int]] = {}
     logprobs: dict[int, list] = {}
     for wave in waves():
@@ -585,6 +590,41 @@ def test_cli_flags_have_env_twins(monkeypatch):
     assert parser.parse_args(["executor", "--port", "7"]).port == 7
     for action in parser._subparsers._group_actions[0].choices["executor"]._actions:
         assert action.help, action.dest
+
+
+class _CountingRemote(RemoteExecutor):
+    """How many plans were out at once."""
+
+    out = most_out = 0
+
+    def send(self, plan) -> None:
+        super().send(plan)
+        self.out += 1
+        self.most_out = max(self.most_out, self.out)
+
+    def receive(self, plan):
+        result = super().receive(plan)
+        self.out -= 1
+        return result
+
+
+def test_three_plans_in_flight_through_the_service_match_local(qwen3_tied, local):
+    """--max-plans-in-flight 3: the Step handler's overlapped loop runs two steps and keeps the
+    third plan queued until the oldest is answered; the same tokens and logprobs as in-process."""
+    executor = make_executor(qwen3_tied, **EXECUTOR_OPTIONS)
+    executor.overlaps_steps = True
+    server = ExecutorServer("127.0.0.1", 0)
+    server.start()
+    server.set_executor(executor)
+    try:
+        local.reset()
+        expected, expected_lp, _ = generate(local)
+        with _CountingRemote(server.address) as remote:
+            got, got_lp, engine = generate(remote, max_plans_in_flight=3)
+            assert engine.max_plans_in_flight == 3 and remote.most_out == 3
+            assert (got, got_lp) == (expected, expected_lp)
+    finally:
+        server.stop(1)
 
 
 def test_cli_rejects_bad_configuration(capsys):

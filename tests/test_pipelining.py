@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 from executor_fixtures import make_executor, prompt_ids
 from helpers.fake_executor import CountingPipe, FakeExecutor, greedy, make_engine, prompt
 from hypothesis import HealthCheck, given, settings
@@ -93,7 +94,9 @@ def test_random_aborts_refusals_and_preemption(requests, num_kv_blocks, budget, 
 
 
 class _PipelinedRecorder:
-    """A LocalExecutor taking two plans in flight, keeping every plan and result in plan order."""
+    """A LocalExecutor taking two plans in flight, keeping every plan and result in plan order; a
+    plan sent behind two waits in a queue until the oldest is received, as the executor service
+    queues a third plan (servicer.py)."""
 
     takes_plans_ahead = True
 
@@ -101,6 +104,8 @@ class _PipelinedRecorder:
         self.executor = executor
         self.plans = []
         self.results = {}
+        self._queued = []
+        self._launched = 0
 
     def describe(self):
         return self.executor.describe()
@@ -114,14 +119,24 @@ class _PipelinedRecorder:
 
     def send(self, plan) -> None:
         self.plans.append(copy.deepcopy(plan))
-        self.executor.send(plan)
+        self._queued.append(plan)
+        self._launch()
+
+    def _launch(self) -> None:
+        while self._queued and self._launched < 2:
+            self.executor.send(self._queued.pop(0))
+            self._launched += 1
 
     def receive(self, plan):
         result = self.executor.receive(plan)
+        self._launched -= 1
+        self._launch()
         self.results[plan.step_id] = result
         return result
 
     def discard(self) -> None:
+        self._queued.clear()
+        self._launched = 0
         self.executor.discard()
 
 
@@ -154,16 +169,17 @@ _KINDS = {
     ),
     budget=st.sampled_from([4, 8, 24, 64]),
     num_kv_blocks=st.sampled_from([16, 24, 64]),
+    depth=st.sampled_from([2, 3]),
 )
-def test_pipelined_plans_replayed_one_at_a_time(qwen3_untied, requests, budget, num_kv_blocks):
+def test_pipelined_plans_replayed_one_at_a_time(qwen3_untied, requests, budget, num_kv_blocks, depth):
     """The pipelined scheduler's plans (extra steps for stopped sequences, preemption and aborts
-    while a token is in flight) run with two in flight, then replayed one at a time on a fresh
-    executor: the same results step by step, and the same final state."""
+    while a token is in flight) run with two or three in flight, then replayed one at a time on a
+    fresh executor: the same results step by step, and the same final state."""
     options = dict(
         num_kv_blocks=num_kv_blocks, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64
     )
     rec = _PipelinedRecorder(make_executor(qwen3_untied, **options))
-    engine = LLMEngine(rec, SchedulerConfig(max_num_batched_tokens=budget, max_plans_in_flight=2))
+    engine = LLMEngine(rec, SchedulerConfig(max_num_batched_tokens=budget, max_plans_in_flight=depth))
     shared = prompt_ids(8, seed=99)
     ids = {}
     step = 0
@@ -202,7 +218,7 @@ def test_the_discarded_extra_token_of_a_stopped_sequence_preempts_no_live_reques
 
     def run_two(plans_in_flight: int):
         executor = FakeExecutor(num_kv_blocks=4, max_model_len=16)
-        pipe = CountingPipe(executor) if plans_in_flight == 2 else executor
+        pipe = CountingPipe(executor) if plans_in_flight > 1 else executor
         engine = LLMEngine(pipe, SchedulerConfig(max_plans_in_flight=plans_in_flight))
         a = engine.add_request(prompt(8, seed=1), greedy(4, stop_token_ids=list(range(2, 512))))
         b = engine.add_request(prompt(7, seed=2), greedy(8))
@@ -215,6 +231,14 @@ def test_the_discarded_extra_token_of_a_stopped_sequence_preempts_no_live_reques
 
     a1, b1, preemptions1 = run_two(1)
     a2, b2, preemptions2 = run_two(2)
-    assert (a1, b1) == (a2, b2) and a1[0] == "stop" and len(a1[1]) == 1
+    a3, b3, preemptions3 = run_two(3)
+    assert (a1, b1) == (a2, b2) == (a3, b3) and a1[0] == "stop" and len(a1[1]) == 1
     assert preemptions1 == 0
-    assert preemptions2 == 0, "B was preempted to make room for a token that is thrown away"
+    assert preemptions2 == preemptions3 == 0, "B was preempted to make room for a token that is thrown away"
+
+
+def test_three_plans_in_flight_need_an_executor_that_queues_them(qwen3_untied):
+    """LocalExecutor runs two steps in flight and has no queue: three is refused up front, saying
+    what takes them."""
+    with pytest.raises(ValueError, match=r"this executor takes at most 2 plans in flight \(3 needs a remote"):
+        LLMEngine(make_executor(qwen3_untied), SchedulerConfig(max_plans_in_flight=3))
