@@ -113,7 +113,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+# num_tokens (read only by the K/V store's zeroing) is the step's token count: not specialised, or
+# a count of 1 or a multiple of 16 would each compile a variant of their own.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _qk_norm_rope_kernel(
     qkv_ptr,
     positions_ptr,
