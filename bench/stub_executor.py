@@ -43,6 +43,7 @@ class StubExecutor(StepOnlyExecutor):
     overlaps_steps = False
     tp_size = 1
     num_graph_steps = 0
+    device_timeline = None
 
     def __init__(self, vocab_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.info = ExecutorInfo(

@@ -325,7 +325,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         record_host_steps(llm.engine.executor, host_steps)
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         profiler.start()
-    timeline = getattr(llm.executor, "device_timeline", None)
+    timeline = llm.executor.device_timeline
     device0 = timeline.totals() if timeline is not None else None
     gc_times = GCTimes()
     t0, cpu0 = time.perf_counter(), time.process_time()

@@ -34,11 +34,13 @@ class ServedExecutor(Executor, Protocol):
     the test fakes declare all of it). `overlaps_steps`: a step sent behind a running one overlaps
     it, so the Step handler launches each plan as it arrives; `ready()`: the oldest step sent is
     done; `tp_size`: ranks behind it; `failed_ranks()`: (rank, exit code) of ranks 1.. that
-    exited; `num_graph_steps`: steps replayed from a CUDA graph; `seqs`: the sequences held."""
+    exited; `num_graph_steps`: steps replayed from a CUDA graph; `seqs`: the sequences held;
+    `device_timeline`: its device's time in steps and between them (device_timeline.py), or None."""
 
     overlaps_steps: bool
     tp_size: int
     seqs: dict
+    device_timeline: object | None
 
     @property
     def num_graph_steps(self) -> int: ...
@@ -256,7 +258,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         """The oldest step's result, just received, as the stream's answer."""
         step, seconds = in_flight.answered()
         self.metrics.observe_step(plan, seconds, _num_graph_steps(executor) > step.num_graph_steps)
-        timeline = getattr(executor, "device_timeline", None)
+        timeline = executor.device_timeline
         if timeline is not None:
             self.metrics.observe_device(*timeline.take())
         return result_to_proto(result)

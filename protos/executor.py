@@ -5,7 +5,8 @@ it, and so does every test fake; nothing is detected with hasattr.
 Two plans may be in flight: `send(plan)` hands a plan over, `receive(plan)` returns its result,
 in plan order, and `discard()` forgets plans sent and not received. `takes_plans_ahead` says
 whether the executor works on one plan while the next is sent (the engine then keeps two in
-flight by default). An executor that can only `step` derives from `StepOnlyExecutor`, which runs
+flight by default); `max_plans_in_flight`, how many it takes sent and not received (None: no
+limit, as a remote executor, whose service queues the plans behind the two steps it runs). An executor that can only `step` derives from `StepOnlyExecutor`, which runs
 each plan when it is sent."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from protos.plan import ExecutorInfo, StepPlan, StepResult
 @runtime_checkable
 class Executor(Protocol):
     takes_plans_ahead: bool
+    max_plans_in_flight: int | None
 
     def describe(self) -> ExecutorInfo: ...
 
@@ -39,6 +41,7 @@ class StepOnlyExecutor:
     raises for them until the caller discards."""
 
     takes_plans_ahead: ClassVar[bool] = False
+    max_plans_in_flight: ClassVar[int | None] = None  # each plan runs when it is sent
 
     def describe(self) -> ExecutorInfo:
         raise NotImplementedError

@@ -74,7 +74,7 @@ class LLMEngine:
         depth = self.config.max_plans_in_flight
         if depth is None:  # two where the executor works while the next plan travels
             depth = 2 if executor.takes_plans_ahead else 1
-        limit = getattr(executor, "max_plans_in_flight", None)  # None: it queues what it cannot run yet
+        limit = executor.max_plans_in_flight  # None: it queues what it cannot run yet
         if limit is not None and depth > limit:
             raise ValueError(
                 f"max_plans_in_flight {depth}: this executor takes at most {limit} plans in flight "

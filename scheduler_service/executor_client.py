@@ -160,6 +160,7 @@ class RemoteExecutor:
     """
 
     takes_plans_ahead = True  # the executor runs a plan while the next one travels
+    max_plans_in_flight = None  # the service queues plans behind the two steps it runs
 
     def __init__(
         self,

@@ -15,6 +15,8 @@ def test_executors_declare_the_protocol():
     assert isinstance(fake, Executor) and fake.takes_plans_ahead is False
     assert isinstance(CountingPipe(fake), Executor) and CountingPipe.takes_plans_ahead is True
     assert RemoteExecutor.takes_plans_ahead is True
+    # How many plans each takes sent and not received: a remote executor's service queues them.
+    assert fake.max_plans_in_flight is None and RemoteExecutor.max_plans_in_flight is None
 
 
 class _FailsStep2(StepOnlyExecutor):

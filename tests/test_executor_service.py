@@ -373,6 +373,7 @@ class FakeExecutor(StepOnlyExecutor):
     overlaps_steps = False  # the servicer's ServedExecutor
     tp_size = 1
     num_graph_steps = 0
+    device_timeline = None
 
     def __init__(self) -> None:
         self.seqs: dict = {}  # the sequences held, as LocalExecutor's (the server's gauge counts them)

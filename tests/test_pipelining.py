@@ -99,6 +99,7 @@ class _PipelinedRecorder:
     queues a third plan (servicer.py)."""
 
     takes_plans_ahead = True
+    max_plans_in_flight = None  # it queues what the LocalExecutor cannot take yet
 
     def __init__(self, executor) -> None:
         self.executor = executor

@@ -184,6 +184,7 @@ class CountingPipe:
     """The fake executor behind send / receive, counting how many plans were out at once."""
 
     takes_plans_ahead = True
+    max_plans_in_flight = None
 
     def __init__(self, executor: FakeExecutor, fail_step: int | None = None, fail_steps=()) -> None:
         self.executor = executor
