@@ -12,6 +12,11 @@ their requests spread over the API servers as SO_REUSEPORT would spread them. Al
 Python's garbage collections over the timed steps (--freeze-heap: as the services, once started).
 
     python bench/engine_core_overhead.py [--num-seqs 256] [--steps 1000] [--api-servers 2] [--profile] [--freeze-heap]
+    python bench/engine_core_overhead.py --workload w1    # W1's 256 requests, admitted and run to the end
+
+With --workload w1 the timed part is BENCH.md's whole W1 run (its requests as bench/throughput.py
+draws them): admission, the prefill steps, the batch shrinking as requests finish, the finishes;
+what the H200's split measures per output token, less its threads' contention and the network.
 """
 
 from __future__ import annotations
@@ -66,6 +71,12 @@ class _Core:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--workload",
+        choices=["decode", "w1"],
+        default="decode",
+        help="decode: --num-seqs sequences decoding (default); w1: W1's requests from admission to the end",
+    )
     parser.add_argument("--num-seqs", type=int, default=256, help="running decode sequences")
     parser.add_argument("--steps", type=int, default=1000, help="decode steps measured")
     parser.add_argument("--api-servers", type=int, default=2, help="API servers the outputs go to")
@@ -79,7 +90,11 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    max_len = 400 + 2 * args.steps + 600
+    rng = random.Random(0)
+    if args.workload == "w1":
+        args.num_seqs, max_len = 256, 2 * 1024 + 16
+    else:
+        max_len = 400 + 2 * args.steps + 600
     info = ExecutorInfo(
         model="trivial", architecture="Trivial", block_size=16,
         num_kv_blocks=args.num_seqs * (max_len // 16 + 2), max_model_len=max_len, vocab_size=32000,
@@ -89,11 +104,20 @@ def main() -> None:
     )  # fmt: skip
     executor = WireExecutor(info) if args.executor is None else RemoteExecutor(args.executor)
     engine = LLMEngine(executor, SchedulerConfig(max_num_seqs=args.num_seqs))
-    rng = random.Random(0)
     vocab_size = engine.info.vocab_size
-    prompts = [
-        [rng.randrange(2, vocab_size) for _ in range(rng.randint(200, 400))] for _ in range(args.num_seqs)
-    ]
+    if args.workload == "w1":
+        from types import SimpleNamespace
+
+        from bench.throughput import make_workload
+
+        w1 = SimpleNamespace(seed=0, num_requests=256, min_prompt_len=100, max_prompt_len=1024,
+                             min_output_len=100, max_output_len=1024)  # fmt: skip
+        requests = [(r.prompt_token_ids, r.max_tokens) for r in make_workload(w1, vocab_size)]
+    else:
+        requests = [
+            ([rng.randrange(2, vocab_size) for _ in range(rng.randint(200, 400))], 2 * args.steps + 550)
+            for _ in range(args.num_seqs)
+        ]
     metrics = SchedulerMetrics()
     streams = StreamTable(metrics)
     bridge = CoreBridge(_Core(streams), metrics, ipc.ipc_address())
@@ -112,26 +136,30 @@ def main() -> None:
         api_sockets.append(api)
     for _ in peers:  # each connection is up once its hello is in
         bridge._socket.recv_multipart()
-    params = SamplingParams(max_tokens=2 * args.steps + 550, ignore_eos=True, temperature=0.6)
-    now = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        peer = peers[rng.randrange(len(peers))]
-        stream = RequestStream(str(i), i, len(prompt), params, now, peer=peer)
-        engine.add_request(prompt, params, request_id=i, client=stream)
-        streams.add(stream)
-        bridge._remote[i] = (peer, stream)
+
+    def admit() -> None:
+        now = time.perf_counter()
+        for i, (prompt, max_tokens) in enumerate(requests):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.6)
+            peer = peers[rng.randrange(len(peers))]
+            stream = RequestStream(str(i), i, len(prompt), params, now, peer=peer)
+            engine.add_request(prompt, params, request_id=i, client=stream)
+            streams.add(stream)
+            bridge._remote[i] = (peer, stream)
 
     def step() -> int:
         seqs = engine.step_sequences()
         bridge.step_outputs(seqs)
         return sum(seq.num_new_tokens for seq in seqs)
 
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
-        engine.scheduler.waiting
-    ):
-        step()
-    for _ in range(10):
-        step()
+    if args.workload == "decode":  # the prefills and a few decode steps before the timing
+        admit()
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
+            engine.scheduler.waiting
+        ):
+            step()
+        for _ in range(10):
+            step()
     if args.freeze_heap:  # as the services do once they serve
         mark_service_process()  # as the services, once started
         freeze_startup_heap()
@@ -142,8 +170,15 @@ def main() -> None:
     t0, cpu0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
     if profiler is not None:
         profiler.enable()
-    for _ in range(args.steps):
-        tokens += step()
+    num_steps = 0
+    if args.workload == "w1":
+        admit()
+        while engine.has_unfinished_requests() or engine.scheduler.has_finished_to_send():
+            tokens += step()
+            num_steps += 1
+    else:
+        for num_steps in range(1, args.steps + 1):  # noqa: B007 (the count is read after)
+            tokens += step()
     if profiler is not None:
         profiler.disable()
     cpu, wall = time.thread_time() - cpu0, time.perf_counter() - t0
@@ -157,10 +192,13 @@ def main() -> None:
         executor.close()
 
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
-    print(f"{args.num_seqs} decode sequences, {args.steps} steps, {args.api_servers} API servers")
+    what = "W1's requests" if args.workload == "w1" else "decode sequences"
+    print(
+        f"{args.num_seqs} {what}, {num_steps} steps, {tokens} output tokens, {args.api_servers} API servers"
+    )
     print(f"engine core CPU per output token (one thread): {cpu / tokens * 1e6:.2f} us")
     print(f"engine core CPU per output token (all threads): {process / tokens * 1e6:.2f} us")
-    print(f"per step: {wall / args.steps * 1e3:.3f} ms wall, {cpu / args.steps * 1e3:.3f} ms CPU")
+    print(f"per step: {wall / num_steps * 1e3:.3f} ms wall, {cpu / num_steps * 1e3:.3f} ms CPU")
     print(f"garbage collections in the timed steps: {collections}")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
