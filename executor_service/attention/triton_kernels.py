@@ -535,6 +535,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    cache_args, cache_constants = cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens)
     store_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -545,22 +546,30 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        *v_cache_slots(v_cache).stride(),
-        k_cache.shape[1],
-        float(k_scale),
-        float(v_scale),
-        num_tokens,
+        *cache_args,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
-        BLOCK_S=triton.next_power_of_2(k_cache.shape[1]),
-        WHOLE_ROWS=triton.next_power_of_2(k_cache.shape[1]) == k_cache.shape[1],
+        **cache_constants,
     )
+
+
+def cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens: int) -> tuple[list, dict]:
+    """What a kernel calling store_token_kv passes for the cache after its pointers: the K and V
+    caches' strides, the block size, the scales and the launch's token count; and the store's
+    compile-time constants (KV_FP8, BLOCK_S, WHOLE_ROWS)."""
+    block_size = k_cache.shape[1]
+    args = [
+        *k_cache.stride()[:3], *v_cache_slots(v_cache).stride(), block_size,
+        float(k_scale), float(v_scale), num_tokens,
+    ]  # fmt: skip
+    constants = {
+        "KV_FP8": k_cache.dtype == torch.float8_e4m3fn,
+        "BLOCK_S": triton.next_power_of_2(block_size),
+        "WHOLE_ROWS": triton.next_power_of_2(block_size) == block_size,
+    }
+    return args, constants
 
 
 def _launch(

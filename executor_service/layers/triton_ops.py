@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_service.attention.triton_kernels import store_token_kv
+from executor_service.attention.triton_kernels import cache_store_args, store_token_kv
 
 
 @triton.jit
@@ -238,21 +238,10 @@ def qk_norm_rope(
     store = {}
     cache_args = [qkv, qkv, positions, *([0] * 8), 1.0, 1.0, num_tokens]  # unused without a cache
     if kv_cache is not None:
-        from executor_service.fp8 import v_cache_slots
-
         k_cache, v_cache, slot_mapping, k_scale, v_scale = kv_cache
-        block_size = k_cache.shape[1]
-        cache_args = [
-            k_cache, v_cache, slot_mapping, *k_cache.stride()[:3], *v_cache_slots(v_cache).stride(),
-            block_size, float(k_scale), float(v_scale), num_tokens,
-        ]  # fmt: skip
-        store = {
-            "STORE_KV": True,
-            "BLOCK_KVH": triton.next_power_of_2(num_kv_heads),
-            "KV_FP8": k_cache.dtype == torch.float8_e4m3fn,
-            "BLOCK_S": triton.next_power_of_2(block_size),
-            "WHOLE_ROWS": triton.next_power_of_2(block_size) == block_size,
-        }
+        args, constants = cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens)
+        cache_args = [k_cache, v_cache, slot_mapping, *args]
+        store = {"STORE_KV": True, "BLOCK_KVH": triton.next_power_of_2(num_kv_heads), **constants}
     _qk_norm_rope_kernel[(num_tokens,)](
         qkv,
         positions,
