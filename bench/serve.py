@@ -345,8 +345,16 @@ def prefix_counts(url: str | None) -> tuple[float, float] | None:
 
 
 def warm_up(address: str, workload, n: int) -> None:
+    """n short requests (8 tokens each) before the timed runs."""
+    from client.aio import AsyncTandemClient
+
+    async def run() -> None:
+        async with AsyncTandemClient(address) as client:
+            warm = [throughput.Request(r.prompt_token_ids, 8) for r in workload[:n]]
+            await asyncio.gather(*(_drain(client, r, 0.0) for r in warm))
+
     if n:
-        asyncio.run(throughput.stream_all(address, workload[:n], 0.0, warm_up=True))
+        asyncio.run(run())
 
 
 # The draws of make_requests: the warm-up's, then one per rate.

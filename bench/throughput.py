@@ -18,7 +18,6 @@ request to the last token, after a warm-up (the split: each client process warms
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import logging
@@ -517,33 +516,6 @@ def wait_serving(service, address: str, timeout: float = 600.0) -> None:
     failure = _wait_serving(service, address, timeout, threading.Event())
     if failure is not None:
         raise SystemExit(f"{failure}; the last lines of {service.log_path}:\n{service.tail()}")
-
-
-async def stream_all(
-    address: str, workload: list[Request], temperature: float, warm_up: bool = False
-) -> tuple[int, float]:
-    from client.aio import AsyncTandemClient
-    from client.messages import Chunk
-
-    async def one(client, request: Request) -> tuple[int, float]:
-        n, last = 0, 0.0
-        stream = client.generate(
-            request.prompt_token_ids, max_tokens=request.max_tokens, temperature=temperature, ignore_eos=True
-        )
-        async for item in stream:
-            if isinstance(item, Chunk):
-                n += len(item.token_ids)
-                last = time.perf_counter()
-        return n, last
-
-    async with AsyncTandemClient(address) as client:
-        if warm_up:  # a short first wave, outside the timing and the executor's step counts
-            warm = [Request(r.prompt_token_ids, 8) for r in workload[:4]]
-            await asyncio.gather(*(one(client, r) for r in warm))
-            return 0, 0.0
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(client, r) for r in workload))
-    return sum(n for n, _ in results), max(last for _, last in results) - t0
 
 
 def _stat_cpu_seconds(stat: Path) -> float | None:
