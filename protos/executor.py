@@ -6,8 +6,9 @@ Two plans may be in flight: `send(plan)` hands a plan over, `receive(plan)` retu
 in plan order, and `discard()` forgets plans sent and not received. `takes_plans_ahead` says
 whether the executor works on one plan while the next is sent (the engine then keeps two in
 flight by default); `max_plans_in_flight`, how many it takes sent and not received (None: no
-limit, as a remote executor, whose service queues the plans behind the two steps it runs). An executor that can only `step` derives from `StepOnlyExecutor`, which runs
-each plan when it is sent."""
+limit, as a remote executor, whose service queues the plans behind the two steps it runs). An
+executor that can only `step` derives from `StepOnlyExecutor`, which runs each plan when it is
+sent."""
 
 from __future__ import annotations
 

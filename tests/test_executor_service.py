@@ -609,14 +609,21 @@ class _CountingRemote(RemoteExecutor):
         return result
 
 
-def test_three_plans_in_flight_through_the_service_match_local(qwen3_tied, local):
-    """--max-plans-in-flight 3: the Step handler's overlapped loop runs two steps and keeps the
-    third plan queued until the oldest is answered; the same tokens and logprobs as in-process."""
-    executor = make_executor(qwen3_tied, **EXECUTOR_OPTIONS)
+def _overlapping_server(path) -> ExecutorServer:
+    """An executor service whose Step handler runs its overlapped loop (on CUDA: each plan
+    launched as it arrives, the oldest step answered when done), forced on the CPU."""
+    executor = make_executor(path, **EXECUTOR_OPTIONS)
     executor.overlaps_steps = True
     server = ExecutorServer("127.0.0.1", 0)
     server.start()
     server.set_executor(executor)
+    return server
+
+
+def test_three_plans_in_flight_through_the_service_match_local(qwen3_tied, local):
+    """--max-plans-in-flight 3: the Step handler's overlapped loop runs two steps and keeps the
+    third plan queued until the oldest is answered; the same tokens and logprobs as in-process."""
+    server = _overlapping_server(qwen3_tied)
     try:
         local.reset()
         expected, expected_lp, _ = generate(local)
@@ -641,11 +648,7 @@ def test_two_steps_in_flight_through_the_service_match_local(qwen3_tied, local):
     """The Step handler's overlapped loop (on CUDA: each plan launched as it arrives, the oldest
     step answered when done), forced on the CPU: the same tokens as in-process, then a refused
     plan fails alone and the stream that follows works."""
-    executor = make_executor(qwen3_tied, **EXECUTOR_OPTIONS)
-    executor.overlaps_steps = True
-    server = ExecutorServer("127.0.0.1", 0)
-    server.start()
-    server.set_executor(executor)
+    server = _overlapping_server(qwen3_tied)
     try:
         local.reset()
         expected, expected_lp, _ = generate(local)
