@@ -29,7 +29,13 @@ def check_route(num_tokens, num_experts, top_k, hidden, dtype, device, renormali
     ref_weights, ref_ids = moe.route(x, router, top_k, renormalize)
     for t in {0, num_tokens // 2, num_tokens - 1}:
         alone = fused_moe_triton.route(x[t : t + 1], router, top_k, renormalize, config)
-        assert torch.equal(alone[0][0], weights[t]) and torch.equal(alone[1][0], ids[t]), f"token {t} alone"
+        assert torch.equal(alone[1][0], ids[t]), f"token {t} alone: other experts"
+        if device == "cpu" and dtype == torch.float32:
+            # Triton's interpreter runs tl.dot as numpy's matmul, whose fp32 result for a row can
+            # depend on the row's place in the tile (numpy 2.4.6); the GPU keeps the bits.
+            torch.testing.assert_close(alone[0][0], weights[t], atol=1e-6, rtol=1e-6)
+        else:
+            assert torch.equal(alone[0][0], weights[t]), f"token {t} alone"
     probs = torch.softmax(x.double() @ router.double().T, dim=-1).sort(dim=-1, descending=True).values
     clear = (probs[:, : top_k + 1].diff(dim=-1).abs() > 1e-6).all(dim=-1)
     assert ids.dtype == torch.int64 and weights.dtype == dtype
