@@ -73,9 +73,8 @@ for what in "$@"; do
     w1-split) TAIL=12 stage w1-split "$PY" bench/throughput.py --workload w1 --device cuda ;;
     # Issue 16's target: every token streamed, the scheduler split into its engine core and API servers.
     w1-split1) TAIL=12 stage w1-split1 "$PY" bench/throughput.py --workload w1 --device cuda --stream-interval 1 ;;
-    # The same with three plans in flight for the split (the in-process run keeps two): the scheduler's round trip off the path.
-    w1-split1-3) TAIL=14 stage w1-split1-3 "$PY" bench/throughput.py --workload w1 --device cuda --stream-interval 1 --max-plans-in-flight 3 ;;
-    w1-fp8-split3) TAIL=14 stage w1-fp8-split3 "$PY" bench/throughput.py --workload w1 --device cuda --kv-cache-dtype fp8 --max-plans-in-flight 3 ;;
+    # The same with two plans in flight (the scheduler service's default is three; in-process keeps two).
+    w1-split1-2) TAIL=14 stage w1-split1-2 "$PY" bench/throughput.py --workload w1 --device cuda --stream-interval 1 --max-plans-in-flight 2 ;;
     w1-split1-one) TAIL=12 stage w1-split1-one "$PY" bench/throughput.py --workload w1 --device cuda --mode split --stream-interval 1 --api-server-count 0 ;;
     # BENCH.md W2 (issue 16): Poisson arrivals, every token streamed, 4 client processes; the JSON beside the log.
     w2) TAIL=30 STAGE_TIMEOUT=580 stage w2 "$PY" bench/serve.py --workload w2 --device cuda --request-rate 8 24 48 --num-processes 4 --json "$OUT/w2.json" ;;

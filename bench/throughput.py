@@ -114,8 +114,9 @@ def add_service_flags(p: argparse.ArgumentParser, stream_interval: int) -> None:
         "--max-plans-in-flight",
         type=int,
         choices=[1, 2, 3],
-        default=2,
-        help="plans sent before the oldest result is read (default 2; 1: no overlap; 3: the split only)",
+        default=3,
+        help="plans sent before the oldest result is read (default 3, the scheduler service's; "
+        "in-process the executor takes at most 2; 1: no overlap)",
     )
     p.add_argument(
         "--fused-ops",

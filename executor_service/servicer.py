@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -76,10 +76,13 @@ class _StreamAdmission:
     """What a Step stream lets through to the executor: well-formed plans of the executor's owner,
     with step ids that increase (they continue across reconnects, so only within a stream)."""
 
-    def __init__(self, ownership: Ownership, session: Session) -> None:
+    def __init__(self, ownership: Ownership, session: Session, resets: Callable[[], int]) -> None:
         self._ownership = ownership
         self._session = session
         self._last_step_id: int | None = None
+        # The executor's resets so far: a plan of this stream after another one is stale.
+        self._resets = resets
+        self._resets_at_open = resets()
 
     def admit(self, msg: object) -> StepPlan:
         """The plan in `msg`, or _Refusal."""
@@ -97,11 +100,19 @@ class _StreamAdmission:
 
     def recheck(self, step_id: int) -> None:
         """Under the executor lock, just before the plan runs: the owner may have changed while it
-        waited (a Reset that took the executor over runs between the two)."""
+        waited (a Reset that took the executor over runs between the two), and a Reset since the
+        stream opened makes its plans stale: a scheduler resets only after closing its stream, and
+        a plan read before the stream's cancellation was seen must not run on the reset state."""
         try:
             self._ownership.check_plan(self._session, step_id)
         except NotOwner as e:
             raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        if self._resets() != self._resets_at_open:
+            raise _Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"step {step_id} refused: the executor was reset after its Step stream opened "
+                "(open a new stream for the plans after a Reset)",
+            )
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
@@ -114,6 +125,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self.metrics = metrics
         self.ownership = ownership if ownership is not None else Ownership()
         self._lock = threading.Lock()
+        # Resets and Releases so far (each drops every sequence), counted under _lock.
+        self._num_resets = 0
         # Held by the Step stream that has steps in flight: another waits until they are answered.
         self._in_flight_lock = threading.Lock()
         self._closed = False
@@ -164,7 +177,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             self.ownership.open_stream(session)
         except NotOwner as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        admission = _StreamAdmission(self.ownership, session)
+        admission = _StreamAdmission(self.ownership, session, lambda: self._num_resets)
         try:
             if executor.overlaps_steps:
                 yield from self._step_overlapped(executor, request_iterator, admission, context)
@@ -339,6 +352,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         with self._lock:
             dropped = self.run_on_worker(executor.reset)
+            self._num_resets += 1
         logger.info("reset by %s: dropped %d sequences", session, dropped)
         return pb.ResetResponse(num_dropped_seqs=dropped)
 
@@ -351,6 +365,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         # What the owner left behind is dropped: the next owner starts from an empty executor.
         with self._lock:
             dropped = self.run_on_worker(executor.reset)
+            self._num_resets += 1
         logger.info("released by %s: dropped %d sequences", session, dropped)
         return pb.ReleaseResponse(released=True)
 

@@ -116,10 +116,10 @@ FLAGS = (
         env="MAX_PLANS_IN_FLIGHT",
         type=int,
         choices=(1, 2, 3),
-        default=2,
-        help="step plans sent before the oldest result is back (default 2: the next step is scheduled "
-        "and on its way while the executor runs one; 3: one more waits at the executor, so that the "
-        "scheduler's round trip is not between two steps)",
+        default=3,
+        help="step plans sent before the oldest result is back (default 3: the executor runs two steps "
+        "and keeps the third plan queued, so that the scheduler's round trip is not between two steps; "
+        "2: the next step is scheduled and on its way while the executor runs one; 1: no overlap)",
     ),
     flag(
         "--max-queued-tokens",

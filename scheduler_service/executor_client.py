@@ -243,6 +243,11 @@ class RemoteExecutor:
             raise self._error(e, "Describe") from e
 
     def reset(self) -> int:
+        """Drop every sequence the executor holds, and the plans in flight: the Step stream is
+        closed first (the executor refuses a stream's plans after a Reset), the next send() opens
+        a new one."""
+        with self._lock:
+            self._close_stream()
         try:
             response = self._stub.Reset(
                 pb.ResetRequest(), timeout=self.connect_timeout, metadata=self._metadata

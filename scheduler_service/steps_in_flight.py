@@ -5,7 +5,7 @@ A plan's lifecycle here (the executor's side: executor_service/steps_in_flight.p
 
 1. **scheduled** (`Scheduler.schedule` -> `PlansInFlight.scheduled`): blocks are allocated and
    num_computed_tokens advanced as if the plan had run; each sequence it samples counts one more
-   `Sequence.num_pending_tokens` (the number of plans in flight that sample it, so at most 2);
+   `Sequence.num_pending_tokens` (the number of plans in flight that sample it: at most three);
 2. **sent** (`LLMEngine` -> `sent`, then `Executor.send`): the plan goes to the executor and the
    clock starts; a plan with nothing for the executor is not sent and gets an empty result. A
    remote executor's plans go onto one Step stream (`RemoteExecutor`, executor_client.py), opened

@@ -34,7 +34,7 @@ def test_key_defaults(monkeypatch):
     assert (scheduler.port, scheduler.metrics_port) == (50051, 9101)
     for args in (executor, scheduler):
         assert (args.max_num_seqs, args.max_num_batched_tokens) == (256, 8192)
-    assert scheduler.shutdown_timeout == 30.0 and scheduler.max_plans_in_flight == 2
+    assert scheduler.shutdown_timeout == 30.0 and scheduler.max_plans_in_flight == 3
     assert executor.enforce_eager is False and executor.kv_cache_dtype == "auto"
 
 

@@ -293,6 +293,40 @@ def test_reset_drops_every_sequence(remote):
     assert remote.reset() == 0
 
 
+def test_a_step_stream_opened_before_a_reset_runs_no_more_plans(remote, executor_proc):
+    """A scheduler that lost its executor closes its Step stream, then resets on reconnecting; a
+    plan of the old stream read before its cancellation was seen must not run on the reset state
+    (its new sequences would be held for good). The executor refuses it: FAILED_PRECONDITION."""
+
+    def new_seq_plan(step_id: int, seq_id: int):
+        new = NewSequence(seq_id, [5, 6], [seq_id], 0, StepSamplingParams())
+        plan = StepPlan(
+            step_id, new_seqs=[new], seq_ids=[seq_id], num_scheduled_tokens=[2], num_computed_tokens=[0]
+        )
+        plan.num_new_blocks = [0]
+        return plan_to_proto(plan)
+
+    owner = session_metadata(remote.session_id, remote.owner_name)
+    plans: queue.SimpleQueue = queue.SimpleQueue()
+    with grpc.insecure_channel(executor_proc.address) as channel:
+        responses = pb_grpc.ExecutorServiceStub(channel).Step(
+            iter(plans.get, None), timeout=30, metadata=owner
+        )
+        plans.put(new_seq_plan(5000, 3))
+        assert list(next(responses).seq_ids) == [3]
+        assert remote.reset() == 1
+        plans.put(new_seq_plan(5001, 4))
+        with pytest.raises(grpc.RpcError) as stale:
+            next(responses)
+        plans.put(None)
+    assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "reset after its Step stream opened" in stale.value.details()
+    assert remote.reset() == 0  # sequence 4 was never added
+    # A stream opened after the Reset runs plans.
+    mini = MiniScheduler(remote)
+    _good_step(remote, mini, seq_id=5)
+
+
 # -- errors and lifecycle -----------------------------------------------------------------
 
 

@@ -39,8 +39,11 @@ def _shared_prompt(n: int, seed: int, shared: int) -> list[int]:
     caching=st.booleans(),
     fail_steps=st.sets(st.integers(1, 30), max_size=2),
     eos=st.booleans(),
+    depth=st.sampled_from([1, 2, 3]),
 )
-def test_random_aborts_refusals_and_preemption(requests, num_kv_blocks, budget, caching, fail_steps, eos):
+def test_random_aborts_refusals_and_preemption(
+    requests, num_kv_blocks, budget, caching, fail_steps, eos, depth
+):
     def generate(engine: LLMEngine, aborts=True):
         finished, gone, ids, rids, step = {}, set(), {}, {}, 0
         while step < 3000 and (
@@ -82,12 +85,49 @@ def test_random_aborts_refusals_and_preemption(requests, num_kv_blocks, budget, 
         make_engine(SchedulerConfig(), eos_token_ids=(2, 3, 5, 7), max_model_len=32)[0], aborts=False
     )
     executor = FakeExecutor(num_kv_blocks=num_kv_blocks, eos_token_ids=(2, 3, 5, 7), max_model_len=32)
-    config = SchedulerConfig(max_num_batched_tokens=budget, enable_prefix_caching=caching)
-    got, gone = generate(LLMEngine(CountingPipe(executor, fail_steps=fail_steps), config))
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget, enable_prefix_caching=caching, max_plans_in_flight=depth
+    )
+    pipe = CountingPipe(executor, fail_steps=fail_steps)
+    got, gone = generate(LLMEngine(pipe, config))
+    assert pipe.most_in_flight <= depth
     for j in got:
         assert got[j] == ref[j], j
     assert set(got) | gone == set(range(len(requests)))
     assert not executor.seqs
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_stopped_sequence_is_dropped_by_the_plan_behind_those_in_flight(depth):
+    """A sequence that stops on a token is still in the plans scheduled ahead of its result: with
+    `depth` plans out, the executor holds it after the scheduler has finished it (its request done,
+    its blocks free) until the depth - 1 plans behind have run, and the plan after them drops it.
+    A client that sees the scheduler idle may see the executor hold it for those steps, never
+    longer."""
+    reference, _ = make_engine()
+    reference.add_request(prompt(6, 3), greedy(8))
+    tokens = []
+    while reference.has_unfinished_requests():
+        tokens += [t for o in reference.step() for t in o.new_token_ids]
+    assert len(tokens) == 8
+    stop = tokens[2]
+    stops_after = tokens.index(stop) + 1
+    executor = FakeExecutor()
+    pipe = CountingPipe(executor)
+    engine = LLMEngine(pipe, SchedulerConfig(max_plans_in_flight=depth))
+    engine.add_request(prompt(6, 3), greedy(8, stop_token_ids=[stop]))
+    outs = []
+    while not (outs and outs[0].finished):
+        outs = engine.step()
+    assert outs[0].finish_reason == "stop" and outs[0].token_ids == tokens[:stops_after]
+    assert not engine.scheduler.running and engine.scheduler.block_manager.num_used_blocks == 0
+    assert len(pipe.pending) == depth - 1 and executor.seqs, "the plans in flight still hold it"
+    steps = 0
+    while engine.has_unfinished_requests() or engine.scheduler.has_finished_to_send():
+        assert engine.step() == []  # its tokens past the stop are dropped
+        steps += 1
+    assert not executor.seqs
+    assert steps == depth  # the depth - 1 plans in flight, then the one dropping it
 
 
 # -- executor: the pipelined scheduler's own plans on a LocalExecutor -----------------------

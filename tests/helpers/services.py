@@ -165,6 +165,16 @@ class Services:
         refused: the scheduler owns the executor)."""
         return int(self.metrics("executor")["tandem_executor_sequences"])
 
+    def executor_held_after_drops(self, timeout: float = 10.0) -> int:
+        """executor_held() once it is 0, or after `timeout`. A sequence that stopped on a token is
+        in the plans scheduled ahead of its result: the executor drops it with the plan behind
+        them, up to two steps after the scheduler is idle (three plans in flight). A sequence
+        leaked is held for good."""
+        deadline = time.monotonic() + timeout
+        while (held := self.executor_held()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return held
+
     def logs(self) -> str:
         return "\n".join(f"--- {s.name} ---\n{s.tail(30)}" for s in (*self.executors, self.scheduler))
 
