@@ -113,6 +113,9 @@ for what in "$@"; do
     # Nsight Compute on the decode kernel, bf16 and fp8 caches (where the machine's runtime gives
     # ncu the counters; the clocks left alone): what bounds the fp8 kernel.
     attention-ncu) TAIL=80 stage attention-ncu ncu --clock-control none -k regex:paged_ --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats "$PY" bench/attention.py --ncu ;;
+    # W1 split under py-spy (the engine core's threads sampled; bench/spy_split.sh), and the engine core alone on this host.
+    w1-split1-spy) TAIL=8 stage w1-split1-spy env PY_SPY=/tmp/site/bin/py-spy OUT="$OUT" bash bench/spy_split.sh "$PY" bench/throughput.py --workload w1 --device cuda --mode split --stream-interval 1 ;;
+    core-overhead) TAIL=8 stage core-overhead "$PY" bench/engine_core_overhead.py --workload w1 --freeze-heap ;;
     # The two-sequences-a-program decode prototype against paged_decode (agreement, then us and TB/s).
     decode-pairs) TAIL=12 stage decode-pairs "$PY" bench/decode_pairs.py ;;
     fp8-gemm) TAIL=30 stage fp8-gemm "$PY" bench/fp8_gemm.py ;;
