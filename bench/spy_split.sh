@@ -17,7 +17,7 @@ while kill -0 $run 2>/dev/null && [ -z "$pid" ]; do
     pid=$(pgrep -f -- "-m scheduler_service" | head -1)
     sleep 0.05
 done
-[ -n "$pid" ] && "${PY_SPY:-py-spy}" record --nonblocking --threads -r "${SPY_RATE:-500}" -d 600 -f raw \
+[ -n "$pid" ] && "${PY_SPY:-py-spy}" record ${SPY_FLAGS:-} --nonblocking --threads -r "${SPY_RATE:-500}" -d 600 -f raw \
     -o "$OUT/core-stacks.txt" --pid "$pid" >"$OUT/spy.log" 2>&1
 wait $run
 tail -n 6 "$OUT/spy-run.log"
