@@ -325,13 +325,19 @@ def launch_for_profiler(batch: int = 256, context: int = 1024) -> None:
 
 
 def main() -> None:
-    global NUM_HEADS, NUM_KV_HEADS
+    global NUM_HEADS, NUM_KV_HEADS, FP8_BS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of decode configurations")
     parser.add_argument(
         "--sweep-fp8",
         action="store_true",
-        help="only the fp8 decode grid (block size 32, the fp8 default; K/V widened to q's dtype or fp16)",
+        help="only the fp8 decode grid (at --fp8-block-size; K/V widened to q's dtype or fp16)",
+    )
+    parser.add_argument(
+        "--fp8-block-size",
+        type=int,
+        default=FP8_DEFAULT_BLOCK_SIZE,
+        help="the fp8 sweeps' block size (default: the engine's for an e4m3 cache)",
     )
     parser.add_argument("--sweep-bf16", action="store_true", help="only the bf16 decode grid (block size 16)")
     parser.add_argument(
@@ -375,6 +381,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     NUM_HEADS, NUM_KV_HEADS = args.heads
+    FP8_BS = args.fp8_block_size
     if args.store:
         for (num_tokens, run), block_size, kv_dtype in itertools.product(
             ((8192, 512), (256, 1)), (16, FP8_DEFAULT_BLOCK_SIZE), (DTYPE, FP8)
