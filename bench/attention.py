@@ -349,7 +349,9 @@ def main() -> None:
         help="fp8 decode tiles at b256x1024 under register caps (maxnreg)",
     )
     parser.add_argument(
-        "--sweep-fp8-quick", action="store_true", help="six fp8 decode tiles at b256x1024 (block size 32)"
+        "--sweep-fp8-quick",
+        action="store_true",
+        help="six fp8 decode tiles at b256x1024 (at --fp8-block-size)",
     )
     parser.add_argument(
         "--sweep-layout",

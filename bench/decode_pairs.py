@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from executor_service.attention import triton_kernels as tk
-from executor_service.fp8 import fp8_v_cache
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FP8 = torch.float8_e4m3fn
+from bench import attention
+from executor_service.attention import triton_kernels as tk
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -159,37 +161,6 @@ def decode_pairs(q, k_cache, v_cache, out, block_tables, context_lens, scale, kv
     )  # fmt: skip
 
 
-def inputs(batch, contexts, block_size, num_heads, num_kv_heads, head_dim=128, device="cuda"):
-    blocks = [triton.cdiv(c, block_size) for c in contexts]
-    width = max(blocks)
-    num_blocks = sum(blocks) + 1
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device).to(FP8)
-    v_cache = fp8_v_cache(torch.randn(shape, dtype=torch.bfloat16, device=device).to(FP8))
-    perm = torch.randperm(num_blocks, device=device, dtype=torch.int32)
-    tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
-    at = 0
-    for i, b in enumerate(blocks):
-        tables[i, :b] = perm[at : at + b]
-        at += b
-    q = torch.randn(batch, num_heads, head_dim, dtype=torch.bfloat16, device=device)
-    lens = torch.tensor(contexts, dtype=torch.int32, device=device)
-    # (slots past each context must hold zeros in V, as store_kv_kernel leaves them)
-    for i, c in enumerate(contexts):
-        if c % block_size:
-            last = tables[i, blocks[i] - 1].item()
-            v_cache[last, :, :, c % block_size :] = 0
-    return q, k_cache, v_cache, tables, lens
-
-
-def time_graph_us(fn) -> float:
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-size", type=int, default=32)
@@ -211,10 +182,15 @@ def main() -> None:
 
 def compare(name: str, contexts: list[int], num_heads: int, num_kv_heads: int, block_size: int) -> str:
     """One case: paged_decode against the pairs kernel (asserting agreement), then their times."""
-    scale = 128**-0.5
+    scale = attention.SCALE
     kv_scales = (0.5, 0.25)
-    q, kc, vc, tables, lens = inputs(len(contexts), contexts, block_size, num_heads, num_kv_heads)
-    cu = torch.arange(len(contexts) + 1, dtype=torch.int32, device="cuda")
+    attention.NUM_HEADS, attention.NUM_KV_HEADS = num_heads, num_kv_heads
+    x = attention.paged_decode_inputs(
+        len(contexts), max(contexts), block_size, attention.FP8, contexts=contexts
+    )
+    q, kc, vc, tables, lens, cu = (
+        x[k] for k in ("q", "k_cache", "v_cache", "block_tables", "context_lens", "cu_seqlens_q")
+    )
     order = torch.argsort(lens, descending=True).to(torch.int32)
     ref = torch.empty_like(q)
     got = torch.empty_like(q)
@@ -232,11 +208,11 @@ def compare(name: str, contexts: list[int], num_heads: int, num_kv_heads: int, b
     pairs()
     diff = (ref.float() - got.float()).abs().max().item()
     assert diff < 2e-2, (name, diff)
-    nbytes = 2 * sum(contexts) * num_kv_heads * 128
-    t_ref = time_graph_us(production)
+    nbytes = 2 * sum(contexts) * num_kv_heads * attention.HEAD_DIM
+    t_ref = 1e3 * attention.time_graph_ms(production)
     row = f"{name}: max diff {diff:.1e}; production {t_ref:.1f} us ({nbytes / t_ref / 1e6:.2f})"
     for bn, warps, stages in ((128, 4, 3), (128, 4, 4), (64, 4, 3), (128, 8, 3)):
-        t = time_graph_us(lambda bn=bn, w=warps, s=stages: pairs(bn, w, s))
+        t = 1e3 * attention.time_graph_ms(lambda bn=bn, w=warps, s=stages: pairs(bn, w, s))
         row += f"; pairs {bn}/{warps}w/{stages}s {t:.1f} ({nbytes / t / 1e6:.2f})"
     return row
 

@@ -103,7 +103,7 @@ for what in "$@"; do
     fp8-profile) TAIL=40 stage fp8-profile "$PY" bench/profile_step.py --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
     fp8-attention) TAIL=20 stage fp8-attention "$PY" bench/attention.py ;;
     store) TAIL=10 stage store "$PY" bench/attention.py --store ;;
-    fp8-sweep) TAIL=20 stage fp8-sweep "$PY" bench/attention.py --sweep-fp8 --fp8-block-size ${FP8_BS:-32} ;;
+    fp8-sweep) TAIL=20 stage fp8-sweep "$PY" bench/attention.py --sweep-fp8 ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     fp8-registers) TAIL=16 stage fp8-registers "$PY" bench/attention.py --sweep-fp8-registers ;;
     fp8-kv-major) TAIL=20 stage fp8-kv-major "$PY" bench/attention.py --sweep-fp8-kv-major ;;
     fp8-layout) TAIL=32 stage fp8-layout "$PY" bench/attention.py --sweep-layout ;;
