@@ -196,6 +196,17 @@ def sweep_mixed_lengths() -> None:
             print(f"mixed {name} b256 +{generated} {order}, splits {splits}: {tbs:.2f} TB/s")
 
 
+def sweep_context() -> None:
+    """Decode over the same bytes cut into fewer, longer contexts (b256x1024 ... b32x8192, one
+    program a sequence and KV head, no splits): whether a program's fixed cost (its block table, the
+    first tiles' latency, the epilogue) is what the fp8 kernel loses at short contexts."""
+    for (name, kv_dtype, block_size), (batch, context) in itertools.product(
+        (("bf16", DTYPE, 16), ("fp8", FP8, FP8_BS)), ((256, 1024), (128, 2048), (64, 4096), (32, 8192))
+    ):
+        ms, tbs, _ = bench_decode(batch, context, block_size, splits=1, kv_dtype=kv_dtype)
+        print(f"context {name} b{batch}x{context} bs{block_size} splits 1: {ms * 1e3:.1f} us, {tbs:.2f} TB/s")
+
+
 def bench_varlen_decode(batch: int, context: int):
     """varlen_attn over contiguous KV. Without its enable_gqa (torch 2.11) the KV heads are repeated
     to the query heads beforehand, and the bandwidth counts the bytes it is handed."""
@@ -364,6 +375,11 @@ def main() -> None:
         help="decode at b256 over W1's mixed contexts: grid orders and splits against one context",
     )
     parser.add_argument(
+        "--sweep-context",
+        action="store_true",
+        help="bf16 and fp8 decode over the same bytes as b256x1024 in fewer, longer contexts (no splits)",
+    )
+    parser.add_argument(
         "--heads",
         type=int,
         nargs=2,
@@ -410,6 +426,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.sweep_mixed_lengths:
         sweep_mixed_lengths()
+        return
+    if args.sweep_context:
+        sweep_context()
         return
     if args.sweep_layout:
         variants = [
