@@ -135,6 +135,8 @@ class ModelRunner:
                 module.backend = backend
             if isinstance(module, Fusable):  # on where the model declares the layer's fused op
                 module.fused = self._fused(module.fused_op)
+        if fp8_weights:
+            self.model.fuse_fp8_quantization()
         self.sampler = Sampler(
             config.seed, self.device, fused=config.fused_ops == "on" and self.device.type == "cuda"
         )

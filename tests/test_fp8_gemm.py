@@ -121,10 +121,11 @@ def test_every_fp8_linear_of_the_engine_matches_torch_w8a8(tmp_path):
     """Each fp8 linear layer of a served FP8 checkpoint (eager, bf16), on the inputs the engine gives
     it: its output against the W8A8 math in torch on the same input (fp32 math, bf16 rounding)."""
     from checkpoints import build_qwen3, quantize_checkpoint_fp8
-    from helpers.fp8_gemm_checks import reference_fp8_linear
+    from helpers.fp8_gemm_checks import _dequantize_rows, reference_fp8_linear
     from helpers.hf_reference import make_prompts
 
     from client.llm import LLM
+    from executor_service.layers.fp8_gemm_triton import Fp8Input
     from scheduler_service.sampling_params import SamplingParams
 
     src = build_qwen3(tmp_path / "bf", hidden_size=256, head_dim=64, intermediate_size=384,
@@ -136,6 +137,8 @@ def test_every_fp8_linear_of_the_engine_matches_torch_w8a8(tmp_path):
     def check(name):
         def hook(module, inputs, output):
             x = inputs[0]
+            if isinstance(x, Fp8Input):  # quantized by the fused op before: its dequantized values
+                x = _dequantize_rows(x.q[: x.rows].float(), x.scales[: x.rows])
             want = reference_fp8_linear(x.float(), module.weight, module.weight_scale_inv)
             if module.bias is not None:
                 want = want + module.bias.float()
@@ -152,6 +155,48 @@ def test_every_fp8_linear_of_the_engine_matches_torch_w8a8(tmp_path):
     )
     assert len(errors) >= 8, errors  # q/k/v, o, gate/up and down of both layers at least
     assert max(errors.values()) < 1e-2, errors
+
+
+@pytest.mark.gpu
+def test_fp8_linear_takes_an_input_quantized_before():
+    from helpers.fp8_gemm_checks import check_fp8_linear_quantized_input
+
+    for dtype in (torch.bfloat16, torch.float16):
+        used = {check_fp8_linear_quantized_input(m, 3072, 4096, dtype, "cuda") for m in (1, 7, 300, 2048)}
+        if torch.cuda.get_device_capability() == (9, 0):
+            assert used == {1, 4}, f"both GEMMs' layouts: {used}"
+
+
+@pytest.mark.gpu
+def test_fused_fp8_quantization_serves_the_same_tokens(tmp_path, monkeypatch):
+    """An FP8 checkpoint served with its norms and activation quantizing for the fp8 GEMMs (CUDA
+    graphs, bf16) against the same engine with that fusion off: the same bytes reach the GEMMs, so
+    the greedy tokens and their logprobs are identical, at decode and prefill batch sizes."""
+    from checkpoints import build_qwen3, quantize_checkpoint_fp8
+    from helpers.hf_reference import make_prompts
+
+    from client.llm import LLM
+    from executor_service.models.base import CausalLM
+    from scheduler_service.sampling_params import SamplingParams
+
+    src = build_qwen3(tmp_path / "bf", hidden_size=256, head_dim=64, intermediate_size=384,
+                      num_hidden_layers=2, initializer_range=0.1, seed=5)  # fmt: skip
+    quantize_checkpoint_fp8(src, tmp_path / "fp8")
+    prompts = make_prompts([3, 17, 40, 100, 300, 9, 1, 64] * 4, seed=6)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    runs, linked = [], []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(CausalLM, "fuse_fp8_quantization", lambda self: 0)
+        llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", num_kv_blocks=256)
+        model = llm.executor.runner.model
+        linked.append(sum(getattr(m, "quantize_for", None) is not None for m in model.modules()))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.token_ids, o.logprobs) for o in outs])
+        del llm
+    assert linked == [6, 0], linked  # input norm, post-attention norm and activation of 2 layers
+    assert all(len(lps) == 12 for _, lps in runs[0])
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.gpu

@@ -90,6 +90,8 @@ check_gemm(17, 160, 384, torch.float32, "cpu", {**small, "SPLIT_K": 2})  # K in 
 check_gemm(5, 72, 256, torch.float32, "cpu", {**small, "SPLIT_K": 4})  # more shares than steps: empty ones
 from helpers.fp8_gemm_checks import check_fp8_linear_layers
 check_fp8_linear_layers("cpu")
+from helpers.fp8_gemm_checks import check_fp8_linear_quantized_input
+assert check_fp8_linear_quantized_input(5, 72, 256, torch.float32, "cpu") == 1
 """,
     "fused_ops": """
 from helpers.triton_op_checks import check_qk_norm_rope, check_rms_norm, check_silu_and_mul
@@ -105,6 +107,10 @@ FP8 = torch.float8_e4m3fn
 for kv_dtype, block_size, scales in ((torch.bfloat16, 16, (1.0, 1.0)), (FP8, 16, (0.02, 3.0)), (FP8, 8, (1.0, 1.0)), (FP8, 12, (1.0, 1.0))):
     check_qk_norm_rope_stores_kv(2, 32, torch.bfloat16, kv_dtype, block_size, "cpu", scales)
 check_qk_norm_rope_stores_kv(1, 64, f16, FP8, 16, "cpu", (1.0, 2.5), with_norm=False)
+from helpers.triton_op_checks import check_fused_quantization
+for dtype in (torch.float32, torch.bfloat16, f16):
+    check_fused_quantization(5, 384, dtype, "cpu")  # 3 groups: a partial power-of-2 block
+check_fused_quantization(3, 1536, torch.bfloat16, "cpu")  # silu_and_mul in two programs of 1024
 """,
     "sampling": """
 from helpers.sampling_checks import (

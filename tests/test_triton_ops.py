@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.triton_op_checks import (
+    check_fused_quantization,
     check_qk_norm_rope,
     check_qk_norm_rope_stores_kv,
     check_rms_norm,
@@ -37,6 +38,15 @@ def test_rms_norm(num_tokens, hidden, dtype):
 @pytest.mark.parametrize("num_tokens, size", [(1, 3072), (5, 100), (256, 12288), (2048, 3072)])
 def test_silu_and_mul(num_tokens, size, dtype):
     check_silu_and_mul(num_tokens, size, dtype, "cuda")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, size", [(1, 4096), (7, 1024), (255, 3072), (2048, 6144), (3, 384)])
+def test_fused_quantization(num_tokens, size, dtype):
+    """RMSNorm and SiLU-and-mul writing their output as the fp8 GEMM's quantized input: the bytes
+    and scales quantize_per_token_group makes of the unfused output."""
+    check_fused_quantization(num_tokens, size, dtype, "cuda")
 
 
 @cuda

@@ -32,6 +32,8 @@ wgmma. The rounding differs from the first kernel's ((dot * a_s) * b_s + acc) by
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -67,6 +69,37 @@ def groups_per_program(m: int, groups: int) -> int:
     return max(1, min(per, 16, triton.next_power_of_2(groups)))
 
 
+class Fp8Input(NamedTuple):
+    """An activation already quantized for fp8_linear (by the op before it: triton_ops' fused
+    RMSNorm or SiLU-and-mul): quantize_per_token_group's (q, scales) of `rows` tokens, laid out for
+    the GEMM fp8_input_rows_multiple chose (4: torch._scaled_mm's), and the dtype it stands for."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+    rows_multiple: int
+    dtype: torch.dtype
+
+
+def quantized_buffers(
+    m: int, k: int, rows_multiple: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token_group's outputs, empty: e4m3 [M', K] and fp32 scales [M', ceil(K / 128)]
+    (column-major with rows_multiple > 1), M' = m rounded up to rows_multiple, the padding rows
+    zeros of scale 1."""
+    groups = triton.cdiv(k, GROUP)
+    padded = triton.cdiv(m, rows_multiple) * rows_multiple
+    q = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=device)
+    if rows_multiple > 1:
+        s = torch.empty(groups, padded, dtype=torch.float32, device=device).t()
+    else:
+        s = torch.empty(m, groups, dtype=torch.float32, device=device)
+    if padded > m:
+        q[m:].zero_()
+        s[m:].fill_(1.0)
+    return q, s
+
+
 def quantize_per_token_group(
     x: torch.Tensor, rows_multiple: int = 1, per_program: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,15 +109,7 @@ def quantize_per_token_group(
     benchmark's comparison, the tests)."""
     m, k = x.shape
     groups = triton.cdiv(k, GROUP)
-    padded = triton.cdiv(m, rows_multiple) * rows_multiple
-    q = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=x.device)
-    if rows_multiple > 1:
-        s = torch.empty(groups, padded, dtype=torch.float32, device=x.device).t()
-    else:
-        s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
-    if padded > m:
-        q[m:].zero_()
-        s[m:].fill_(1.0)
+    q, s = quantized_buffers(m, k, rows_multiple, x.device)
     if m:
         per = per_program or groups_per_program(m, groups)
         quantize_per_token_group_kernel[(m, triton.cdiv(groups, per))](
@@ -404,8 +429,25 @@ def scaled_mm_blockwise(
     return out[: x.shape[0]]
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ dequantized(weight)^T -> [..., N] in x's dtype."""
+def fp8_input_rows_multiple(m: int, weight: torch.Tensor, dtype: torch.dtype) -> int:
+    """How fp8_linear lays out the quantized activation of m tokens for `weight`: 4 (padded rows,
+    column-major scales) for torch._scaled_mm, 1 for the Triton GEMM. The op before a fused
+    quantization asks, so that its output is what fp8_linear would have quantized itself."""
+    return 4 if scaled_mm_applies(m, *weight.shape, dtype, weight.device) else 1
+
+
+def fp8_linear(
+    x: torch.Tensor | Fp8Input, weight: torch.Tensor, weight_scale_inv: torch.Tensor
+) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ dequantized(weight)^T -> [..., N] in x's dtype. An Fp8Input
+    (quantized by the op before) goes to the GEMM its layout was made for."""
+    if isinstance(x, Fp8Input):
+        if x.rows_multiple > 1:
+            out = torch._scaled_mm(
+                x.q, weight.t(), scale_a=x.scales, scale_b=weight_scale_inv.t(), out_dtype=x.dtype
+            )
+            return out[: x.rows]
+        return w8a8_block_matmul(x.q, x.scales, weight, weight_scale_inv, x.dtype)
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if scaled_mm_applies(x.shape[0], *weight.shape, x.dtype, x.device):

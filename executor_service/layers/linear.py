@@ -87,7 +87,8 @@ class LinearBase(nn.Module):
             loaded = self._shard(loaded, self.tp_dim, param.shape[self.tp_dim])
         _copy(param.data, loaded)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: a tensor, or for an fp8 layer an Fp8Input already quantized (by the op before)."""
         if self.weight_scale_inv is None:
             return F.linear(x, self.weight, bias)
         from executor_service.layers.fp8_gemm_triton import fp8_linear

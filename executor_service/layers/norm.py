@@ -30,7 +30,12 @@ class RMSNorm(Fusable, nn.Module):
         if self.fused and x.dim() == 2:
             from executor_service.layers import triton_ops
 
-            return triton_ops.rms_norm(x, self.weight, self.eps, residual)
+            rows = 0
+            if self.quantize_for is not None:  # the fp8 GEMM's input, quantized here
+                dtype = torch.promote_types(x.dtype, self.weight.dtype)
+                if triton_ops.fusable_quantization(x, x.shape[1], dtype):
+                    rows = self.quantize_rows_multiple(x.shape[0], dtype)
+            return triton_ops.rms_norm(x, self.weight, self.eps, residual, rows)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -18,7 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_service.attention.triton_kernels import cache_store_args, store_token_kv
+from executor_service.attention.triton_kernels import cache_store_args, round_to_e4m3, store_token_kv
+from executor_service.layers.fp8_gemm_triton import GROUP, Fp8Input, quantized_buffers
+
+FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # columns per activation scale of the fp8 GEMMs
 
 
 @triton.jit
@@ -34,8 +37,14 @@ def _rms_norm_kernel(
     stride_ro,
     hidden_size,
     eps,
+    q_ptr,  # with QUANT: the output quantized for an fp8 GEMM instead (_quantize_groups)
+    s_ptr,
+    stride_qm,
+    stride_sm,
+    stride_sg,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    QUANT: tl.constexpr = False,
 ):
     # grid: (num_tokens,)
     row = tl.program_id(0).to(tl.int64)
@@ -50,42 +59,95 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden_size + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     normed = (xf * inv_rms).to(x.dtype)
-    out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    if QUANT:  # the output, rounded to x's dtype as stored, then quantized
+        out = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+        groups = tl.arange(0, BLOCK // FP8_GROUP)
+        _quantize_groups(out, row, groups, q_ptr, s_ptr, stride_qm, stride_sm, stride_sg, hidden_size, BLOCK)
+    else:
+        out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+@triton.jit
+def _quantize_groups(
+    values, row, groups, q_ptr, s_ptr, stride_qm, stride_sm, stride_sg, K, BLOCK: tl.constexpr
+):
+    """Row `row`'s `values` (BLOCK of them: columns groups[0] * 128 on, zeros past K) quantized
+    and stored as fp8_gemm_triton.quantize_per_token_group_kernel does, to the same bytes."""
+    y = tl.reshape(values.to(tl.float32), [BLOCK // FP8_GROUP, FP8_GROUP])
+    k = groups[:, None] * FP8_GROUP + tl.arange(0, FP8_GROUP)[None, :]
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), 1), 1e-10), 448.0)
+    q = round_to_e4m3(tl.math.div_rn(y, scale[:, None]))
+    tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * FP8_GROUP < K)
+
+
+def fusable_quantization(x: torch.Tensor, k: int, dtype: torch.dtype) -> bool:
+    """Whether the fused ops below can quantize their output of k columns themselves: a whole number
+    of groups of 128, in the dtype x has (the one the GEMM's output takes)."""
+    return k % GROUP == 0 and dtype == x.dtype
+
+
+def _quantized_output(x: torch.Tensor, k: int, rows_multiple: int) -> tuple[Fp8Input, tuple]:
+    q, s = quantized_buffers(x.shape[0], k, rows_multiple, x.device)
+    return Fp8Input(q, s, x.shape[0], rows_multiple, x.dtype), (q, s, q.stride(0), s.stride(0), s.stride(1))
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quantize_rows_multiple: int = 0,
+):
     """x, residual: [num_tokens, hidden]. Without `residual`: norm(x). With it: (norm(x + residual),
-    x + residual), both new tensors (the inputs are not written)."""
+    x + residual), both new tensors (the inputs are not written). quantize_rows_multiple > 0 (where
+    fusable_quantization holds): norm(x) as an Fp8Input for an fp8 GEMM, laid out for its rows
+    multiple (fp8_gemm_triton.fp8_input_rows_multiple), instead of a tensor."""
     num_tokens, hidden = x.shape
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("rms_norm needs row-contiguous inputs")
     # weight * normed promotes like torch: an fp32 weight on a bf16 model gives fp32.
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    quant_args: tuple = (x, x, 0, 0, 0)
+    if quantize_rows_multiple:
+        if not fusable_quantization(x, hidden, dtype):
+            raise ValueError(
+                f"rms_norm cannot quantize {hidden} columns of {dtype} (see fusable_quantization)"
+            )
+        out, quant_args = _quantized_output(x, hidden, quantize_rows_multiple)
+        out_buffer = x  # not written
+    else:
+        out = out_buffer = torch.empty(x.shape, dtype=dtype, device=x.device)
+    residual_out = (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out_buffer
+    )
     if num_tokens:
         _rms_norm_kernel[(num_tokens,)](
             x,
             residual if residual is not None else x,
             weight,
-            out,
+            out_buffer,
             residual_out,
             x.stride(0),
             residual.stride(0) if residual is not None else 0,
-            out.stride(0),
+            out_buffer.stride(0),
             residual_out.stride(0),
             hidden,
             eps,
+            *quant_args,
             HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(hidden),
+            QUANT=bool(quantize_rows_multiple),
         )
     return out if residual is None else (out, residual_out)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, size, q_ptr, s_ptr, stride_qm, stride_sm, stride_sg,
+    BLOCK: tl.constexpr, QUANT: tl.constexpr = False,
+):  # fmt: skip
     # grid: (num_tokens, cdiv(size, BLOCK)); x row = [gate | up]
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -95,21 +157,34 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, size, BLOCK: tl.con
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    if QUANT:  # with QUANT: quantized for an fp8 GEMM instead (a program's BLOCK is whole groups)
+        groups = tl.program_id(1) * (BLOCK // FP8_GROUP) + tl.arange(0, BLOCK // FP8_GROUP)
+        _quantize_groups(out, row, groups, q_ptr, s_ptr, stride_qm, stride_sm, stride_sg, size, BLOCK)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[num_tokens, 2 * size] -> silu(gate) * up, [num_tokens, size]."""
+def silu_and_mul(x: torch.Tensor, quantize_rows_multiple: int = 0):
+    """[num_tokens, 2 * size] -> silu(gate) * up, [num_tokens, size]; as an Fp8Input with
+    quantize_rows_multiple > 0 (as rms_norm's)."""
     num_tokens, double = x.shape
     if x.stride(1) != 1:
         raise ValueError("silu_and_mul needs row-contiguous inputs")
     size = double // 2
-    out = torch.empty((num_tokens, size), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(size))
+    quant_args: tuple = (x, x, 0, 0, 0)
+    if quantize_rows_multiple:
+        if not fusable_quantization(x, size, x.dtype):
+            raise ValueError(f"silu_and_mul cannot quantize {size} columns (see fusable_quantization)")
+        out, quant_args = _quantized_output(x, size, quantize_rows_multiple)
+        out_buffer = x  # not written
+    else:
+        out = out_buffer = torch.empty((num_tokens, size), dtype=x.dtype, device=x.device)
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(size, block))](
-            x, out, x.stride(0), out.stride(0), size, BLOCK=block
-        )
+            x, out_buffer, x.stride(0), out_buffer.stride(0), size, *quant_args,
+            BLOCK=block, QUANT=bool(quantize_rows_multiple),
+        )  # fmt: skip
     return out
 
 

@@ -131,6 +131,30 @@ class CausalLM(nn.Module):
     def cuda_graph_safe(self) -> bool:
         return True
 
+    def fuse_fp8_quantization(self) -> int:
+        """Where an fp8 linear layer's input comes straight from a fused RMSNorm or SiLU-and-mul
+        (q/k/v after the input norm, gate/up after the post-attention norm, down after the
+        activation), that kernel writes its output quantized for the GEMM (the bytes fp8_linear's
+        own quantization would make), one kernel and a round trip of the activation fewer each.
+        Call after the fused flags and the fp8 layers are set; returns how many ops quantize."""
+        pairs = []
+        for layer in self.model.layers:
+            pairs.append((layer.input_layernorm, getattr(layer.self_attn, "qkv_proj", None)))
+            if isinstance(layer.mlp, DenseMLP):
+                mlp = layer.mlp
+                pairs += [(layer.post_attention_layernorm, mlp.gate_up_proj), (mlp.act_fn, mlp.down_proj)]
+        linked = 0
+        for op, linear in pairs:
+            if (
+                op.fused
+                and linear is not None
+                and linear.weight_scale_inv is not None
+                and linear.block[1] == 128
+            ):
+                op.quantize_for = linear
+                linked += 1
+        return linked
+
     # -- forward ---------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -169,3 +169,43 @@ def check_qk_norm_rope_stores_kv(
     bits = torch.uint8 if kv_dtype == torch.float8_e4m3fn else torch.int16
     assert torch.equal(k_cache.view(bits), k_ref.view(bits)), what + ": K cache"
     assert torch.equal(v_cache.view(bits), v_ref.view(bits)), what + ": V cache"
+
+
+def check_fused_quantization(
+    num_tokens: int, size: int, dtype: torch.dtype, device: str, seed: int = 0
+) -> None:
+    """rms_norm (with and without a residual) and silu_and_mul quantizing their output for an fp8
+    GEMM: the same e4m3 bytes and scales as quantize_per_token_group of the unfused output, in both
+    layouts (rows multiple 1: the Triton GEMM's; 4: torch._scaled_mm's, padding rows zero of scale 1),
+    and the residual sum as unfused."""
+    from executor_service.layers.fp8_gemm_triton import quantize_per_token_group
+    from executor_service.layers.triton_ops import rms_norm, silu_and_mul
+
+    gen = torch.Generator().manual_seed(seed)
+    weight = (1 + 0.1 * torch.randn(size, generator=gen)).to(dtype).to(device)
+    x = (3 * torch.randn(num_tokens, size + 8, generator=gen)).to(dtype).to(device)[:, :size]
+    x[0, :7] = 0  # a row whose first group holds zeros
+    residual = torch.randn(num_tokens, size, generator=gen).to(dtype).to(device)
+    gate_up = (4 * torch.randn(num_tokens, 2 * size, generator=gen)).to(dtype).to(device)
+    gate_up[-1, : size // 2] = 0  # gate zero in a row's first groups: a zero scale's floor
+    for rows_multiple in (1, 4):
+        cases = [
+            ("rms_norm", rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6, None, rows_multiple), None),
+            ("silu_and_mul", silu_and_mul(gate_up), silu_and_mul(gate_up, rows_multiple), None),
+        ]
+        out, summed = rms_norm(x, weight, 1e-6, residual)
+        fused, fused_summed = rms_norm(x, weight, 1e-6, residual, rows_multiple)
+        cases.append(("add + rms_norm", out, fused, (summed, fused_summed)))
+        for what, unfused, got, sums in cases:
+            what = f"{what} quantized {dtype} {num_tokens}x{size}, rows multiple {rows_multiple}"
+            want_q, want_s = quantize_per_token_group(unfused, rows_multiple)
+            assert got.rows == num_tokens and got.rows_multiple == rows_multiple and got.dtype == dtype, what
+            assert got.q.shape == want_q.shape and got.scales.shape == want_s.shape, what
+            assert got.scales.stride() == want_s.stride(), f"{what}: the scales' layout"
+            assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8)), f"{what}: the e4m3 bytes"
+            assert torch.equal(got.scales, want_s), f"{what}: the scales"
+            if rows_multiple > 1 and got.q.shape[0] > num_tokens:
+                assert not got.q[num_tokens:].view(torch.uint8).any(), f"{what}: padding rows"
+                assert (got.scales[num_tokens:] == 1).all(), f"{what}: padding rows' scales"
+            if sums is not None:
+                assert torch.equal(sums[1], sums[0]), f"{what}: x + residual"
