@@ -162,8 +162,10 @@ def test_fp8_linear_takes_an_input_quantized_before():
     from helpers.fp8_gemm_checks import check_fp8_linear_quantized_input
 
     for dtype in (torch.bfloat16, torch.float16):
-        used = {check_fp8_linear_quantized_input(m, 3072, 4096, dtype, "cuda") for m in (1, 7, 300, 2048)}
-        if torch.cuda.get_device_capability() == (9, 0):
+        used = {
+            check_fp8_linear_quantized_input(m, 3072, 4096, dtype, "cuda") for m in (1, 7, 100, 300, 2048)
+        }
+        if dtype == torch.bfloat16 and torch.cuda.get_device_capability() == (9, 0):
             assert used == {1, 4}, f"both GEMMs' layouts: {used}"
 
 
@@ -171,26 +173,29 @@ def test_fp8_linear_takes_an_input_quantized_before():
 def test_fused_fp8_quantization_serves_the_same_tokens(tmp_path, monkeypatch):
     """An FP8 checkpoint served with its norms and activation quantizing for the fp8 GEMMs (CUDA
     graphs, bf16) against the same engine with that fusion off: the same bytes reach the GEMMs, so
-    the greedy tokens and their logprobs are identical, at decode and prefill batch sizes."""
+    the greedy tokens and their logprobs are identical. 96 prompts admitted in one step: every GEMM
+    has more than 64 rows, where the Triton GEMM does not split K over atomic adds (whose order
+    varies from run to run)."""
     from checkpoints import build_qwen3, quantize_checkpoint_fp8
     from helpers.hf_reference import make_prompts
 
     from client.llm import LLM
+    from executor_service.layers.fusable import Fusable
     from executor_service.models.base import CausalLM
     from scheduler_service.sampling_params import SamplingParams
 
     src = build_qwen3(tmp_path / "bf", hidden_size=256, head_dim=64, intermediate_size=384,
                       num_hidden_layers=2, initializer_range=0.1, seed=5)  # fmt: skip
     quantize_checkpoint_fp8(src, tmp_path / "fp8")
-    prompts = make_prompts([3, 17, 40, 100, 300, 9, 1, 64] * 4, seed=6)
+    prompts = make_prompts([3, 17, 40, 100, 30, 9, 1, 64] * 12, seed=6)
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
     runs, linked = [], []
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(CausalLM, "fuse_fp8_quantization", lambda self: 0)
-        llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", num_kv_blocks=256)
+        llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", num_kv_blocks=512)
         model = llm.executor.runner.model
-        linked.append(sum(getattr(m, "quantize_for", None) is not None for m in model.modules()))
+        linked.append(sum(isinstance(m, Fusable) and m.quantize_for is not None for m in model.modules()))
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append([(o.token_ids, o.logprobs) for o in outs])
         del llm

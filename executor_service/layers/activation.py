@@ -21,7 +21,7 @@ class SiluAndMul(Fusable, nn.Module):
             if self.quantize_for is not None and triton_ops.fusable_quantization(
                 x, x.shape[-1] // 2, x.dtype
             ):
-                rows = self.quantize_rows_multiple(x.shape[0], x.dtype)  # the fp8 GEMM's input
+                rows = self.quantize_rows_multiple(x.shape[0], x.dtype, x.device)  # the fp8 GEMM's input
             return triton_ops.silu_and_mul(x, rows)
         # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
         gate, up = x.chunk(2, -1)

@@ -429,11 +429,11 @@ def scaled_mm_blockwise(
     return out[: x.shape[0]]
 
 
-def fp8_input_rows_multiple(m: int, weight: torch.Tensor, dtype: torch.dtype) -> int:
-    """How fp8_linear lays out the quantized activation of m tokens for `weight`: 4 (padded rows,
-    column-major scales) for torch._scaled_mm, 1 for the Triton GEMM. The op before a fused
+def fp8_input_rows_multiple(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
+    """How fp8_linear lays out the quantized activation of m tokens for an [n, k] weight: 4 (padded
+    rows, column-major scales) for torch._scaled_mm, 1 for the Triton GEMM. The op before a fused
     quantization asks, so that its output is what fp8_linear would have quantized itself."""
-    return 4 if scaled_mm_applies(m, *weight.shape, dtype, weight.device) else 1
+    return 4 if scaled_mm_applies(m, n, k, dtype, device) else 1
 
 
 def fp8_linear(

@@ -34,7 +34,7 @@ class RMSNorm(Fusable, nn.Module):
             if self.quantize_for is not None:  # the fp8 GEMM's input, quantized here
                 dtype = torch.promote_types(x.dtype, self.weight.dtype)
                 if triton_ops.fusable_quantization(x, x.shape[1], dtype):
-                    rows = self.quantize_rows_multiple(x.shape[0], dtype)
+                    rows = self.quantize_rows_multiple(x.shape[0], dtype, x.device)
             return triton_ops.rms_norm(x, self.weight, self.eps, residual, rows)
         if residual is None:
             return self._norm(x)

@@ -151,7 +151,7 @@ class CausalLM(nn.Module):
                 and linear.weight_scale_inv is not None
                 and linear.block[1] == 128
             ):
-                op.quantize_for = linear
+                op.quantize_for = tuple(linear.weight.shape)
                 linked += 1
         return linked
 

@@ -121,22 +121,32 @@ def check_fp8_linear_layers(device: str) -> None:
 
 def check_fp8_linear_quantized_input(m: int, n: int, k: int, dtype: torch.dtype, device: str) -> int:
     """fp8_linear of an activation already quantized (an Fp8Input, in the layout
-    fp8_input_rows_multiple gives for m tokens) is fp8_linear of the activation itself, to the bit:
-    the op before quantizing changes where the quantization runs, not the result. Returns the rows
-    multiple used (4: torch._scaled_mm, 1: the Triton GEMM)."""
+    fp8_input_rows_multiple gives for m tokens) is fp8_linear of the activation itself: to the bit
+    where the GEMM is deterministic, within a rounding of the dtype where it splits K over atomic
+    fp32 adds (m <= 64 on the GPU), whose order varies from run to run. The op before quantizing
+    changes where the quantization runs, not the result. Returns the rows multiple used (4:
+    torch._scaled_mm, 1: the Triton GEMM)."""
     from executor_service.layers.fp8_gemm_triton import (
         Fp8Input,
         fp8_input_rows_multiple,
         fp8_linear,
+        gemm_config,
         quantize_per_token_group,
     )
 
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).to(dtype).to(device)
     weight, scale_inv = (t.to(device) for t in quantize_weight_blocks(torch.randn(n, k, generator=gen)))
-    rows = fp8_input_rows_multiple(m, weight, dtype)
+    rows = fp8_input_rows_multiple(m, n, k, dtype, weight.device)
     got = fp8_linear(Fp8Input(*quantize_per_token_group(x, rows), m, rows, dtype), weight, scale_inv)
     want = fp8_linear(x, weight, scale_inv)
     assert got.shape == want.shape == (m, n) and got.dtype == dtype, (got.shape, got.dtype)
-    assert torch.equal(got, want), f"{m}x{n}x{k} {dtype}, rows multiple {rows}: differs from fp8_linear(x)"
+    what = f"{m}x{n}x{k} {dtype}, rows multiple {rows}: differs from fp8_linear(x)"
+    if gemm_config(m, n, k).get("SPLIT_K", 1) > 1 and device != "cpu":
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(
+            got.float(), want.float(), rtol=eps, atol=eps * want.abs().max().item(), msg=what
+        )
+    else:
+        assert torch.equal(got, want), what
     return rows
