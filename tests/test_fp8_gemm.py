@@ -121,7 +121,7 @@ def test_every_fp8_linear_of_the_engine_matches_torch_w8a8(tmp_path):
     """Each fp8 linear layer of a served FP8 checkpoint (eager, bf16), on the inputs the engine gives
     it: its output against the W8A8 math in torch on the same input (fp32 math, bf16 rounding)."""
     from checkpoints import build_qwen3, quantize_checkpoint_fp8
-    from helpers.fp8_gemm_checks import _dequantize_rows, reference_fp8_linear
+    from helpers.fp8_gemm_checks import reference_fp8_linear
     from helpers.hf_reference import make_prompts
 
     from client.llm import LLM
@@ -136,10 +136,9 @@ def test_every_fp8_linear_of_the_engine_matches_torch_w8a8(tmp_path):
 
     def check(name):
         def hook(module, inputs, output):
-            x = inputs[0]
-            if isinstance(x, Fp8Input):  # quantized by the fused op before: its dequantized values
-                x = _dequantize_rows(x.q[: x.rows].float(), x.scales[: x.rows])
-            want = reference_fp8_linear(x.float(), module.weight, module.weight_scale_inv)
+            x = inputs[0]  # an Fp8Input where the fused op before quantized it
+            x = x._replace(dtype=torch.float32) if isinstance(x, Fp8Input) else x.float()
+            want = reference_fp8_linear(x, module.weight, module.weight_scale_inv)
             if module.bias is not None:
                 want = want + module.bias.float()
             err = ((output.float() - want).norm() / want.norm().clamp(min=1e-30)).item()

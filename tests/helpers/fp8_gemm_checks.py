@@ -72,11 +72,15 @@ def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: 
     return ((out.float() - exact).norm() / exact.norm()).item()
 
 
-def reference_fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
-) -> torch.Tensor:
-    """The W8A8 linear in torch: the activations quantized as the kernel does, then fp32 math on the
-    dequantized operands, cast to x's dtype (what fp8_linear computes, in another summation order)."""
+def reference_fp8_linear(x, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """The W8A8 linear in torch: the activations quantized as the kernel does (or, an Fp8Input, as
+    the fused op before already did), then fp32 math on the dequantized operands, cast to x's dtype
+    (what fp8_linear computes, in another summation order)."""
+    from executor_service.layers.fp8_gemm_triton import Fp8Input
+
+    if isinstance(x, Fp8Input):
+        a = _dequantize_rows(x.q[: x.rows], x.scales[: x.rows])
+        return (a @ dequantize_weight_blocks(weight, weight_scale_inv, torch.float32).T).to(x.dtype)
     shape = x.shape
     a_q, a_s = reference_quantize(x.reshape(-1, shape[-1]))
     out = _dequantize_rows(a_q, a_s) @ dequantize_weight_blocks(weight, weight_scale_inv, torch.float32).T
