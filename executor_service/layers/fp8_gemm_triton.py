@@ -11,6 +11,10 @@ vLLM do:
   activation scale per row and one weight scale per 128 columns of N: acc += dot(a, b) * a_s * b_s,
   accumulated in fp32 and written in the output dtype.
 
+The activation may come already quantized (an `Fp8Input`, from triton_ops' fused RMSNorm or
+SiLU-and-mul, in the layout `fp8_input_rows_multiple` names for its size): then fp8_linear runs the
+GEMM alone.
+
 `fp8_linear` takes the Triton GEMM for decode-sized batches and, from SCALED_MM_MIN_TOKENS tokens
 on, torch._scaled_mm's blockwise-scaled CUTLASS GEMM where this torch and GPU have it (sm90, bf16
 out), except where GEMM_TABLE names a faster Triton configuration for the shape: on the H200 at
