@@ -31,8 +31,12 @@ def test_fp8_weights_on_the_cpu_are_the_dequantized_model():
     assert "100.00% of positions, 2/2 streams identical" in out, out
 
 
-def test_fp8_kv_moves_perplexity_by_about_a_percent():
+def test_fp8_kv_moves_perplexity_by_a_little():
+    """The fp8 cache changes the logits (a run that kept bf16 KV would print exactly 0), by little.
+    Either way: this model all but memorised its text (perplexity ~1.075), so the change is a
+    hundredth of a percent and its sign follows the host's float kernels (-0.009% on an AMD EPYC,
+    above 0 on earlier machines)."""
     out = _run()
     change = float(re.search(r"perplexity fp8 KV vs bfloat16 KV: ([+-][\d.]+)%", out)[1])
-    assert 0 < change < 5, out
+    assert change != 0 and abs(change) < 5, out
     assert "greedy top-1 agreement over 256 tokens, fp8 KV vs bfloat16 KV" in out, out
