@@ -429,8 +429,20 @@ def scaled_mm_blockwise(
     in groups of 128, its scales column-major and M a multiple of 4; the weight and its scales
     transposed: the layout torch's sm90 blockwise GEMM reads."""
     a_q, a_s = quantize_per_token_group(x, rows_multiple=4)
-    out = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=weight_scale_inv.t(), out_dtype=x.dtype)
-    return out[: x.shape[0]]
+    return _scaled_mm_quantized(a_q, a_s, x.shape[0], weight, weight_scale_inv, x.dtype)
+
+
+def _scaled_mm_quantized(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    rows: int,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """torch._scaled_mm of an activation quantized in its layout (rows padded to 4), unpadded."""
+    out = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=weight_scale_inv.t(), out_dtype=out_dtype)
+    return out[:rows]
 
 
 def fp8_input_rows_multiple(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -447,10 +459,7 @@ def fp8_linear(
     (quantized by the op before) goes to the GEMM its layout was made for."""
     if isinstance(x, Fp8Input):
         if x.rows_multiple > 1:
-            out = torch._scaled_mm(
-                x.q, weight.t(), scale_a=x.scales, scale_b=weight_scale_inv.t(), out_dtype=x.dtype
-            )
-            return out[: x.rows]
+            return _scaled_mm_quantized(x.q, x.scales, x.rows, weight, weight_scale_inv, x.dtype)
         return w8a8_block_matmul(x.q, x.scales, weight, weight_scale_inv, x.dtype)
     shape = x.shape
     x = x.reshape(-1, shape[-1])

@@ -64,12 +64,12 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden_size + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     normed = (xf * inv_rms).to(x.dtype)
-    if QUANT:  # the output, rounded to x's dtype as stored, then quantized
-        out = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+    # (with QUANT out_ptr is x: the output rounded to x's dtype, as the GEMM's input would be stored)
+    out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if QUANT:  # quantized for an fp8 GEMM instead of stored
         groups = tl.arange(0, BLOCK // FP8_GROUP)
         _quantize_groups(out, row, groups, q_ptr, s_ptr, stride_qm, stride_sm, stride_sg, hidden_size, BLOCK)
     else:
-        out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 

@@ -137,6 +137,8 @@ class CausalLM(nn.Module):
         activation), that kernel writes its output quantized for the GEMM (the bytes fp8_linear's
         own quantization would make), one kernel and a round trip of the activation fewer each.
         Call after the fused flags and the fp8 layers are set; returns how many ops quantize."""
+        from executor_service.layers.fp8_gemm_triton import GROUP
+
         pairs = []
         for layer in self.model.layers:
             pairs.append((layer.input_layernorm, getattr(layer.self_attn, "qkv_proj", None)))
@@ -149,7 +151,7 @@ class CausalLM(nn.Module):
                 op.fused
                 and linear is not None
                 and linear.weight_scale_inv is not None
-                and linear.block[1] == 128
+                and linear.block[1] == GROUP  # a weight block's columns: one activation group
             ):
                 op.quantize_for = tuple(linear.weight.shape)
                 linked += 1
