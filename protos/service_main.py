@@ -79,7 +79,19 @@ def service_main(verb: str, add_parser: Callable[[argparse._SubParsersAction], o
     add_log_level(parser)
     add_parser(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     args = parser.parse_args([*log_level, verb, *argv])
-    return run_service(args)
+    try:
+        return run_service(args)
+    finally:
+        ignore_shutdown_signals()
+
+
+def ignore_shutdown_signals() -> None:
+    """Once a service process's shutdown is done: a later SIGTERM or SIGINT (the rest of a burst,
+    a supervisor's then a user's) is ignored. Python puts back the default action of the signals it
+    handled as the interpreter exits, and that default would end the process by the signal (exit
+    code -2 or -15) in place of the code its shutdown returned; an ignored signal stays ignored."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def run_service(args: argparse.Namespace) -> int:

@@ -125,3 +125,21 @@ def test_sigterm_while_idle_exits_0_at_once(tmp_path):
         assert time.monotonic() - t0 < 20
     finally:
         ep.stop()
+
+
+def test_a_signal_after_the_shutdown_keeps_its_exit_code(tmp_path):
+    """The rest of a burst may come once the shutdown is done, while the interpreter exits (where
+    Python restores the signals' default action): the process still exits 0, not by the signal."""
+    ep = start(tmp_path / "executor.log")
+    try:
+        ep.wait_serving()
+        ep.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while "executor_service.server: stopped" not in ep.output() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        while ep.process.poll() is None:
+            ep.process.send_signal(signal.SIGINT)
+            time.sleep(0.001)
+        assert ep.process.returncode == 0, ep.output()
+    finally:
+        ep.stop()
