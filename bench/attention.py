@@ -310,6 +310,39 @@ def fp8_tile_grid(quick: bool = False):
         )
 
 
+def stages_grid(fp8: bool):
+    """The decode kernel's tiles at 3 stages and at 5-7. Triton gives each load of a chain of
+    indirect loads (the block table, then K and V) its share of num_stages - 1 stages of latency, so
+    at 2-4 stages the K and V tiles get one buffer (the next tile's copy is issued only after this
+    tile's math), and from 5 on two or more (the copy runs while the math does)."""
+    block_ns = (64, 128) if fp8 else (32, 64)
+    for block_n, warps, stages in itertools.product(block_ns, (4, 8), (3, 5, 6, 7)):
+        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        if fp8:
+            cfg.update(KV_MAJOR=False, FP8_DOT_F16=True, maxnreg=0)
+        yield None, cfg
+
+
+def sweep_stages() -> None:
+    """stages_grid at b256x1024 for both caches (their default block sizes), best first, then the
+    best three of each at W1's mixed contexts (+32 generated, longest first) and at b8x8192."""
+    for name, kv_dtype, block_size in (("fp8", FP8, FP8_BS), ("bf16", DTYPE, 16)):
+        ranked = sweep_decode(256, 1024, block_size, kv_dtype, stages_grid(kv_dtype == FP8))
+        for tbs, _, cfg in ranked:
+            print(f"stages {name} b256x1024 bs{block_size}: {tbs:.2f} TB/s {cfg}", flush=True)
+        contexts = mixed_lengths(256, 32, "longest first")
+        for _, _, cfg in ranked[:3]:
+            _, mixed, _ = bench_decode(
+                256, max(contexts), block_size, cfg, splits=1, kv_dtype=kv_dtype, contexts=contexts
+            )
+            _, long, splits = bench_decode(8, 8192, block_size, cfg, kv_dtype=kv_dtype)
+            print(
+                f"stages {name} {cfg}: W1 contexts +32 longest first {mixed:.2f} TB/s, "
+                f"b8x8192 {long:.2f} TB/s (splits {splits})",
+                flush=True,
+            )
+
+
 def sweep_decode(batch: int, context: int, block_size: int, kv_dtype: torch.dtype, grid):
     """(TB/s, splits used, config) of each configuration of the grid that launches, best first."""
     results = []
@@ -380,6 +413,11 @@ def main() -> None:
         help="bf16 and fp8 decode over the same bytes as b256x1024 in fewer, longer contexts (no splits)",
     )
     parser.add_argument(
+        "--sweep-stages",
+        action="store_true",
+        help="the decode tiles at 3 and at 5-7 stages (two or more K/V buffers), both caches",
+    )
+    parser.add_argument(
         "--heads",
         type=int,
         nargs=2,
@@ -429,6 +467,9 @@ def main() -> None:
         return
     if args.sweep_context:
         sweep_context()
+        return
+    if args.sweep_stages:
+        sweep_stages()
         return
     if args.sweep_layout:
         variants = [

@@ -108,6 +108,8 @@ for what in "$@"; do
     fp8-kv-major) TAIL=20 stage fp8-kv-major "$PY" bench/attention.py --sweep-fp8-kv-major ;;
     fp8-layout) TAIL=32 stage fp8-layout "$PY" bench/attention.py --sweep-layout ;;
     fp8-context) TAIL=10 stage fp8-context "$PY" bench/attention.py --sweep-context ;;
+    # The decode tiles at 3 and 5-7 stages (whether two K/V buffers beat one), both caches.
+    decode-stages) TAIL=50 STAGE_TIMEOUT=400 stage decode-stages "$PY" bench/attention.py --sweep-stages ;;
     fp8-mixed) TAIL=40 stage fp8-mixed "$PY" bench/attention.py --sweep-mixed-lengths ;;
     fp8-engine-tests) TAIL=8 stage fp8-engine-tests "$PY" -m pytest -q -m gpu tests/test_fp8_kv.py tests/test_gpu_engine.py -k fp8 ;;
     fp8-kv-major-tests) TAIL=8 stage fp8-kv-major-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
