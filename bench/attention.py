@@ -8,7 +8,9 @@ the fp8 bytes).
     python bench/attention.py [--sweep | --sweep-bf16 | --sweep-fp8 | --sweep-fp8-quick] [--heads 32 4]
 
 --sweep also times a grid of decode launch configurations (BLOCK_N, num_warps, num_stages), bf16
-and fp8.
+and fp8. --sweep-stages times the decode tiles at 3 stages (one shared-memory buffer for K and V:
+Triton splits the stages between the block-table load and the K/V loads it addresses) and at 5-7
+(two or three).
 """
 
 from __future__ import annotations
