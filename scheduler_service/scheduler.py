@@ -95,9 +95,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _readmissible(self, seq: Sequence) -> bool:
+        """Whether a preempted sequence may run again: no plan scheduled before its preemption is
+        still in flight. (Such a plan may sample it, and update() drops that token only while the
+        sequence is not running: admitted again first, it would take the token as its own.)"""
+        in_flight = self.in_flight
+        return not in_flight or in_flight.oldest().plan.step_id >= seq.readmit_after
+
     def can_schedule_ahead(self) -> bool:
         """Whether a plan scheduled now, before the results in flight, would compute anything."""
-        if self.waiting or self._finished_ids:
+        if self._finished_ids or (self.waiting and self._readmissible(self.waiting[0])):
             return True
         return any(
             not s.num_pending_tokens or len(s.token_ids) + s.num_pending_tokens < s.max_num_tokens
@@ -226,6 +233,8 @@ class Scheduler:
         running = self.running
         while waiting and budget > 0 and len(running) < self.limits.max_num_seqs:
             seq = waiting[0]
+            if seq.readmit_after and not self._readmissible(seq):
+                break  # (arrival order: none behind it goes first)
             cached = bm.find_cached_blocks(seq) if not seq.scores_prompt else []
             num_cached = len(cached) * bs
             n = min(len(seq.token_ids) - num_cached, budget)
@@ -266,6 +275,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = seq.num_kv_written = 0
         seq.num_pending_tokens = 0  # a token a plan in flight samples for it is dropped
+        seq.readmit_after = plan.step_id
         self.waiting.appendleft(seq)
         if seq.sent:
             plan.preempted_seq_ids.append(seq.seq_id)

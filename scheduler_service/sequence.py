@@ -48,6 +48,7 @@ class Sequence:
         "num_prompt_tokens",
         "num_registered_blocks",
         "prompt_logprobs",
+        "readmit_after",
         "sampling_params",
         "sent",
         "seq_id",
@@ -104,6 +105,10 @@ class Sequence:
         self.num_new_tokens = 0
         # Tokens that plans in flight will sample (two plans in flight: up to 2).
         self.num_pending_tokens = 0
+        # Once preempted: the step id of the plan that preempted it. Plans before that one may
+        # sample it still, and their tokens are dropped only while it is not running, so it is
+        # admitted again only once they are all applied (0: no such plan).
+        self.readmit_after = 0
         # Set by the scheduler from the model's limits: sampled tokens that stop the sequence,
         # and the total length at which it stops with "length".
         self.stop_ids: frozenset[int] = frozenset()
@@ -166,6 +171,7 @@ class Sequence:
         self.sent = False
         self.num_new_tokens = 0
         self.num_pending_tokens = 0
+        self.readmit_after = 0
 
     def to_new_sequence(self) -> NewSequence:
         """The executor's copy: all tokens known so far, prompt and generated."""

@@ -8,7 +8,7 @@ import copy
 import pytest
 from executor_fixtures import make_executor, prompt_ids
 from helpers.fake_executor import CountingPipe, FakeExecutor, greedy, make_engine, prompt
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.config import SchedulerConfig
@@ -40,6 +40,18 @@ def _shared_prompt(n: int, seed: int, shared: int) -> list[int]:
     fail_steps=st.sets(st.integers(1, 30), max_size=2),
     eos=st.booleans(),
     depth=st.sampled_from([1, 2, 3]),
+)
+# Three plans in flight: a sequence preempted by the third while the first samples it, then
+# admitted again before that result was back, took the stale token as its own (found by this test;
+# "executor sampled a token for sequence 3 in mid-prefill").
+@example(
+    requests=[(1, 0, 1, 0, 0, None), (1, 0, 1, 0, 0, None), (4, 0, 4, 1, 8, None), (12, 0, 6, 0, 0, None)],
+    num_kv_blocks=8,
+    budget=5,
+    caching=False,
+    fail_steps=set(),
+    eos=False,
+    depth=3,
 )
 def test_random_aborts_refusals_and_preemption(
     requests, num_kv_blocks, budget, caching, fail_steps, eos, depth
