@@ -178,6 +178,8 @@ def _sampling_from_proto(msg: pb.StepSamplingParams) -> StepSamplingParams:
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
+    # (the comprehensions of new sequences and logprobs, here and in result_from_proto, run only
+    # when there are any: most steps have none, and each empty one cost a frame and an iterator)
     return pb.StepPlan(
         step_id=plan.step_id,
         new_seqs=[
@@ -189,7 +191,9 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 sampling_params=_sampling_to_proto(s.sampling_params),
             )
             for s in plan.new_seqs
-        ],
+        ]
+        if plan.new_seqs
+        else (),
         seq_ids=plan.seq_ids,
         num_scheduled_tokens=plan.num_scheduled_tokens,
         num_computed_tokens=plan.num_computed_tokens,
@@ -269,7 +273,9 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
                 top_logprobs=lp.top_logprobs[:],
             )
             for lp in msg.logprobs
-        ],
+        ]
+        if msg.logprobs
+        else [],
         prepare_seconds=msg.prepare_seconds,
         forward_seconds=msg.forward_seconds,
         sample_seconds=msg.sample_seconds,
@@ -283,7 +289,9 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
                 top_logprobs=p.top_logprobs[:],
             )
             for p in msg.prompt_logprobs
-        ],
+        ]
+        if msg.prompt_logprobs
+        else [],
     )
 
 
