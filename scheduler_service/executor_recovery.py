@@ -134,11 +134,7 @@ class ExecutorRecovery:
             len(self.held),
             some([seq.name for seq in self.held.values()]),
         )
-        metrics = self.metrics
-        metrics.requests_running.set(0)
-        metrics.requests_waiting.set(len(self.held))
-        metrics.kv_blocks_used.set(0)
-        metrics.kv_usage.set(0)
+        self.metrics.executor_lost(len(self.held))
 
     def heartbeat(self) -> None:
         """Idle probe: lose the executor if it does not answer or came back changed."""

@@ -62,7 +62,10 @@ class StepHistogram:
         registry.register(self)
 
     def observe(self, value: float) -> None:
-        self.observe_all((value,))
+        bucket = bisect_left(self._bounds, value)
+        with self._lock:
+            self._counts[bucket] += 1
+            self._sum += value
 
     def observe_all(self, values: Iterable[float]) -> None:
         values = values if isinstance(values, (list, tuple)) else list(values)
@@ -155,31 +158,56 @@ class SchedulerMetrics:
             registry=r,
         )
         self.info = Info(p[:-1], "The served model, as the executor describes it", registry=r)
-        self.tokens_per_step = Histogram(
+        # Observed every step on the engine thread: StepHistograms (a third of prometheus_client's
+        # Histogram.observe).
+        self.tokens_per_step = StepHistogram(
             p + "tokens_per_step", "Tokens scheduled per step", buckets=_TOKEN_BUCKETS, registry=r
         )
-        self.executor_round_trip = Histogram(
+        self.executor_round_trip = StepHistogram(
             p + "executor_round_trip_seconds",
             "From sending a step plan to reading its result (behind the plan before it, if any)",
             buckets=_STEP_BUCKETS,
             registry=r,
         )
         self._last = SchedulerStats()
+        # The gauges SchedulerStats sets, in update_from_stats's order, and the values last set.
+        self._stat_gauges = (
+            self.requests_running,
+            self.requests_waiting,
+            self.kv_blocks_used,
+            self.kv_blocks_total,
+        )
+        self._gauges: tuple[int, int, int, int] | None = None
         self._http: WSGIServer | None = None
 
     def update_from_stats(self, stats: SchedulerStats) -> None:
-        """Gauges and counter deltas after a step; called from the engine thread."""
+        """Gauges and counter deltas after a step; called from the engine thread. A gauge is set
+        only when its value changed since the last call (a decode step changes one or two of
+        them; each set takes the gauge's lock)."""
         last = self._last
         for metric, attr in _STAT_COUNTERS:
-            delta = getattr(stats, attr) - getattr(last, attr)
-            if delta > 0:
-                getattr(self, metric).inc(delta)
-            setattr(last, attr, getattr(stats, attr))
-        self.requests_running.set(stats.num_running)
-        self.requests_waiting.set(stats.num_waiting)
-        self.kv_blocks_used.set(stats.num_used_blocks)
-        self.kv_blocks_total.set(stats.num_total_blocks)
-        self.kv_usage.set(stats.kv_usage)
+            value = getattr(stats, attr)
+            delta = value - getattr(last, attr)
+            if delta:
+                if delta > 0:
+                    getattr(self, metric).inc(delta)
+                setattr(last, attr, value)
+        gauges = (stats.num_running, stats.num_waiting, stats.num_used_blocks, stats.num_total_blocks)
+        if gauges != self._gauges:
+            previous = self._gauges or (None,) * 4
+            for gauge, value, before in zip(self._stat_gauges, gauges, previous, strict=True):
+                if value != before:
+                    gauge.set(value)
+            self.kv_usage.set(stats.kv_usage)
+            self._gauges = gauges
+
+    def executor_lost(self, num_held: int) -> None:
+        """The gauges while no executor is connected: nothing runs, `num_held` requests wait."""
+        self.requests_running.set(0)
+        self.requests_waiting.set(num_held)
+        self.kv_blocks_used.set(0)
+        self.kv_usage.set(0)
+        self._gauges = None  # the next update_from_stats sets every gauge
 
     def set_executor(self, info: ExecutorInfo, max_model_len: int) -> None:
         """The `tandem_scheduler_info` labels, at each connection to an executor."""
@@ -195,6 +223,7 @@ class SchedulerMetrics:
     def reset_stats_baseline(self) -> None:
         """A new engine (after a reconnect) counts its stats from zero again."""
         self._last = SchedulerStats()
+        self._gauges = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP in a daemon thread; returns the bound port (port 0 picks one)."""
