@@ -23,7 +23,7 @@ import itertools
 import logging
 from collections import deque
 
-from protos.plan import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
+from protos.plan import ExecutorInfo, StepPlan, StepResult
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.config import SchedulerConfig, resolve_limits
 from scheduler_service.sequence import Sequence, SequenceStatus
@@ -309,7 +309,7 @@ class Scheduler:
                 f"step {plan.step_id}: executor sampled {len(result.seq_ids)} sequences, expected {len(sampling)}"
             )
         # The executor samples in batch order, so result i is sampling[i]; a lookup by id only
-        # where it is not (one comparison of the columns, not one per sequence in the loops).
+        # where it is not (one comparison of the columns, not one per sequence in the loop).
         if [s.seq_id for s in sampling] != result.seq_ids:
             by_id = {s.seq_id: s for s in sampling}
             missing = next((i for i in result.seq_ids if i not in by_id), None)
@@ -332,39 +332,59 @@ class Scheduler:
             if seq is not None and seq.prompt_logprobs is not None:
                 seq.append_prompt_logprobs(lp)
         any_finished = False
-        num_tokens = result.num_tokens
-        if logprobs is None and len(token_ids) == len(num_tokens) == num_tokens.count(1):
-            # A token each and no logprobs (every decode step): the loop below without its
-            # per-token offsets, counts and reasons (a third of update's per-sequence work).
-            num_out = len(out)
-            for seq, tok in zip(sampling, token_ids, strict=True):
-                if seq.status is not _RUNNING or seqs.get(seq.seq_id) is not seq:
-                    continue  # finished, aborted or preempted while the step ran: drop its token
-                seq.num_pending_tokens -= 1
-                tokens = seq.token_ids
-                num_before = len(tokens)
-                if seq.num_computed_tokens != num_before + seq.num_pending_tokens:
-                    raise RuntimeError(f"executor sampled a token for sequence {seq.seq_id} in mid-prefill")
-                seq.num_kv_written = num_before
-                if num_before == seq.num_prompt_tokens:
-                    stats.num_prompt_tokens += num_before
+        num_generated = 0
+        offset = 0
+        for seq, k in zip(sampling, result.num_tokens, strict=True):
+            if seq.status is not _RUNNING or seqs.get(seq.seq_id) is not seq:
+                offset += k
+                continue  # finished, aborted or preempted while the step ran: drop its token
+            seq.num_pending_tokens -= 1
+            tokens = seq.token_ids
+            num_before = len(tokens)
+            if seq.num_computed_tokens != num_before + seq.num_pending_tokens:
+                raise RuntimeError(f"executor sampled a token for sequence {seq.seq_id} in mid-prefill")
+            # This step wrote the KV of every token known before its result: those blocks may
+            # now enter the prefix cache.
+            seq.num_kv_written = num_before
+            if num_before == seq.num_prompt_tokens:
+                stats.num_prompt_tokens += num_before
+            reason = None
+            if k == 1:  # a decode step's one token (the loop below, without its overhead)
+                tok = token_ids[offset]
                 tokens.append(tok)
-                seq.num_new_tokens = 1
                 if (
                     tok in seq.stop_ids
                     and num_before + 1 - seq.num_prompt_tokens > seq.step_params.min_tokens
                 ):
-                    self._finish(seq, "stop")
-                    any_finished = True
+                    reason = "stop"
                 elif num_before + 1 >= seq.max_num_tokens:
-                    self._finish(seq, "length")
-                    any_finished = True
-                elif caching and num_before // bs > seq.num_registered_blocks:  # (num_kv_written)
-                    bm.cache_full_blocks(seq)
-                out.append(seq)
-            num_generated = len(out) - num_out
-        else:
-            num_generated, any_finished = self._apply_tokens(sampling, result, logprobs, out)
+                    reason = "length"
+                num_new = 1
+            else:
+                for tok in token_ids[offset : offset + k]:
+                    tokens.append(tok)
+                    # (the executor bans stop tokens short of min_tokens: this only checks it)
+                    if (
+                        tok in seq.stop_ids
+                        and len(tokens) - seq.num_prompt_tokens > seq.step_params.min_tokens
+                    ):
+                        reason = "stop"
+                        break
+                    if len(tokens) >= seq.max_num_tokens:
+                        reason = "length"
+                        break
+                num_new = len(tokens) - num_before
+            offset += k
+            seq.num_new_tokens = num_new
+            num_generated += num_new
+            if logprobs is not None and seq.logprobs is not None and seq.seq_id in logprobs:
+                seq.append_logprobs(logprobs[seq.seq_id], num_before)
+            if reason is not None:
+                self._finish(seq, reason)
+                any_finished = True
+            elif caching and num_before // bs > seq.num_registered_blocks:  # (num_kv_written)
+                bm.cache_full_blocks(seq)
+            out.append(seq)
         stats.num_generation_tokens += num_generated
         if any_finished:
             self.running = [s for s in self.running if s.status is _RUNNING]
@@ -375,63 +395,6 @@ class Scheduler:
                     bm.cache_full_blocks(seq)
         self._refresh_gauges()
         return out
-
-    def _apply_tokens(
-        self,
-        sampling: list[Sequence],
-        result: StepResult,
-        logprobs: dict[int, TokenLogprobs] | None,
-        out: list[Sequence],
-    ) -> tuple[int, bool]:
-        """update()'s loop over the sampled sequences in general: any number of tokens each, with
-        logprobs. Appends the sequences updated to out; returns the tokens appended and whether
-        any sequence finished."""
-        seqs = self.seqs
-        stats = self.stats
-        bm = self.block_manager
-        caching = bm.enable_prefix_caching
-        bs = self.limits.block_size
-        token_ids = result.token_ids
-        any_finished = False
-        num_generated = 0
-        offset = 0
-        for seq, seq_id, k in zip(sampling, result.seq_ids, result.num_tokens, strict=True):
-            if seq.status is not _RUNNING or seqs.get(seq_id) is not seq:
-                offset += k
-                continue  # finished, aborted or preempted while the step ran: drop its token
-            seq.num_pending_tokens -= 1
-            tokens = seq.token_ids
-            num_before = len(tokens)
-            if seq.num_computed_tokens != num_before + seq.num_pending_tokens:
-                raise RuntimeError(f"executor sampled a token for sequence {seq_id} in mid-prefill")
-            # This step wrote the KV of every token known before its result: those blocks may
-            # now enter the prefix cache.
-            seq.num_kv_written = num_before
-            if num_before == seq.num_prompt_tokens:
-                stats.num_prompt_tokens += num_before
-            reason = None
-            for tok in token_ids[offset : offset + k]:
-                tokens.append(tok)
-                # (the executor bans stop tokens short of min_tokens: this only checks it)
-                if tok in seq.stop_ids and len(tokens) - seq.num_prompt_tokens > seq.step_params.min_tokens:
-                    reason = "stop"
-                    break
-                if len(tokens) >= seq.max_num_tokens:
-                    reason = "length"
-                    break
-            num_new = len(tokens) - num_before
-            offset += k
-            seq.num_new_tokens = num_new
-            num_generated += num_new
-            if logprobs is not None and seq.logprobs is not None and seq_id in logprobs:
-                seq.append_logprobs(logprobs[seq_id], num_before)
-            if reason is not None:
-                self._finish(seq, reason)
-                any_finished = True
-            elif caching and num_before // bs > seq.num_registered_blocks:  # (num_kv_written)
-                bm.cache_full_blocks(seq)
-            out.append(seq)
-        return num_generated, any_finished
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free the blocks. The caller removes seq from running/waiting."""
