@@ -165,7 +165,7 @@ class OpenAIServer:
             tools=body.tools,
             documents=body.documents,
             add_generation_prompt=body.add_generation_prompt,
-            **(body.chat_template_kwargs or {}),
+            chat_template_kwargs=body.chat_template_kwargs,
         )
         return [text], template
 

@@ -189,3 +189,18 @@ def test_chat_prompt_logprobs_are_the_response_s(api, model):
     prompt_logprobs = got.model_extra["prompt_logprobs"]
     assert len(prompt_logprobs) == got.usage.prompt_tokens and prompt_logprobs[0] is None
     assert all(len(entry) == 1 for entry in prompt_logprobs[1:])  # each token's own only
+
+
+@pytest.mark.parametrize("kwargs", [{"add_generation_prompt": False}, {"tools": None}, {"messages": []}])
+def test_chat_template_kwargs_that_name_the_template_s_own_variables(server, kwargs):
+    """vLLM's chat_template_kwargs override tools, documents and add_generation_prompt; `messages`
+    is the request's own: a 400 that names it (not a 500), and the service keeps serving."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(url, json={**body, "chat_template_kwargs": kwargs})
+    if "messages" in kwargs:
+        assert r.status_code == 400
+        assert "chat_template_kwargs may not set 'messages'" in r.json()["error"]["message"]
+    else:
+        assert r.status_code == 200, r.text
+    assert httpx.post(url, json=body).status_code == 200
