@@ -179,12 +179,8 @@ class OpenAIServer:
                 f"the model {body.model!r} does not exist: this server serves {served!r}",
                 "model_not_found",
             )
-        if chat:
-            num_top = body.num_top_logprobs
-            wants_logprobs = body.logprobs
-        else:
-            num_top = body.logprobs or 0
-            wants_logprobs = body.logprobs is not None
+        num_top = body.num_top_logprobs
+        wants_logprobs = body.logprobs if chat else body.logprobs is not None
         # The engine reports a sampled token's logprob beside at least one alternative.
         params = body.sampling_params(max(num_top, 1) if wants_logprobs else 0)
         verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)

@@ -163,6 +163,7 @@ def test_max_tokens_and_max_completion_tokens(api, model):
         ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids, got 'abc'"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must be <= max_tokens (10)"),
         ({"prompt_logprobs": 50}, "prompt_logprobs (50) exceeds max_logprobs (20"),
+        ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
     ],
 )
 def test_bad_features_are_400_naming_the_limit(server, extra, message):
@@ -204,3 +205,11 @@ def test_chat_template_kwargs_that_name_the_template_s_own_variables(server, kwa
     else:
         assert r.status_code == 200, r.text
     assert httpx.post(url, json=body).status_code == 200
+
+
+def test_negative_top_logprobs_are_a_400(server):
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}
+    r = httpx.post(url, json={**body, "top_logprobs": -1})
+    assert r.status_code == 400
+    assert "top_logprobs must be >= 0, got -1" in r.json()["error"]["message"]
