@@ -351,6 +351,8 @@ class _ResponseWriter:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client went away
                 work.cancel()
+                # (read, so that asyncio does not log the cancelled gather as an unretrieved error)
+                work.add_done_callback(lambda w: w.cancelled() or w.exception())
                 return _error_response(499, "the client closed the connection")
             work.result()
         except TandemRequestError as e:
