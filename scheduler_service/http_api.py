@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protos.api_keys import AUTHORIZATION, ApiKeys
 from scheduler_service.async_engine import AsyncEngine
@@ -83,6 +84,10 @@ class OpenAIServer:
         @app.exception_handler(HttpError)
         async def http_error(request: Request, e: HttpError) -> JSONResponse:
             return _error_response(e.status, e.message, e.code)
+
+        @app.exception_handler(StarletteHTTPException)  # an unknown route or method
+        async def http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
+            return JSONResponse(error_body(str(e.detail), e.status_code), e.status_code, e.headers)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -30,7 +30,7 @@ _ERROR_TYPES = {
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    kind = _ERROR_TYPES.get(status, "server_error")
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
 
 

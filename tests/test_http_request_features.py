@@ -213,3 +213,14 @@ def test_negative_top_logprobs_are_a_400(server):
     r = httpx.post(url, json={**body, "top_logprobs": -1})
     assert r.status_code == 400
     assert "top_logprobs must be >= 0, got -1" in r.json()["error"]["message"]
+
+
+def test_unknown_routes_and_methods_are_openai_error_objects(api, model, server):
+    """The README's promise: every error is `{"error": {"message", "type", "param", "code"}}`."""
+    with pytest.raises(openai.NotFoundError) as e:
+        api.embeddings.create(model=model, input="x")  # an endpoint this server does not serve
+    assert e.value.body["message"] == "Not Found" and e.value.body["type"] == "not_found_error"
+    r = httpx.get(f"http://127.0.0.1:{server.http_port}/v1/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["message"] == "Method Not Allowed" and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
