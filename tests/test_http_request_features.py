@@ -224,3 +224,18 @@ def test_unknown_routes_and_methods_are_openai_error_objects(api, model, server)
     assert r.status_code == 405
     assert r.json()["error"]["message"] == "Method Not Allowed" and r.headers["allow"] == "POST"
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_prompt_that_is_not_unicode_is_a_400(server, endpoint):
+    """JSON can escape a lone UTF-16 surrogate, which no tokenizer takes: a 400, not a bare 500."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    text = '"The \\ud800 type"'  # as the JSON text carries it
+    field = (
+        f'"prompt": {text}'
+        if endpoint == "completions"
+        else f'"messages": [{{"role": "user", "content": {text}}}]'
+    )
+    r = httpx.post(url, content=f'{{{field}, "max_tokens": 2}}', headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "is not valid Unicode (surrogates not allowed) at character" in r.json()["error"]["message"]
