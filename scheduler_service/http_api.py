@@ -190,6 +190,7 @@ class OpenAIServer:
         params = body.sampling_params(max(num_top, 1) if wants_logprobs else 0)
         verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)
         prompts, template = self._prompts(body, chat)
+        parses_tools = chat and body.parses_tools()  # (refused before any sample is submitted)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices: list[_Choice] = []
         arrival = time.perf_counter()
@@ -204,7 +205,7 @@ class OpenAIServer:
                         len(choices), stream, OutputProcessor(self.engine.tokenizer, stream.params)
                     )
                     if template is not None:
-                        choice.parser = ChatOutputParser.for_request(template, prompt, body.parses_tools())
+                        choice.parser = ChatOutputParser.for_request(template, prompt, parses_tools)
                     choices.append(choice)
         except BaseException:
             for choice in choices:

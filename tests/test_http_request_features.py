@@ -239,3 +239,14 @@ def test_a_prompt_that_is_not_unicode_is_a_400(server, endpoint):
     r = httpx.post(url, content=f'{{{field}, "max_tokens": 2}}', headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert "is not valid Unicode (surrogates not allowed) at character" in r.json()["error"]["message"]
+
+
+def test_a_request_refused_after_its_prompt_was_tokenized_leaves_nothing_running(server):
+    """tool_choice "required" (not supported) is a 400, and the n samples it was refused with are not
+    left generating for nobody."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": tools, "tool_choice": "required"}
+    r = httpx.post(url, json={**body, "n": 2, "max_tokens": 900, "ignore_eos": True})
+    assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
+    assert len(server.engine.streams) == 0
