@@ -335,8 +335,10 @@ class _ResponseWriter:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
+            # OpenAI's: the top N and always the sampled token (up to N + 1), as vLLM's
             "top_logprobs": [
-                {self._token(i): v for i, v in lp.top_logprobs[: self.num_top]} for lp in logprobs
+                {token: lp.logprob, **{self._token(i): v for i, v in lp.top_logprobs[: self.num_top]}}
+                for token, lp in zip(tokens, logprobs, strict=True)
             ],
             "text_offset": offsets,
         }

@@ -250,3 +250,15 @@ def test_a_request_refused_after_its_prompt_was_tokenized_leaves_nothing_running
     r = httpx.post(url, json={**body, "n": 2, "max_tokens": 900, "ignore_eos": True})
     assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
     assert len(server.engine.streams) == 0
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(api, model):
+    """OpenAI's legacy completions (and vLLM's): top_logprobs are the `logprobs` most likely tokens
+    and always the sampled one, so up to logprobs + 1 of them; logprobs=0 gives the sampled one."""
+    kwargs = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 2.0, "seed": 3}
+    lp = api.completions.create(**kwargs, logprobs=0).choices[0].logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs, strict=True)]
+    lp = api.completions.create(**kwargs, logprobs=1).choices[0].logprobs
+    for token, top in zip(lp.tokens, lp.top_logprobs, strict=True):
+        assert token in top and len(top) <= 2  # (keyed by text: another token may share the sampled one's)
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # (at temperature 2, not always the likeliest)
