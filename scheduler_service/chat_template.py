@@ -118,18 +118,17 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
-        **kwargs: Any,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text; raises InvalidRequestError for what the template refuses
-        (raise_exception) or cannot render."""
+        (raise_exception) or cannot render. `chat_template_kwargs` (the request's) override the
+        special tokens, tools, documents and add_generation_prompt, as in vLLM; not messages."""
+        kwargs = chat_template_kwargs or {}
+        if "messages" in kwargs:
+            raise InvalidRequestError("chat_template_kwargs may not set 'messages': send them as messages")
+        variables = {"tools": tools, "documents": documents, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(
-                messages=messages,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **kwargs},
-            )
+            return self._template.render(messages=messages, **{**variables, **self.special_tokens, **kwargs})
         except jinja2.exceptions.TemplateError as e:
             raise InvalidRequestError(f"the chat template refused the messages: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as e:

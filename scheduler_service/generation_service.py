@@ -90,7 +90,7 @@ def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate]:
     if not messages:
         raise InvalidRequestError("chat.messages is empty")
     template = chat_template(tokenizer)
-    return template.render(messages, tools=fields["tools_json"], **kwargs), template
+    return template.render(messages, tools=fields["tools_json"], chat_template_kwargs=kwargs), template
 
 
 # The largest chunk a stream sends (see GenerationServicer.__init__).

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protos.api_keys import AUTHORIZATION, ApiKeys
 from scheduler_service.async_engine import AsyncEngine
@@ -83,6 +84,10 @@ class OpenAIServer:
         @app.exception_handler(HttpError)
         async def http_error(request: Request, e: HttpError) -> JSONResponse:
             return _error_response(e.status, e.message, e.code)
+
+        @app.exception_handler(StarletteHTTPException)  # an unknown route or method
+        async def http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
+            return JSONResponse(error_body(str(e.detail), e.status_code), e.status_code, e.headers)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -165,7 +170,7 @@ class OpenAIServer:
             tools=body.tools,
             documents=body.documents,
             add_generation_prompt=body.add_generation_prompt,
-            **(body.chat_template_kwargs or {}),
+            chat_template_kwargs=body.chat_template_kwargs,
         )
         return [text], template
 
@@ -179,16 +184,13 @@ class OpenAIServer:
                 f"the model {body.model!r} does not exist: this server serves {served!r}",
                 "model_not_found",
             )
-        if chat:
-            num_top = body.num_top_logprobs
-            wants_logprobs = body.logprobs
-        else:
-            num_top = body.logprobs or 0
-            wants_logprobs = body.logprobs is not None
+        num_top = body.num_top_logprobs
+        wants_logprobs = body.logprobs if chat else body.logprobs is not None
         # The engine reports a sampled token's logprob beside at least one alternative.
         params = body.sampling_params(max(num_top, 1) if wants_logprobs else 0)
         verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)
         prompts, template = self._prompts(body, chat)
+        parses_tools = chat and body.parses_tools()  # (refused before any sample is submitted)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices: list[_Choice] = []
         arrival = time.perf_counter()
@@ -203,7 +205,7 @@ class OpenAIServer:
                         len(choices), stream, OutputProcessor(self.engine.tokenizer, stream.params)
                     )
                     if template is not None:
-                        choice.parser = ChatOutputParser.for_request(template, prompt, body.parses_tools())
+                        choice.parser = ChatOutputParser.for_request(template, prompt, parses_tools)
                     choices.append(choice)
         except BaseException:
             for choice in choices:
@@ -333,8 +335,10 @@ class _ResponseWriter:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
+            # OpenAI's: the top N and always the sampled token (up to N + 1), as vLLM's
             "top_logprobs": [
-                {self._token(i): v for i, v in lp.top_logprobs[: self.num_top]} for lp in logprobs
+                {token: lp.logprob, **{self._token(i): v for i, v in lp.top_logprobs[: self.num_top]}}
+                for token, lp in zip(tokens, logprobs, strict=True)
             ],
             "text_offset": offsets,
         }
@@ -355,6 +359,8 @@ class _ResponseWriter:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client went away
                 work.cancel()
+                # (read, so that asyncio does not log the cancelled gather as an unretrieved error)
+                work.add_done_callback(lambda w: w.cancelled() or w.exception())
                 return _error_response(499, "the client closed the connection")
             work.result()
         except TandemRequestError as e:

@@ -30,7 +30,7 @@ _ERROR_TYPES = {
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    kind = _ERROR_TYPES.get(status, "server_error")
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
 
 
@@ -129,6 +129,12 @@ class CompletionRequest(_Request):
             raise InvalidRequestError("prompt is empty")
         return list(prompt)
 
+    @property
+    def num_top_logprobs(self) -> int:
+        if self.logprobs is not None and self.logprobs < 0:
+            raise InvalidRequestError(f"logprobs must be >= 0, got {self.logprobs}")
+        return self.logprobs or 0
+
 
 class ChatRequest(_Request):
     messages: list[dict[str, Any]]
@@ -183,4 +189,6 @@ class ChatRequest(_Request):
     def num_top_logprobs(self) -> int:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise InvalidRequestError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         return self.top_logprobs or 0

@@ -55,11 +55,19 @@ def check_text_prompt(
     max_model_len: int,
     no_tokenizer: str = NO_TOKENIZER,
 ) -> Tokenizer:
-    """The tokenizer to encode `text` with; raises InvalidRequestError without one, or when the
-    text is too long to fit even at the most bytes a token can hold (checked without tokenizing)."""
+    """The tokenizer to encode `text` with; raises InvalidRequestError without one, for a text that
+    is not Unicode, or when the text is too long to fit even at the most bytes a token can hold
+    (checked without tokenizing)."""
     if tokenizer is None:
         raise InvalidRequestError(no_tokenizer)
     verify_prompt_length(tokenizer.min_num_tokens(text), params, max_model_len, lower_bound=True)
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:  # a lone surrogate (JSON can escape one): no tokenizer takes it
+            raise InvalidRequestError(
+                f"the prompt is not valid Unicode ({e.reason}) at character {e.start}"
+            ) from None
     return tokenizer
 
 

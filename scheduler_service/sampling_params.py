@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,11 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_ABS_LOGIT_BIAS = 100.0
 # Samples of one request (n), as the HTTP API has always allowed.
 MAX_N = 128
+# The executor's step plan carries the sampling parameters as 32-bit floats and integers, and the seed
+# in 64 bits (executor.proto): a seed in [-2**63, 2**64) travels modulo 2**64 (a negative one is
+# vLLM's int64 seed), a top_k past the vocabulary is off.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+INT32_MAX = 2**31 - 1
 _FLOAT_FIELDS = (
     "temperature",
     "min_p",
@@ -68,8 +74,11 @@ class SamplingParams:
     def verify(self) -> None:
         """Raise InvalidRequestError naming the violated limit."""
         for name in _FLOAT_FIELDS:
-            if not math.isfinite(getattr(self, name)):
-                _fail(f"{name} must be a finite number, got {getattr(self, name)}")
+            if not math.isfinite(_float32(getattr(self, name))):
+                _fail(
+                    f"{name} must be a finite number (a 32-bit float: at most 3.4e38 in magnitude), "
+                    f"got {getattr(self, name)}"
+                )
         if len(self.stop) > MAX_STOP_STRINGS:
             _fail(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for i, stop in enumerate(self.stop):
@@ -90,8 +99,11 @@ class SamplingParams:
                 )
         if not 0 <= self.min_p <= 1:
             _fail(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            _fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if _float32(self.repetition_penalty) <= 0:
+            underflow = " (0 as a 32-bit float)" if self.repetition_penalty > 0 else ""
+            _fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}{underflow}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            _fail(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.logprobs < 0:
             _fail(f"logprobs must be >= 0, got {self.logprobs}")
         for i, t in enumerate(self.stop_token_ids):
@@ -152,10 +164,10 @@ class SamplingParams:
     def to_step_params(self, num_prompt_tokens: int) -> StepSamplingParams:
         return StepSamplingParams(
             temperature=self.temperature,
-            top_k=self.top_k,
+            top_k=min(self.top_k, INT32_MAX),
             top_p=self.top_p,
             min_p=self.min_p,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed % 2**64,
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -215,8 +227,18 @@ def verify_prompt_length(
     if params.max_tokens is None:
         if num_tokens >= max_model_len:
             _fail(f"prompt ({n}) leaves no room to generate within max_model_len ({max_model_len})")
+        if num_tokens + params.min_tokens > max_model_len:
+            _fail(f"prompt ({n}) + min_tokens ({params.min_tokens}) exceeds max_model_len ({max_model_len})")
     elif num_tokens + params.max_tokens > max_model_len:
         _fail(f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})")
+
+
+def _float32(x: float) -> float:
+    """x as the step plan carries it: rounded to a 32-bit float (infinite past its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def _fail(message: str) -> None:

@@ -34,7 +34,7 @@ def test_template_renders_as_transformers(tmp_path, kwargs):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
     expected = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
     template = ChatTemplate.load(checkpoint)
-    assert template.render(MESSAGES, add_generation_prompt=True, **kwargs) == expected
+    assert template.render(MESSAGES, add_generation_prompt=True, chat_template_kwargs=kwargs) == expected
 
 
 def test_raise_exception_is_a_400():

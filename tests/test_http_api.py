@@ -285,3 +285,44 @@ def test_request_features_across_the_split_services(api, model, services):
     assert len(prompt_logprobs) == scored.usage.prompt_tokens and prompt_logprobs[0] is None
     http_values = [next(iter(e.values()))["logprob"] for e in prompt_logprobs[1:]]
     assert http_values == pytest.approx([lp.logprob for lp in grpc_scored.prompt_logprobs], abs=1e-6)
+
+
+def test_values_past_the_step_plan_s_range_fail_only_their_own_request(services, model):
+    """The executor's step plan carries sampling parameters as 32-bit numbers (and a 64-bit seed):
+    a value outside them is a 400 naming the limit, or is carried as what it means (a top_k past
+    the vocabulary is off; a negative seed is vLLM's int64 seed), and never fails the step of a
+    request running beside it."""
+    url, headers = f"{services.http_url}/v1", {"Authorization": f"Bearer {KEY}"}
+    bystander = {"model": model, "prompt": PROMPT, "max_tokens": 256, "temperature": 0, "ignore_eos": True}
+    bystander |= {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/completions", json=bystander, headers=headers, timeout=60) as running:
+        events = running.iter_lines()
+        assert next(events).startswith("data: ")  # it is decoding
+        refused = [
+            ("completions", {"temperature": 1e300}, "temperature must be a finite number (a 32-bit float"),
+            ("completions", {"repetition_penalty": 1e300}, "repetition_penalty must be a finite"),
+            (
+                "completions",
+                {"repetition_penalty": 1e-300},
+                "repetition_penalty must be > 0, got 1e-300 (0 as a 32-bit float)",
+            ),
+            ("completions", {"seed": 2**70}, "seed must be in [-2**63, 2**64)"),
+            ("chat/completions", {"min_tokens": 2**40}, "+ min_tokens (1099511627776) exceeds max_model_len"),
+        ]
+        for endpoint, extra, message in refused:
+            body = {"model": model, "prompt": "x", "messages": [{"role": "user", "content": "x"}], **extra}
+            r = httpx.post(f"{url}/{endpoint}", json=body, headers=headers, timeout=60)
+            assert r.status_code == 400, (extra, r.text)
+            assert message in r.json()["error"]["message"]
+        sampled = {}
+        for extra in ({"seed": -1}, {"seed": 2**64 - 1}, {"seed": 7, "top_k": 10**12}, {"seed": 7}):
+            body = {"model": model, "prompt": "x", "max_tokens": 8, "temperature": 1, **extra}
+            r = httpx.post(f"{url}/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            sampled[json.dumps(extra)] = r.json()["choices"][0]["text"]
+        texts = list(sampled.values())
+        assert texts[0] == texts[1] and texts[2] == texts[3]  # -1 is 2**64 - 1; top_k 10**12 is off
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events if e and e != "data: [DONE]"]
+    assert "error" not in chunks[-1], chunks[-1]
+    assert chunks[-1]["usage"]["completion_tokens"] == 256
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"

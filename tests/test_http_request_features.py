@@ -163,6 +163,7 @@ def test_max_tokens_and_max_completion_tokens(api, model):
         ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids, got 'abc'"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must be <= max_tokens (10)"),
         ({"prompt_logprobs": 50}, "prompt_logprobs (50) exceeds max_logprobs (20"),
+        ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
     ],
 )
 def test_bad_features_are_400_naming_the_limit(server, extra, message):
@@ -189,3 +190,75 @@ def test_chat_prompt_logprobs_are_the_response_s(api, model):
     prompt_logprobs = got.model_extra["prompt_logprobs"]
     assert len(prompt_logprobs) == got.usage.prompt_tokens and prompt_logprobs[0] is None
     assert all(len(entry) == 1 for entry in prompt_logprobs[1:])  # each token's own only
+
+
+@pytest.mark.parametrize("kwargs", [{"add_generation_prompt": False}, {"tools": None}, {"messages": []}])
+def test_chat_template_kwargs_that_name_the_template_s_own_variables(server, kwargs):
+    """vLLM's chat_template_kwargs override tools, documents and add_generation_prompt; `messages`
+    is the request's own: a 400 that names it (not a 500), and the service keeps serving."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(url, json={**body, "chat_template_kwargs": kwargs})
+    if "messages" in kwargs:
+        assert r.status_code == 400
+        assert "chat_template_kwargs may not set 'messages'" in r.json()["error"]["message"]
+    else:
+        assert r.status_code == 200, r.text
+    assert httpx.post(url, json=body).status_code == 200
+
+
+def test_negative_top_logprobs_are_a_400(server):
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}
+    r = httpx.post(url, json={**body, "top_logprobs": -1})
+    assert r.status_code == 400
+    assert "top_logprobs must be >= 0, got -1" in r.json()["error"]["message"]
+
+
+def test_unknown_routes_and_methods_are_openai_error_objects(api, model, server):
+    """The README's promise: every error is `{"error": {"message", "type", "param", "code"}}`."""
+    with pytest.raises(openai.NotFoundError) as e:
+        api.embeddings.create(model=model, input="x")  # an endpoint this server does not serve
+    assert e.value.body["message"] == "Not Found" and e.value.body["type"] == "not_found_error"
+    r = httpx.get(f"http://127.0.0.1:{server.http_port}/v1/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["message"] == "Method Not Allowed" and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_prompt_that_is_not_unicode_is_a_400(server, endpoint):
+    """JSON can escape a lone UTF-16 surrogate, which no tokenizer takes: a 400, not a bare 500."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    text = '"The \\ud800 type"'  # as the JSON text carries it
+    field = (
+        f'"prompt": {text}'
+        if endpoint == "completions"
+        else f'"messages": [{{"role": "user", "content": {text}}}]'
+    )
+    r = httpx.post(url, content=f'{{{field}, "max_tokens": 2}}', headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "is not valid Unicode (surrogates not allowed) at character" in r.json()["error"]["message"]
+
+
+def test_a_request_refused_after_its_prompt_was_tokenized_leaves_nothing_running(server):
+    """tool_choice "required" (not supported) is a 400, and the n samples it was refused with are not
+    left generating for nobody."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": tools, "tool_choice": "required"}
+    r = httpx.post(url, json={**body, "n": 2, "max_tokens": 900, "ignore_eos": True})
+    assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
+    assert len(server.engine.streams) == 0
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(api, model):
+    """OpenAI's legacy completions (and vLLM's): top_logprobs are the `logprobs` most likely tokens
+    and always the sampled one, so up to logprobs + 1 of them; logprobs=0 gives the sampled one."""
+    kwargs = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 2.0, "seed": 3}
+    lp = api.completions.create(**kwargs, logprobs=0).choices[0].logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs, strict=True)]
+    lp = api.completions.create(**kwargs, logprobs=1).choices[0].logprobs
+    for token, top in zip(lp.tokens, lp.top_logprobs, strict=True):
+        assert token in top and len(top) <= 2  # (keyed by text: another token may share the sampled one's)
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # (at temperature 2, not always the likeliest)
