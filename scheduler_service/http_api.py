@@ -175,6 +175,7 @@ class OpenAIServer:
         return [text], template
 
     async def _admit(self, body, chat: bool, timeout: float | None) -> tuple[list[_Choice], str]:
+        body.check_fields()
         engine = self._engine()
         served = engine.info.model
         # The executor names a local checkpoint by its directory: its path names it too.

@@ -64,6 +64,11 @@ class _Request(BaseModel):
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
 
+    def check_fields(self) -> None:
+        """Raises InvalidRequestError for fields that contradict each other (before any work)."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("Stream options can only be defined when `stream=True`.")
+
     def max_tokens_of(self) -> int | None:
         return self.max_tokens
 

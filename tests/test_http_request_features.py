@@ -262,3 +262,19 @@ def test_completion_top_logprobs_hold_the_sampled_token(api, model):
     for token, top in zip(lp.tokens, lp.top_logprobs, strict=True):
         assert token in top and len(top) <= 2  # (keyed by text: another token may share the sampled one's)
     assert any(len(top) == 2 for top in lp.top_logprobs)  # (at temperature 2, not always the likeliest)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_stream_options_without_stream_are_a_400(server, endpoint):
+    """OpenAI's and vLLM's rule: stream_options only with "stream": true (null is no options)."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    body = {"max_tokens": 2}
+    body |= (
+        {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    for stream in ({}, {"stream": False}):
+        r = httpx.post(url, json={**body, **stream, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == "Stream options can only be defined when `stream=True`."
+    assert httpx.post(url, json={**body, "stream_options": None}).status_code == 200
+    assert len(server.engine.streams) == 0
