@@ -5,6 +5,8 @@ max_completion_tokens, the user in the logs, and bad input as a 400 naming the l
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import shutil
 import time
@@ -15,6 +17,8 @@ import pytest
 from helpers.scheduler_server import NUM_KV_BLOCKS, make_server
 
 from client.llm import LLM
+from scheduler_service.errors import TandemRequestError
+from scheduler_service.http_api import OpenAIServer
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.server import ServerThread
 
@@ -278,3 +282,57 @@ def test_stream_options_without_stream_are_a_400(server, endpoint):
         assert r.json()["error"]["message"] == "Stream options can only be defined when `stream=True`."
     assert httpx.post(url, json={**body, "stream_options": None}).status_code == 200
     assert len(server.engine.streams) == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_gone_before_the_first_read_of_its_stream_is_aborted(server, stream):
+    """The client disconnects in the instant between its request's admission and the first read of
+    its stream: called as an ASGI app whose receive() answers http.disconnect once the body is read,
+    so that the disconnect is there before the response starts. The request is aborted (its blocks
+    freed), not left generating up to max_tokens for nobody."""
+    app = OpenAIServer(server.engine).app
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": stream}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},  # uvicorn's
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    submitted = []
+
+    async def call() -> int:
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive():
+            return next(messages, {"type": "http.disconnect"})
+
+        async def send(message):
+            pass
+
+        real_submit = server.engine.submit
+
+        async def submit(*args, **kwargs):
+            streams = await real_submit(*args, **kwargs)
+            submitted.extend(streams)
+            return streams
+
+        server.engine.submit = submit
+        try:
+            await app(scope, receive, send)
+        finally:
+            del server.engine.submit
+        left = len(server.engine.streams)
+        server.engine.abort_all(TandemRequestError("test cleanup"))  # (whatever the outcome)
+        return left
+
+    left = asyncio.run_coroutine_threadsafe(call(), server.engine._loop).result(10)
+    assert len(submitted) == 1  # (it was admitted)
+    assert left == 0
