@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -216,10 +217,17 @@ class OpenAIServer:
 
     async def _serve(self, request: Request, body, chat: bool):
         timeout = request.headers.get(TIMEOUT_HEADER)
-        try:
-            seconds = float(timeout) if timeout is not None else None
-        except ValueError:
-            raise HttpError(400, f"{TIMEOUT_HEADER} must be a number of seconds, got {timeout!r}") from None
+        seconds = None
+        if timeout is not None:
+            try:
+                seconds = float(timeout)
+            except ValueError:
+                seconds = math.nan
+            # (a NaN or infinite deadline would never pass; a negative one passed before the start)
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise HttpError(
+                    400, f"{TIMEOUT_HEADER} must be a positive, finite number of seconds, got {timeout!r}"
+                )
         try:
             choices, request_id = await self._admit(body, chat, seconds)
         except TandemRequestError as e:

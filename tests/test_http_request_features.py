@@ -336,3 +336,17 @@ def test_a_client_gone_before_the_first_read_of_its_stream_is_aborted(server, st
     left = asyncio.run_coroutine_threadsafe(call(), server.engine._loop).result(10)
     assert len(submitted) == 1  # (it was admitted)
     assert left == 0
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "-1", "0"])
+def test_a_request_timeout_that_cannot_expire_is_a_400(server, value):
+    """X-Request-Timeout: a NaN or infinite deadline never passed (and a NaN broke the order of the
+    others'), a negative or zero one had passed before the request began: a 400 naming the header."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    r = httpx.post(url, json=body, headers={"X-Request-Timeout": value})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message == f"x-request-timeout must be a positive, finite number of seconds, got {value!r}"
+    assert len(server.engine.streams) == 0
+    assert httpx.post(url, json=body, headers={"X-Request-Timeout": "30"}).status_code == 200
