@@ -231,9 +231,10 @@ class OpenAIServer:
         try:
             choices, request_id = await self._admit(body, chat, seconds)
         except TandemRequestError as e:
+            e.message = body.as_sent(e.message)
             raise self._fail(e) from None
         except ValueError as e:
-            raise self._fail(InvalidRequestError(str(e))) from None
+            raise self._fail(InvalidRequestError(body.as_sent(str(e)))) from None
         writer = _ResponseWriter(self, body, chat, choices, request_id)
         if body.stream:
             return StreamingResponse(writer.sse(), media_type="text/event-stream")

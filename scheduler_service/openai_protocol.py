@@ -4,6 +4,7 @@ become `{"error": {"message", "type", "param", "code"}}` with the status OpenAI 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -71,6 +72,10 @@ class _Request(BaseModel):
 
     def max_tokens_of(self) -> int | None:
         return self.max_tokens
+
+    def as_sent(self, message: str) -> str:
+        """An error message with the fields named as the client sent them."""
+        return message
 
     def sampling_params(self, num_logprobs: int) -> SamplingParams:
         """Raises InvalidRequestError naming the limit."""
@@ -189,6 +194,12 @@ class ChatRequest(_Request):
                 "differ: give one of them"
             )
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def as_sent(self, message: str) -> str:
+        """The limit is max_completion_tokens where the client sent only that name."""
+        if self.max_completion_tokens is None or self.max_tokens is not None:
+            return message
+        return re.sub(r"\bmax_tokens\b", "max_completion_tokens", message)
 
     @property
     def num_top_logprobs(self) -> int:

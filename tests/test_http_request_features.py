@@ -350,3 +350,28 @@ def test_a_request_timeout_that_cannot_expire_is_a_400(server, value):
     assert message == f"x-request-timeout must be a positive, finite number of seconds, got {value!r}"
     assert len(server.engine.streams) == 0
     assert httpx.post(url, json=body, headers={"X-Request-Timeout": "30"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens must be >= 1, got 0"),
+        ({"max_completion_tokens": 10**6}, r"\+ max_completion_tokens \(1000000\) exceeds max_model_len"),
+        (
+            {"max_completion_tokens": 2, "min_tokens": 5},
+            r"min_tokens \(5\) must be <= max_completion_tokens \(2\)",
+        ),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"max_tokens": 10**6}, r"\+ max_tokens \(1000000\) exceeds max_model_len"),
+        ({"max_tokens": 2, "max_completion_tokens": 2, "min_tokens": 5}, r"must be <= max_tokens \(2\)"),
+    ],
+)
+def test_errors_about_the_token_limit_name_the_field_sent(server, fields, message):
+    """A chat request's limit is max_completion_tokens (OpenAI's newer name) or max_tokens: an error
+    about it names the one the client sent."""
+    import re
+
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": "Hi"}], **fields})
+    assert r.status_code == 400, r.text
+    assert re.search(message, r.json()["error"]["message"]), r.json()["error"]["message"]
