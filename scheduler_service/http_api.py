@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -37,6 +38,8 @@ from scheduler_service.request_handling import (
 from scheduler_service.request_stream import RequestStream
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; past it: 504
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
@@ -194,6 +197,12 @@ class OpenAIServer:
         prompts, template = self._prompts(body, chat)
         parses_tools = chat and body.parses_tools()  # (refused before any sample is submitted)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if ignored := body.ignored_fields():  # (vLLM's warning)
+            logger.warning(
+                "request %s: these fields were present in the request but ignored (not supported): %s",
+                request_id,
+                ", ".join(ignored),
+            )
         choices: list[_Choice] = []
         arrival = time.perf_counter()
         try:

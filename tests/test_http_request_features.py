@@ -375,3 +375,56 @@ def test_errors_about_the_token_limit_name_the_field_sent(server, fields, messag
     r = httpx.post(url, json={"messages": [{"role": "user", "content": "Hi"}], **fields})
     assert r.status_code == 400, r.text
     assert re.search(message, r.json()["error"]["message"]), r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format type 'json_object'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "type 'json_schema'"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ({"guided_regex": "[0-9]+"}, "guided_regex"),
+        ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_output_constraints_it_cannot_honour_are_a_400(server, endpoint, extra, field):
+    """A client asking for JSON (or another constrained output) is told it cannot have it, instead of
+    silently getting free text."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    body = {"max_tokens": 2}
+    body |= (
+        {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    r = httpx.post(url, json={**body, **extra})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert field in message and "not supported" in message, message
+    assert len(server.engine.streams) == 0
+    for harmless in ({"response_format": {"type": "text"}}, {"response_format": None, "guided_json": None}):
+        assert httpx.post(url, json={**body, **harmless}).status_code == 200
+
+
+def test_fields_it_ignores_are_logged_once_per_request(api, model, caplog):
+    """vLLM's rule: fields it does not act on are accepted, and a warning names them; the openai
+    client's own requests (and fields sent as null) draw none."""
+    messages = [{"role": "user", "content": "Hi"}]
+    with caplog.at_level(logging.WARNING, logger="scheduler_service"):
+        api.chat.completions.create(model=model, messages=messages, max_tokens=2)
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=2, user="u", stream=False)
+        list(api.chat.completions.create(model=model, messages=messages, max_tokens=2, stream=True))
+        api.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body={"store": None})
+    assert not [r for r in caplog.records if "ignored" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="scheduler_service"):
+        got = api.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=2,
+            extra_body={"continue_final_message": True, "skip_special_tokens": False},
+        )
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warnings == [
+        f"request {got.id}: these fields were present in the request but ignored (not supported): "
+        "continue_final_message, skip_special_tokens"
+    ]
