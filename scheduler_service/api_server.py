@@ -190,7 +190,15 @@ class RemoteEngine:
         self._pending[key] = (future, request_id, len(prompt_token_ids), samples, arrival)
         wire = ipc.params_to_wire(params)
         self._send("add", key, request_id, prompt_token_ids, wire, arrival, timeout, user)
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancelled once the core's answer had arrived but before this ran again: the streams
+            # it admitted are nobody's (cancelled before the answer: _on_added aborts them).
+            if future.done() and not future.cancelled() and future.exception() is None:
+                for stream in future.result():
+                    self.abort(stream)
+            raise
 
     def abort(self, stream: RequestStream) -> None:
         self.streams.remove(stream)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +38,8 @@ from scheduler_service.request_handling import (
 from scheduler_service.request_stream import RequestStream
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; past it: 504
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
@@ -175,6 +179,7 @@ class OpenAIServer:
         return [text], template
 
     async def _admit(self, body, chat: bool, timeout: float | None) -> tuple[list[_Choice], str]:
+        body.check_fields()
         engine = self._engine()
         served = engine.info.model
         # The executor names a local checkpoint by its directory: its path names it too.
@@ -192,6 +197,12 @@ class OpenAIServer:
         prompts, template = self._prompts(body, chat)
         parses_tools = chat and body.parses_tools()  # (refused before any sample is submitted)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if ignored := body.ignored_fields():  # (vLLM's warning)
+            logger.warning(
+                "request %s: these fields were present in the request but ignored (not supported): %s",
+                request_id,
+                ", ".join(ignored),
+            )
         choices: list[_Choice] = []
         arrival = time.perf_counter()
         try:
@@ -215,16 +226,24 @@ class OpenAIServer:
 
     async def _serve(self, request: Request, body, chat: bool):
         timeout = request.headers.get(TIMEOUT_HEADER)
-        try:
-            seconds = float(timeout) if timeout is not None else None
-        except ValueError:
-            raise HttpError(400, f"{TIMEOUT_HEADER} must be a number of seconds, got {timeout!r}") from None
+        seconds = None
+        if timeout is not None:
+            try:
+                seconds = float(timeout)
+            except ValueError:
+                seconds = math.nan
+            # (a NaN or infinite deadline would never pass; a negative one passed before the start)
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise HttpError(
+                    400, f"{TIMEOUT_HEADER} must be a positive, finite number of seconds, got {timeout!r}"
+                )
         try:
             choices, request_id = await self._admit(body, chat, seconds)
         except TandemRequestError as e:
+            e.message = body.as_sent(e.message)
             raise self._fail(e) from None
         except ValueError as e:
-            raise self._fail(InvalidRequestError(str(e))) from None
+            raise self._fail(InvalidRequestError(body.as_sent(str(e)))) from None
         writer = _ResponseWriter(self, body, chat, choices, request_id)
         if body.stream:
             return StreamingResponse(writer.sse(), media_type="text/event-stream")

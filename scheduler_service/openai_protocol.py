@@ -4,6 +4,7 @@ become `{"error": {"message", "type", "param", "code"}}` with the status OpenAI 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,6 +35,18 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
 
 
+# vLLM's fields asking for constrained output (structured outputs), which this server cannot honour:
+# a 400 when given (not null), rather than free text where the client expects, say, JSON.
+CONSTRAINED_OUTPUT_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structural_tag",
+    "structured_outputs",
+)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -41,7 +54,8 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """What completions and chat completions share (OpenAI's fields, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Fields not declared here are kept (model_extra) to be named: ignored_fields().
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -63,9 +77,35 @@ class _Request(BaseModel):
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    response_format: dict[str, Any] | None = None
+
+    def check_fields(self) -> None:
+        """Raises InvalidRequestError for fields that contradict each other, or ask for what this
+        server cannot do (before any work)."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("Stream options can only be defined when `stream=True`.")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise InvalidRequestError(
+                f"response_format type {self.response_format.get('type')!r} is not supported: this "
+                'server generates free text only (response_format {"type": "text"})'
+            )
+        extra = self.model_extra or {}
+        for name in CONSTRAINED_OUTPUT_FIELDS:
+            if extra.get(name) is not None:
+                raise InvalidRequestError(
+                    f"{name} is not supported: this server generates free text only (no structured outputs)"
+                )
+
+    def ignored_fields(self) -> list[str]:
+        """The fields sent (other than as null) that this server does not know, so does not act on."""
+        return sorted(name for name, value in (self.model_extra or {}).items() if value is not None)
 
     def max_tokens_of(self) -> int | None:
         return self.max_tokens
+
+    def as_sent(self, message: str) -> str:
+        """An error message with the fields named as the client sent them."""
+        return message
 
     def sampling_params(self, num_logprobs: int) -> SamplingParams:
         """Raises InvalidRequestError naming the limit."""
@@ -184,6 +224,12 @@ class ChatRequest(_Request):
                 "differ: give one of them"
             )
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def as_sent(self, message: str) -> str:
+        """The limit is max_completion_tokens where the client sent only that name."""
+        if self.max_completion_tokens is None or self.max_tokens is not None:
+            return message
+        return re.sub(r"\bmax_tokens\b", "max_completion_tokens", message)
 
     @property
     def num_top_logprobs(self) -> int:

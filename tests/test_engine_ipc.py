@@ -394,3 +394,44 @@ def test_a_failing_step_outputs_hook_leaves_the_steps_outputs_to_the_stream_tabl
     stream = asyncio.run(run())
     assert calls and len(stream.token_ids) == 6 and stream.finished and stream.finish_reason == "length"
     assert "step_outputs failed" in caplog.text
+
+
+@pytest.mark.parametrize("answered_first", [True, False])
+def test_a_caller_gone_when_the_core_admits_its_request_aborts_it(monkeypatch, answered_first):
+    """An API server's submit() is cancelled (a gRPC client cancels, say) in the instant the core
+    admits the request: before the core's answer (`answered_first` False), or once it has arrived
+    but before the caller has run again. Either way the samples the core admitted are aborted
+    there, not left generating for nobody, and the table here holds none of them."""
+    import asyncio
+
+    from scheduler_service import api_server
+    from scheduler_service.api_server import MetricsRelay, RemoteEngine
+
+    monkeypatch.setattr(api_server, "validate_request", lambda *args: None)
+
+    async def main() -> tuple[list[tuple], int]:
+        remote = RemoteEngine("tcp://127.0.0.1:9", "api-test", MetricsRelay())
+        sent: list[tuple] = []
+        remote._send = lambda *message: sent.append(message)
+        remote.check_admitting = lambda: api_server.EngineView(None, None)
+        try:
+            submit = asyncio.ensure_future(remote.submit("req", [1, 2, 3], SamplingParams(n=2), 0.0))
+            await asyncio.sleep(0)  # it sent "add" and waits for the core's answer
+            key = sent[-1][1]
+            if answered_first:
+                remote._on_added(key, [7, 8])  # the core admitted it: the caller is woken...
+                submit.cancel()  # ...but cancelled before it runs
+            else:
+                submit.cancel()
+                await asyncio.sleep(0)
+                remote._on_added(key, [7, 8])
+            with pytest.raises(asyncio.CancelledError):
+                await submit
+            return [m for m in sent if m[0] == "abort"], len(remote.streams)
+        finally:
+            remote._socket.close()
+            remote._context.term()
+
+    aborts, left = asyncio.run(main())
+    assert sorted(aborts) == [("abort", 7), ("abort", 8)]
+    assert left == 0

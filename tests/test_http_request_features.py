@@ -5,6 +5,8 @@ max_completion_tokens, the user in the logs, and bad input as a 400 naming the l
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import shutil
 import time
@@ -15,6 +17,8 @@ import pytest
 from helpers.scheduler_server import NUM_KV_BLOCKS, make_server
 
 from client.llm import LLM
+from scheduler_service.errors import TandemRequestError
+from scheduler_service.http_api import OpenAIServer
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.server import ServerThread
 
@@ -262,3 +266,165 @@ def test_completion_top_logprobs_hold_the_sampled_token(api, model):
     for token, top in zip(lp.tokens, lp.top_logprobs, strict=True):
         assert token in top and len(top) <= 2  # (keyed by text: another token may share the sampled one's)
     assert any(len(top) == 2 for top in lp.top_logprobs)  # (at temperature 2, not always the likeliest)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_stream_options_without_stream_are_a_400(server, endpoint):
+    """OpenAI's and vLLM's rule: stream_options only with "stream": true (null is no options)."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    body = {"max_tokens": 2}
+    body |= (
+        {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    for stream in ({}, {"stream": False}):
+        r = httpx.post(url, json={**body, **stream, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == "Stream options can only be defined when `stream=True`."
+    assert httpx.post(url, json={**body, "stream_options": None}).status_code == 200
+    assert len(server.engine.streams) == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_gone_before_the_first_read_of_its_stream_is_aborted(server, stream):
+    """The client disconnects in the instant between its request's admission and the first read of
+    its stream: called as an ASGI app whose receive() answers http.disconnect once the body is read,
+    so that the disconnect is there before the response starts. The request is aborted (its blocks
+    freed), not left generating up to max_tokens for nobody."""
+    app = OpenAIServer(server.engine).app
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": stream}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},  # uvicorn's
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    submitted = []
+
+    async def call() -> int:
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive():
+            return next(messages, {"type": "http.disconnect"})
+
+        async def send(message):
+            pass
+
+        real_submit = server.engine.submit
+
+        async def submit(*args, **kwargs):
+            streams = await real_submit(*args, **kwargs)
+            submitted.extend(streams)
+            return streams
+
+        server.engine.submit = submit
+        try:
+            await app(scope, receive, send)
+        finally:
+            del server.engine.submit
+        left = len(server.engine.streams)
+        server.engine.abort_all(TandemRequestError("test cleanup"))  # (whatever the outcome)
+        return left
+
+    left = asyncio.run_coroutine_threadsafe(call(), server.engine._loop).result(10)
+    assert len(submitted) == 1  # (it was admitted)
+    assert left == 0
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "-1", "0"])
+def test_a_request_timeout_that_cannot_expire_is_a_400(server, value):
+    """X-Request-Timeout: a NaN or infinite deadline never passed (and a NaN broke the order of the
+    others'), a negative or zero one had passed before the request began: a 400 naming the header."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    r = httpx.post(url, json=body, headers={"X-Request-Timeout": value})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message == f"x-request-timeout must be a positive, finite number of seconds, got {value!r}"
+    assert len(server.engine.streams) == 0
+    assert httpx.post(url, json=body, headers={"X-Request-Timeout": "30"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens must be >= 1, got 0"),
+        ({"max_completion_tokens": 10**6}, r"\+ max_completion_tokens \(1000000\) exceeds max_model_len"),
+        (
+            {"max_completion_tokens": 2, "min_tokens": 5},
+            r"min_tokens \(5\) must be <= max_completion_tokens \(2\)",
+        ),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"max_tokens": 10**6}, r"\+ max_tokens \(1000000\) exceeds max_model_len"),
+        ({"max_tokens": 2, "max_completion_tokens": 2, "min_tokens": 5}, r"must be <= max_tokens \(2\)"),
+    ],
+)
+def test_errors_about_the_token_limit_name_the_field_sent(server, fields, message):
+    """A chat request's limit is max_completion_tokens (OpenAI's newer name) or max_tokens: an error
+    about it names the one the client sent."""
+    import re
+
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": "Hi"}], **fields})
+    assert r.status_code == 400, r.text
+    assert re.search(message, r.json()["error"]["message"]), r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format type 'json_object'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "type 'json_schema'"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ({"guided_regex": "[0-9]+"}, "guided_regex"),
+        ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_output_constraints_it_cannot_honour_are_a_400(server, endpoint, extra, field):
+    """A client asking for JSON (or another constrained output) is told it cannot have it, instead of
+    silently getting free text."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    body = {"max_tokens": 2}
+    body |= (
+        {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    r = httpx.post(url, json={**body, **extra})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert field in message and "not supported" in message, message
+    assert len(server.engine.streams) == 0
+    for harmless in ({"response_format": {"type": "text"}}, {"response_format": None, "guided_json": None}):
+        assert httpx.post(url, json={**body, **harmless}).status_code == 200
+
+
+def test_fields_it_ignores_are_logged_once_per_request(api, model, caplog):
+    """vLLM's rule: fields it does not act on are accepted, and a warning names them; the openai
+    client's own requests (and fields sent as null) draw none."""
+    messages = [{"role": "user", "content": "Hi"}]
+    with caplog.at_level(logging.WARNING, logger="scheduler_service"):
+        api.chat.completions.create(model=model, messages=messages, max_tokens=2)
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=2, user="u", stream=False)
+        list(api.chat.completions.create(model=model, messages=messages, max_tokens=2, stream=True))
+        api.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body={"store": None})
+    assert not [r for r in caplog.records if "ignored" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="scheduler_service"):
+        got = api.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=2,
+            extra_body={"continue_final_message": True, "skip_special_tokens": False},
+        )
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warnings == [
+        f"request {got.id}: these fields were present in the request but ignored (not supported): "
+        "continue_final_message, skip_special_tokens"
+    ]
