@@ -37,14 +37,17 @@ from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 
 
 class AsyncGenerationStream:
-    """One Generate call: `async for` Chunks, then one Final. cancel() aborts it on the server."""
+    """One Generate call: `async for` Chunks, then one Final. cancel() aborts it on the server.
+    Leaving its `with` block before the stream has ended (with n > 1: every sample's Final) cancels it."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str = "") -> None:
         self._call = call
         self._request_id = request_id
         self._cancelled = False
         self._items = self._read()
+        # The last Final (one per sample with n > 1); `done` once the stream has ended.
         self.final: Final | None = None
+        self.done = False
 
     def __aiter__(self) -> AsyncIterator[Chunk | Final]:
         return self
@@ -60,6 +63,7 @@ class AsyncGenerationStream:
                     self.final = item
                 if item is not None:
                     yield item
+            self.done = True
         except asyncio.CancelledError:
             if not self._cancelled:
                 raise
@@ -77,7 +81,8 @@ class AsyncGenerationStream:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        if self.final is None:
+        # Not at the first Final: with n > 1 the other samples may still be running.
+        if not self.done:
             self.cancel()
 
 

@@ -101,14 +101,17 @@ def open_channel(
 
 
 class GenerationStream:
-    """One Generate call: iterate for Chunks, then one Final. cancel() aborts it on the server."""
+    """One Generate call: iterate for Chunks, then one Final. cancel() aborts it on the server.
+    Leaving its `with` block before the stream has ended (with n > 1: every sample's Final) cancels it."""
 
     def __init__(self, call, request_id: str = "") -> None:
         self._call = call
         self._request_id = request_id
         self._cancelled = False
         self._items = self._read()
+        # The last Final (one per sample with n > 1); `done` once the stream has ended.
         self.final: Final | None = None
+        self.done = False
 
     def __iter__(self) -> Iterator[Chunk | Final]:
         return self
@@ -124,6 +127,7 @@ class GenerationStream:
                     self.final = item
                 if item is not None:
                     yield item
+            self.done = True
         except grpc.RpcError as e:
             if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
                 return
@@ -138,7 +142,8 @@ class GenerationStream:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.final is None:
+        # Not at the first Final: with n > 1 the other samples may still be running.
+        if not self.done:
             self.cancel()
 
 

@@ -108,6 +108,6 @@ def generate_remote(address: str, prompts: list, args: argparse.Namespace, sampl
             status = 130
         finally:
             for stream in streams:
-                if stream.final is None:
+                if not stream.done:
                     stream.cancel()
     return status

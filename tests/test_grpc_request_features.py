@@ -5,15 +5,16 @@ bad input refused with INVALID_ARGUMENT naming the limit while the service keeps
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 
 import grpc
 import pytest
-from helpers.scheduler_server import NUM_KV_BLOCKS, make_server, wait_idle
+from helpers.scheduler_server import NUM_KV_BLOCKS, make_server, metrics, wait_idle
 
-from client import TandemClient, TandemError, cli
+from client import AsyncTandemClient, Final, TandemClient, TandemError, cli
 from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.server import ServerThread
@@ -58,6 +59,45 @@ def test_cancelling_a_request_of_n_samples_ends_them_all(client, server):
     stream.cancel()
     after = wait_idle(server)
     assert after[("tandem_scheduler_kv_cache_blocks_used",)] == 0
+
+
+# Seeded samples 1 and 2 of this request: sample 0 draws token 5 (a stop token) first, sample 1
+# goes on for all its 600 tokens.
+EARLY_AND_LATE = dict(n=2, max_tokens=600, temperature=1.0, seed=1, stop_token_ids=[5])
+
+
+def _cancelled(server) -> float:
+    return metrics(server).get(("tandem_scheduler_requests_failed_total", ("code", "CANCELLED")), 0.0)
+
+
+def _wait_cancelled(server, before: float) -> None:
+    deadline = time.monotonic() + 10
+    while _cancelled(server) == before:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.05)
+
+
+def test_leaving_a_stream_after_one_samples_final_cancels_the_others(client, server):
+    """A stream left (its `with` block) before its last sample ended is cancelled, every sample of
+    it, as one left before any final: the first sample's final is not the end of the stream."""
+    before = _cancelled(server)
+    with client.generate(PROMPT, **EARLY_AND_LATE) as stream:
+        for item in stream:
+            if isinstance(item, Final):
+                break
+    assert (item.index, item.finish_reason, item.completion_tokens) == (0, "stop", 1)
+    _wait_cancelled(server, before)  # the 600-token sample was aborted, not run to its end
+    assert wait_idle(server)[("tandem_scheduler_kv_cache_blocks_used",)] == 0
+
+    async def leave_async():
+        async with AsyncTandemClient(f"127.0.0.1:{server.port}", retries=0) as aclient:
+            async with aclient.generate(PROMPT, **EARLY_AND_LATE) as astream:
+                async for item in astream:
+                    if isinstance(item, Final):
+                        break
+            _wait_cancelled(server, before + 1)  # while the channel is still open
+
+    asyncio.run(leave_async())
 
 
 def test_prompt_logprobs_and_logprobs_carry_token_text(client, reference):
