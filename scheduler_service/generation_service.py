@@ -71,9 +71,9 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate]:
-    """The prompt text of a Chat message and its template; InvalidRequestError for bad JSON or
-    what the template refuses."""
+def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate, bool]:
+    """The prompt text of a Chat message, its template and whether it has tools (whose calls the
+    answer is parsed for); InvalidRequestError for bad JSON or what the template refuses."""
     fields = {}
     for name, raw in (
         ("chat_template_kwargs_json", chat.chat_template_kwargs_json),
@@ -86,11 +86,18 @@ def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate]:
     kwargs = fields["chat_template_kwargs_json"] or {}
     if not isinstance(kwargs, dict):
         raise InvalidRequestError("chat.chat_template_kwargs_json must be a JSON object")
+    tools = fields["tools_json"]
+    # As the HTTP API's `tools`: a list of objects, and an empty one (or null) is no tools.
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise InvalidRequestError(
+            f"chat.tools_json must be a JSON array of tool objects (OpenAI's tools), got {chat.tools_json[:100]}"
+        )
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     if not messages:
         raise InvalidRequestError("chat.messages is empty")
     template = chat_template(tokenizer)
-    return template.render(messages, tools=fields["tools_json"], chat_template_kwargs=kwargs), template
+    text = template.render(messages, tools=tools, chat_template_kwargs=kwargs)
+    return text, template, bool(tools)
 
 
 # The largest chunk a stream sends (see GenerationServicer.__init__).
@@ -134,10 +141,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             # No work for a prompt that cannot be served: no executor (UNAVAILABLE), no tokenizer,
             # or a text too long to fit (a lower bound on its tokens, without tokenizing).
             engine = self.engine.check_admitting()
+            tools = False
             if kind == "text":
                 text, template = request.text, None
             else:
-                text, template = render_chat(tokenizer, request.chat)
+                text, template, tools = render_chat(tokenizer, request.chat)
             tokenizer = check_text_prompt(tokenizer, text, params, engine.limits.max_model_len)
             special = kind == "text"  # a chat template writes its own special tokens
             if len(text) > TOKENIZE_INLINE_CHARS:
@@ -151,7 +159,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         streams = await self.engine.submit(request_id, prompt, params, arrival, timeout, request.user)
         if template is None:
             return [(stream, None) for stream in streams]
-        tools = bool(request.chat.tools_json)
         return [(stream, ChatOutputParser.for_request(template, text, tools)) for stream in streams]
 
     async def Generate(

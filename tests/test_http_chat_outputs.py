@@ -10,6 +10,7 @@ import logging
 import ssl
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -17,7 +18,9 @@ from helpers.chat_checkpoint import chat_checkpoint
 from helpers.fake_executor import FakeExecutor
 
 from client import Chunk, TandemClient
-from client.messages import CompletionBuilder
+from client.messages import CompletionBuilder, chat_request
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_service.async_engine import EngineOptions
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.server import SchedulerServer, ServerThread
@@ -177,6 +180,33 @@ def test_without_tools_the_calls_stay_text(api):
     assert got.choices[0].message.tool_calls in (None, [])
     assert got.choices[0].message.content.lstrip().startswith("<tool_call>")
     assert got.choices[0].finish_reason == "stop"
+
+
+def _grpc_chat(server, tools_json: str) -> list[pb.GenerateResponse]:
+    request = chat_request(MESSAGES, max_tokens=200)
+    request.chat.tools_json = tools_json  # as grpcurl or another language's client may send it
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        return list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=30))
+
+
+@pytest.mark.parametrize("tools_json", ["[]", "null"])
+def test_grpc_chat_with_an_empty_tools_array_keeps_the_calls_text(server, tools_json):
+    """As HTTP's `tools: []`: no tools, so the answer's <tool_call> blocks are its text."""
+    responses = _grpc_chat(server, tools_json)
+    text = "".join(r.chunk.text for r in responses if r.WhichOneof("payload") == "chunk")
+    assert not [c for r in responses for c in r.chunk.tool_calls]
+    assert text.lstrip().startswith("<tool_call>")
+    assert responses[-1].final.finish_reason == pb.FINISH_REASON_STOP
+
+
+@pytest.mark.parametrize("tools_json", [json.dumps(TOOLS[0]), '"get_weather"', "[1, 2]"])
+def test_grpc_chat_tools_not_an_array_of_objects_is_invalid_argument(server, tools_json):
+    """HTTP's `tools` must be a list of objects (400); a tool object sent alone was rendered into the
+    prompt key by key, the template iterating over it."""
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_chat(server, tools_json)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.tools_json must be a JSON array of tool objects" in e.value.details()
 
 
 @pytest.mark.parametrize("stream", [False, True])
