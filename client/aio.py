@@ -28,6 +28,7 @@ from client.messages import (
     ModelInfo,
     SamplesBuilder,
     TandemError,
+    chat_request,
     generate_request,
     item_from_response,
     model_info_from_proto,
@@ -115,6 +116,23 @@ class AsyncTandemClient:
         carrying its sample's index). Sampling arguments: see SamplingParams; `user`: the end user
         it is for (logged by the server)."""
         request = generate_request(prompt, request_id, user=user, **sampling)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        return AsyncGenerationStream(call, request_id)
+
+    def chat(
+        self,
+        messages: list[dict],
+        *,
+        request_id: str = "",
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        **sampling,
+    ) -> AsyncGenerationStream:
+        """Stream the assistant's reply to `messages` ({"role", "content"} dicts), rendered by the
+        server with the model's chat template (`chat_template_kwargs`: e.g. enable_thinking)."""
+        request = chat_request(
+            messages, request_id, chat_template_kwargs=chat_template_kwargs, tools=tools, **sampling
+        )
         call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         return AsyncGenerationStream(call, request_id)
 

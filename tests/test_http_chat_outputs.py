@@ -4,6 +4,7 @@ with the official `openai` client; and a client that goes away mid-request frees
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -17,7 +18,7 @@ import pytest
 from helpers.chat_checkpoint import chat_checkpoint
 from helpers.fake_executor import FakeExecutor
 
-from client import Chunk, TandemClient
+from client import AsyncTandemClient, Chunk, TandemClient
 from client.messages import CompletionBuilder, chat_request
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -173,6 +174,26 @@ def test_grpc_chat_splits_reasoning_and_tool_calls_as_http_does(api, server):
     assert len(pieces) > 3  # the arguments streamed
     # a text prompt's answer is not split
     assert plain.text.startswith("<think>") and plain.reasoning_content is None and not plain.tool_calls
+
+
+def test_the_async_client_chats_as_the_sync_one(server):
+    """AsyncTandemClient, "the asyncio twin", has chat() too (a Chat prompt with tools)."""
+    address = f"127.0.0.1:{server.port}"
+    with TandemClient(address, retries=0) as client:
+        expected = list(client.chat(MESSAGES, tools=TOOLS, max_tokens=200, request_id="sync"))
+
+    async def chat():
+        async with AsyncTandemClient(address, retries=0) as client:
+            return [
+                item async for item in client.chat(MESSAGES, tools=TOOLS, max_tokens=200, request_id="sync")
+            ]
+
+    got = asyncio.run(chat())
+    for item in got + expected:  # (tool call ids are random)
+        for call in getattr(item, "tool_calls", []):
+            call.id = bool(call.id)
+    got[-1].cached_tokens = expected[-1].cached_tokens  # (the second found the prompt cached)
+    assert got == expected and got[-1].finish_reason == "tool_calls"
 
 
 def test_without_tools_the_calls_stay_text(api):
