@@ -191,10 +191,11 @@ def verify_request(
     raise InvalidRequestError."""
     if len(prompt_token_ids) == 0:
         _fail("prompt is empty: at least one token is required")
+    # (the length first: a prompt of millions of ids is refused without a pass over them)
+    verify_prompt_length(len(prompt_token_ids), params, max_model_len)
     for i, t in enumerate(prompt_token_ids):
         if not 0 <= t < vocab_size:
             _fail(f"token id {t} at position {i} is outside the vocabulary (size {vocab_size})")
-    verify_prompt_length(len(prompt_token_ids), params, max_model_len)
     if params.logprobs > vocab_size:
         _fail(f"logprobs ({params.logprobs}) exceeds the vocabulary size ({vocab_size})")
     if max_logprobs is not None and params.logprobs > max_logprobs:

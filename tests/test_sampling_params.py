@@ -86,6 +86,21 @@ def test_request_at_the_limit_is_accepted():
     verify_request([511], SamplingParams(max_tokens=None), vocab_size=512, max_model_len=1024)
 
 
+def test_a_prompt_too_long_is_refused_without_a_pass_over_its_ids():
+    """Millions of prompt ids (a 14 MiB gRPC message holds 15M) are refused by their count: a pass
+    over them would hold the event loop that serves health checks and every other stream."""
+
+    class Unread:
+        def __len__(self) -> int:
+            return 15_000_000
+
+        def __iter__(self):
+            raise AssertionError("the ids were read")
+
+    with pytest.raises(InvalidRequestError, match=r"prompt \(15000000 tokens\) \+ max_tokens \(16\) exceeds"):
+        verify_request(Unread(), SamplingParams(max_tokens=16), vocab_size=512, max_model_len=1024)
+
+
 def test_engine_add_request_validates():
     from helpers.fake_executor import make_engine
 
