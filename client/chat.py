@@ -48,7 +48,11 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None) -> int:
             if interactive:
                 out.write("> ")
                 out.flush()
-            line = stdin.readline()
+            try:
+                line = stdin.readline()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt ends the conversation, as during a reply
+                out.write("\n")
+                return 130
             if not line.strip():
                 return 0
             messages.append({"role": "user", "content": line.rstrip("\n")})

@@ -350,3 +350,27 @@ def test_cli_generate_against_a_server(fake_server, capsys):
     assert capsys.readouterr().out == "t1 t2 t3 t4 t5 \n"
     assert cli.main(["generate", "--server", address, "x", "--temperature", "99"]) == 2
     assert "INVALID_ARGUMENT: temperature 99 is too hot" in capsys.readouterr().err
+
+
+def test_ctrl_c_at_the_chat_prompt_ends_the_conversation_with_130():
+    """Ctrl-C while `tandem chat` waits for a line exits 130, as during a reply, with no traceback."""
+    import io
+
+    from client.chat import run_chat
+    from client.cli import build_parser
+
+    class Interrupted(io.StringIO):
+        def readline(self, *args):
+            raise KeyboardInterrupt
+
+        def isatty(self) -> bool:
+            return True
+
+    args = build_parser(["chat"]).parse_args(["chat", "--server", "127.0.0.1:1"])
+    out = io.StringIO()
+    try:
+        code = run_chat(args, stdin=Interrupted(), out=out)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C at the prompt escaped run_chat (a traceback for the user)")
+    assert code == 130
+    assert out.getvalue() == "> \n"
