@@ -285,6 +285,14 @@ class _ResponseWriter:
         self.tokenizer = self.engine.tokenizer
         self.num_top = (body.num_top_logprobs if body.logprobs else None) if chat else body.logprobs
 
+    def _count_finished(self, choice: _Choice) -> None:
+        """A choice's final answer in the metrics, as gRPC's final message is counted."""
+        metrics = self.server.metrics
+        metrics.requests_finished.labels(choice.finish_reason or "abort").inc()
+        metrics.e2e.observe(time.perf_counter() - choice.stream.arrival)
+        metrics.request_prompt_tokens.observe(choice.stream.num_prompt_tokens)
+        metrics.request_generation_tokens.observe(choice.output.num_tokens)
+
     def _finish_reason(self, choice: _Choice) -> str:
         if choice.parser is not None and choice.parser.calls:
             return "tool_calls"
@@ -388,7 +396,7 @@ class _ResponseWriter:
             gone.cancel()
             self._abort_unfinished()
         for choice in self.choices:
-            self.server.metrics.requests_finished.labels(choice.finish_reason or "abort").inc()
+            self._count_finished(choice)
         response = {
             "id": self.request_id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -512,7 +520,7 @@ class _ResponseWriter:
                     yield self._chunk([delta])
                 if last:
                     left -= 1
-                    self.server.metrics.requests_finished.labels(choice.finish_reason or "abort").inc()
+                    self._count_finished(choice)
             else:
                 options = self.body.stream_options
                 if options is not None and options.include_usage:

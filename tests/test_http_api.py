@@ -326,3 +326,42 @@ def test_values_past_the_step_plan_s_range_fail_only_their_own_request(services,
     assert "error" not in chunks[-1], chunks[-1]
     assert chunks[-1]["usage"]["completion_tokens"] == 256
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+def test_http_requests_land_in_the_request_histograms(api, model, services):
+    """An HTTP request that finished is in e2e latency and the request token histograms, as a gRPC
+    one is: their counts agree with tandem_scheduler_requests_finished_total."""
+    names = [
+        "tandem_scheduler_requests_finished_total",
+        "tandem_scheduler_e2e_request_latency_seconds_count",
+        "tandem_scheduler_request_prompt_tokens_count",
+        "tandem_scheduler_request_generation_tokens_count",
+        "tandem_scheduler_request_prompt_tokens_sum",
+        "tandem_scheduler_request_generation_tokens_sum",
+    ]
+    services.wait_idle()
+    before = services.metrics("scheduler")
+    whole = api.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, n=2)
+    chunks = list(
+        api.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = chunks[-1].usage
+    after = services.metrics("scheduler")
+    delta = {name: after.get(name, 0) - before.get(name, 0) for name in names}
+    prompt = whole.usage.prompt_tokens
+    assert delta == {
+        "tandem_scheduler_requests_finished_total": 3,
+        "tandem_scheduler_e2e_request_latency_seconds_count": 3,
+        "tandem_scheduler_request_prompt_tokens_count": 3,
+        "tandem_scheduler_request_generation_tokens_count": 3,
+        "tandem_scheduler_request_prompt_tokens_sum": 2 * prompt + streamed.prompt_tokens,
+        "tandem_scheduler_request_generation_tokens_sum": whole.usage.completion_tokens
+        + streamed.completion_tokens,
+    }
