@@ -47,8 +47,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] | str | None = field(default_factory=list)
+    stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -69,6 +69,13 @@ class SamplingParams:
         # -1 is vLLM's "off", the same as 0.
         if self.top_k == -1:
             self.top_k = 0
+        # vLLM's stop may be one string (not a list of its characters) or None, as OpenAI's is.
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         self.verify()
 
     def verify(self) -> None:

@@ -110,6 +110,19 @@ def test_include_stop_str_in_output_keeps_the_stop_text(llm):
     assert with_it.outputs[0].stop_reason == str(token)
 
 
+def test_a_stop_string_given_as_a_str_is_one_stop_string(llm):
+    """vLLM's SamplingParams(stop="...") is one stop string, not a list of its characters."""
+    full = _generate(llm, "The list type", max_tokens=16, ignore_eos=True)
+    # A stop string whose characters also occur before it: split into characters, it ends early.
+    stop = full.text[-4:]
+    assert set(stop) & set(full.text[: full.text.find(stop)])
+    as_str = _generate(llm, "The list type", max_tokens=16, ignore_eos=True, stop=stop)
+    assert as_str.text == full.text[: full.text.find(stop)]
+    assert as_str.outputs[0].stop_reason == stop
+    assert SamplingParams(stop=stop).stop == [stop]
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []
+
+
 def test_n_samples_of_one_prompt(llm):
     out = _generate(llm, PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3)
     assert [o.index for o in out.outputs] == [0, 1, 2]
