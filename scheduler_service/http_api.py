@@ -386,6 +386,7 @@ class _ResponseWriter:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client went away
                 work.cancel()
+                self.server.metrics.requests_failed.labels("CANCELLED").inc()
                 # (read, so that asyncio does not log the cancelled gather as an unretrieved error)
                 work.add_done_callback(lambda w: w.cancelled() or w.exception())
                 return _error_response(499, "the client closed the connection")
@@ -494,6 +495,7 @@ class _ResponseWriter:
                 await queue.put((choice, e))
 
         tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+        left, failed = len(self.choices), False
         try:
             if self.chat:
                 first = [
@@ -506,12 +508,12 @@ class _ResponseWriter:
                     for c in self.choices
                 ]
                 yield self._chunk(first)
-            left = len(self.choices)
             while left:
                 choice, *item = await queue.get()
                 if isinstance(item[0], TandemRequestError):
                     error = item[0]
                     self.server.metrics.requests_failed.labels(error.code.name).inc()
+                    failed = True
                     yield f"data: {json.dumps(error_body(error.message, HTTP_STATUS[error.code]))}\n\n"
                     break
                 text, logprobs, last = item
@@ -527,6 +529,8 @@ class _ResponseWriter:
                     yield self._chunk([], self.usage())
             yield "data: [DONE]\n\n"
         finally:  # finished, failed, or the client went away (the generator is closed)
+            if left and not failed:  # counted as gRPC counts a cancelled call
+                self.server.metrics.requests_failed.labels("CANCELLED").inc()
             for task in tasks:
                 task.cancel()
             self._abort_unfinished()

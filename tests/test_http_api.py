@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from helpers.chat_checkpoint import chat_checkpoint
+from helpers.metrics import scrape_samples
 from helpers.services import Services
 
 from client import TandemClient
@@ -365,3 +366,33 @@ def test_http_requests_land_in_the_request_histograms(api, model, services):
         "tandem_scheduler_request_generation_tokens_sum": whole.usage.completion_tokens
         + streamed.completion_tokens,
     }
+
+
+def test_http_requests_the_client_abandons_are_counted_as_cancelled(services, model):
+    """A client that goes away (a stream closed mid-answer, a whole answer it stopped waiting for)
+    is in tandem_scheduler_requests_failed_total{code="CANCELLED"}, as a cancelled gRPC call is."""
+    url = f"http://127.0.0.1:{services.metrics_port}/metrics"
+
+    def cancelled() -> float:
+        return (
+            scrape_samples(url)
+            .get("tandem_scheduler_requests_failed_total", {})
+            .get((("code", "CANCELLED"),), 0)
+        )
+
+    services.wait_idle()
+    before = cancelled()
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=services.http_url, headers=headers) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    services.wait_idle()
+    deadline = time.monotonic() + 5
+    while cancelled() - before < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cancelled() - before == 2
