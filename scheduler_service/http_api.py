@@ -180,7 +180,7 @@ class OpenAIServer:
 
     async def _admit(self, body, chat: bool, timeout: float | None) -> tuple[list[_Choice], str]:
         body.check_fields()
-        engine = self._engine()
+        engine = self.engine.check_admitting()  # (a refusal is counted, as gRPC counts it: _serve)
         served = engine.info.model
         # The executor names a local checkpoint by its directory: its path names it too.
         if body.model and body.model != served and Path(body.model).name != served:

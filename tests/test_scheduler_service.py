@@ -338,3 +338,27 @@ def _info(model: str):
     from protos.plan import ExecutorInfo
 
     return ExecutorInfo(model, "Qwen3", 16, 64, 1024, 512, [0], 1, "float32", "cpu", 8, 64, "torch", 1, 1)
+
+
+def test_http_requests_refused_while_the_executor_is_away_are_counted(qwen3_tied):
+    """An HTTP request refused (503) while no executor is connected counts in
+    tandem_scheduler_requests_failed_total{code="UNAVAILABLE"}, as the same gRPC refusal does."""
+    import httpx
+
+    options = EngineOptions(
+        SchedulerConfig(), executor_address="flaky:1", backoff_min_s=0.02, backoff_max_s=0.05
+    )
+    server = make_server(qwen3_tied, FlakyExecutor(qwen3_tied), options=options, http_port=0)
+    with ServerThread(server):
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        wait_serving(channel, want=health_pb2.HealthCheckResponse.NOT_SERVING)
+        with pytest.raises(grpc.RpcError):
+            list(pb_grpc.GenerationServiceStub(channel).Generate(request([5])))
+        response = httpx.post(
+            f"http://127.0.0.1:{server.http_port}/v1/completions",
+            json={"prompt": "The list type"},
+            timeout=10,
+        )
+        assert response.status_code == 503
+        assert metrics(server)[("tandem_scheduler_requests_failed_total", ("code", "UNAVAILABLE"))] == 2
+        channel.close()
