@@ -29,6 +29,8 @@ MAX_N = 128
 # vLLM's int64 seed), a top_k past the vocabulary is off.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 INT32_MAX = 2**31 - 1
+# (None allowed where the field's type says so: max_tokens, seed, prompt_logprobs)
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "n", "min_tokens", "prompt_logprobs")
 _FLOAT_FIELDS = (
     "temperature",
     "min_p",
@@ -53,7 +55,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: int = 0
+    # Top alternatives per sampled token, beside its own logprob; 0 or None (vLLM's default): none.
+    logprobs: int | None = 0
     # Samples generated from the prompt (front ends run them as n requests: for_samples()).
     n: int = 1
     # Stop tokens (end-of-sequence and stop_token_ids) and stop strings wait for this many tokens.
@@ -76,10 +79,19 @@ class SamplingParams:
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.logprobs is None:
+            self.logprobs = 0
         self.verify()
 
     def verify(self) -> None:
         """Raise InvalidRequestError naming the violated limit."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                _fail(f"{name} must be an integer, got {value!r}")
+        for i, t in enumerate(self.stop_token_ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                _fail(f"stop_token_ids[{i}] must be an integer, got {t!r}")
         for name in _FLOAT_FIELDS:
             if not math.isfinite(_float32(getattr(self, name))):
                 _fail(

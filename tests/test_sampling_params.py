@@ -148,3 +148,26 @@ def test_samples_and_the_plan_fields_of_the_features():
     assert (step.min_tokens, step.logit_bias_token_ids, step.logit_bias_values) == (2, [7], [100.0])
     assert SamplingParams().to_step_params(5).logit_bias_token_ids == []  # nothing in the plan
     assert SamplingParams(max_tokens=4, logit_bias={1: 2.0}).summary() == "max_tokens=4, logit_bias=1 entries"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 2.0}, "n must be an integer, got 2.0"),
+        ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+        ({"max_tokens": 8.5}, "max_tokens must be an integer, got 8.5"),
+        ({"top_k": True}, "top_k must be an integer, got True"),
+        ({"stop_token_ids": [7, 2.0]}, "stop_token_ids[1] must be an integer, got 2.0"),
+    ],
+)
+def test_integer_fields_refuse_other_numbers(kwargs, message):
+    """Offline, SamplingParams(n=2.0) passed validation and failed later (range() of a float), and a
+    fractional seed or max_tokens reached the step plan; each is refused naming the field."""
+    with pytest.raises(InvalidRequestError) as exc:
+        SamplingParams(**kwargs)
+    assert str(exc.value) == message
+
+
+def test_logprobs_none_is_none():
+    """vLLM's default logprobs=None: no logprobs (it raised a TypeError)."""
+    assert SamplingParams(logprobs=None).logprobs == 0
