@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from protos.api_keys import AUTHORIZATION, ApiKeys
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.chat_output import ChatDelta, ChatOutputParser
-from scheduler_service.errors import InvalidRequestError, TandemRequestError
+from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemRequestError
 from scheduler_service.openai_protocol import HTTP_STATUS, ChatRequest, CompletionRequest, error_body
 from scheduler_service.request_handling import (
     TOKENIZE_INLINE_CHARS,
@@ -42,6 +42,8 @@ from scheduler_service.sequence import TokenLogprob
 logger = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; past it: 504
+# The endpoints whose refusals count in tandem_scheduler_requests_failed_total.
+_REQUEST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
 
 
@@ -96,6 +98,8 @@ class OpenAIServer:
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
             details = "; ".join(f"{'.'.join(map(str, err['loc'][1:]))}: {err['msg']}" for err in e.errors())
+            if request.url.path in _REQUEST_PATHS:  # a completion refused for its body (bad JSON, fields)
+                self.metrics.requests_failed.labels(ErrorCode.INVALID_ARGUMENT.name).inc()
             return _error_response(400, details or "invalid request body")
 
         @app.get("/health")
@@ -184,6 +188,7 @@ class OpenAIServer:
         served = engine.info.model
         # The executor names a local checkpoint by its directory: its path names it too.
         if body.model and body.model != served and Path(body.model).name != served:
+            self.metrics.requests_failed.labels("NOT_FOUND").inc()
             raise HttpError(
                 404,
                 f"the model {body.model!r} does not exist: this server serves {served!r}",
@@ -234,8 +239,10 @@ class OpenAIServer:
                 seconds = math.nan
             # (a NaN or infinite deadline would never pass; a negative one passed before the start)
             if not (math.isfinite(seconds) and seconds > 0):
-                raise HttpError(
-                    400, f"{TIMEOUT_HEADER} must be a positive, finite number of seconds, got {timeout!r}"
+                raise self._fail(
+                    InvalidRequestError(
+                        f"{TIMEOUT_HEADER} must be a positive, finite number of seconds, got {timeout!r}"
+                    )
                 )
         try:
             choices, request_id = await self._admit(body, chat, seconds)

@@ -396,3 +396,34 @@ def test_http_requests_the_client_abandons_are_counted_as_cancelled(services, mo
     while cancelled() - before < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert cancelled() - before == 2
+
+
+def test_http_requests_refused_before_admission_are_counted(services, model):
+    """A completion refused for its body (not JSON, a bad field), its timeout header or its model is
+    in tandem_scheduler_requests_failed_total, as a gRPC request refused for its message is."""
+    url = f"http://127.0.0.1:{services.metrics_port}/metrics"
+
+    def failed() -> dict:
+        return scrape_samples(url).get("tandem_scheduler_requests_failed_total", {})
+
+    before = failed()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=services.http_url, headers=headers) as http:
+        for response in (
+            http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}),
+            http.post("/v1/chat/completions", json={"model": model, "messages": "hi"}),
+            http.post(
+                "/v1/completions",
+                json={"model": model, "prompt": PROMPT},
+                headers={"X-Request-Timeout": "nan"},
+            ),
+            http.post("/v1/completions", json={"model": "not-this-one", "prompt": PROMPT}),
+        ):
+            assert response.status_code in (400, 404), response.text
+    after = failed()
+
+    def delta(code: str) -> float:
+        return after.get((("code", code),), 0) - before.get((("code", code),), 0)
+
+    assert delta("INVALID_ARGUMENT") == 3
+    assert delta("NOT_FOUND") == 1
