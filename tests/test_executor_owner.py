@@ -159,6 +159,34 @@ def test_idle_step_streams_without_a_session_leave_the_executor_answering(server
         channel.close()
 
 
+def test_an_owner_that_released_and_reset_again_keeps_its_open_stream_counted(server):
+    """A released and reset again while a Step stream of its was open (a Release can overtake the
+    stream's close); that stream's close then counted against A's next stream, which no longer
+    held the executor: B took over after the lease while A streamed."""
+    a = session_metadata("session-a", "scheduler A")
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ExecutorServiceStub(channel)
+        old: queue.SimpleQueue = queue.SimpleQueue()
+        old_responses = stub.Step(iter(old.get, None), timeout=30, metadata=a)
+        old.put(plan_to_proto(StepPlan(1)))
+        next(old_responses)
+        assert stub.Release(pb.ReleaseRequest(), timeout=5, metadata=a).released
+        stub.Reset(pb.ResetRequest(), timeout=5, metadata=a)
+        old.put(None)
+        assert list(old_responses) == []  # the old stream is closed
+        new: queue.SimpleQueue = queue.SimpleQueue()
+        new_responses = stub.Step(iter(new.get, None), timeout=30, metadata=a)
+        new.put(plan_to_proto(StepPlan(2)))
+        next(new_responses)
+        time.sleep(2 * LEASE_S)
+        b = session_metadata("session-b", "scheduler B")
+        error = _refused(lambda: stub.Reset(pb.ResetRequest(), timeout=5, metadata=b))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "its Step stream is open" in error.details()
+        new.put(None)
+        assert list(new_responses) == []
+
+
 def test_takeover_once_the_owner_stream_closed_and_its_lease_ran_out(server):
     a = RemoteExecutor(server.address, owner_name="scheduler A")
     a.reset()
