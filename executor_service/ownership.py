@@ -104,6 +104,9 @@ class Ownership:
         self.lease_s = lease_s
         self._lock = threading.Lock()
         self._owner: _Owner | None = None
+        # Step streams open now, per session: an owner claimed anew (Release, then Reset) while a
+        # stream of its was open keeps counting it (its close would otherwise undercount the next).
+        self._open_streams: dict[str, int] = {}
 
     @property
     def owner(self) -> Session | None:
@@ -125,7 +128,7 @@ class Ownership:
             if session.anonymous:
                 self._owner = None
             elif previous is None or previous.session.session_id != session.session_id:
-                self._owner = _Owner(session)
+                self._owner = _Owner(session, self._open_streams.get(session.session_id, 0))
             if self._owner is not None:
                 self._owner.last_seen = time.monotonic()
         if previous is not None and not self._is_owner_of(previous, session):
@@ -149,15 +152,20 @@ class Ownership:
                 self._refuse_unless_unowned(session, "Step")
                 return
             if self._owner is None:  # nobody has claimed this executor yet
-                self._owner = _Owner(session)
+                self._owner = _Owner(session, self._open_streams.get(session.session_id, 0))
                 logger.info("%s owns the executor (its Step stream claimed it)", session)
             self._refuse_unless_owner(session, "Step")
             self._owner.streams += 1
             self._owner.last_seen = time.monotonic()
+            self._open_streams[session.session_id] = self._open_streams.get(session.session_id, 0) + 1
 
     def close_stream(self, session: Session) -> None:
         with self._lock:
-            if not session.anonymous and self._is_owner(session):
+            if session.anonymous:
+                return
+            if (left := self._open_streams.pop(session.session_id, 0) - 1) > 0:
+                self._open_streams[session.session_id] = left
+            if self._is_owner(session):
                 self._owner.streams -= 1
                 self._owner.last_seen = time.monotonic()
 

@@ -9,6 +9,16 @@ import torch
 from executor_service.sequence import SequenceState
 from protos.plan import StepSamplingParams
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): the distribution is the argmax's
+# to within rounding, and dividing logits by a tiny one (1e-38) overflows them to inf, whose softmax
+# is NaN (every such row sampled token 0).
+MIN_TEMPERATURE = 1e-5
+
+
+def _temperature(params: StepSamplingParams) -> float:
+    """The temperature a row samples at: 0 (greedy) below MIN_TEMPERATURE."""
+    return params.temperature if params.temperature >= MIN_TEMPERATURE else 0.0
+
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     pin = device.type == "cuda"
@@ -84,9 +94,9 @@ class SamplingMetadata:
             and all(a is b for a, b in zip(previous.params, params))
         ):
             return previous
-        temperatures = [p.temperature for p in params]
+        temperatures = [_temperature(p) for p in params]
         all_greedy = all(t == 0 for t in temperatures)
-        random = [p for p in params if p.temperature > 0]
+        random = [p for p, t in zip(params, temperatures, strict=True) if t > 0]
         top_k = top_p = min_p = None
         if any(0 < p.top_k < vocab_size for p in random):
             top_k = _to_device(
@@ -98,8 +108,8 @@ class SamplingMetadata:
             min_p = _to_device([p.min_p for p in params], torch.float32, device)
         seeded = [
             (i, mix_seed(p.seed, s.num_tokens))
-            for i, (s, p) in enumerate(zip(seqs, params, strict=True))
-            if p.seed is not None and p.temperature > 0
+            for i, (s, p, t) in enumerate(zip(seqs, params, temperatures, strict=True))
+            if p.seed is not None and t > 0
         ]
         num_logprobs = tuple(p.logprobs for p in params)
         meta = cls(

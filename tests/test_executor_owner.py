@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -121,6 +122,69 @@ def test_stray_callers_cannot_reset_or_step_while_the_owner_is_live(server):
         # The owner never noticed: its sequence decodes where it was.
         plan = mini.plan(mini.decode_all())
         assert plan.num_computed_tokens == [4] and owner.step(plan).seq_ids == [1]
+
+
+def test_idle_step_streams_without_a_session_leave_the_executor_answering(server):
+    """A caller without a session may open Step streams on an executor nobody owns yet, and each
+    one open holds a server thread: 16 idle ones held every thread, and Describe, health and the
+    scheduler's Reset waited forever. One such stream at a time is served; more are refused."""
+    channel = grpc.insecure_channel(server.address)
+    stub = pb_grpc.ExecutorServiceStub(channel)
+    idle: list[queue.SimpleQueue] = []
+    calls = []  # (a call that is garbage is cancelled)
+    refused = []
+    try:
+        for _ in range(16):
+            plans: queue.SimpleQueue = queue.SimpleQueue()
+            idle.append(plans)
+            responses = stub.Step(iter(plans.get, None), timeout=30)
+            calls.append(responses)
+            plans.put(plan_to_proto(StepPlan(len(idle))))  # an empty plan: the stream is served
+            try:
+                next(responses)
+            except grpc.RpcError as e:
+                refused.append(e)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert stub.Describe(pb.DescribeRequest(), timeout=5).num_kv_blocks == 128
+        with RemoteExecutor(server.address, owner_name="scheduler A", connect_timeout=5) as owner:
+            owner.reset()
+            assert owner.step(_prefill(1, 1, 0)).seq_ids == [1]
+        assert len(refused) == 15
+        assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert "one Step stream at a time" in refused[0].details()
+    finally:
+        for plans in idle:
+            plans.put(None)
+        channel.close()
+
+
+def test_an_owner_that_released_and_reset_again_keeps_its_open_stream_counted(server):
+    """A released and reset again while a Step stream of its was open (a Release can overtake the
+    stream's close); that stream's close then counted against A's next stream, which no longer
+    held the executor: B took over after the lease while A streamed."""
+    a = session_metadata("session-a", "scheduler A")
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ExecutorServiceStub(channel)
+        old: queue.SimpleQueue = queue.SimpleQueue()
+        old_responses = stub.Step(iter(old.get, None), timeout=30, metadata=a)
+        old.put(plan_to_proto(StepPlan(1)))
+        next(old_responses)
+        assert stub.Release(pb.ReleaseRequest(), timeout=5, metadata=a).released
+        stub.Reset(pb.ResetRequest(), timeout=5, metadata=a)
+        old.put(None)
+        assert list(old_responses) == []  # the old stream is closed
+        new: queue.SimpleQueue = queue.SimpleQueue()
+        new_responses = stub.Step(iter(new.get, None), timeout=30, metadata=a)
+        new.put(plan_to_proto(StepPlan(2)))
+        next(new_responses)
+        time.sleep(2 * LEASE_S)
+        b = session_metadata("session-b", "scheduler B")
+        error = _refused(lambda: stub.Reset(pb.ResetRequest(), timeout=5, metadata=b))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "its Step stream is open" in error.details()
+        new.put(None)
+        assert list(new_responses) == []
 
 
 def test_takeover_once_the_owner_stream_closed_and_its_lease_ran_out(server):

@@ -372,3 +372,20 @@ def test_replayed_plans_with_two_steps_in_flight_give_the_same_results(
     assert {i: s.token_ids for i, s in replay.seqs.items()} == {
         i: s.token_ids for i, s in recorder.executor.seqs.items()
     }
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.9}, {"seed": 7}])
+def test_a_tiny_positive_temperature_samples_the_greedy_tokens(qwen3_tied, extra):
+    """temperature 1e-38 is valid (>= 0, finite in 32 bits) and next to greedy; dividing the logits
+    by it overflowed them to inf, the softmax to NaN, and every step sampled token 0."""
+    prompt = prompt_ids(10, seed=5)
+    runs = {}
+    for temperature in (0.0, 1e-38):
+        sched = MiniScheduler(make_executor(qwen3_tied))
+        sched.add(1, prompt, StepSamplingParams(temperature=temperature, **extra))
+        sched.step({1: 10})
+        for _ in range(7):
+            sched.step({1: 1})
+        runs[temperature] = sched.seqs[1].token_ids[10:]
+    assert runs[1e-38] == runs[0.0]
+    assert len(set(runs[0.0])) > 1  # (not a model that only ever says one token)
