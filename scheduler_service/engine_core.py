@@ -83,6 +83,7 @@ class CoreBridge:
         self._socket.bind(address)
         self._lock = threading.Lock()
         self._unreachable: set[bytes] = set()
+        self._last_state: bytes | None = None
         # The API servers that said hello: each does once it serves (SchedulerServer.start starts
         # its engine, and so the hello, after binding).
         self.peers: set[bytes] = set()
@@ -108,9 +109,17 @@ class CoreBridge:
 
     def broadcast_state(self) -> None:
         frame = self._state()
+        self._last_state = frame
         for peer in self.peers:
             self._send(peer, frame)
         self._schedule_read()
+
+    def refresh_state(self) -> None:
+        """Broadcast the state again if it changed without a change of health: while the executor
+        is away, why it is (a connect attempt's error, such as the scheduler that owns it), which
+        the API servers answer new requests with."""
+        if self._state() != self._last_state:
+            self.broadcast_state()
 
     def _state(self) -> bytes:
         engine = self.engine.engine
@@ -396,6 +405,7 @@ async def serve(args, count: int, executor, options, tokenizer_for) -> int:
                 logger.error("an API server exited unexpectedly: stopping the scheduler service")
                 code = 1
                 break
+            bridge.refresh_state()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
         logger.info(

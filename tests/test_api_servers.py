@@ -186,3 +186,45 @@ def test_samples_and_prompt_logprobs_cross_the_ipc(split, qwen3_tied):
     assert [lp.logprob for lp in got[0].prompt_logprobs] == pytest.approx(
         [lp.logprob for lp in scored], abs=1e-5
     )
+
+
+def test_a_refusal_while_another_scheduler_owns_the_executor_names_the_owner(qwen3_tied, tmp_path):
+    """Split as in one process: while the executor is owned by another session, new requests are
+    UNAVAILABLE naming the owner (the API servers had kept the message of the moment it was lost)."""
+    from protos.session import session_metadata
+    from protos.tandem.v1 import executor_pb2 as epb
+    from protos.tandem.v1 import executor_pb2_grpc as epb_grpc
+
+    services = Services(qwen3_tied, tmp_path, ["--api-server-count", "2"])
+    try:
+        services.start()
+        services.kill_executor()
+        services.scheduler.wait_for(
+            lambda: services.scheduler.health() == "NOT_SERVING" or None, what="NOT_SERVING"
+        )
+        time.sleep(3)  # its reconnect backoff at its 2 s maximum
+        services.start_executor()
+        rogue = session_metadata("rogue-session", "rogue owner")
+        deadline = time.monotonic() + 60
+        while True:  # the rogue resets the new executor as soon as it answers
+            try:
+                with grpc.insecure_channel(services.executor_address) as channel:
+                    epb_grpc.ExecutorServiceStub(channel).Reset(epb.ResetRequest(), timeout=5, metadata=rogue)
+                break
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    pytest.skip("the scheduler took the executor before the rogue (its 2 s backoff)")
+                assert time.monotonic() < deadline, e
+                time.sleep(0.01)
+        deadline = time.monotonic() + 6  # within the rogue's 10 s lease: a few reconnect attempts
+        with TandemClient(services.address) as client:
+            while True:
+                with pytest.raises(TandemError) as refused:
+                    list(client.generate([5, 9, 13], max_tokens=2))
+                assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+                if "rogue owner" in refused.value.message or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        assert "rogue owner" in refused.value.message, refused.value.message
+    finally:
+        services.stop()
