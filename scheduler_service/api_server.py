@@ -161,6 +161,11 @@ class RemoteEngine:
     def stop_admitting(self) -> None:
         self._admitting = False
 
+    @property
+    def num_pending_admissions(self) -> int:
+        """Requests sent to the core whose admission (or refusal) has not come back yet."""
+        return len(self._pending)
+
     def check_admitting(self) -> EngineView:
         if not (self._admitting and self._core_admitting):
             raise TandemRequestError(

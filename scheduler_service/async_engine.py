@@ -92,6 +92,11 @@ class AsyncEngine:
     def stop_admitting(self) -> None:
         self._admitting = False
 
+    @property
+    def num_pending_admissions(self) -> int:
+        """Requests submitted and not yet admitted or refused: none here (submit admits at once)."""
+        return 0
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._tracker.stop()
         self._thread.join(timeout)

@@ -199,7 +199,9 @@ class SchedulerServer:
         self.engine.stop_admitting()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while len(self.engine.streams) and loop.time() < deadline:
+        # (with API server processes, a request the core admitted just before the signal has its
+        # streams here only once the core's answer is back: wait for those too)
+        while (len(self.engine.streams) or self.engine.num_pending_admissions) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if left := len(self.engine.streams):
             message = f"the scheduler shut down before this request finished (shutdown timeout {grace:g} s)"

@@ -362,3 +362,44 @@ def test_http_requests_refused_while_the_executor_is_away_are_counted(qwen3_tied
         assert response.status_code == 503
         assert metrics(server)[("tandem_scheduler_requests_failed_total", ("code", "UNAVAILABLE"))] == 2
         channel.close()
+
+
+def test_shutdown_drains_a_request_whose_admission_is_still_on_its_way():
+    """An API server (--api-server-count N) has a request's streams only once the engine core's
+    admission comes back; SIGTERM in between must drain that request too, not cut it off."""
+    import asyncio
+
+    from scheduler_service.server import SchedulerServer
+
+    class Engine:  # an API server's engine: one request admitted by the core, its answer in transit
+        def __init__(self, metrics, on_health) -> None:
+            self.metrics = metrics
+            self.streams: list[str] = []
+            self.num_pending_admissions = 1
+            self.aborted = 0
+
+        def stop_admitting(self) -> None:
+            pass
+
+        def abort_all(self, failure) -> int:
+            self.aborted += len(self.streams)
+            return len(self.streams)
+
+        async def aclose(self) -> None:
+            pass
+
+        async def run(self) -> None:
+            await asyncio.sleep(0.2)  # the core's "added" arrives
+            self.num_pending_admissions, self.streams = 0, ["its stream"]
+            await asyncio.sleep(0.2)  # it finishes
+            self.streams = []
+
+    async def main() -> tuple[bool, int]:
+        server = SchedulerServer(engine_factory=Engine)
+        request = asyncio.create_task(server.engine.run())
+        await server.stop(grace=10.0)
+        return request.done(), server.engine.aborted
+
+    finished_before_stop, aborted = asyncio.run(main())
+    assert finished_before_stop, "the server stopped before the request it had sent for admission ran"
+    assert aborted == 0
