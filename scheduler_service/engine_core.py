@@ -389,7 +389,10 @@ async def serve(args, count: int, executor, options, tokenizer_for) -> int:
     try:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while len(bridge.peers) < count:
-            if any(c.poll() is not None for c in children) or time.monotonic() > deadline or stop.is_set():
+            if stop.is_set():  # SIGTERM / SIGINT while they start: a stop asked for, not a failure
+                logger.info("stopping before the API servers served")
+                return 0
+            if any(c.poll() is not None for c in children) or time.monotonic() > deadline:
                 print("error: an API server did not start (see its error above)", file=sys.stderr)
                 return 2
             await asyncio.sleep(0.05)

@@ -228,3 +228,28 @@ def test_a_refusal_while_another_scheduler_owns_the_executor_names_the_owner(qwe
         assert "rogue owner" in refused.value.message, refused.value.message
     finally:
         services.stop()
+
+
+def test_sigterm_while_the_api_servers_start_exits_0_without_orphans(qwen3_tied, tmp_path):
+    """SIGTERM during start-up is a stop asked for (exit 0, as at any other time), not "an API server
+    did not start" (exit 2). An API server held stopped keeps the core waiting for its hello."""
+    services = Services(qwen3_tied, tmp_path, ["--api-server-count", "2"])
+    try:
+        services.scheduler.start()  # (no executor: the core starts its API servers all the same)
+        core = services.scheduler.process
+        deadline = time.monotonic() + 60
+        while len(_api_servers(services)) < 2:
+            assert time.monotonic() < deadline and core.poll() is None, services.logs()
+            time.sleep(0.05)
+        children = _api_servers(services)
+        os.kill(children[0], signal.SIGSTOP)
+        core.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(children[0], signal.SIGCONT)
+        assert core.wait(60) == 0, services.logs()
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if alive(pid)]
+    finally:
+        services.stop()
