@@ -62,6 +62,16 @@ class NotOwner(Exception):
     """The caller may not drive the executor now (FAILED_PRECONDITION); the message names the owner."""
 
 
+class TooManyStreams(Exception):
+    """A caller without a session holds its Step streams already (RESOURCE_EXHAUSTED)."""
+
+
+# Step streams open at once of callers without a session (served while nobody owns the executor):
+# each holds a server thread while open, and idle ones once held them all (Describe, health and the
+# scheduler's Reset then waited forever).
+MAX_ANONYMOUS_STEP_STREAMS = 1
+
+
 @dataclass(frozen=True)
 class Session:
     """Who makes a call: `session_id` is empty for a caller that names no session."""
@@ -91,7 +101,6 @@ def session_of(context: grpc.ServicerContext) -> Session:
 @dataclass
 class _Owner:
     session: Session
-    streams: int = 0  # its Step streams open now
     last_seen: float = 0.0  # monotonic time of its last call, plan or stream close
 
 
@@ -104,8 +113,9 @@ class Ownership:
         self.lease_s = lease_s
         self._lock = threading.Lock()
         self._owner: _Owner | None = None
-        # Step streams open now, per session: an owner claimed anew (Release, then Reset) while a
-        # stream of its was open keeps counting it (its close would otherwise undercount the next).
+        # Step streams open now, per session id ("": callers without a session, all together). Kept
+        # by session, not by owner: an owner claimed anew (Release, then Reset) while a stream of its
+        # was open still counts it.
         self._open_streams: dict[str, int] = {}
 
     @property
@@ -128,7 +138,7 @@ class Ownership:
             if session.anonymous:
                 self._owner = None
             elif previous is None or previous.session.session_id != session.session_id:
-                self._owner = _Owner(session, self._open_streams.get(session.session_id, 0))
+                self._owner = _Owner(session)
             if self._owner is not None:
                 self._owner.last_seen = time.monotonic()
         if previous is not None and not self._is_owner_of(previous, session):
@@ -148,25 +158,28 @@ class Ownership:
     def open_stream(self, session: Session) -> None:
         """A Step stream begins; pair with close_stream."""
         with self._lock:
+            open_now = self._open_streams.get(session.session_id, 0)
             if session.anonymous:
                 self._refuse_unless_unowned(session, "Step")
-                return
-            if self._owner is None:  # nobody has claimed this executor yet
-                self._owner = _Owner(session, self._open_streams.get(session.session_id, 0))
-                logger.info("%s owns the executor (its Step stream claimed it)", session)
-            self._refuse_unless_owner(session, "Step")
-            self._owner.streams += 1
-            self._owner.last_seen = time.monotonic()
-            self._open_streams[session.session_id] = self._open_streams.get(session.session_id, 0) + 1
+                if open_now >= MAX_ANONYMOUS_STEP_STREAMS:
+                    raise TooManyStreams(
+                        f"{session}: a caller without a session may hold one Step stream at a time "
+                        f"({MAX_ANONYMOUS_STEP_STREAMS} open); close it, or name a session "
+                        "(tandem-session-id)"
+                    )
+            else:
+                if self._owner is None:  # nobody has claimed this executor yet
+                    self._owner = _Owner(session)
+                    logger.info("%s owns the executor (its Step stream claimed it)", session)
+                self._refuse_unless_owner(session, "Step")
+                self._owner.last_seen = time.monotonic()
+            self._open_streams[session.session_id] = open_now + 1
 
     def close_stream(self, session: Session) -> None:
         with self._lock:
-            if session.anonymous:
-                return
             if (left := self._open_streams.pop(session.session_id, 0) - 1) > 0:
                 self._open_streams[session.session_id] = left
             if self._is_owner(session):
-                self._owner.streams -= 1
                 self._owner.last_seen = time.monotonic()
 
     def check_plan(self, session: Session, step_id: int) -> None:
@@ -188,9 +201,15 @@ class Ownership:
     def _is_owner_of(owner: _Owner, session: Session) -> bool:
         return not session.anonymous and owner.session.session_id == session.session_id
 
+    def _streams_of(self, owner: _Owner) -> int:
+        """Its Step streams open now."""
+        return self._open_streams.get(owner.session.session_id, 0)
+
     def _live(self) -> bool:
         owner = self._owner
-        return owner is not None and (owner.streams > 0 or time.monotonic() - owner.last_seen < self.lease_s)
+        return owner is not None and (
+            self._streams_of(owner) > 0 or time.monotonic() - owner.last_seen < self.lease_s
+        )
 
     def _refuse_unless_free(self, session: Session, what: str) -> None:
         """Refuse `what` unless `session` owns the executor or no owner is live."""
@@ -223,7 +242,9 @@ class Ownership:
     def _message(self, session: Session, what: str) -> str:
         owner = self._owner
         state = (
-            "its Step stream is open" if owner.streams else f"lease of {self.lease_s:g} s after its last call"
+            "its Step stream is open"
+            if self._streams_of(owner)
+            else f"lease of {self.lease_s:g} s after its last call"
         )
         return (
             f"{what} refused: the executor is owned by {owner.session} ({state}); it accepts Reset and "

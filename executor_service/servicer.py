@@ -19,7 +19,7 @@ import grpc
 
 from executor_service.executor_thread import ExecutorThread
 from executor_service.metrics import ExecutorMetrics
-from executor_service.ownership import LogThrottle, NotOwner, Ownership, Session, session_of
+from executor_service.ownership import LogThrottle, NotOwner, Ownership, Session, TooManyStreams, session_of
 from executor_service.plan_validation import PlanError, StepOrderError, check_step_order
 from executor_service.steps_in_flight import END, StreamSteps
 from protos.executor import Executor
@@ -56,10 +56,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 # A diagnostic: log each wait of the device for a plan of at least this many milliseconds (the
 # tandem_executor_idle_seconds histogram counts them; this says which steps they came before).
 LOG_IDLE_MS_ENV = "TANDEM_LOG_IDLE_MS"
-# Step streams open at once of callers without a session (served while nobody owns the executor):
-# each holds a server thread while open, and idle ones once held them all (Describe, health and
-# the scheduler's Reset then waited forever).
-MAX_ANONYMOUS_STEP_STREAMS = 1
 
 
 def _refuse_malformed(message: object, context: grpc.ServicerContext) -> None:
@@ -133,8 +129,6 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._num_resets = 0
         # Held by the Step stream that has steps in flight: another waits until they are answered.
         self._in_flight_lock = threading.Lock()
-        self._anonymous_streams = 0  # under _streams_lock
-        self._streams_lock = threading.Lock()
         self._closed = False
         self._worker = ExecutorThread("executor-step")
         self._log_refusal = LogThrottle()
@@ -183,18 +177,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             self.ownership.open_stream(session)
         except NotOwner as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        if session.anonymous:
-            with self._streams_lock:
-                full = self._anonymous_streams >= MAX_ANONYMOUS_STEP_STREAMS
-                if not full:
-                    self._anonymous_streams += 1
-            if full:
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{session}: a caller without a session may hold one Step stream at a time "
-                    f"({MAX_ANONYMOUS_STEP_STREAMS} open); close it, or name a session "
-                    "(tandem-session-id)",
-                )
+        except TooManyStreams as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         admission = _StreamAdmission(self.ownership, session, lambda: self._num_resets)
         try:
             if executor.overlaps_steps:
@@ -203,9 +187,6 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 yield from self._step_one_at_a_time(request_iterator, admission, context)
         finally:
             self.ownership.close_stream(session)
-            if session.anonymous:
-                with self._streams_lock:
-                    self._anonymous_streams -= 1
 
     def _refuse(self, refusal: _Refusal, context: grpc.ServicerContext) -> None:
         self.metrics.step_failed(refusal.code.name)
