@@ -89,9 +89,6 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 _fail(f"{name} must be an integer, got {value!r}")
-        for i, t in enumerate(self.stop_token_ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                _fail(f"stop_token_ids[{i}] must be an integer, got {t!r}")
         for name in _FLOAT_FIELDS:
             if not math.isfinite(_float32(getattr(self, name))):
                 _fail(
@@ -126,6 +123,8 @@ class SamplingParams:
         if self.logprobs < 0:
             _fail(f"logprobs must be >= 0, got {self.logprobs}")
         for i, t in enumerate(self.stop_token_ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                _fail(f"stop_token_ids[{i}] must be an integer, got {t!r}")
             if t < 0:
                 _fail(f"stop_token_ids[{i}] must be >= 0, got {t}")
         if not 1 <= self.n <= MAX_N:
