@@ -203,19 +203,26 @@ def test_a_refusal_while_another_scheduler_owns_the_executor_names_the_owner(qwe
             lambda: services.scheduler.health() == "NOT_SERVING" or None, what="NOT_SERVING"
         )
         time.sleep(3)  # its reconnect backoff at its 2 s maximum
-        services.start_executor()
-        rogue = session_metadata("rogue-session", "rogue owner")
-        deadline = time.monotonic() + 60
-        while True:  # the rogue resets the new executor as soon as it answers
-            try:
-                with grpc.insecure_channel(services.executor_address) as channel:
-                    epb_grpc.ExecutorServiceStub(channel).Reset(epb.ResetRequest(), timeout=5, metadata=rogue)
-                break
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    pytest.skip("the scheduler took the executor before the rogue (its 2 s backoff)")
-                assert time.monotonic() < deadline, e
-                time.sleep(0.01)
+        # The engine core held stopped while the new executor comes up, so that the rogue takes it
+        # first (the core's reconnect could otherwise win the race).
+        core = services.scheduler.process.pid
+        os.kill(core, signal.SIGSTOP)
+        try:
+            services.start_executor()
+            rogue = session_metadata("rogue-session", "rogue owner")
+            deadline = time.monotonic() + 60
+            while True:  # the rogue resets the new executor as soon as it answers
+                try:
+                    with grpc.insecure_channel(services.executor_address) as channel:
+                        epb_grpc.ExecutorServiceStub(channel).Reset(
+                            epb.ResetRequest(), timeout=5, metadata=rogue
+                        )
+                    break
+                except grpc.RpcError as e:
+                    assert time.monotonic() < deadline, e
+                    time.sleep(0.01)
+        finally:
+            os.kill(core, signal.SIGCONT)
         deadline = time.monotonic() + 6  # within the rogue's 10 s lease: a few reconnect attempts
         with TandemClient(services.address) as client:
             while True:
