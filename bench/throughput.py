@@ -657,7 +657,7 @@ def run_split(args: argparse.Namespace, model: str, workload: list[Request]) -> 
         }
         steps["cpu"] = cpu
         # The scheduler's main thread (the asyncio loop) and its other threads, busiest first
-        # (the engine thread, gRPC's two threads of the executor stream, ...).
+        # (the engine thread, then ZeroMQ's and gRPC's own I/O threads).
         steps["threads"] = [threads.pop(pid, 0.0), *sorted(threads.values(), reverse=True)[:3]]
         steps["api_servers"] = len(api_servers)
     finally:

@@ -9,12 +9,14 @@ ExecutorUnavailable, so that the engine keeps its requests and retries as for an
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import grpc
+from grpc._common import CYGRPC_STATUS_CODE_TO_STATUS_CODE as _STATUS_CODES
+from grpc._cython import cygrpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.api_keys import bearer_metadata
@@ -45,7 +47,11 @@ _UNAVAILABLE_CODES = (
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
-_CLOSE = None  # ends the request iterator
+_STEP_METHOD = f"/{SERVICE_NAME}/Step".encode()
+# The tags of a Step call's sends and reads (_StepStream).
+_SENT, _RECEIVED = object(), object()
+_RECEIVE_MESSAGE = cygrpc.OperationType.receive_message
+_RECEIVE_STATUS = cygrpc.OperationType.receive_status_on_client
 # The default of --executor-step-timeout: the longest a step's result may be awaited before the
 # executor is taken for hung. A decode step takes milliseconds and the largest prefill chunk well
 # under a second on a GPU; a stopped process (SIGSTOP) or a wedged device would otherwise be
@@ -120,35 +126,142 @@ class _StepWatchdog:
             armed[1].expire(armed[2])
 
 
-class _StepStream:
-    """One Step call: plans go in through a queue, results come out in plan order (stages 2 and 3
-    of steps_in_flight.py)."""
+class _StreamError(grpc.RpcError):
+    """How a Step call ended, as grpc's errors read (code(), details())."""
 
-    def __init__(self, stub: pb_grpc.ExecutorServiceStub, metadata: list[tuple[str, str]]) -> None:
-        self._requests: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
-        self._responses = stub.Step(iter(self._requests.get, _CLOSE), metadata=metadata)
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _StepStream:
+    """One Step call: plans go out in order, results come back in plan order (stages 2 and 3 of
+    steps_in_flight.py), on a call polled by the thread that steps.
+
+    grpc's synchronous stream-stream call hands every plan and result through two Python threads
+    of its own (one pulls the request iterator and waits for each send, one polls the channel and
+    wakes every waiter of the call on each completion): two wake-ups and GIL hand-overs each way,
+    about a third of the split engine core's CPU. This is the call grpc's blocking unary calls
+    make instead, a "segregated" call with its own completion queue (grpc._cython.cygrpc, grpcio
+    1.84 or later): `receive` starts a read and waits for the call's events itself, without the GIL,
+    and a plan sent while the one before it is still on its way (one send at a time) is started
+    there when that send completes. `send` and `receive` run on one thread (under
+    RemoteExecutor's lock); `expire` may come from the watchdog's."""
+
+    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
+        operations = (
+            (
+                (cygrpc.SendInitialMetadataOperation(metadata, 0), cygrpc.ReceiveStatusOnClientOperation(0)),
+                None,
+            ),
+            ((cygrpc.ReceiveInitialMetadataOperation(0),), None),
+        )
+        self._call = channel._channel.segregated_call(
+            cygrpc.PropagationConstants.GRPC_PROPAGATE_DEFAULTS, _STEP_METHOD, None, None, metadata,
+            None, operations, None, None,
+        )  # fmt: skip
+        # Batches started and not yet taken from the call's queue: grpc frees the queue when the
+        # last is taken, so it is never polled past that.
+        self._num_due = len(operations)
+        self._sending = False
+        self._unsent: deque[bytes] = deque()
+        self._status: tuple[grpc.StatusCode, str] | None = None
         # Set by the watchdog when it cancelled the stream: the result was overdue (after `allowed` s).
         self.expired = False
         self.allowed = 0.0
 
     def expire(self, allowed: float) -> None:
         self.expired, self.allowed = True, allowed
-        self._responses.cancel()
+        self._call.cancel(cygrpc.StatusCode.cancelled, "the step's result is overdue")
 
     def send(self, msg: pb.StepPlan) -> None:
-        self._requests.put(msg)
+        data = msg.SerializeToString()
+        if self._sending:
+            self._unsent.append(data)
+        else:
+            self._start_send(data)
+
+    def _start_send(self, data: bytes) -> None:
+        if self._call.operate((cygrpc.SendMessageOperation(data, 0),), _SENT):
+            self._num_due += 1
+            self._sending = True
+        # (else the call is over: the next receive says how)
 
     def receive(self, step_id: int) -> pb.StepResult:
-        out = next(self._responses)
-        # Results come in plan order; one for an older step (a plan sent before a reset) is stale.
-        while out.step_id < step_id:
+        """The result of `step_id`; StopIteration if the executor ended the stream, or the call's
+        error (a grpc.RpcError)."""
+        while True:
+            if self._status is not None or not self._call.operate(
+                (cygrpc.ReceiveMessageOperation(0),), _RECEIVED
+            ):
+                raise self._ended()
+            self._num_due += 1
+            data = self._next_message()
+            if data is None:
+                raise self._ended()
+            out = pb.StepResult.FromString(data)
+            # Results come in plan order; one for an older step (a plan sent before a reset) is stale.
+            if out.step_id >= step_id:
+                return out
             logger.warning("discarding the result of old step %d (waiting for %d)", out.step_id, step_id)
-            out = next(self._responses)
-        return out
+
+    def _next_message(self) -> bytes | None:
+        """The events of the call up to its read's: the message read, or None at its end."""
+        while True:
+            event = self._next_event()
+            if event.tag is _SENT:
+                self._sending = False
+                if self._unsent and self._status is None:
+                    self._start_send(self._unsent.popleft())
+                continue
+            message = None
+            for op in event.batch_operations:
+                kind = op.type()
+                if kind == _RECEIVE_MESSAGE:
+                    message = op.message()
+                elif kind == _RECEIVE_STATUS:
+                    code = _STATUS_CODES.get(op.code(), grpc.StatusCode.UNKNOWN)
+                    self._status = (code, op.details())
+            if event.tag is _RECEIVED:
+                return message
+
+    def _ended(self) -> Exception:
+        """The stream's end (its status, once its call's events are all taken), as `receive` raises it."""
+        while self._status is None and self._num_due:
+            self._next_message_or_status()
+        code, details = self._status or (grpc.StatusCode.UNKNOWN, "the step stream ended without a status")
+        return StopIteration() if code is grpc.StatusCode.OK else _StreamError(code, details)
+
+    def _next_message_or_status(self) -> None:
+        event = self._next_event()
+        for op in event.batch_operations:
+            if op.type() == _RECEIVE_STATUS:
+                self._status = (_STATUS_CODES.get(op.code(), grpc.StatusCode.UNKNOWN), op.details())
+
+    def _next_event(self) -> cygrpc.BatchOperationEvent:
+        try:
+            event = self._call.next_event()
+        except BaseException:
+            # (a signal handler's exception, on the main thread: grpc freed the call's queue)
+            self._num_due = 0
+            self._status = self._status or (grpc.StatusCode.CANCELLED, "interrupted")
+            raise
+        self._num_due -= 1
+        return event
 
     def close(self) -> None:
-        self._requests.put(_CLOSE)
-        self._responses.cancel()
+        """Cancel the call and take its remaining events, so that grpc frees it."""
+        self._unsent.clear()
+        if self._num_due:
+            self._call.cancel(cygrpc.StatusCode.cancelled, "the scheduler closed the step stream")
+        while self._num_due:
+            self._next_message_or_status()
 
 
 class RemoteExecutor:
@@ -264,7 +377,7 @@ class RemoteExecutor:
         msg = plan_to_proto(plan)
         with self._lock:
             if self._stream is None:
-                self._stream = _StepStream(self._stub, self._metadata)
+                self._stream = _StepStream(self._channel, tuple(self._metadata))
             self._stream.send(msg)
 
     def discard(self) -> None:
