@@ -13,7 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.sampling_metadata import SamplingMetadata
+from executor_service.sampling_metadata import MIN_TEMPERATURE, SamplingMetadata
+
+# The repetition penalty's results are kept within +-this: a penalty near 0 (or huge) overflows
+# the seen tokens' logits to +-inf, and a row with two +inf has no softmax (inf - inf). Far past
+# any model's logit, and finite still once divided by the smallest temperature.
+_PENALISED_BOUND = 1e-3 * torch.finfo(torch.float32).max * MIN_TEMPERATURE
 
 
 @dataclass
@@ -109,7 +114,10 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     prompt_mask.scatter_(1, meta.prompt_token_ids, True)
     seen = prompt_mask[:, :vocab_size] | (output_counts > 0)
     rep = torch.where(seen, meta.repetition_penalties.unsqueeze(-1), 1.0)
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp_(
+        -_PENALISED_BOUND, _PENALISED_BOUND
+    )
+    logits = torch.where(logits == float("-inf"), logits, penalised)  # (a banned token stays banned)
     logits = logits - meta.frequency_penalties.unsqueeze(-1) * output_counts
     return logits - meta.presence_penalties.unsqueeze(-1) * (output_counts > 0)
 

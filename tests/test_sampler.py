@@ -120,6 +120,23 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert _sample(logits, [seq]).sampled_token_ids.item() == 2
 
 
+def test_a_tiny_repetition_penalty_picks_among_the_favoured_seen_tokens_not_nan():
+    # 1e-40 is a float32 subnormal: a positive logit divided by it overflows to +inf, and a row
+    # with two +inf logits has no softmax (inf - inf): it sampled whatever NaN argmaxes to.
+    logits = torch.tensor([[2.0, -1.0, 1.5, 0.5], [2.0, -1.0, 1.5, 0.5]])
+    params = [
+        StepSamplingParams(repetition_penalty=1e-40),
+        StepSamplingParams(temperature=1.0, repetition_penalty=1e-40),
+    ]
+    seqs = [_seq(p, [0, 3], num_prompt=1) for p in params]  # tokens 0 and 3 seen, both positive
+    meta = SamplingMetadata.build(seqs, 4, CPU)
+    penalised = apply_penalties(logits, meta)
+    assert torch.isfinite(penalised).all()
+    for seed in range(20):
+        assert _sample(logits, seqs, seed=seed).sampled_token_ids.tolist()[1] in (0, 3)
+    assert _sample(logits, seqs).sampled_token_ids.tolist()[0] in (0, 3)
+
+
 def test_presence_and_frequency_penalties_count_only_generated_tokens():
     logits = torch.zeros(1, 4)
     # Prompt [3, 3], generated [2, 2, 1].
