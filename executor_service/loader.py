@@ -121,6 +121,7 @@ def load_weights(
     params = dict(model.named_parameters())
     files = checkpoint_tensor_files(model_dir)
     scales = _dequantized_scales(files, quantization, keeps_fp8)
+    _check_fp8_weights(files, quantization.block if quantization is not None else None)
     # --quantization fp8: each weight an FP8 checkpoint would quantize is quantized whole, before any
     # rank takes its shard, then loaded as that checkpoint's e4m3 weight and scales would be.
     at_load = quantization is not None and quantization.at_load
@@ -190,6 +191,46 @@ def _dequantized_scales(
             with safe_open(files[name], "pt") as f:
                 scales[weight] = f.get_tensor(name)
     return scales
+
+
+def _check_fp8_weights(files: dict[str, Path], block: tuple[int, int] | None) -> None:
+    """Refuse, naming the tensor, what the loaders would otherwise read as wrong numbers: an fp8
+    tensor without a weight_scale_inv (it would be copied unscaled; per-tensor `weight_scale` is not
+    read), a weight with a weight_scale_inv that is not e4m3 (e4m3 bytes stored as uint8 would be
+    read as integers; a 16-bit one may already be dequantized), and a weight_scale_inv that is not
+    the weight's block grid (a rank reads its shard's scales by position: on CUDA an extra column of
+    blocks would go unnoticed). Only the safetensors headers are read."""
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path, names in by_file.items():
+        with safe_open(path, "pt") as f:
+            for name in names:
+                lazy = f.get_slice(name)
+                meta[name] = (lazy.get_dtype(), tuple(lazy.get_shape()))
+    for name, (dtype, shape) in meta.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = meta.get(name + "_scale_inv")
+        if scale is None:
+            if dtype.startswith("F8"):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} is {dtype} but has no {name}_scale_inv: tandem reads fp8 "
+                    "weights with one scale per 128x128 block (per-tensor weight_scale is not supported)"
+                )
+            continue
+        if dtype != "F8_E4M3":
+            raise ValueError(
+                f"checkpoint tensor {name!r} has a weight_scale_inv but is stored as {dtype}: the weights "
+                "of an fp8 checkpoint must be e4m3 (safetensors F8_E4M3, torch.float8_e4m3fn)"
+            )
+        grid = tuple(-(-n // b) for n, b in zip(shape, block, strict=False))
+        if len(shape) != 2 or scale[1] != grid:
+            raise ValueError(
+                f"checkpoint tensor {name + '_scale_inv'!r} of shape {scale[1]} for a weight {shape} in "
+                f"{block[0]}x{block[1]} blocks: expected {grid}"
+            )
 
 
 def _param(params: dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:

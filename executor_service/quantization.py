@@ -56,7 +56,7 @@ def parse_quantization(cfg: dict[str, Any] | None) -> BlockFP8Config | None:
             "with weight_block_size [128, 128] (the Qwen3-*-FP8 format)"
         )
     block = cfg.get("weight_block_size")
-    if block is None or tuple(block) != SUPPORTED_BLOCK:
+    if not isinstance(block, list | tuple) or tuple(block) != SUPPORTED_BLOCK:
         raise ValueError(
             f"fp8 checkpoint with weight_block_size {block}: tandem reads only [128, 128] blocks "
             "(per-tensor or other block sizes are not supported)"

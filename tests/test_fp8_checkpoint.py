@@ -65,6 +65,7 @@ def test_fp8_checkpoint_greedy_matches_transformers_on_dequantized_weights(fp8_q
         ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
         ({"weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]: tandem reads only \[128, 128\]"),
         ({"weight_block_size": None}, "weight_block_size None"),
+        ({"weight_block_size": 128}, r"weight_block_size 128: tandem reads only \[128, 128\]"),
         ({"activation_scheme": "static"}, "activation_scheme 'static'"),
     ],
 )
