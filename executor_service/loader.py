@@ -220,6 +220,8 @@ def _check_fp8_weights(files: dict[str, Path], block: tuple[int, int] | None) ->
                     "weights with one scale per 128x128 block (per-tensor weight_scale is not supported)"
                 )
             continue
+        if block is None:  # (scales without a quantization_config: _dequantized_scales refuses them)
+            continue
         if dtype != "F8_E4M3":
             raise ValueError(
                 f"checkpoint tensor {name!r} has a weight_scale_inv but is stored as {dtype}: the weights "

@@ -205,6 +205,23 @@ def test_misstored_fp8_tensors_are_refused_naming_the_tensor(partial_blocks, tmp
         LocalExecutor(ExecutorConfig(model=str(path), num_kv_blocks=64))
 
 
+def test_block_scales_without_a_quantization_config_are_refused_naming_them(partial_blocks, tmp_path):
+    """An FP8 checkpoint whose config.json lost its quantization_config: said so, naming a scale
+    (not a TypeError from the block checks, which need the config's block size)."""
+    from executor_service.executor import LocalExecutor
+
+    _, path, _ = partial_blocks
+    path = _copy(path, tmp_path / "bad")
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError,
+        match=r"'model\.layers\.\d+\..*weight_scale_inv' is a block scale, but config.json has no quantization_config",
+    ):
+        LocalExecutor(ExecutorConfig(model=str(path), num_kv_blocks=64))
+
+
 def test_extra_scale_columns_are_refused_where_layers_stay_e4m3(tmp_path):
     """The CUDA runner's e4m3 layers read each rank's scales by position: an o_proj scale grid of
     (2, 4) for a [256, 256] weight loaded, its first two columns taken, at TP=1 and 2."""
