@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import FP8_QUANTIZATION_CONFIG, build_qwen3, quantize_checkpoint_fp8
+from helpers.fp8_runner import load_as_runner_on_cuda
 from helpers.hf_reference import make_prompts
 
 from client.llm import LLM
@@ -133,27 +134,6 @@ def fp8_qwen3_moe(tmp_path_factory, qwen3_moe_for_fp8):
     return dst, quantize_checkpoint_fp8(qwen3_moe_for_fp8, dst)
 
 
-def _load_as_runner_on_cuda(path, tp_rank: int, tp_size: int, quantize_at_load: bool = False):
-    """The model of an fp8 checkpoint as the CUDA model runner loads it with the fused MoE path (fp8
-    linear layers and experts), built and loaded on the CPU."""
-    from executor_service.layers.fp8_layers import convert_to_fp8
-    from executor_service.loader import checkpoint_tensor_files, load_weights
-    from executor_service.model_config import load_model_config
-    from executor_service.models import get_model_class
-    from executor_service.quantization import scale_names
-
-    mc = load_model_config(path)
-    if quantize_at_load:  # as ExecutorConfig(quantization="fp8") sets it
-        from executor_service.quantization import BlockFP8Config
-
-        mc.quantization = BlockFP8Config(at_load=True)
-    model = get_model_class(mc.architecture)(mc, tie_word_embeddings=False, tp_rank=tp_rank, tp_size=tp_size)
-    kept = convert_to_fp8(model, scale_names(checkpoint_tensor_files(path), mc.quantization), mc.quantization.block,
-                          experts=True)  # fmt: skip
-    load_weights(model, path, quantization=mc.quantization, keeps_fp8=kept.__contains__)
-    return model
-
-
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_qwen3_moe_fp8_experts_load_as_e4m3_with_their_block_scales(fp8_qwen3_moe, tp_size):
     """With the fused MoE path the experts stay e4m3: each rank's w13 holds the gate rows then the up
@@ -166,7 +146,7 @@ def test_qwen3_moe_fp8_experts_load_as_e4m3_with_their_block_scales(fp8_qwen3_mo
     path, dequantized = fp8_qwen3_moe
     shard = 256 // tp_size
     for rank in range(tp_size):
-        model = _load_as_runner_on_cuda(path, rank, tp_size)
+        model = load_as_runner_on_cuda(path, rank, tp_size)
         rows = slice(rank * shard, (rank + 1) * shard)
         for layer in (0, 1):
             experts = model.model.layers[layer].mlp.experts
@@ -211,7 +191,7 @@ def test_fp8_linear_shards_at_tp2_hold_the_dequantized_shard_exactly(fp8_qwen3_m
     from executor_service.models import get_model_class
 
     path, _ = fp8_qwen3_moe
-    fp8 = _load_as_runner_on_cuda(path, tp_rank, 2)
+    fp8 = load_as_runner_on_cuda(path, tp_rank, 2)
     mc = load_model_config(path)
     plain = get_model_class(mc.architecture)(mc, tie_word_embeddings=False, tp_rank=tp_rank, tp_size=2)
     load_weights(plain, path, quantization=mc.quantization)
@@ -235,7 +215,7 @@ def test_an_fp8_shard_that_would_split_a_block_is_refused_naming_it(fp8_qwen3):
     with pytest.raises(
         ValueError, match=r"this rank's columns of 192 would split the fp8 checkpoint's blocks of 128"
     ):
-        _load_as_runner_on_cuda(path, 0, 2)
+        load_as_runner_on_cuda(path, 0, 2)
     qkv = QKVParallelLinear(256, 64, 4, 2, bias=False, tp_rank=1, tp_size=2)
     with pytest.raises(
         ValueError, match=r"this rank's k and v rows of 64 would split the fp8 checkpoint's blocks"
@@ -256,11 +236,9 @@ def test_quantization_fp8_at_load_holds_what_the_fp8_checkpoint_holds(
     fp8_path, _ = fp8_qwen3_moe
     for rank in range(tp_size):
         at_load = dict(
-            _load_as_runner_on_cuda(
-                qwen3_moe_for_fp8, rank, tp_size, quantize_at_load=True
-            ).named_parameters()
+            load_as_runner_on_cuda(qwen3_moe_for_fp8, rank, tp_size, quantize_at_load=True).named_parameters()
         )
-        want = dict(_load_as_runner_on_cuda(fp8_path, rank, tp_size).named_parameters())
+        want = dict(load_as_runner_on_cuda(fp8_path, rank, tp_size).named_parameters())
         assert at_load.keys() == want.keys()
         assert sum(p.dtype == FP8_DTYPE for p in at_load.values()) >= 6  # qkv, o and the experts, 2 layers
         for name, param in want.items():

@@ -110,7 +110,7 @@ def test_shards_that_cut_blocks_hold_the_dequantized_shard_exactly(partial_block
 @pytest.mark.slow
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_tp_service_on_shards_that_cut_blocks_is_token_identical_to_tp1(partial_blocks, tmp_path, tp_size):
-    from test_tensor_parallel import generate, start_tp_executor, tp1_tokens
+    from helpers.tp_generate import generate, start_tp_executor, tp1_tokens
 
     from scheduler_service.executor_client import RemoteExecutor
 
@@ -225,7 +225,7 @@ def test_block_scales_without_a_quantization_config_are_refused_naming_them(part
 def test_extra_scale_columns_are_refused_where_layers_stay_e4m3(tmp_path):
     """The CUDA runner's e4m3 layers read each rank's scales by position: an o_proj scale grid of
     (2, 4) for a [256, 256] weight loaded, its first two columns taken, at TP=1 and 2."""
-    from test_fp8_checkpoint import _load_as_runner_on_cuda
+    from helpers.fp8_runner import load_as_runner_on_cuda
 
     src = build_qwen3(
         tmp_path / "bf", hidden_size=256, head_dim=64, num_key_value_heads=4, intermediate_size=256,
@@ -242,4 +242,4 @@ def test_extra_scale_columns_are_refused_where_layers_stay_e4m3(tmp_path):
         with pytest.raises(
             ValueError, match=r"o_proj.weight_scale_inv' of shape \(2, 4\) .*expected \(2, 2\)"
         ):
-            _load_as_runner_on_cuda(path, 0, tp_size)
+            load_as_runner_on_cuda(path, 0, tp_size)

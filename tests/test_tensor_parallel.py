@@ -19,7 +19,7 @@ from checkpoints import build_qwen3, trained_prompts
 from executor_fixtures import prompt_ids
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.processes import ServiceProcess, alive, descendants
-from helpers.services import executor_process
+from helpers.tp_generate import OPTIONS, generate, start_tp_executor, tp1_tokens
 
 from client.defaults import DEFAULT_MODEL, free_port
 from client.llm import LLM
@@ -32,8 +32,6 @@ from scheduler_service.sampling_params import SamplingParams
 # Starts service processes or runs models at length: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
 
-# A small token budget: the 61-token prompts are prefilled in chunks.
-OPTIONS = dict(block_size=4, num_kv_blocks=96, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=24)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -44,38 +42,6 @@ def qwen3_kv1(tmp_path_factory):
     return build_qwen3(
         tmp_path_factory.mktemp("qwen3_kv1"), num_key_value_heads=1, seed=3, with_tokenizer=False
     )
-
-
-def start_tp_executor(model: Path, log: Path, tp: int = 2) -> ServiceProcess:
-    tp_flags = ("--tensor-parallel-size", str(tp), "--tp-master-port", str(free_port()))
-    return executor_process(log, *tp_flags, model=model, **OPTIONS).start()
-
-
-def requests() -> list[list[tuple[list[int], SamplingParams]]]:
-    """Two waves of greedy requests; the second shares prefixes with the first (cache hits)."""
-    first = [prompt_ids(n, seed=n) for n in (3, 9, 30, 61)]
-    second = [first[2][:20] + prompt_ids(5, 1), first[3] + prompt_ids(7, 2), first[1][:8], [7]]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    return [[(p, params) for p in first], [(p, params) for p in second]]
-
-
-def generate(executor) -> tuple[list[list[int]], LLMEngine]:
-    engine = LLMEngine(executor, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24))
-    tokens: dict[int, list[int]] = {}
-    for wave in requests():
-        for prompt, params in wave:
-            engine.add_request(prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                assert out.error is None, out.error
-                if out.finished:
-                    tokens[out.request_id] = out.token_ids
-    return [tokens[k] for k in sorted(tokens)], engine
-
-
-def tp1_tokens(model: Path) -> list[list[int]]:
-    llm = LLM(str(model), **OPTIONS)
-    return generate(llm.executor)[0]
 
 
 @pytest.mark.parametrize("checkpoint", ["qwen3_tied", "qwen3_untied", "qwen3_kv1"])
