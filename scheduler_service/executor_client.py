@@ -15,6 +15,7 @@ from collections import deque
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc._common import CYGRPC_STATUS_CODE_TO_STATUS_CODE as _STATUS_CODES
 from grpc._cython import cygrpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -205,7 +206,12 @@ class _StepStream:
             data = self._next_message()
             if data is None:
                 raise self._ended()
-            out = pb.StepResult.FromString(data)
+            try:
+                out = pb.StepResult.FromString(data)
+            except DecodeError as e:  # (grpc's own call reports it so, and cancels the call)
+                raise _StreamError(
+                    grpc.StatusCode.INTERNAL, f"the executor's result for step {step_id} does not parse: {e}"
+                ) from e
             # Results come in plan order; one for an older step (a plan sent before a reset) is stale.
             if out.step_id >= step_id:
                 return out

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -332,3 +333,38 @@ def _reset_ok(remote: RemoteExecutor) -> bool:
     except ExecutorUnavailable:
         return False
     return True
+
+
+def test_a_result_that_does_not_parse_is_an_executor_error_naming_it():
+    """An executor (or a proxy before it) answering bytes that are no StepResult: the step fails as
+    an ExecutorError saying so, as grpc's own call reported it (INTERNAL), not protobuf's
+    DecodeError from inside the engine's step."""
+    import grpc
+
+    def step(requests, context):
+        for _ in requests:
+            yield b"\xff\xff\xff"  # (no serializer: the bytes go out as they are)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "tandem.v1.ExecutorService", {"Step": grpc.stream_stream_rpc_method_handler(step)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        remote = RemoteExecutor(f"127.0.0.1:{port}", step_timeout=5.0)
+        try:
+            plan = _prefill(1, 1)
+            remote.send(plan)
+            with pytest.raises(
+                ExecutorError, match=r"INTERNAL: the executor's result for step 1 does not parse"
+            ):
+                remote.receive(plan)
+        finally:
+            remote.close()
+    finally:
+        server.stop(0)
