@@ -121,13 +121,13 @@ def load_weights(
     params = dict(model.named_parameters())
     files = checkpoint_tensor_files(model_dir)
     scales = _dequantized_scales(files, quantization, keeps_fp8)
-    _check_fp8_weights(files, quantization.block if quantization is not None else None)
-    # --quantization fp8: each weight an FP8 checkpoint would quantize is quantized whole, before any
-    # rank takes its shard, then loaded as that checkpoint's e4m3 weight and scales would be.
-    at_load = quantization is not None and quantization.at_load
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
+    _check_fp8_weights(by_file, quantization.block if quantization is not None else None)
+    # --quantization fp8: each weight an FP8 checkpoint would quantize is quantized whole, before any
+    # rank takes its shard, then loaded as that checkpoint's e4m3 weight and scales would be.
+    at_load = quantization is not None and quantization.at_load
     loaded: set[str] = set()
     with tqdm(total=len(files), desc="Loading weights", unit="tensor", disable=None) as bar:
         for path, names in by_file.items():
@@ -193,16 +193,14 @@ def _dequantized_scales(
     return scales
 
 
-def _check_fp8_weights(files: dict[str, Path], block: tuple[int, int] | None) -> None:
+def _check_fp8_weights(by_file: dict[Path, list[str]], block: tuple[int, int] | None) -> None:
     """Refuse, naming the tensor, what the loaders would otherwise read as wrong numbers: an fp8
     tensor without a weight_scale_inv (it would be copied unscaled; per-tensor `weight_scale` is not
     read), a weight with a weight_scale_inv that is not e4m3 (e4m3 bytes stored as uint8 would be
     read as integers; a 16-bit one may already be dequantized), and a weight_scale_inv that is not
     the weight's block grid (a rank reads its shard's scales by position: on CUDA an extra column of
-    blocks would go unnoticed). Only the safetensors headers are read."""
-    by_file: dict[Path, list[str]] = {}
-    for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
+    blocks would go unnoticed). Only the safetensors headers are read. (`block` is None only for a
+    checkpoint without scales: _dequantized_scales refuses scales without a quantization_config.)"""
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     for path, names in by_file.items():
         with safe_open(path, "pt") as f:
@@ -219,8 +217,6 @@ def _check_fp8_weights(files: dict[str, Path], block: tuple[int, int] | None) ->
                     f"checkpoint tensor {name!r} is {dtype} but has no {name}_scale_inv: tandem reads fp8 "
                     "weights with one scale per 128x128 block (per-tensor weight_scale is not supported)"
                 )
-            continue
-        if block is None:  # (scales without a quantization_config: _dequantized_scales refuses them)
             continue
         if dtype != "F8_E4M3":
             raise ValueError(
