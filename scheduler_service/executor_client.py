@@ -208,7 +208,7 @@ class _StepStream:
                 raise self._ended()
             try:
                 out = pb.StepResult.FromString(data)
-            except DecodeError as e:  # (grpc's own call reports it so, and cancels the call)
+            except DecodeError as e:  # (as grpc's own call reports it; the caller closes the stream)
                 raise _StreamError(
                     grpc.StatusCode.INTERNAL, f"the executor's result for step {step_id} does not parse: {e}"
                 ) from e
@@ -220,37 +220,24 @@ class _StepStream:
     def _next_message(self) -> bytes | None:
         """The events of the call up to its read's: the message read, or None at its end."""
         while True:
-            event = self._next_event()
-            if event.tag is _SENT:
+            tag, message = self._take_event()
+            if tag is _RECEIVED:
+                return message
+            if tag is _SENT:
                 self._sending = False
                 if self._unsent and self._status is None:
                     self._start_send(self._unsent.popleft())
-                continue
-            message = None
-            for op in event.batch_operations:
-                kind = op.type()
-                if kind == _RECEIVE_MESSAGE:
-                    message = op.message()
-                elif kind == _RECEIVE_STATUS:
-                    code = _STATUS_CODES.get(op.code(), grpc.StatusCode.UNKNOWN)
-                    self._status = (code, op.details())
-            if event.tag is _RECEIVED:
-                return message
 
     def _ended(self) -> Exception:
         """The stream's end (its status, once its call's events are all taken), as `receive` raises it."""
         while self._status is None and self._num_due:
-            self._next_message_or_status()
+            self._take_event()
         code, details = self._status or (grpc.StatusCode.UNKNOWN, "the step stream ended without a status")
         return StopIteration() if code is grpc.StatusCode.OK else _StreamError(code, details)
 
-    def _next_message_or_status(self) -> None:
-        event = self._next_event()
-        for op in event.batch_operations:
-            if op.type() == _RECEIVE_STATUS:
-                self._status = (_STATUS_CODES.get(op.code(), grpc.StatusCode.UNKNOWN), op.details())
-
-    def _next_event(self) -> cygrpc.BatchOperationEvent:
+    def _take_event(self) -> tuple[object, bytes | None]:
+        """The call's next event, its status recorded if it brings it: (its tag, the message it read
+        or None)."""
         try:
             event = self._call.next_event()
         except BaseException:
@@ -259,7 +246,14 @@ class _StepStream:
             self._status = self._status or (grpc.StatusCode.CANCELLED, "interrupted")
             raise
         self._num_due -= 1
-        return event
+        message = None
+        for op in event.batch_operations:
+            kind = op.type()
+            if kind == _RECEIVE_MESSAGE:
+                message = op.message()
+            elif kind == _RECEIVE_STATUS:
+                self._status = (_STATUS_CODES.get(op.code(), grpc.StatusCode.UNKNOWN), op.details())
+        return event.tag, message
 
     def close(self) -> None:
         """Cancel the call and take its remaining events, so that grpc frees it."""
@@ -267,7 +261,7 @@ class _StepStream:
         if self._num_due:
             self._call.cancel(cygrpc.StatusCode.cancelled, "the scheduler closed the step stream")
         while self._num_due:
-            self._next_message_or_status()
+            self._take_event()
 
 
 class RemoteExecutor:
