@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-SHAPES = {
-    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
-    "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
-}
-LAYERS = {"qwen3-0.6b": 28, "qwen3-8b": 36}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bf16_gemm import LAYERS, SHAPES
 
 
 @triton.jit
