@@ -121,7 +121,6 @@ for what in "$@"; do
     core-overhead) TAIL=8 stage core-overhead "$PY" bench/engine_core_overhead.py --workload w1 --freeze-heap ;;
     # The two-sequences-a-program decode prototype against paged_decode (agreement, then us and TB/s).
     decode-pairs) TAIL=12 stage decode-pairs "$PY" bench/decode_pairs.py ;;
-    decode-chain) TAIL=12 stage decode-chain "$PY" bench/decode_chain.py ;;
     fp8-gemm) TAIL=30 stage fp8-gemm "$PY" bench/fp8_gemm.py ;;
     # The v2 GEMM's candidates at m = 64-512 against v1, bf16 and torch._scaled_mm (~2-3 min; the best per shape and GEMM_TABLE lines last).
     fp8-gemm-sweep) TAIL=40 stage fp8-gemm-sweep "$PY" bench/fp8_gemm.py --sweep-v2 ;;

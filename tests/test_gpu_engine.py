@@ -99,30 +99,6 @@ def test_cuda_graphs_match_eager(qwen3_tied):
         assert graph_tokens == eager_tokens
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_pdl_launches_change_no_token(qwen3_tied, monkeypatch, kv_cache_dtype):
-    """The Triton kernels launched with Programmatic Dependent Launch (each may start while the
-    kernel before it runs, executor_service/pdl.py) compute what they compute without it: the same
-    greedy tokens, eager prefill and graph-replayed decode, at 5 and 37 sequences."""
-    from executor_service.pdl import pdl_launch
-
-    probe = torch.empty(1, device="cuda")
-    if not pdl_launch(probe):
-        pytest.skip("PDL needs compute capability 9.0 (Hopper) or later")
-    for n in (5, 37):
-        prompts = make_prompts([3 + 11 * i % 120 for i in range(n)], seed=n + 1)
-        options = dict(
-            dtype="bfloat16", attention_backend="triton", num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype
-        )
-        monkeypatch.setenv("TANDEM_PDL", "1")
-        llm, pdl_tokens = _generate(qwen3_tied, prompts, **options)
-        assert llm.executor.runner.num_graph_steps > 0
-        monkeypatch.setenv("TANDEM_PDL", "0")
-        assert not pdl_launch(probe)
-        _, plain_tokens = _generate(qwen3_tied, prompts, **options)
-        assert pdl_tokens == plain_tokens, (n, kv_cache_dtype)
-
-
 def test_kv_cache_sized_from_free_memory(qwen3_tied):
     # Blocks of 256 tokens keep the block count (and the scheduler's free list) modest.
     llm = LLM(str(qwen3_tied), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.1, block_size=256)

@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from executor_service.fp8 import v_cache_slots
-from executor_service.pdl import pdl_launch, pdl_wait
 
 LOG2E = 1.4426950408889634
 
@@ -84,16 +83,10 @@ def store_kv_kernel(
     KV_FP8: tl.constexpr,  # the cache is e4m3: store e4m3(x / scale), saturated
     BLOCK_S: tl.constexpr,  # block_size rounded up to a power of 2 (with KV_FP8)
     WHOLE_ROWS: tl.constexpr = False,  # BLOCK_S == block_size: a block's V rows have no padding
-    PDL: tl.constexpr = False,  # launched with PDL (executor_service/pdl.py)
 ):
     # grid: (num_tokens,). Slot -1 (CUDA-graph padding) stores nothing; no host sync.
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if KV_FP8:
-        later = later_slots(slot_mapping_ptr, t, num_tokens, BLOCK_S)
-    else:
-        later = slot  # (unused)
-    pdl_wait(PDL)
     if slot < 0:
         return
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -101,66 +94,54 @@ def store_kv_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
-    store_token_k(
-        k, h, d, mask, slot, k_cache_ptr, stride_cb, stride_cs, stride_ch, block_size, k_scale, KV_FP8
-    )
-    store_token_v(
-        v, slot, later, v_cache_ptr, stride_vcb, stride_vcs, stride_vch, stride_vcd, block_size, v_scale,
+    store_token_kv(
+        k, v, t, slot, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+        block_size, k_scale, v_scale, num_tokens,
         NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, KV_FP8, BLOCK_S, WHOLE_ROWS,
     )  # fmt: skip
 
 
 @triton.jit
-def store_token_k(
-    k,
-    h,
-    d,
-    mask,
-    slot,
+def store_token_kv(
+    k,  # [BLOCK_H, BLOCK_D] one token's K and V in the model dtype (rows past NUM_KV_HEADS and
+    v,  # columns past HEAD_DIM are not stored)
+    t,  # the token's row in the launch (its slot_mapping entry)
+    slot,  # its slot, >= 0
     k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vcb,  # the V cache's strides as [num_blocks, block_size, num_kv_heads, head_dim]
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     block_size,
     k_scale,
+    v_scale,
+    num_tokens,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WHOLE_ROWS: tl.constexpr,
 ):
-    """A token's K values `k` at heads `h` and dimensions `d` (index tensors broadcasting to k's
-    shape, where `mask`) into its cache slot `slot` (>= 0): e4m3(k / k_scale) in an e4m3 cache.
-    store_kv_kernel and the fused rotary kernel of layers/triton_ops.py store with it and
-    store_token_v, so their bytes are the same."""
-    block, offset = slot // block_size, slot % block_size
-    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
-    if KV_FP8:
-        k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def later_slots(slot_mapping_ptr, t, num_tokens, BLOCK_S: tl.constexpr):
-    """The slots of the BLOCK_S - 1 tokens after row t of the launch (-1 past its end; entry 0 is
-    -1): what store_token_v needs to know which of a new block's slots this launch writes. A load
-    that depends on nothing else, so a kernel can issue it first."""
-    o = tl.arange(0, BLOCK_S)
-    return tl.load(slot_mapping_ptr + t + o, mask=(o > 0) & (t + o < num_tokens), other=-1)
-
-
-@triton.jit
-def store_token_v(
-    v, slot, later, v_cache_ptr, stride_vcb, stride_vcs, stride_vch, stride_vcd, block_size, v_scale,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_FP8: tl.constexpr, BLOCK_S: tl.constexpr, WHOLE_ROWS: tl.constexpr,
-):  # fmt: skip
-    """A token's V [BLOCK_H, BLOCK_D] (rows past NUM_KV_HEADS and columns past HEAD_DIM not stored)
-    into its cache slot `slot` (>= 0); in an e4m3 cache e4m3(v / v_scale), and at a block's first
-    slot the zeroing of the slots after it that the launch does not write (`later`: later_slots)."""
+    """One token's K and V into the paged cache (store_kv_kernel's body; the fused rotary kernel
+    of layers/triton_ops.py calls it too), with an e4m3 cache's zeroing of its block."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     block, offset = slot // block_size, slot % block_size
+    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
     v_dst = block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
     if KV_FP8:
+        k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
         v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     if KV_FP8:  # noqa: SIM102 (constexpr branch)
         # A block's first slot: zero the V slots after it that no token of this launch writes (a
@@ -168,6 +149,7 @@ def store_token_v(
         # attention kernels may read whole blocks.
         if offset == 0:
             o = tl.arange(0, BLOCK_S)
+            later = tl.load(slot_mapping_ptr + t + o, mask=(o > 0) & (t + o < num_tokens), other=-1)
             unwritten = (o > 0) & (o < block_size) & (later != slot + o)
             h3 = tl.arange(0, BLOCK_H)[:, None, None]
             d3 = tl.arange(0, BLOCK_D)[None, :, None]
@@ -246,7 +228,6 @@ def paged_attention_kernel(
     KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
     FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
     ORDERED: tl.constexpr = False,  # programs take sequences in seq_order's order
-    PDL: tl.constexpr = False,  # launched with PDL (executor_service/pdl.py)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -257,8 +238,6 @@ def paged_attention_kernel(
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    context_len = tl.load(context_lens_ptr + seq)
-    pdl_wait(PDL)  # (q and the cache are the previous kernels' writes)
     if ROWS == 1:  # noqa: SIM102 (constexpr branch, pruned at compile time)
         if q_len != 1:
             return
@@ -267,6 +246,7 @@ def paged_attention_kernel(
             return
     if q_tile * BLOCK_Q >= q_len:
         return
+    context_len = tl.load(context_lens_ptr + seq)
     # Query token i of the sequence sits at position context_len - q_len + i.
     first_pos = context_len - q_len + q_tile * BLOCK_Q
 
@@ -397,7 +377,6 @@ def paged_decode_kv_major_kernel(
     ROWS: tl.constexpr,  # 0: every sequence (all of query length 1); 1: only query length 1
     KV_FP8: tl.constexpr,
     ORDERED: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
     """Decode attention computed transposed: s^T = K q^T and o^T = V^T p^T, so that K and V (widened
     from e4m3 in registers) are the MMAs' first operand, which Hopper's wgmma takes from registers,
@@ -409,12 +388,10 @@ def paged_decode_kv_major_kernel(
     split = tl.program_id(0) % NUM_SPLITS
     seq = _program_seq(seq_order_ptr, ORDERED)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
-    context_len = tl.load(context_lens_ptr + seq)
-    pdl_wait(PDL)
     if ROWS == 1:  # noqa: SIM102 (constexpr branch, pruned at compile time)
-        if q_end - q_start != 1:
+        if tl.load(cu_seqlens_q_ptr + seq + 1) - q_start != 1:
             return
+    context_len = tl.load(context_lens_ptr + seq)
 
     g = tl.arange(0, GROUP_PAD)  # the KV head's query heads, as columns
     head = kv_head * GROUP + g
@@ -498,15 +475,13 @@ def split_kv_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     # grid: (num_seqs, num_heads). Combines the splits of one decode query row by their log-sum-exp.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    pdl_wait(PDL)
-    if ROWS == 1:  # noqa: SIM102 (constexpr branch)
+    if ROWS == 1:
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
         if q_len != 1:
             return
     s = tl.arange(0, BLOCK_S)
@@ -577,12 +552,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         **cache_constants,
-        **pdl_launch(k),
     )
 
 
 def cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens: int) -> tuple[list, dict]:
-    """What a kernel calling store_token_k and store_token_v passes for the cache after its pointers: the K and V
+    """What a kernel calling store_token_kv passes for the cache after its pointers: the K and V
     caches' strides, the block size, the scales and the launch's token count; and the store's
     compile-time constants (KV_FP8, BLOCK_S, WHOLE_ROWS)."""
     block_size = k_cache.shape[1]
@@ -659,7 +633,6 @@ def _launch(
         KV_FP8=fp8,
         ORDERED=seq_order is not None,
         **meta,
-        **pdl_launch(q),
     )
     if num_splits > 1:
         split_kv_reduce_kernel[(num_seqs, num_heads)](
@@ -674,7 +647,6 @@ def _launch(
             HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim),
             ROWS=meta["ROWS"],
-            **pdl_launch(q),
         )
 
 

@@ -9,7 +9,7 @@ agree to the last bits; in bf16 they differ only where Triton's and CUDA's exp o
 Under CUDA graphs a decode step of Qwen3-0.6B runs about 50 tiny elementwise kernels per layer on
 the unfused path; these replace them with three launches per layer. With the Triton attention
 backend the rotary kernel also writes the token's K and V into the paged KV cache (the attention
-backend's store_token_k and store_token_v: the same bytes), one launch fewer a layer.
+backend's store, attention/triton_kernels.store_token_kv: the same bytes), one launch fewer a layer.
 
 Where the next layer is an fp8 linear (CausalLM.fuse_fp8_quantization), RMSNorm and SiLU-and-mul
 quantize their output for its W8A8 GEMM instead of storing it (`quantize_rows_multiple`): per token
@@ -23,15 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_service.attention.triton_kernels import (
-    cache_store_args,
-    later_slots,
-    round_to_e4m3,
-    store_token_k,
-    store_token_v,
-)
+from executor_service.attention.triton_kernels import cache_store_args, round_to_e4m3, store_token_kv
 from executor_service.layers.fp8_gemm_triton import GROUP, Fp8Input, quantized_buffers
-from executor_service.pdl import pdl_launch, pdl_wait
 
 FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # columns per activation scale of the fp8 GEMMs
 
@@ -57,14 +50,11 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     QUANT: tl.constexpr = False,
-    PDL: tl.constexpr = False,  # launched with PDL (executor_service/pdl.py)
 ):
     # grid: (num_tokens,)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -72,6 +62,7 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden_size + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     normed = (xf * inv_rms).to(x.dtype)
     # (with QUANT out_ptr is x: the output rounded to x's dtype, as the GEMM's input would be stored)
     out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -153,7 +144,6 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(hidden),
             QUANT=bool(quantize_rows_multiple),
-            **pdl_launch(x),
         )
     return out if residual is None else (out, residual_out)
 
@@ -161,10 +151,9 @@ def rms_norm(
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, size, q_ptr, s_ptr, stride_qm, stride_sm, stride_sg,
-    BLOCK: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
+    BLOCK: tl.constexpr, QUANT: tl.constexpr = False,
 ):  # fmt: skip
     # grid: (num_tokens, cdiv(size, BLOCK)); x row = [gate | up]
-    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -199,7 +188,7 @@ def silu_and_mul(x: torch.Tensor, quantize_rows_multiple: int = 0):
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(size, block))](
             x, out_buffer, x.stride(0), out_buffer.stride(0), size, *quant_args,
-            BLOCK=block, QUANT=bool(quantize_rows_multiple), **pdl_launch(x),
+            BLOCK=block, QUANT=bool(quantize_rows_multiple),
         )  # fmt: skip
     return out
 
@@ -242,43 +231,25 @@ def _qk_norm_rope_kernel(
     KV_FP8: tl.constexpr = False,
     BLOCK_S: tl.constexpr = 1,
     WHOLE_ROWS: tl.constexpr = False,
-    PDL: tl.constexpr = False,  # launched with PDL (executor_service/pdl.py)
 ):
     # grid: (num_tokens,); a program normalises (HAS_NORM) and rotates every query and key head of one token.
-    # What depends on no kernel before this one is loaded first (before pdl_wait with PDL).
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     mask = h < NUM_QK_HEADS
-    is_q = h < NUM_HEADS
-    if HAS_NORM:
-        w1 = tl.where(is_q, tl.load(q_weight_ptr + d), tl.load(k_weight_ptr + d)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + d), tl.load(k_weight_ptr + HALF + d)).to(tl.float32)
-    pos = tl.load(positions_ptr + t)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM + d)
-    if STORE_KV:
-        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-        if KV_FP8:
-            later = later_slots(slot_mapping_ptr, t, num_tokens, BLOCK_S)
-        else:
-            later = slot  # (unused)
-    pdl_wait(PDL)
     src = qkv_ptr + t * stride_qkv + h * HEAD_DIM + d
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    if STORE_KV:
-        NUM_KV_HEADS: tl.constexpr = NUM_QK_HEADS - NUM_HEADS
-        hk = tl.arange(0, BLOCK_KVH)[:, None]
-        dk = tl.arange(0, HEAD_DIM)[None, :]
-        v = tl.load(qkv_ptr + t * stride_qkv + (NUM_QK_HEADS + hk) * HEAD_DIM + dk, mask=hk < NUM_KV_HEADS)
     dtype = x1.dtype
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
+    is_q = h < NUM_HEADS
     if HAS_NORM:
         # Per-head RMSNorm, as layers/norm.py: fp32 statistics, normed rounded, times the weight rounded.
         inv_rms = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + d), tl.load(k_weight_ptr + d)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + d), tl.load(k_weight_ptr + HALF + d)).to(tl.float32)
         n1 = ((f1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         n2 = ((f2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     else:
@@ -286,8 +257,9 @@ def _qk_norm_rope_kernel(
     # Rotary, neox halves, as layers/rotary.py: x * cos + rotate_half(x) * sin, cos and sin in the
     # model dtype, each product and the sum rounded. (Bitwise equality with the unfused layers is not
     # kept on the GPU: tests/test_triton_ops.py holds the result to a rounding step of the terms.)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
+    pos = tl.load(positions_ptr + t)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d).to(dtype).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM + d).to(dtype).to(tl.float32)
     o1 = ((n1 * cos).to(dtype).to(tl.float32) + (-n2 * sin).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((n2 * cos).to(dtype).to(tl.float32) + (n1 * sin).to(dtype).to(tl.float32)).to(dtype)
     q_dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM + d
@@ -295,22 +267,23 @@ def _qk_norm_rope_kernel(
     dst = tl.where(is_q, q_dst, k_dst)
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)
-    if STORE_KV:  # noqa: SIM102 (constexpr branch)
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
         if slot >= 0:  # (-1: CUDA-graph padding)
-            # K from the rotated halves of its rows (those past the query heads), V from the qkv
-            # row: the bytes of attention/triton_kernels.store_kv_kernel.
-            k_mask = mask & (h >= NUM_HEADS)
-            store_token_k(
-                o1, h - NUM_HEADS, d, k_mask, slot, k_cache_ptr, stride_cb, stride_cs_cache, stride_ch,
-                block_size, k_scale, KV_FP8,
-            )  # fmt: skip
-            store_token_k(
-                o2, h - NUM_HEADS, d + HALF, k_mask, slot, k_cache_ptr, stride_cb, stride_cs_cache,
-                stride_ch, block_size, k_scale, KV_FP8,
-            )  # fmt: skip
-            store_token_v(
-                v, slot, later, v_cache_ptr, stride_vcb, stride_vcs, stride_vch, stride_vcd, block_size,
-                v_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8, BLOCK_S, WHOLE_ROWS,
+            # The K rows just stored, read back whole (visible to every thread of the program
+            # after the barrier), and V from the qkv row: store_kv's inputs, so its bytes.
+            tl.debug_barrier()
+            NUM_KV_HEADS: tl.constexpr = NUM_QK_HEADS - NUM_HEADS
+            hk = tl.arange(0, BLOCK_KVH)[:, None]
+            dk = tl.arange(0, HEAD_DIM)[None, :]
+            kv_mask = hk < NUM_KV_HEADS
+            k = tl.load(k_out_ptr + (t * NUM_KV_HEADS + hk) * HEAD_DIM + dk, mask=kv_mask)
+            v = tl.load(qkv_ptr + t * stride_qkv + (NUM_QK_HEADS + hk) * HEAD_DIM + dk, mask=kv_mask)
+            store_token_kv(
+                k, v, t, slot, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                stride_cb, stride_cs_cache, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+                block_size, k_scale, v_scale, num_tokens,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8, BLOCK_S, WHOLE_ROWS,
             )  # fmt: skip
 
 
@@ -367,6 +340,5 @@ def qk_norm_rope(
         BLOCK_H=triton.next_power_of_2(qk_heads),
         HAS_NORM=q_weight is not None,
         **store,
-        **pdl_launch(qkv),
     )
     return q, k
