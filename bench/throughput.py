@@ -138,6 +138,11 @@ def add_service_flags(p: argparse.ArgumentParser, stream_interval: int) -> None:
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
     p.add_argument("--keep-logs", action="store_true", help="print where the services' logs are")
     p.add_argument(
+        "--executor-cpus",
+        help="split: the executor on these CPUs (a taskset list, as 0-3) and this process, the "
+        "scheduler and the clients on the others, as containers with their own cores would run",
+    )
+    p.add_argument(
         "--log-idle-ms",
         type=float,
         help="split: the executor logs each wait of the device for a plan of this many ms or more, "
@@ -454,6 +459,15 @@ def print_gpu_time(profiler, elapsed: float, steps: int) -> None:
         print(f"  gap {seconds * 1e3:.2f} ms at {at / 1e6:.3f} s: after {before[:60]}, before {after[:60]}")
 
 
+def cpu_list(text: str) -> set[int]:
+    """A taskset CPU list ("0-3,8") as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
 def start_services(args: argparse.Namespace, model: str, log_dir: Path):
     from client.up import Service
 
@@ -464,6 +478,10 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
         shlex.split(args.executor_cmd) if args.executor_cmd else [sys.executable, "-m", "executor_service"]
     )
     executor_argv = [*executor_cmd, "--model", model, "--host", host]
+    if args.executor_cpus:
+        cpus = cpu_list(args.executor_cpus)
+        executor_argv = ["taskset", "-c", args.executor_cpus, *executor_argv]
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - cpus)  # inherited by the scheduler and clients
     executor_argv += ["--port", str(executor_port), "--metrics-port", str(executor_metrics)]
     executor_argv += ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
     executor_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
