@@ -197,13 +197,17 @@ class ChatRequest(_Request):
             content = message.get("content")
             if isinstance(content, list):
                 texts = []
-                for part in content:
+                for j, part in enumerate(content):
                     if not isinstance(part, dict) or part.get("type") != "text":
                         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                         raise InvalidRequestError(
                             f"messages[{i}]: content parts of type {kind!r} are not supported"
                         )
-                    texts.append(part.get("text", ""))
+                    if not isinstance(text := part.get("text"), str):
+                        raise InvalidRequestError(
+                            f"messages[{i}].content[{j}].text must be a string, got {type(text).__name__}"
+                        )
+                    texts.append(text)
                 message = {**message, "content": "\n".join(texts)}
             messages.append(message)
         if not messages:

@@ -211,6 +211,21 @@ def test_chat_template_kwargs_that_name_the_template_s_own_variables(server, kwa
     assert httpx.post(url, json=body).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "part", [{"type": "text", "text": 5}, {"type": "text", "text": ["a"]}, {"type": "text"}]
+)
+def test_a_text_part_whose_text_is_no_string_is_a_400(server, part):
+    """A content part's text is joined into the message's content: one that is not a string is a
+    400 naming it (it was a bare 500), and the service keeps serving."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    content = [{"type": "text", "text": "Hi"}, part]
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages[0].content[1].text must be a string, got ")
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 2}
+    assert httpx.post(url, json=body).status_code == 200
+
+
 def test_negative_top_logprobs_are_a_400(server):
     url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}
