@@ -131,5 +131,6 @@ class ChatTemplate:
             return self._template.render(messages=messages, **{**variables, **self.special_tokens, **kwargs})
         except jinja2.exceptions.TemplateError as e:
             raise InvalidRequestError(f"the chat template refused the messages: {e}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
+        # (RecursionError: a value nested too deeply for the template's tojson)
+        except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
             raise InvalidRequestError(f"the chat template could not render the messages: {e}") from None

@@ -83,6 +83,8 @@ def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate, bool]:
             fields[name] = json.loads(raw) if raw else None
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"chat.{name} is not JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequestError(f"chat.{name} is nested too deeply") from None
     kwargs = fields["chat_template_kwargs_json"] or {}
     if not isinstance(kwargs, dict):
         raise InvalidRequestError("chat.chat_template_kwargs_json must be a JSON object")

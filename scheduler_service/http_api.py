@@ -45,6 +45,8 @@ TIMEOUT_HEADER = "x-request-timeout"  # seconds; past it: 504
 # The endpoints whose refusals count in tandem_scheduler_requests_failed_total.
 _REQUEST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
+# The errors a 400 for a malformed body lists (a list of a million wrong items has a million).
+MAX_BODY_ERRORS = 10
 
 
 class HttpError(Exception):
@@ -97,7 +99,13 @@ class OpenAIServer:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-            details = "; ".join(f"{'.'.join(map(str, err['loc'][1:]))}: {err['msg']}" for err in e.errors())
+            errors = e.errors()
+            # (a long list of wrong items has an error per item: the first few name the problem)
+            details = "; ".join(
+                f"{'.'.join(map(str, err['loc'][1:]))}: {err['msg']}" for err in errors[:MAX_BODY_ERRORS]
+            )
+            if len(errors) > MAX_BODY_ERRORS:
+                details += f"; and {len(errors) - MAX_BODY_ERRORS} more errors"
             if request.url.path in _REQUEST_PATHS:  # a completion refused for its body (bad JSON, fields)
                 self.metrics.requests_failed.labels(ErrorCode.INVALID_ARGUMENT.name).inc()
             return _error_response(400, details or "invalid request body")

@@ -5,7 +5,7 @@ become `{"error": {"message", "type", "param", "code"}}` with the status OpenAI 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,6 +47,13 @@ CONSTRAINED_OUTPUT_FIELDS = (
 )
 
 
+_T = TypeVar("_T")
+# A list whose validation stops at its first wrong item: pydantic reports each wrong item by default,
+# so a long list of them (a million token ids with one string among them, tried against each of
+# the prompt's shapes) took seconds of the event loop and answered with a 100 MB message.
+FailFastList = Annotated[list[_T], Field(fail_fast=True)]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -63,7 +70,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: str | FailFastList[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -72,7 +79,7 @@ class _Request(BaseModel):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: FailFastList[int] = Field(default_factory=list)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
@@ -148,7 +155,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | FailFastList[str] | FailFastList[int] | FailFastList[FailFastList[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -177,16 +184,16 @@ class CompletionRequest(_Request):
 
 
 class ChatRequest(_Request):
-    messages: list[dict[str, Any]]
+    messages: FailFastList[dict[str, Any]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: FailFastList[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto"] | dict[str, Any] | str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    documents: list[dict[str, Any]] | None = None
+    documents: FailFastList[dict[str, Any]] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as chat templates take them: text parts joined into one string."""
@@ -197,13 +204,17 @@ class ChatRequest(_Request):
             content = message.get("content")
             if isinstance(content, list):
                 texts = []
-                for part in content:
+                for j, part in enumerate(content):
                     if not isinstance(part, dict) or part.get("type") != "text":
                         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                         raise InvalidRequestError(
                             f"messages[{i}]: content parts of type {kind!r} are not supported"
                         )
-                    texts.append(part.get("text", ""))
+                    if not isinstance(text := part.get("text"), str):
+                        raise InvalidRequestError(
+                            f"messages[{i}].content[{j}].text must be a string, got {type(text).__name__}"
+                        )
+                    texts.append(text)
                 message = {**message, "content": "\n".join(texts)}
             messages.append(message)
         if not messages:

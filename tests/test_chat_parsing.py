@@ -42,6 +42,17 @@ def test_raise_exception_is_a_400():
         ChatTemplate(QWEN3_TEMPLATE).render([{"role": "robot", "content": "x"}])
 
 
+def test_a_tool_nested_too_deeply_for_tojson_is_a_400():
+    """A JSON body a little under the parser's nesting limit passed, then overflowed the stack in
+    the template's tojson: a RecursionError, a bare 500 (an UNKNOWN status over gRPC)."""
+    parameters: list = []
+    for _ in range(100_000):
+        parameters = [parameters]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    with pytest.raises(InvalidRequestError, match="could not render the messages: maximum recursion depth"):
+        ChatTemplate(QWEN3_TEMPLATE).render([{"role": "user", "content": "x"}], tools=tools)
+
+
 def _split(output: str, pieces: int, prompt: str = "", tools: bool = True):
     """(reasoning, content, [(name, arguments)]) of `output` fed in `pieces` pieces; each call's
     first delta names it, the others add to its arguments."""

@@ -238,6 +238,21 @@ def test_grpc_chat_tools_not_an_array_of_objects_is_invalid_argument(server, too
     assert "chat.tools_json must be a JSON array of tool objects" in e.value.details()
 
 
+@pytest.mark.parametrize("field", ["tools_json", "chat_template_kwargs_json"])
+def test_grpc_chat_json_nested_too_deeply_is_invalid_argument(server, field):
+    """JSON nested past the parser's recursion limit was an UNKNOWN status (a RecursionError)."""
+    request = chat_request(MESSAGES, max_tokens=2)
+    setattr(request.chat, field, '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == f"chat.{field} is nested too deeply"
+        served = list(stub.Generate(chat_request(MESSAGES, max_tokens=2), timeout=30))
+        assert served[-1].WhichOneof("payload") == "final"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_goes_away_frees_its_blocks(checkpoint, stream, caplog):
     server, executor = _server(checkpoint, slow=0.01)

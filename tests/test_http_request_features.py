@@ -211,6 +211,46 @@ def test_chat_template_kwargs_that_name_the_template_s_own_variables(server, kwa
     assert httpx.post(url, json=body).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "part", [{"type": "text", "text": 5}, {"type": "text", "text": ["a"]}, {"type": "text"}]
+)
+def test_a_text_part_whose_text_is_no_string_is_a_400(server, part):
+    """A content part's text is joined into the message's content: one that is not a string is a
+    400 naming it (it was a bare 500), and the service keeps serving."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    content = [{"type": "text", "text": "Hi"}, part]
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages[0].content[1].text must be a string, got ")
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 2}
+    assert httpx.post(url, json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields, named",
+    [
+        ("completions", {"prompt": [1] * 20_000 + ["a"]}, "prompt.list[int].20000: "),
+        ("completions", {"prompt": PROMPT, "stop_token_ids": ["a"] * 20_000}, "stop_token_ids.0: "),
+        (
+            "completions",
+            {"prompt": PROMPT, "logit_bias": {str(i): "x" for i in range(20_000)}},
+            "logit_bias.0: ",
+        ),
+        ("chat/completions", {"messages": [1] * 20_000}, "messages.0: "),
+    ],
+)
+def test_a_long_list_of_wrong_items_is_a_short_400(server, endpoint, fields, named):
+    """Pydantic reported each wrong item (and the prompt's against each of its shapes): seconds of
+    the event loop and a message of megabytes (118 MB for a million ids and one string). Lists stop
+    at their first wrong item, and the message lists a few errors."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    r = httpx.post(url, json={"max_tokens": 2, **fields}, timeout=60)
+    assert r.status_code == 400, r.text[:500]
+    assert len(r.content) < 2000, r.text[:500]
+    assert named in r.json()["error"]["message"]
+    assert httpx.post(url.replace("chat/", ""), json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
 def test_negative_top_logprobs_are_a_400(server):
     url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}
