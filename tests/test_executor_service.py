@@ -14,6 +14,7 @@ import pytest
 from executor_fixtures import MiniScheduler, make_executor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers.engine_waves import finished_outputs
 from helpers.metrics import scrape_samples
 from helpers.processes import CHILD_ENV, ROOT, ServiceProcess
 from helpers.services import EXECUTOR_OPTIONS, executor_process
@@ -125,18 +126,9 @@ def generate(
         max_num_seqs=16, max_num_batched_tokens=32, max_plans_in_flight=max_plans_in_flight
     )
     engine = LLMEngine(executor, config)
-    tokens: dict[int, list[int]] = {}
-    logprobs: dict[int, list] = {}
-    for wave in waves():
-        for prompt, params in wave:
-            engine.add_request(prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                assert out.error is None, out.error
-                if out.finished:
-                    tokens[out.request_id] = out.token_ids
-                    logprobs[out.request_id] = out.logprobs
-    return tokens, logprobs, engine
+    outputs = finished_outputs(engine, waves())
+    tokens = {k: out.token_ids for k, out in outputs.items()}
+    return tokens, {k: out.logprobs for k, out in outputs.items()}, engine
 
 
 # -- health, describe, reflection ---------------------------------------------------------

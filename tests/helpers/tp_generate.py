@@ -9,6 +9,7 @@ from executor_fixtures import prompt_ids
 
 from client.defaults import free_port
 from client.llm import LLM
+from helpers.engine_waves import finished_outputs
 from helpers.processes import ServiceProcess
 from helpers.services import executor_process
 from scheduler_service.config import SchedulerConfig
@@ -34,16 +35,8 @@ def requests() -> list[list[tuple[list[int], SamplingParams]]]:
 
 def generate(executor) -> tuple[list[list[int]], LLMEngine]:
     engine = LLMEngine(executor, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24))
-    tokens: dict[int, list[int]] = {}
-    for wave in requests():
-        for prompt, params in wave:
-            engine.add_request(prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                assert out.error is None, out.error
-                if out.finished:
-                    tokens[out.request_id] = out.token_ids
-    return [tokens[k] for k in sorted(tokens)], engine
+    outputs = finished_outputs(engine, requests())
+    return [outputs[k].token_ids for k in sorted(outputs)], engine
 
 
 def tp1_tokens(model: Path) -> list[list[int]]:
