@@ -23,6 +23,23 @@ import triton.language as tl
 
 
 @triton.jit
+def k_step_operands(a_ptr, w_ptr, rm, rn, k, M, N, K, stride_am, stride_wn):
+    """One K step's operand tiles by pointer loads: a[rm, k] and w[rn, k] (a [M, K], w [N, K], rows
+    contiguous), zeros past M, N and K."""
+    a = tl.load(
+        a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :],
+        mask=(rm < M)[:, None] & (k < K)[None, :],
+        other=0.0,
+    )
+    w = tl.load(
+        w_ptr + rn.to(tl.int64)[:, None] * stride_wn + k[None, :],
+        mask=(rn < N)[:, None] & (k < K)[None, :],
+        other=0.0,
+    )
+    return a, w
+
+
+@triton.jit
 def linear_kernel(
     a_ptr,  # [M, K], or its TMA descriptor of [BLOCK_M, BLOCK_K] boxes (TMA)
     w_ptr,  # [N, K], or its descriptor of [BLOCK_N, BLOCK_K] boxes
@@ -51,17 +68,7 @@ def linear_kernel(
             a = a_ptr.load([off_m, k0])
             w = w_ptr.load([off_n, k0])
         else:
-            k = k0 + rk
-            a = tl.load(
-                a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :],
-                mask=(rm < M)[:, None] & (k < K)[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                w_ptr + rn.to(tl.int64)[:, None] * stride_wn + k[None, :],
-                mask=(rn < N)[:, None] & (k < K)[None, :],
-                other=0.0,
-            )
+            a, w = k_step_operands(a_ptr, w_ptr, rm, rn, k0 + rk, M, N, K, stride_am, stride_wn)
         acc = tl.dot(a, w.T, acc)
     c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])

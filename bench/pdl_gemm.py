@@ -33,7 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bf16_gemm import LAYERS, SHAPES
+from bench.bf16_gemm import LAYERS, SHAPES, k_step_operands
 
 
 @triton.jit
@@ -80,17 +80,7 @@ def linear_kernel(
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        a = tl.load(
-            a_ptr + rm.to(tl.int64)[:, None] * stride_am + k[None, :],
-            mask=(rm < M)[:, None] & (k < K)[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + rn.to(tl.int64)[:, None] * stride_wn + k[None, :],
-            mask=(rn < N)[:, None] & (k < K)[None, :],
-            other=0.0,
-        )
+        a, w = k_step_operands(a_ptr, w_ptr, rm, rn, k0 + rk, M, N, K, stride_am, stride_wn)
         acc = tl.dot(a, w.T, acc)
     c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
