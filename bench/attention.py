@@ -10,7 +10,7 @@ the fp8 bytes).
 --sweep also times a grid of decode launch configurations (BLOCK_N, num_warps, num_stages), bf16
 and fp8. --sweep-stages times the decode tiles at 3 stages (one shared-memory buffer for K and V:
 Triton splits the stages between the block-table load and the K/V loads it addresses) and at 5-7
-(two or three).
+(two or three). --sweep-warps times the fp8 kernel in programs of one or two warps.
 """
 
 from __future__ import annotations
@@ -345,6 +345,50 @@ def sweep_stages() -> None:
             )
 
 
+def warps_grid():
+    """The fp8 decode kernel in programs of one or two warps (BLOCK_N, num_warps, num_stages,
+    maxnreg), each split over the keys 1, 2 or 4 ways, and today's default (4 warps). In a program
+    of 4 warps the warps share a tile's keys, so each tile's row max, row sum and probabilities
+    cross the warps through shared memory: 9 barriers a 128-key tile (bench/kernel_sass.py). One
+    warp needs none of that (2 barriers a tile), at 168 registers 12 programs an SM; fewer warps a
+    program make each program slower, so more splits may be needed to fill the waves."""
+    for block_n, warps, stages, maxnreg in (
+        (32, 1, 3, 0), (32, 1, 5, 0), (32, 1, 7, 0), (32, 1, 3, 128), (16, 1, 3, 0), (64, 1, 3, 0),
+        (64, 1, 5, 0), (32, 2, 3, 0), (32, 2, 5, 0), (64, 2, 3, 0), (64, 2, 5, 0),
+    ):  # fmt: skip
+        cfg = {"KV_MAJOR": False, "FP8_DOT_F16": True, "BLOCK_N": block_n, "num_warps": warps,
+               "num_stages": stages, "maxnreg": maxnreg}  # fmt: skip
+        for splits in (1, 2, 4):
+            yield splits, cfg
+    for splits in (1, 2):
+        yield splits, dict(tk.DECODE_CONFIG_FP8)
+
+
+def sweep_warps() -> None:
+    """warps_grid at b256x1024 (fp8, the engine's block size), best first; then the best four
+    configurations at W1's mixed contexts (+32 and +256 generated, longest first) and at b8x8192,
+    each over several splits."""
+    ranked = sweep_decode(256, 1024, FP8_BS, FP8, warps_grid())
+    for tbs, splits, cfg in ranked:
+        print(f"warps fp8 b256x1024 bs{FP8_BS}: {tbs:.2f} TB/s (splits {splits}) {cfg}", flush=True)
+    best: list[dict] = []
+    for _, _, cfg in ranked:
+        if cfg not in best:
+            best.append(cfg)
+    for cfg in [*best[:4], *([] if tk.DECODE_CONFIG_FP8 in best[:4] else [dict(tk.DECODE_CONFIG_FP8)])]:
+        for generated, splits in itertools.product((32, 256), (1, 2, 4)):
+            contexts = mixed_lengths(256, generated, "longest first")
+            _, tbs, _ = bench_decode(
+                256, max(contexts), FP8_BS, cfg, splits=splits, kv_dtype=FP8, contexts=contexts
+            )
+            print(
+                f"warps fp8 W1 +{generated} longest first, splits {splits}: {tbs:.2f} TB/s {cfg}", flush=True
+            )
+        for splits in (8, 16, 32):
+            _, tbs, _ = bench_decode(8, 8192, FP8_BS, cfg, splits=splits, kv_dtype=FP8)
+            print(f"warps fp8 b8x8192, splits {splits}: {tbs:.2f} TB/s {cfg}", flush=True)
+
+
 def sweep_decode(batch: int, context: int, block_size: int, kv_dtype: torch.dtype, grid):
     """(TB/s, splits used, config) of each configuration of the grid that launches, best first."""
     results = []
@@ -420,6 +464,11 @@ def main() -> None:
         help="the decode tiles at 3 and at 5-7 stages (two or more K/V buffers), both caches",
     )
     parser.add_argument(
+        "--sweep-warps",
+        action="store_true",
+        help="the fp8 decode kernel in programs of one or two warps, over splits, against the default",
+    )
+    parser.add_argument(
         "--heads",
         type=int,
         nargs=2,
@@ -472,6 +521,9 @@ def main() -> None:
         return
     if args.sweep_stages:
         sweep_stages()
+        return
+    if args.sweep_warps:
+        sweep_warps()
         return
     if args.sweep_layout:
         variants = [

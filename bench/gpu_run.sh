@@ -111,6 +111,8 @@ for what in "$@"; do
     # The decode tiles at 3 and 5-7 stages (whether two K/V buffers beat one), both caches.
     decode-stages) TAIL=50 STAGE_TIMEOUT=400 stage decode-stages "$PY" bench/attention.py --sweep-stages ;;
     fp8-mixed) TAIL=40 stage fp8-mixed "$PY" bench/attention.py --sweep-mixed-lengths ;;
+    # The fp8 decode kernel in programs of one or two warps (then W1 with a winner: w1-fp8-config).
+    decode-warps) TAIL=60 STAGE_TIMEOUT=500 stage decode-warps "$PY" bench/attention.py --sweep-warps ;;
     fp8-engine-tests) TAIL=8 stage fp8-engine-tests "$PY" -m pytest -q -m gpu tests/test_fp8_kv.py tests/test_gpu_engine.py -k fp8 ;;
     fp8-kv-major-tests) TAIL=8 stage fp8-kv-major-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
     # Nsight Compute on the decode kernel, bf16 and fp8 caches (where the machine's runtime gives
@@ -127,6 +129,8 @@ for what in "$@"; do
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;
     w1-fp8) TAIL=12 stage w1-fp8 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 ;;
+    # W1 fp8 with DECODE_CONFIG (JSON) over the decode kernel's default launch configuration.
+    w1-fp8-config) TAIL=12 stage w1-fp8-config "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "${DECODE_CONFIG:-{\}}" ;;
     # Each in-process step's host time by phase (prepare, the eager model's modules, the sampler).
     host-phases) TAIL=30 stage host-phases "$PY" bench/host_phases.py --workload w1 --device cuda --mode in-process --kv-cache-dtype ${KV_DTYPE:-fp8} ;;
     w1-gpu) TAIL=8 stage w1-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --profile-gpu ;;

@@ -211,7 +211,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="none",
         help="fp8: the built checkpoint is a random FP8 block-scaled one (--shape qwen3-8b)",
     )
+    p.add_argument(
+        "--decode-config",
+        default=None,
+        metavar="JSON",
+        help="in-process: keys that override the decode attention kernel's launch configuration for "
+        'this run\'s cache dtype (attention/triton_kernels.py), e.g. \'{"BLOCK_N": 32, "num_warps": 1, '
+        '"split_below": 24, "split_to": 48}\'',
+    )
     args = p.parse_args(argv)
+    if args.decode_config is not None and args.mode != "in-process":
+        p.error("--decode-config changes this process's kernels: it needs --mode in-process")
     if args.profile_gpu and not args.device.startswith("cuda"):
         p.error("--profile-gpu profiles CUDA kernels: it needs --device cuda")
     if args.workload == "w4":  # BENCH.md W4: Qwen3-8B's shape, FP8 weights and an fp8 KV cache
@@ -727,6 +737,13 @@ def main(argv: list[str] | None = None) -> int:
             return ""
         return f"; the {W1_FLOOR_S} s floor is {W1_FLOOR_S / elapsed:.0%} of it"
 
+    if args.decode_config is not None:
+        from executor_service.attention import triton_kernels
+
+        fp8 = args.kv_cache_dtype in ("fp8", "fp8_e4m3")
+        config = triton_kernels.DECODE_CONFIG_FP8 if fp8 else triton_kernels.DECODE_CONFIG
+        config.update(json.loads(args.decode_config))
+        print(f"decode config ({'fp8' if fp8 else 'bf16'} cache): {config}")
     if args.mode in ("both", "in-process"):
         tokens, elapsed, cpu = run_in_process(args, args.model, workload)
         results["in-process"] = tokens / elapsed

@@ -47,7 +47,9 @@ def warm_up_kernels(runner: ModelRunner, num_blocks: int) -> int:
     connects, and a block is always written before it is read); returns how many steps ran. Every
     tensor-parallel rank runs the same steps, so their collectives pair up."""
     backend = next(m.backend for m in runner.model.modules() if isinstance(m, Attention))
-    sizes = backend.variant_batch_sizes(runner.config.max_num_seqs, runner.num_kv_heads, runner.device)
+    sizes = backend.variant_batch_sizes(
+        runner.config.max_num_seqs, runner.num_kv_heads, runner.device, runner.config.kv_torch_dtype
+    )
     steps = warm_up_steps(runner.block_size, sizes, decode_only=runner.graphs is None)
     t0, ran = time.perf_counter(), 0
     for step in steps:

@@ -197,7 +197,18 @@ def test_store_kv_fp8_is_byte_exact(scales, block_size, dtype, kind):
 @pytest.mark.parametrize("scales", FP8_SCALES)
 @pytest.mark.parametrize("group", [1, 2, 8])
 @pytest.mark.parametrize("num_splits", [1, 5])
-@pytest.mark.parametrize("variant", [{}, {"KV_MAJOR": True}, {"FP8_DOT_F16": False}])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"KV_MAJOR": True},
+        {"FP8_DOT_F16": False},
+        # programs of one and two warps (bench/attention.py --sweep-warps)
+        {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3},
+        {"BLOCK_N": 32, "num_warps": 1, "num_stages": 5},
+        {"BLOCK_N": 64, "num_warps": 2, "num_stages": 5},
+    ],
+)
 def test_decode_fp8(scales, group, num_splits, variant):
     ctx_lens = random_lengths(33, 700, seed=group)
     batch = make_batch([1] * 33, ctx_lens, 2 * group, 2, 128, 16, torch.bfloat16, "cuda", num_padding=3)

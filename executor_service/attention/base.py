@@ -21,9 +21,12 @@ class AttentionBackend:
     def supports(device: torch.device) -> bool:
         raise NotImplementedError
 
-    def variant_batch_sizes(self, max_num_seqs: int, num_kv_heads: int, device: torch.device) -> list[int]:
+    def variant_batch_sizes(
+        self, max_num_seqs: int, num_kv_heads: int, device: torch.device, kv_dtype: torch.dtype | None = None
+    ) -> list[int]:
         """Batch sizes (sequences per step) that between them reach every kernel variant the backend
-        can launch: the start-up warm-up runs a step of each, so nothing compiles while serving."""
+        can launch over a cache of kv_dtype: the start-up warm-up runs a step of each, so nothing
+        compiles while serving."""
         return [min(2, max_num_seqs)]
 
     def prepare(self, context: Context) -> object:

@@ -516,16 +516,28 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 DECODE_CONFIG_FP8 = {"KV_MAJOR": False, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
+# When decode splits each sequence's keys (flash-decoding): under SPLIT_BELOW programs an SM, into
+# enough splits for about SPLIT_TO programs an SM. A decode config may carry its own ("split_below",
+# "split_to"): a kernel of fewer warps holds more programs an SM at once.
+SPLIT_BELOW, SPLIT_TO = 2, 4
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Split the keys of each (sequence, KV head) when there are too few of them to fill the GPU:
-    about 4 programs per SM, rounded down to a power of two (key tiles then divide evenly).
-    Depends only on shapes, so a captured CUDA graph keeps it."""
+def decode_config(kv_dtype: torch.dtype) -> dict:
+    """The decode kernel's launch configuration for a cache of kv_dtype."""
+    return DECODE_CONFIG_FP8 if kv_dtype == torch.float8_e4m3fn else DECODE_CONFIG
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, config: dict | None = None) -> int:
+    """Split the keys of each (sequence, KV head) when there are too few of them to fill the GPU
+    (under `split_below` programs an SM): about `split_to` programs an SM, rounded down to a power
+    of two (key tiles then divide evenly). `config`: the decode config, whose split policy applies
+    (SPLIT_BELOW and SPLIT_TO if it names none). Depends only on shapes, so a captured CUDA graph
+    keeps it."""
+    config = config or {}
     programs = max(num_seqs * num_kv_heads, 1)
-    if programs >= 2 * num_sms:
+    if programs >= config.get("split_below", SPLIT_BELOW) * num_sms:
         return 1
-    want = min(MAX_SPLITS, triton.cdiv(4 * num_sms, programs))
+    want = min(MAX_SPLITS, triton.cdiv(config.get("split_to", SPLIT_TO) * num_sms, programs))
     return 1 << (want.bit_length() - 1)
 
 
@@ -672,8 +684,7 @@ def paged_decode(
     kv_scales: (k_scale, v_scale) of an e4m3 cache, ignored otherwise.
     seq_order: int32 [num_seqs], a permutation of the sequences (Context.seq_order: longest
     context first), the order the GPU starts their programs in; None: the batch's order."""
-    base = DECODE_CONFIG_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_CONFIG
-    cfg = {**base, **(config or {})}
+    cfg = {**decode_config(k_cache.dtype), **(config or {})}
     group = q.shape[1] // k_cache.shape[2]
     f16_query = q.dtype != torch.float32
     # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)

@@ -103,11 +103,14 @@ class TritonPagedBackend(AttentionBackend):
         )
         return self._plan
 
-    def variant_batch_sizes(self, max_num_seqs: int, num_kv_heads: int, device: torch.device) -> list[int]:
+    def variant_batch_sizes(
+        self, max_num_seqs: int, num_kv_heads: int, device: torch.device, kv_dtype: torch.dtype | None = None
+    ) -> list[int]:
         # The split count is a compile-time constant of the decode and reduce kernels.
+        config = kernels.decode_config(kv_dtype)
         first: dict[int, int] = {}
         for n in range(1, max_num_seqs + 1):
-            first.setdefault(kernels.choose_num_splits(n, num_kv_heads, _num_sms(device)), n)
+            first.setdefault(kernels.choose_num_splits(n, num_kv_heads, _num_sms(device), config), n)
         return sorted({*first.values(), min(2, max_num_seqs)})
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
@@ -145,7 +148,9 @@ class TritonPagedBackend(AttentionBackend):
         meta = (context.block_tables, context.context_lens, context.cu_seqlens_q)
         if plan.has_decode:
             num_kv_heads = k_cache.shape[2]
-            splits = kernels.choose_num_splits(plan.num_seqs, num_kv_heads, _num_sms(q.device))
+            splits = kernels.choose_num_splits(
+                plan.num_seqs, num_kv_heads, _num_sms(q.device), kernels.decode_config(k_cache.dtype)
+            )
             rows = 0 if plan.decode_only else 1
             kernels.paged_decode(
                 q,
