@@ -111,6 +111,9 @@ for what in "$@"; do
     # The decode tiles at 3 and 5-7 stages (whether two K/V buffers beat one), both caches.
     decode-stages) TAIL=50 STAGE_TIMEOUT=400 stage decode-stages "$PY" bench/attention.py --sweep-stages ;;
     fp8-mixed) TAIL=40 stage fp8-mixed "$PY" bench/attention.py --sweep-mixed-lengths ;;
+    # The fused rotary kernel's K/V store: a program per token against one per token and role, and the
+    # price of the e4m3 V cache's transposed layout (QK_NORM_ROPE_ROLES picks the engine's).
+    rope-store) TAIL=20 stage rope-store bash -c '"$0" bench/rope_store.py && "$0" bench/rope_store.py --heads 32 8 --layers 36' "$PY" ;;
     # The fp8 decode kernel in programs of one or two warps (then W1 with a winner: w1-fp8-config).
     decode-warps) TAIL=60 STAGE_TIMEOUT=500 stage decode-warps "$PY" bench/attention.py --sweep-warps ;;
     fp8-engine-tests) TAIL=8 stage fp8-engine-tests "$PY" -m pytest -q -m gpu tests/test_fp8_kv.py tests/test_gpu_engine.py -k fp8 ;;
@@ -132,6 +135,8 @@ for what in "$@"; do
     # W1 fp8 at prefill chunks of 8,192, 4,096 and 2,048 tokens (4,096 and under: piecewise CUDA
     # graphs), alternating, twice each.
     w1-fp8-chunks) TAIL=16 STAGE_TIMEOUT=580 stage w1-fp8-chunks bash -c 'for i in 1 2; do for t in 8192 4096 2048; do echo "max_num_batched_tokens $t"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --max-num-batched-tokens $t | grep "output tok/s"; done; done' "$PY" ;;
+    # W1 fp8 with the rotary kernel a program per token (the default) and per token and role, alternating.
+    w1-fp8-rope) TAIL=16 STAGE_TIMEOUT=580 stage w1-fp8-rope bash -c 'for i in 1 2; do for f in "" --rope-roles; do echo "rotary ${f:-per token}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s"; done; done' "$PY" ;;
     # W1 fp8 with DECODE_CONFIG (JSON) over the decode kernel's default launch configuration.
     w1-fp8-config) TAIL=12 stage w1-fp8-config "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "${DECODE_CONFIG:-{\}}" ;;
     # Each in-process step's host time by phase (prepare, the eager model's modules, the sampler).

@@ -219,9 +219,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         'this run\'s cache dtype (attention/triton_kernels.py), e.g. \'{"BLOCK_N": 32, "num_warps": 1, '
         '"split_below": 24, "split_to": 48}\'',
     )
+    p.add_argument(
+        "--rope-roles",
+        action="store_true",
+        help="in-process: the fused rotary kernel in a program per token and role "
+        "(layers/triton_ops.QK_NORM_ROPE_ROLES) instead of one per token",
+    )
     args = p.parse_args(argv)
-    if args.decode_config is not None and args.mode != "in-process":
-        p.error("--decode-config changes this process's kernels: it needs --mode in-process")
+    if (args.decode_config is not None or args.rope_roles) and args.mode != "in-process":
+        p.error("--decode-config and --rope-roles change this process's kernels: they need --mode in-process")
     if args.profile_gpu and not args.device.startswith("cuda"):
         p.error("--profile-gpu profiles CUDA kernels: it needs --device cuda")
     if args.workload == "w4":  # BENCH.md W4: Qwen3-8B's shape, FP8 weights and an fp8 KV cache
@@ -744,6 +750,11 @@ def main(argv: list[str] | None = None) -> int:
         config = triton_kernels.DECODE_CONFIG_FP8 if fp8 else triton_kernels.DECODE_CONFIG
         config.update(json.loads(args.decode_config))
         print(f"decode config ({'fp8' if fp8 else 'bf16'} cache): {config}")
+    if args.rope_roles:
+        from executor_service.layers import triton_ops
+
+        triton_ops.QK_NORM_ROPE_ROLES = True
+        print("the fused rotary kernel: a program per token and role")
     if args.mode in ("both", "in-process"):
         tokens, elapsed, cpu = run_in_process(args, args.model, workload)
         results["in-process"] = tokens / elapsed

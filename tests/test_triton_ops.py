@@ -55,8 +55,10 @@ def test_fused_quantization(num_tokens, size, dtype):
     "num_tokens, num_heads, num_kv_heads, head_dim",
     [(1, 16, 8, 128), (256, 16, 8, 128), (33, 32, 8, 128), (4096, 8, 1, 64), (9, 4, 4, 64)],
 )
-def test_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
-    check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype, "cuda")
+@pytest.mark.parametrize("roles", [False, True])
+def test_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype, roles):
+    """Against the unfused layers; roles: a program per token, or per token and role."""
+    check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype, "cuda", roles=roles)
 
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
@@ -85,10 +87,12 @@ def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dty
     ],
 )
 @pytest.mark.parametrize("num_kv_heads, head_dim, with_norm", [(8, 128, True), (2, 64, False)])
-def test_qk_norm_rope_stores_kv(dtype, kv_dtype, block_size, scales, num_kv_heads, head_dim, with_norm):
+@pytest.mark.parametrize("roles", [False, True])
+def test_qk_norm_rope_stores_kv(dtype, kv_dtype, block_size, scales, num_kv_heads, head_dim, with_norm, roles):
     """The fused rotary kernel's K/V store: byte for byte the attention backend's (the model
     dtype's cache, and e4m3 with the lone token's rows, a run's zeroing and a block size no power
-    of 2), the q and k it returns unchanged."""
+    of 2), the q and k it returns unchanged; either kernel (roles)."""
     check_qk_norm_rope_stores_kv(
-        num_kv_heads, head_dim, dtype, kv_dtype or dtype, block_size, "cuda", scales, with_norm=with_norm
-    )
+        num_kv_heads, head_dim, dtype, kv_dtype or dtype, block_size, "cuda", scales, with_norm=with_norm,
+        roles=roles,
+    )  # fmt: skip

@@ -132,16 +132,74 @@ def store_token_kv(
 ):
     """One token's K and V into the paged cache (store_kv_kernel's body; the fused rotary kernel
     of layers/triton_ops.py calls it too), with an e4m3 cache's zeroing of its block."""
+    store_token_k(
+        k, slot, k_cache_ptr, stride_cb, stride_cs, stride_ch, block_size, k_scale,
+        NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, KV_FP8,
+    )  # fmt: skip
+    store_token_v(
+        v, t, slot, v_cache_ptr, slot_mapping_ptr, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+        block_size, v_scale, num_tokens, NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, KV_FP8, BLOCK_S, WHOLE_ROWS,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_token_k(
+    k,  # [BLOCK_H, BLOCK_D]: one token's K, or columns FIRST_COL.. of it (the fused rotary kernel's halves)
+    slot,  # the token's slot, >= 0
+    k_cache_ptr,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    block_size,
+    k_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    COLS: tl.constexpr,  # the tile's columns to store (< BLOCK_D where head_dim is padded)
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FIRST_COL: tl.constexpr = 0,
+):
+    """A token's K (or a block of its columns) into the paged cache: e4m3(k / k_scale) for an e4m3 cache."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    block, offset = slot // block_size, slot % block_size
+    dst = block * stride_cb + offset * stride_cs + h * stride_ch + FIRST_COL + d
+    if KV_FP8:
+        k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=(h < NUM_KV_HEADS) & (d < COLS))
+
+
+@triton.jit
+def store_token_v(
+    v,  # [BLOCK_H, BLOCK_D] one token's V in the model dtype
+    t,  # the token's row in the launch (its slot_mapping entry)
+    slot,  # its slot, >= 0
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_vcb,  # the V cache's strides as [num_blocks, block_size, num_kv_heads, head_dim]
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    block_size,
+    v_scale,
+    num_tokens,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WHOLE_ROWS: tl.constexpr,
+):
+    """A token's V into the paged cache; in an e4m3 cache (kept transposed) a token at its block's
+    first slot also zeroes the slots after it that no token of the launch writes."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     block, offset = slot // block_size, slot % block_size
-    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
     v_dst = block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
     if KV_FP8:
-        k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
         v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     if KV_FP8:  # noqa: SIM102 (constexpr branch)
         # A block's first slot: zero the V slots after it that no token of this launch writes (a

@@ -23,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_service.attention.triton_kernels import cache_store_args, round_to_e4m3, store_token_kv
+from executor_service.attention.triton_kernels import (
+    cache_store_args,
+    round_to_e4m3,
+    store_token_k,
+    store_token_kv,
+    store_token_v,
+)
 from executor_service.layers.fp8_gemm_triton import GROUP, Fp8Input, quantized_buffers
 
 FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # columns per activation scale of the fp8 GEMMs
@@ -193,6 +199,31 @@ def silu_and_mul(x: torch.Tensor, quantize_rows_multiple: int = 0):
     return out
 
 
+@triton.jit
+def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The two halves (x1, x2: [heads, HEAD_DIM // 2] in the model dtype) of each head's q or k,
+    RMS-normalised with the weight's halves w1, w2 (HAS_NORM), then rotated by the position's cos
+    and sin ([1, HEAD_DIM // 2] rows of the table): the halves of the result, in the model dtype."""
+    dtype = x1.dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    if HAS_NORM:
+        # Per-head RMSNorm, as layers/norm.py: fp32 statistics, normed rounded, times the weight rounded.
+        inv_rms = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)
+        n1 = ((f1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
+        n2 = ((f2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+    else:
+        n1, n2 = f1, f2
+    # Rotary, neox halves, as layers/rotary.py: x * cos + rotate_half(x) * sin, cos and sin in the
+    # model dtype, each product and the sum rounded. (Bitwise equality with the unfused layers is not
+    # kept on the GPU: tests/test_triton_ops.py holds the result to a rounding step of the terms.)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    o1 = ((n1 * cos).to(dtype).to(tl.float32) + (-n2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((n2 * cos).to(dtype).to(tl.float32) + (n1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    return o1, o2
+
+
 # num_tokens (read only by the K/V store's zeroing) is the step's token count: not specialised, or
 # a count of 1 or a multiple of 16 would each compile a variant of their own.
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -241,27 +272,16 @@ def _qk_norm_rope_kernel(
     src = qkv_ptr + t * stride_qkv + h * HEAD_DIM + d
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    f1 = x1.to(tl.float32)
-    f2 = x2.to(tl.float32)
     is_q = h < NUM_HEADS
     if HAS_NORM:
-        # Per-head RMSNorm, as layers/norm.py: fp32 statistics, normed rounded, times the weight rounded.
-        inv_rms = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)
-        w1 = tl.where(is_q, tl.load(q_weight_ptr + d), tl.load(k_weight_ptr + d)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + d), tl.load(k_weight_ptr + HALF + d)).to(tl.float32)
-        n1 = ((f1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        n2 = ((f2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + d), tl.load(k_weight_ptr + d))
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + d), tl.load(k_weight_ptr + HALF + d))
     else:
-        n1, n2 = f1, f2
-    # Rotary, neox halves, as layers/rotary.py: x * cos + rotate_half(x) * sin, cos and sin in the
-    # model dtype, each product and the sum rounded. (Bitwise equality with the unfused layers is not
-    # kept on the GPU: tests/test_triton_ops.py holds the result to a rounding step of the terms.)
+        w1, w2 = x1, x2  # unused
     pos = tl.load(positions_ptr + t)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d).to(dtype).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM + d).to(dtype).to(tl.float32)
-    o1 = ((n1 * cos).to(dtype).to(tl.float32) + (-n2 * sin).to(dtype).to(tl.float32)).to(dtype)
-    o2 = ((n2 * cos).to(dtype).to(tl.float32) + (n1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM + d)
+    o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
     q_dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM + d
     k_dst = k_out_ptr + (t * (NUM_QK_HEADS - NUM_HEADS) + h - NUM_HEADS) * HEAD_DIM + d
     dst = tl.where(is_q, q_dst, k_dst)
@@ -287,6 +307,140 @@ def _qk_norm_rope_kernel(
             )  # fmt: skip
 
 
+# Whether qk_norm_rope launches _qk_norm_rope_roles_kernel (a program per token and role) rather
+# than _qk_norm_rope_kernel (a program per token, K stored after a barrier and a re-read): not
+# timed on the GPU yet (bench/rope_store.py).
+QK_NORM_ROPE_ROLES = False
+
+
+# num_tokens: not specialised, as for _qk_norm_rope_kernel.
+@triton.jit(do_not_specialize=["num_tokens"])
+def _qk_norm_rope_roles_kernel(
+    qkv_ptr,
+    positions_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_qkv,
+    stride_cs,
+    eps,
+    k_cache_ptr,  # with STORE_KV: the paged KV cache, as attention/triton_kernels.store_kv
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_cb,
+    stride_cs_cache,
+    stride_ch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    block_size,
+    k_scale,
+    v_scale,
+    num_tokens,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_QH: tl.constexpr,  # the query heads rounded up to a power of 2
+    BLOCK_KVH: tl.constexpr,  # the KV heads rounded up to a power of 2
+    HAS_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 1,
+    WHOLE_ROWS: tl.constexpr = False,
+):
+    # grid: (num_tokens, 3 with STORE_KV else 2). _qk_norm_rope_kernel's work for one token in a
+    # program per role, so that none waits on another's loads: 0, its query heads; 1, its key heads
+    # (with STORE_KV also K into the cache, from the rotated halves); 2, V into the cache.
+    t = tl.program_id(0).to(tl.int64)
+    role = tl.program_id(1)
+    row = qkv_ptr + t * stride_qkv
+    if role == 2:
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot >= 0:  # (-1: CUDA-graph padding)
+            hv = tl.arange(0, BLOCK_KVH)[:, None]
+            dv = tl.arange(0, HEAD_DIM)[None, :]
+            v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + hv) * HEAD_DIM + dv, mask=hv < NUM_KV_HEADS)
+            store_token_v(
+                v, t, slot, v_cache_ptr, slot_mapping_ptr, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+                block_size, v_scale, num_tokens, NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8, BLOCK_S,
+                WHOLE_ROWS,
+            )  # fmt: skip
+    elif role == 0:
+        _rope_heads(
+            row, t, positions_ptr, q_weight_ptr, cos_sin_ptr, q_out_ptr, stride_cs, eps,
+            k_cache_ptr, slot_mapping_ptr, stride_cb, stride_cs_cache, stride_ch, block_size, k_scale,
+            0, NUM_HEADS, BLOCK_QH, HEAD_DIM, HAS_NORM, False, KV_FP8,
+        )  # fmt: skip
+    else:
+        _rope_heads(
+            row, t, positions_ptr, k_weight_ptr, cos_sin_ptr, k_out_ptr, stride_cs, eps,
+            k_cache_ptr, slot_mapping_ptr, stride_cb, stride_cs_cache, stride_ch, block_size, k_scale,
+            NUM_HEADS, NUM_KV_HEADS, BLOCK_KVH, HEAD_DIM, HAS_NORM, STORE_KV, KV_FP8,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rope_heads(
+    row,  # the token's qkv row
+    t,
+    positions_ptr,
+    weight_ptr,  # the q or k norm's weight
+    cos_sin_ptr,
+    out_ptr,  # q or k out, [num_tokens, NUM, HEAD_DIM]
+    stride_cs,
+    eps,
+    k_cache_ptr,
+    slot_mapping_ptr,
+    stride_cb,
+    stride_cs_cache,
+    stride_ch,
+    block_size,
+    k_scale,
+    FIRST: tl.constexpr,  # the row's first head of these (0 for q, NUM_HEADS for k)
+    NUM: tl.constexpr,
+    BLOCK: tl.constexpr,  # NUM rounded up to a power of 2
+    HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    STORE_K: tl.constexpr,  # also store the rotated heads (K) into the cache
+    KV_FP8: tl.constexpr,
+):
+    """_qk_norm_rope_roles_kernel's roles 0 and 1: NUM heads of the token's row from FIRST on,
+    normalised and rotated into out_ptr (and with STORE_K into the paged K cache)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    h = tl.arange(0, BLOCK)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < NUM
+    src = row + (FIRST + h) * HEAD_DIM + d
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    pos = tl.load(positions_ptr + t)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM + d)
+    if HAS_NORM:
+        w1, w2 = tl.load(weight_ptr + d), tl.load(weight_ptr + HALF + d)
+    else:
+        w1, w2 = cos, sin  # unused
+    o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    dst = out_ptr + (t * NUM + h) * HEAD_DIM + d
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + HALF, o2, mask=mask)
+    if STORE_K:
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot >= 0:  # (-1: CUDA-graph padding)
+            # The rotated halves as returned: store_kv's input, so its bytes.
+            store_token_k(
+                o1, slot, k_cache_ptr, stride_cb, stride_cs_cache, stride_ch, block_size, k_scale,
+                NUM, HALF, BLOCK, HALF, KV_FP8,
+            )  # fmt: skip
+            store_token_k(
+                o2, slot, k_cache_ptr, stride_cb, stride_cs_cache, stride_ch, block_size, k_scale,
+                NUM, HALF, BLOCK, HALF, KV_FP8, HALF,
+            )  # fmt: skip
+
+
 def qk_norm_rope(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -298,6 +452,7 @@ def qk_norm_rope(
     num_kv_heads: int,
     head_dim: int,
     kv_cache: tuple | None = None,
+    roles: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] -> rotary(norm(q)) [num_tokens,
     num_heads, head_dim] and rotary(norm(k)) [num_tokens, num_kv_heads, head_dim], new contiguous
@@ -306,7 +461,10 @@ def qk_norm_rope(
 
     kv_cache: (k_cache, v_cache, slot_mapping, k_scale, v_scale): also store each token's K (as
     returned) and V (qkv's last heads) in the paged cache, exactly as
-    attention.triton_kernels.store_kv(k, v, ...) would."""
+    attention.triton_kernels.store_kv(k, v, ...) would.
+
+    roles: a program per token and role (its query heads, its key heads, its V: the roles kernel)
+    instead of one per token; None: QK_NORM_ROPE_ROLES. The same results and bytes."""
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError("qk_norm_rope needs row-contiguous inputs and a power-of-two head_dim")
     num_tokens = qkv.shape[0]
@@ -322,6 +480,29 @@ def qk_norm_rope(
         args, constants = cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens)
         cache_args = [k_cache, v_cache, slot_mapping, *args]
         store = {"STORE_KV": True, "BLOCK_KVH": triton.next_power_of_2(num_kv_heads), **constants}
+    if QK_NORM_ROPE_ROLES if roles is None else roles:
+        store.pop("BLOCK_KVH", None)
+        _qk_norm_rope_roles_kernel[(num_tokens, 3 if kv_cache is not None else 2)](
+            qkv,
+            positions,
+            q_weight if q_weight is not None else qkv,
+            k_weight if k_weight is not None else qkv,
+            cos_sin_cache,
+            q,
+            k,
+            qkv.stride(0),
+            cos_sin_cache.stride(0),
+            eps,
+            *cache_args,
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_QH=triton.next_power_of_2(num_heads),
+            BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
+            HAS_NORM=q_weight is not None,
+            **store,
+        )
+        return q, k
     _qk_norm_rope_kernel[(num_tokens,)](
         qkv,
         positions,
