@@ -116,6 +116,7 @@ for what in "$@"; do
     rope-store) TAIL=20 stage rope-store bash -c '"$0" bench/rope_store.py && "$0" bench/rope_store.py --heads 32 8 --layers 36' "$PY" ;;
     # The fp8 decode kernel in programs of one or two warps (then W1 with a winner: w1-fp8-config).
     decode-warps) TAIL=60 STAGE_TIMEOUT=500 stage decode-warps "$PY" bench/attention.py --sweep-warps ;;
+    decode-warps-8b) TAIL=60 STAGE_TIMEOUT=500 stage decode-warps-8b "$PY" bench/attention.py --sweep-warps --heads 32 8 ;;
     fp8-engine-tests) TAIL=8 stage fp8-engine-tests "$PY" -m pytest -q -m gpu tests/test_fp8_kv.py tests/test_gpu_engine.py -k fp8 ;;
     fp8-kv-major-tests) TAIL=8 stage fp8-kv-major-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
     # Nsight Compute on the decode kernel, bf16 and fp8 caches (where the machine's runtime gives
