@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 from checkpoints import FAMILIES, quantize_checkpoint_fp8
 from helpers.executor_loss import generate_losing_the_executor
-from helpers.hf_reference import make_prompts
+from helpers.families import mixed_requests
 
 from client.llm import LLM
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.sampling_params import SamplingParams
 
 # Runs models at length: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
@@ -23,19 +22,6 @@ MAX_TOKENS = 20
 # long prompts.
 OPTIONS = dict(block_size=16, num_kv_blocks=10, max_model_len=128)
 CONFIG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32)
-
-
-def requests() -> list[tuple[list[int], SamplingParams]]:
-    """Greedy and seeded-sampled requests in one batch; two share a 32-token prefix."""
-    prompts = make_prompts([5, 40, 13, 70], seed=3)
-    prompts += [prompts[3][:32] + [7, 8], prompts[3][:32] + [9]]
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    sampled = [
-        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.9, seed=11),
-        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.2, top_k=40, top_p=0.9, seed=12),
-        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.7, min_p=0.05, seed=13),
-    ]
-    return list(zip(prompts, [greedy, sampled[0], greedy, sampled[1], greedy, sampled[2]], strict=True))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp8_kv", "fp8_checkpoint"])
@@ -50,7 +36,7 @@ def test_requests_kept_over_a_lost_executor_end_with_the_undisturbed_tokens(
     if precision == "fp8_checkpoint":
         quantize_checkpoint_fp8(path, tmp_path / "fp8")
         path = tmp_path / "fp8"
-    work = requests()
+    work = mixed_requests(MAX_TOKENS)
     llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=32, **options)
     expected = [o.token_ids for o in llm.generate([p for p, _ in work], [s for _, s in work], use_tqdm=False)]
     got, at_loss = generate_losing_the_executor(llm.executor, work, lose_at=12, config=CONFIG)

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import FAMILIES, quantize_checkpoint_fp8
-from helpers.families import PROMPT_SEEDS, waves
+from helpers.families import DISTURBED, PROMPT_SEEDS, generate_disturbed
 from helpers.fp8_kv_reference import assert_matches_fp8_kv_reference, load_reference
 from helpers.hf_reference import MAX_NEW, assert_matches_hf
 from safetensors.torch import load_file, save_file
@@ -22,12 +22,6 @@ from scheduler_service.sampling_params import SamplingParams
 # Runs models at length: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
 
-# test_model_families' setting: a 32-token budget chunks the long prompts, 10 blocks of 16 are too
-# few for the first wave (preemption), and the second wave finds the shared prefix in the cache.
-DISTURBED = dict(
-    block_size=16, num_kv_blocks=10, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128
-)
-
 # The prompt seed per family on its FP8 checkpoint: every compared step has a clear top-1 margin on
 # the dequantized weights (test_generate_vs_hf), which quantization moves.
 FP8_PROMPT_SEEDS = {**PROMPT_SEEDS, "llama3_rope": 2, "mistral": 1}
@@ -35,15 +29,7 @@ FP8_PROMPT_SEEDS = {**PROMPT_SEEDS, "llama3_rope": 2, "mistral": 1}
 
 def _generate_disturbed(path, seed: int, **options):
     """(prompts, outputs with logprobs) of both waves through chunks, hits and preemption."""
-    first, second = waves(seed)
-    llm = LLM(str(path), **DISTURBED, **options)
-    params = SamplingParams(max_tokens=MAX_NEW, logprobs=2)
-    outputs = llm.generate(first, params, use_tqdm=False)
-    outputs += llm.generate(second, params, use_tqdm=False)
-    stats = llm.engine.scheduler.stats
-    assert stats.num_chunked_prefills > 0 and stats.num_preemptions > 0
-    assert [o.num_cached_tokens for o in outputs[-3:]] == [32] * 3
-    return first + second, outputs
+    return generate_disturbed(LLM(str(path), **DISTURBED, **options), seed)
 
 
 def _generate_undisturbed(path, prompts, **options) -> list[list[int]]:

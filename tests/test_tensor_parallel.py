@@ -18,6 +18,8 @@ import torch
 from checkpoints import build_qwen3, trained_prompts
 from executor_fixtures import prompt_ids
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.executor_loss import generate_losing_the_executor
+from helpers.families import mixed_requests
 from helpers.processes import ServiceProcess, alive, descendants
 from helpers.tp_generate import OPTIONS, generate, start_tp_executor, tp1_tokens
 
@@ -272,7 +274,7 @@ def test_in_process_llm_with_tensor_parallel_size(request, fixture, tp_size, cap
     assert 0 < float(found[2]) <= float(found[3]) < 1e6
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2", "llama3_rope"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2", "llama3_rope", "mistral"])
 def test_families_at_tp2_identical_to_tp1(family_checkpoint, family):
     """Each family in-process at TP=2 over gloo (MoE: every expert's intermediate dimension split,
     the partial outputs all-reduced; Qwen2: the q/k/v biases split with their heads)."""
@@ -312,6 +314,73 @@ def test_an_fp8_checkpoint_at_tp2_identical_to_tp1(tmp_path, quantize_at_load, k
         assert generate(llm.executor)[0] == expected
     finally:
         llm.executor.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_bias", "qwen3_moe", "qwen2", "llama3_rope", "mistral"])
+def test_families_at_tp2_with_an_fp8_kv_cache_identical_to_tp1_and_after_a_lost_executor(
+    family_checkpoint, family
+):
+    """An e4m3 KV cache at TP=2 (each rank stores its own KV heads) on a batch of greedy and
+    seeded-sampled requests through chunked prefill, a prefix hit and preemption: every token equals
+    TP=1's. Then the executor goes away mid-run and the kept requests are recomputed on the reset
+    group (helpers/executor_loss.py): the same tokens again."""
+    path = family_checkpoint(family)
+    work = mixed_requests(16)
+    prompts, params = [p for p, _ in work], [s for _, s in work]
+    options = dict(block_size=16, num_kv_blocks=10, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
+                   kv_cache_dtype="fp8")  # fmt: skip
+    llm = LLM(str(path), **options)
+    try:
+        expected = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.executor.close()
+    llm = LLM(str(path), tensor_parallel_size=2, tp_master_port=free_port(), **options)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        stats = llm.engine.scheduler.stats
+        assert (
+            stats.num_preemptions > 0 and stats.num_chunked_prefills > 0 and stats.num_prefix_hit_tokens > 0
+        )
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32)
+        got, at_loss = generate_losing_the_executor(llm.executor, work, lose_at=12, config=config)
+        assert 0 < at_loss < 6 * 16 - 8, at_loss
+        assert got == expected
+    finally:
+        llm.executor.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_qwen3_moe_fp8_checkpoint_at_tp2_matches_transformers_on_the_dequantized_weights(
+    family_checkpoint, tmp_path, kv_cache_dtype
+):
+    """FP8 experts under tensor parallelism: a Qwen3-MoE FP8 checkpoint (every expert's gate / up /
+    down in e4m3 blocks; each rank dequantizes the blocks around its half of an expert's
+    intermediate dimension) at TP=2, through chunks, prefix hits and preemption, against transformers
+    on the dequantized weights: tokens and logprobs, with the model-dtype KV cache; with an e4m3 one,
+    against transformers with the same KV round trip (helpers/fp8_kv_reference.py)."""
+    import shutil
+
+    from checkpoints import quantize_checkpoint_fp8
+    from helpers.families import DISTURBED, PROMPT_SEEDS, generate_disturbed
+    from helpers.fp8_kv_reference import assert_matches_fp8_kv_reference, load_reference
+    from helpers.hf_reference import assert_matches_hf
+    from safetensors.torch import save_file
+
+    src = family_checkpoint("qwen3_moe")
+    dequantized = quantize_checkpoint_fp8(src, tmp_path / "fp8")
+    reference = tmp_path / "dequantized"
+    shutil.copytree(src, reference, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({n: t.contiguous() for n, t in dequantized.items()}, reference / "model.safetensors")
+    llm = LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, tp_master_port=free_port(),
+              kv_cache_dtype=kv_cache_dtype, **DISTURBED)  # fmt: skip
+    try:
+        prompts, outputs = generate_disturbed(llm, PROMPT_SEEDS["qwen3_moe"])
+    finally:
+        llm.executor.close()
+    if kv_cache_dtype == "fp8":
+        assert_matches_fp8_kv_reference(load_reference(reference), prompts, outputs)
+    else:
+        assert_matches_hf(reference, prompts, outputs)
 
 
 def test_penalties_and_steps_without_samples_match_tp1(qwen3_tied):
