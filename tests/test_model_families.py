@@ -130,3 +130,27 @@ def test_sliding_window_caps_max_model_len_and_refuses_beyond(family_checkpoint,
         ValueError, match=r"sliding window of 64 .*max_model_len \(128\) must be <= sliding_window"
     ):
         ExecutorConfig(model=str(path), num_kv_blocks=16, max_model_len=128)
+
+
+@pytest.mark.parametrize(
+    ("family", "window"),
+    [("mistral", {}), ("qwen2", {"use_sliding_window": True, "max_window_layers": 2})],
+    ids=["mistral", "qwen2-layers-2-3"],
+)
+def test_requests_up_to_the_sliding_window_match_transformers(tmp_path, family, window):
+    """A window of 24 (Qwen2: on layers 2 and 3 only) caps max_model_len at 24: requests that end
+    exactly there, prefilled in chunks of 8, equal transformers' windowed attention."""
+    from checkpoints import build_checkpoint
+
+    path = build_checkpoint(tmp_path, family, with_tokenizer=False, sliding_window=24, **window)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    assert llm.engine.limits.max_model_len == 24
+    prompts = make_prompts([1, 9, 20, 23], seed=0)
+    hf = _hf_model(str(path))
+    for prompt in prompts:
+        n = 24 - len(prompt)
+        out = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+        assert out.token_ids == ref[0, len(prompt) :].tolist(), len(prompt)
+    assert llm.engine.scheduler.stats.num_chunked_prefills > 0
