@@ -207,3 +207,27 @@ def test_embedded_default_model_matches_transformers():
     expected, _ = hf_greedy(path, prompt)
     assert out.token_ids == expected
     assert "list" in out.text or "mutable" in out.text
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_greedy_and_seeded_requests_in_one_batch_are_what_each_is_alone(qwen3_tied, kv_cache_dtype):
+    """Greedy and seeded-sampled requests (temperature, top-k, top-p, min-p) in one batch, through
+    chunked prefill, a prefix hit and preemption: each request's tokens are those it gets alone in
+    a roomy engine; the greedy ones are transformers' (with the model-dtype cache)."""
+    from helpers.families import mixed_requests
+
+    work = mixed_requests(MAX_NEW)
+    options = dict(max_model_len=128, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(str(qwen3_tied), block_size=16, num_kv_blocks=10, max_num_seqs=8, max_num_batched_tokens=32,
+              **options)  # fmt: skip
+    together = llm.generate([p for p, _ in work], [s for _, s in work], use_tqdm=False)
+    stats = llm.engine.scheduler.stats
+    assert stats.num_preemptions > 0 and stats.num_chunked_prefills > 0 and stats.num_prefix_hit_tokens > 0
+    for (prompt, params), out in zip(work, together, strict=True):
+        alone = LLM(str(qwen3_tied), num_kv_blocks=64, **options)
+        assert out.token_ids == alone.generate([prompt], params, use_tqdm=False)[0].token_ids
+        if params.temperature == 0 and kv_cache_dtype == "auto":
+            assert out.token_ids == hf_greedy(qwen3_tied, prompt)[0]
+    greedy = [o.token_ids for o in llm.generate([p for p, _ in work], SamplingParams(max_tokens=MAX_NEW,
+              ignore_eos=True), use_tqdm=False)]  # fmt: skip
+    assert sum(a != b for a, b in zip(greedy, (o.token_ids for o in together), strict=True)) == 3  # sampled
