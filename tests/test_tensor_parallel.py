@@ -383,6 +383,33 @@ def test_qwen3_moe_fp8_checkpoint_at_tp2_matches_transformers_on_the_dequantized
         assert_matches_hf(reference, prompts, outputs)
 
 
+def test_fp8_kv_with_checkpoint_scales_on_a_replicated_kv_head_at_tp2_identical_to_tp1(qwen3_kv1, tmp_path):
+    """One KV head for 2 ranks (each holds a copy) in an e4m3 cache with the checkpoint's per-layer
+    k/v scales, which every rank reads: every token equals TP=1's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(qwen3_kv1, tmp_path / "scaled")
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.05)
+    weights["model.layers.0.self_attn.v_scale"] = torch.tensor(2.0)
+    weights["model.layers.3.self_attn.kv_scale"] = torch.tensor(0.5)
+    save_file(weights, path / "model.safetensors")
+    options = {**OPTIONS, "kv_cache_dtype": "fp8"}
+    llm = LLM(str(path), **options)
+    try:
+        expected = generate(llm.executor)[0]
+    finally:
+        llm.executor.close()
+    llm = LLM(str(path), tensor_parallel_size=2, tp_master_port=free_port(), **options)
+    try:
+        assert llm.executor.runner.num_kv_heads == 1
+        assert generate(llm.executor)[0] == expected
+    finally:
+        llm.executor.close()
+
+
 def test_penalties_and_steps_without_samples_match_tp1(qwen3_tied):
     """Two plans in flight at TP=2: a step whose batch has a penalty waits for the previous step's
     tokens on the host (sent to rank 1 with the plan); the others take them from the device. Mixed
