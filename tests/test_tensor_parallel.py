@@ -66,6 +66,27 @@ def test_tp2_service_greedy_identical_to_tp1(checkpoint, request, tmp_path):
     assert ("replicated on 2 ranks" in ep.output()) == (checkpoint == "qwen3_kv1")
 
 
+def test_tp2_service_on_an_fp8_checkpoint_with_an_fp8_kv_cache_identical_to_tp1(tmp_path):
+    """Both fp8 paths through the split: an FP8 checkpoint (each rank dequantizing its blocks) with
+    --kv-cache-dtype fp8 in a TP=2 executor service, driven over gRPC: TP=1's tokens in-process."""
+    from checkpoints import quantize_checkpoint_fp8
+
+    src = build_qwen3(tmp_path / "src", hidden_size=256, head_dim=64, intermediate_size=512,
+                      num_hidden_layers=2, tie_word_embeddings=False, seed=5, with_tokenizer=False)  # fmt: skip
+    path = tmp_path / "fp8"
+    quantize_checkpoint_fp8(src, path)
+    ep = start_tp_executor(path, tmp_path / "executor.log", kv_cache_dtype="fp8")
+    try:
+        expected = tp1_tokens(path, kv_cache_dtype="fp8")
+        ep.wait_serving()
+        with RemoteExecutor(ep.address) as remote:
+            info = remote.describe()
+            assert (info.tensor_parallel_size, info.kv_cache_dtype) == (2, "fp8_e4m3")
+            assert generate(remote)[0] == expected
+    finally:
+        ep.stop()
+
+
 def test_killing_rank1_takes_the_executor_down_without_orphans(qwen3_tied, tmp_path):
     ep = start_tp_executor(qwen3_tied, tmp_path / "executor.log")
     try:

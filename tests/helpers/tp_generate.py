@@ -20,9 +20,10 @@ from scheduler_service.sampling_params import SamplingParams
 OPTIONS = dict(block_size=4, num_kv_blocks=96, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=24)
 
 
-def start_tp_executor(model: Path, log: Path, tp: int = 2) -> ServiceProcess:
+def start_tp_executor(model: Path, log: Path, tp: int = 2, **options) -> ServiceProcess:
+    """The executor service at tensor_parallel_size `tp` with OPTIONS and `options` (as flags)."""
     tp_flags = ("--tensor-parallel-size", str(tp), "--tp-master-port", str(free_port()))
-    return executor_process(log, *tp_flags, model=model, **OPTIONS).start()
+    return executor_process(log, *tp_flags, model=model, **{**OPTIONS, **options}).start()
 
 
 def requests() -> list[list[tuple[list[int], SamplingParams]]]:
@@ -39,6 +40,6 @@ def generate(executor) -> tuple[list[list[int]], LLMEngine]:
     return [outputs[k].token_ids for k in sorted(outputs)], engine
 
 
-def tp1_tokens(model: Path) -> list[list[int]]:
-    llm = LLM(str(model), **OPTIONS)
+def tp1_tokens(model: Path, **options) -> list[list[int]]:
+    llm = LLM(str(model), **{**OPTIONS, **options})
     return generate(llm.executor)[0]
