@@ -113,6 +113,7 @@ for what in "$@"; do
     fp8-mixed) TAIL=40 stage fp8-mixed "$PY" bench/attention.py --sweep-mixed-lengths ;;
     # The fused rotary kernel's K/V store: a program per token against one per token and role, and the
     # price of the e4m3 V cache's transposed layout (QK_NORM_ROPE_ROLES picks the engine's).
+    rope-tests) TAIL=8 stage rope-tests "$PY" -m pytest -q -m gpu tests/test_triton_ops.py -k "qk_norm_rope or rope_without" ;;
     rope-store) TAIL=20 stage rope-store bash -c '"$0" bench/rope_store.py && "$0" bench/rope_store.py --heads 32 8 --layers 36' "$PY" ;;
     # The fp8 decode kernel in programs of one or two warps (then W1 with a winner: w1-fp8-config).
     decode-warps) TAIL=60 STAGE_TIMEOUT=500 stage decode-warps "$PY" bench/attention.py --sweep-warps ;;
