@@ -10,6 +10,8 @@ Under CUDA graphs a decode step of Qwen3-0.6B runs about 50 tiny elementwise ker
 the unfused path; these replace them with three launches per layer. With the Triton attention
 backend the rotary kernel also writes the token's K and V into the paged KV cache (the attention
 backend's store, attention/triton_kernels.store_token_kv: the same bytes), one launch fewer a layer.
+It launches a program per token, or with QK_NORM_ROPE_ROLES a program per token and role (query
+heads; key heads and K's store; V's store), the same results either way.
 
 Where the next layer is an fp8 linear (CausalLM.fuse_fp8_quantization), RMSNorm and SiLU-and-mul
 quantize their output for its W8A8 GEMM instead of storing it (`quantize_rows_multiple`): per token
