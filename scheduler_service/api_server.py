@@ -191,10 +191,12 @@ class RemoteEngine:
         validate_request(prompt_token_ids, samples[0], self.check_admitting().limits)
         self._next_key += 1
         key = self._next_key
-        future = asyncio.get_running_loop().create_future()
-        self._pending[key] = (future, request_id, len(prompt_token_ids), samples, arrival)
         wire = ipc.params_to_wire(params)
         self._send("add", key, request_id, prompt_token_ids, wire, arrival, timeout, user)
+        # Pending once sent (a message that cannot be sent is never answered); the answer is read
+        # on this loop, after this awaits.
+        future = asyncio.get_running_loop().create_future()
+        self._pending[key] = (future, request_id, len(prompt_token_ids), samples, arrival)
         try:
             return await future
         except asyncio.CancelledError:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler_service.errors import ErrorCode, InvalidRequestError
-from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.sampling_params import SamplingParams, verify_unicode
 
 HTTP_STATUS = {
     ErrorCode.INVALID_ARGUMENT: 400,
@@ -91,6 +91,8 @@ class _Request(BaseModel):
         server cannot do (before any work)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("Stream options can only be defined when `stream=True`.")
+        if self.user is not None:  # (logged, and sent to the engine core by API server processes)
+            verify_unicode(self.user, "user")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise InvalidRequestError(
                 f"response_format type {self.response_format.get('type')!r} is not supported: this "

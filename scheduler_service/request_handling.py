@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.errors import InvalidRequestError
-from scheduler_service.sampling_params import SamplingParams, verify_prompt_length
+from scheduler_service.sampling_params import SamplingParams, verify_prompt_length, verify_unicode
 from scheduler_service.sequence import TokenLogprob
 from scheduler_service.tokenizer import Tokenizer
 
@@ -61,13 +61,7 @@ def check_text_prompt(
     if tokenizer is None:
         raise InvalidRequestError(no_tokenizer)
     verify_prompt_length(tokenizer.min_num_tokens(text), params, max_model_len, lower_bound=True)
-    if not text.isascii():
-        try:
-            text.encode()
-        except UnicodeEncodeError as e:  # a lone surrogate (JSON can escape one): no tokenizer takes it
-            raise InvalidRequestError(
-                f"the prompt is not valid Unicode ({e.reason}) at character {e.start}"
-            ) from None
+    verify_unicode(text, "the prompt")
     return tokenizer
 
 

@@ -100,6 +100,7 @@ class SamplingParams:
         for i, stop in enumerate(self.stop):
             if len(stop) > MAX_STOP_STRING_CHARS:
                 _fail(f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_STRING_CHARS}")
+            verify_unicode(stop, f"stop[{i}]")
         if self.max_tokens is not None and self.max_tokens < 1:
             _fail(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -250,6 +251,16 @@ def verify_prompt_length(
             _fail(f"prompt ({n}) + min_tokens ({params.min_tokens}) exceeds max_model_len ({max_model_len})")
     elif num_tokens + params.max_tokens > max_model_len:
         _fail(f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})")
+
+
+def verify_unicode(text: str, name: str) -> None:
+    """Raise InvalidRequestError for a text that is not Unicode: a lone surrogate (JSON can escape
+    one), which no tokenizer, UTF-8 or msgpack takes."""
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:
+            _fail(f"{name} is not valid Unicode ({e.reason}) at character {e.start}")
 
 
 def _float32(x: float) -> float:

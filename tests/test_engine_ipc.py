@@ -435,3 +435,29 @@ def test_a_caller_gone_when_the_core_admits_its_request_aborts_it(monkeypatch, a
     aborts, left = asyncio.run(main())
     assert sorted(aborts) == [("abort", 7), ("abort", 8)]
     assert left == 0
+
+
+def test_a_request_that_cannot_be_sent_to_the_core_leaves_no_admission_pending(monkeypatch):
+    """A submit() whose "add" message cannot be sent (here: a string msgpack cannot encode) fails
+    without leaving its admission pending: a pending one is never answered, and the API server's
+    graceful shutdown waited for it through all of --shutdown-timeout."""
+    import asyncio
+
+    from scheduler_service import api_server
+    from scheduler_service.api_server import MetricsRelay, RemoteEngine
+
+    monkeypatch.setattr(api_server, "validate_request", lambda *args: None)
+
+    async def main() -> int:
+        remote = RemoteEngine("tcp://127.0.0.1:9", "api-test", MetricsRelay())
+        remote._send = lambda *message: ipc.pack(*message)
+        remote.check_admitting = lambda: api_server.EngineView(None, None)
+        try:
+            with pytest.raises(UnicodeEncodeError):
+                await remote.submit("req", [1, 2, 3], SamplingParams(), 0.0, user="\ud800")
+            return remote.num_pending_admissions
+        finally:
+            remote._socket.close()
+            remote._context.term()
+
+    assert asyncio.run(main()) == 0

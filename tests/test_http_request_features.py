@@ -285,6 +285,27 @@ def test_a_prompt_that_is_not_unicode_is_a_400(server, endpoint):
     assert "is not valid Unicode (surrogates not allowed) at character" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("stop", '"\\ud800"', "stop[0]"),
+        ("stop", '["x", "a\\udfff"]', "stop[1]"),
+        ("user", '"\\ud800"', "user"),
+    ],
+)
+def test_other_strings_that_are_not_unicode_are_a_400(server, field, value, named):
+    """A stop string or a user with a lone surrogate: a 400 naming it. It was accepted here, while
+    API server processes (--api-server-count) could not pass it to their engine core (msgpack takes
+    UTF-8): a 400 with the codec's words, and an admission left pending that held up their next
+    graceful shutdown for all of --shutdown-timeout."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    body = f'{{"prompt": "{PROMPT}", "max_tokens": 2, "{field}": {value}}}'
+    r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"{named} is not valid Unicode (surrogates not allowed)")
+    assert httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2, field: "x"}).status_code == 200
+
+
 def test_a_request_refused_after_its_prompt_was_tokenized_leaves_nothing_running(server):
     """tool_choice "required" (not supported) is a 400, and the n samples it was refused with are not
     left generating for nobody."""
