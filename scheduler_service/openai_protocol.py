@@ -197,6 +197,14 @@ class ChatRequest(_Request):
     add_generation_prompt: bool = True
     documents: FailFastList[dict[str, Any]] | None = None
 
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.stream and self.prompt_logprobs is not None:  # (vLLM's rule)
+            raise InvalidRequestError(
+                "prompt_logprobs are not available when stream=true in a chat completion: they come "
+                "in the whole response (or stream a completion: its first chunk carries them)"
+            )
+
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as chat templates take them: text parts joined into one string."""
         messages = []

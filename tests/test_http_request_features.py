@@ -143,6 +143,18 @@ def test_prompt_logprobs_whole_and_streamed(api, model, reference):
     assert got.choices[0].model_extra["prompt_logprobs"][0] is None
 
 
+def test_prompt_logprobs_of_a_streamed_chat_are_a_400(server):
+    """A chat completion's prompt_logprobs are its response's (vLLM's place), which a stream of
+    chunks does not have: a streamed chat with them is a 400, as vLLM's. It streamed the answer and
+    left them out without a word."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    r = httpx.post(url, json={**body, "stream": True})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("prompt_logprobs are not available when stream=true")
+    assert httpx.post(url, json=body).json()["prompt_logprobs"][0] is None
+
+
 def test_max_tokens_and_max_completion_tokens(api, model):
     messages = [{"role": "user", "content": "Hi"}]
     with pytest.raises(openai.BadRequestError) as e:
