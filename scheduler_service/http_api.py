@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protos.api_keys import AUTHORIZATION, ApiKeys
@@ -88,6 +89,8 @@ class OpenAIServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+        if self._keys is not None:
+            app.add_middleware(_RequireApiKey, server=self)
 
         @app.exception_handler(HttpError)
         async def http_error(request: Request, e: HttpError) -> JSONResponse:
@@ -119,8 +122,7 @@ class OpenAIServer:
             return JSONResponse({"status": "ok"})
 
         @app.get("/v1/models")
-        async def models(request: Request) -> JSONResponse:
-            self._authorize(request)
+        async def models() -> JSONResponse:
             engine = self._engine()
             card = {
                 "id": engine.info.model,
@@ -133,25 +135,25 @@ class OpenAIServer:
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
-            self._authorize(request)
             return await self._serve(request, body, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatRequest, request: Request):
-            self._authorize(request)
             return await self._serve(request, body, chat=True)
 
         return app
 
-    def _authorize(self, request: Request) -> None:
-        header = request.headers.get(AUTHORIZATION)
-        if self._keys is not None and not self._keys.authorized([(AUTHORIZATION, header or "")]):
-            self.metrics.requests_failed.labels("UNAUTHENTICATED").inc()
-            raise HttpError(
-                401,
-                "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                "invalid_api_key",
-            )
+    def _refuse_unauthorized(self, headers: Headers) -> JSONResponse | None:
+        """The 401 for a request without a valid key (None: authorized)."""
+        header = headers.get(AUTHORIZATION)
+        if self._keys is None or self._keys.authorized([(AUTHORIZATION, header or "")]):
+            return None
+        self.metrics.requests_failed.labels("UNAUTHENTICATED").inc()
+        return _error_response(
+            401,
+            "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+            "invalid_api_key",
+        )
 
     def _engine(self):
         try:
@@ -263,6 +265,22 @@ class OpenAIServer:
         if body.stream:
             return StreamingResponse(writer.sse(), media_type="text/event-stream")
         return await writer.whole(request)
+
+
+class _RequireApiKey:
+    """ASGI middleware: a /v1 request without a valid key is a 401 before its body is read and
+    validated (as vLLM's); /health needs none."""
+
+    def __init__(self, app, server: OpenAIServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            refusal = self.server._refuse_unauthorized(Headers(scope=scope))
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _choice_deltas(

@@ -411,6 +411,32 @@ def test_a_client_gone_before_the_first_read_of_its_stream_is_aborted(server, st
     assert left == 0
 
 
+def test_a_request_without_its_key_is_a_401_whatever_its_body(server):
+    """With API keys, a request without one is a 401 before its body is read: it was a 400 listing
+    what was wrong with the body (the body read and validated for a caller without a key), and
+    counted as INVALID_ARGUMENT. The same app with --api-key, as an ASGI app on the server's loop."""
+    app = OpenAIServer(server.engine, api_keys=["sk-1"]).app
+    bodies = [b"{not json", b"{}", json.dumps({"prompt": PROMPT, "max_tokens": "many"}).encode()]
+
+    async def call() -> list[tuple[int, str]]:
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://tandem") as client:
+            answers = []
+            for path, body in [(p, b) for p in ("/v1/completions", "/v1/chat/completions") for b in bodies]:
+                r = await client.post(path, content=body, headers={"content-type": "application/json"})
+                answers.append((r.status_code, r.json()["error"]["code"]))
+            r = await client.post(
+                "/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 2},
+                headers={"authorization": "Bearer sk-1"},
+            )
+            answers.append((r.status_code, r.json()["object"]))
+            return answers
+
+    answers = asyncio.run_coroutine_threadsafe(call(), server.engine._loop).result(10)
+    assert answers == [(401, "invalid_api_key")] * 6 + [(200, "text_completion")]
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "-1", "0"])
 def test_a_request_timeout_that_cannot_expire_is_a_400(server, value):
     """X-Request-Timeout: a NaN or infinite deadline never passed (and a NaN broke the order of the
