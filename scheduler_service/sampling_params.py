@@ -17,6 +17,9 @@ __all__ = ["InvalidRequestError", "SamplingParams", "verify_prompt_length", "ver
 # string at every token).
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# More than any use needs (a vocabulary's special tokens): each id is checked on the event loop, and
+# a 16 MiB gRPC message holds 15M of them (9 s of the loop, health checks included).
+MAX_STOP_TOKEN_IDS = 4096
 # OpenAI's range for presence_penalty and frequency_penalty.
 MAX_ABS_PENALTY = 2.0
 # OpenAI's limits on logit_bias: 300 entries, each bias in [-100, 100].
@@ -101,6 +104,8 @@ class SamplingParams:
             if len(stop) > MAX_STOP_STRING_CHARS:
                 _fail(f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_STRING_CHARS}")
             verify_unicode(stop, f"stop[{i}]")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         if self.max_tokens is not None and self.max_tokens < 1:
             _fail(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -146,6 +146,8 @@ def test_include_stop_str_in_output(client):
         ({"min_tokens": 9, "max_tokens": 8}, "min_tokens (9) must be <= max_tokens (8)"),
         ({"n": 129}, "n must be in [1, 128], got 129"),
         ({"prompt_logprobs": 21}, "prompt_logprobs (21) exceeds max_logprobs (20"),
+        # (15M of them in one message held the event loop, health included, for 9 s)
+        ({"stop_token_ids": [5] * 4097}, "at most 4096 stop_token_ids, got 4097"),
     ],
 )
 def test_bad_features_are_invalid_argument_and_the_service_keeps_serving(client, params, message):

@@ -180,6 +180,7 @@ def test_max_tokens_and_max_completion_tokens(api, model):
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must be <= max_tokens (10)"),
         ({"prompt_logprobs": 50}, "prompt_logprobs (50) exceeds max_logprobs (20"),
         ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
+        ({"stop_token_ids": [5] * 4097}, "at most 4096 stop_token_ids, got 4097"),
     ],
 )
 def test_bad_features_are_400_naming_the_limit(server, extra, message):
