@@ -20,6 +20,7 @@ from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemRequestError
 from scheduler_service.request_handling import (
     NO_TOKENIZER,
+    RENDER_INLINE_MESSAGES,
     TOKENIZE_INLINE_CHARS,
     OutputProcessor,
     chat_template,
@@ -146,6 +147,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             tools = False
             if kind == "text":
                 text, template = request.text, None
+            elif len(request.chat.messages) > RENDER_INLINE_MESSAGES:
+                # In a thread: the event loop (health, other streams) runs meanwhile.
+                text, template, tools = await asyncio.to_thread(render_chat, tokenizer, request.chat)
             else:
                 text, template, tools = render_chat(tokenizer, request.chat)
             tokenizer = check_text_prompt(tokenizer, text, params, engine.limits.max_model_len)

@@ -30,6 +30,7 @@ from scheduler_service.chat_output import ChatDelta, ChatOutputParser
 from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemRequestError
 from scheduler_service.openai_protocol import HTTP_STATUS, ChatRequest, CompletionRequest, error_body
 from scheduler_service.request_handling import (
+    RENDER_INLINE_MESSAGES,
     TOKENIZE_INLINE_CHARS,
     OutputProcessor,
     chat_template,
@@ -176,21 +177,26 @@ class OpenAIServer:
             return await asyncio.to_thread(tokenizer.encode_off_gil, text, add_special_tokens)
         return tokenizer.encode(text, add_special_tokens)
 
-    def _prompts(
+    async def _prompts(
         self, body: CompletionRequest | ChatRequest, chat: bool
     ) -> tuple[list[str | list[int]], Any]:
         """The prompts, and the template when `chat`."""
         if not chat:
             return body.prompts(), None
         template = chat_template(self.engine.tokenizer, NO_TOKENIZER)
-        text = template.render(
-            body.template_messages(),
-            tools=body.tools,
-            documents=body.documents,
-            add_generation_prompt=body.add_generation_prompt,
-            chat_template_kwargs=body.chat_template_kwargs,
-        )
-        return [text], template
+
+        def render() -> str:
+            return template.render(
+                body.template_messages(),
+                tools=body.tools,
+                documents=body.documents,
+                add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+
+        if len(body.messages) > RENDER_INLINE_MESSAGES:  # (the event loop runs meanwhile)
+            return [await asyncio.to_thread(render)], template
+        return [render()], template
 
     async def _admit(self, body, chat: bool, timeout: float | None) -> tuple[list[_Choice], str]:
         body.check_fields()
@@ -209,7 +215,7 @@ class OpenAIServer:
         # The engine reports a sampled token's logprob beside at least one alternative.
         params = body.sampling_params(max(num_top, 1) if wants_logprobs else 0)
         verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)
-        prompts, template = self._prompts(body, chat)
+        prompts, template = await self._prompts(body, chat)
         parses_tools = chat and body.parses_tools()  # (refused before any sample is submitted)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if ignored := body.ignored_fields():  # (vLLM's warning)

@@ -33,6 +33,9 @@ NO_TOKENIZER = "this server has no tokenizer: send token ids or start it with --
 MAX_REQUEST_ID_CHARS = 256
 # Text prompts longer than this are worth tokenizing off an event loop.
 TOKENIZE_INLINE_CHARS = 8192
+# Chats of more messages than this are rendered off an event loop: a chat template is Jinja, some
+# microseconds a message, and a 16 MiB gRPC request holds 3M messages.
+RENDER_INLINE_MESSAGES = 256
 
 
 def verify_request_id(request_id: str) -> None:

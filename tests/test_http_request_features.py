@@ -9,8 +9,10 @@ import asyncio
 import json
 import logging
 import shutil
+import threading
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -436,6 +438,43 @@ def test_a_request_without_its_key_is_a_401_whatever_its_body(server):
 
     answers = asyncio.run_coroutine_threadsafe(call(), server.engine._loop).result(10)
     assert answers == [(401, "invalid_api_key")] * 6 + [(200, "text_completion")]
+
+
+def test_a_long_grpc_chat_is_rendered_without_holding_up_the_event_loop(server):
+    """A chat template is Jinja, some microseconds a message, and a 16 MiB request holds 3M of them:
+    rendered on the event loop, such a chat held every health check and stream for 6 s. A long
+    chat is rendered in a thread, and health checks are answered meanwhile."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from protos.tandem.v1 import generation_pb2 as pb
+    from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+    messages = [pb.ChatMessage(role="user", content="")] * 600_000
+    request = pb.GenerateRequest(chat=pb.Chat(messages=messages), sampling_params=pb.SamplingParams())
+    latencies: list[float] = []
+    done = threading.Event()
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def check() -> None:
+            while not done.is_set():
+                t0 = time.monotonic()
+                health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.01)
+
+        checker = threading.Thread(target=check)
+        checker.start()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=60))
+        took = time.monotonic() - t0
+        done.set()
+        checker.join()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_model_len (1024)" in e.value.details()
+    assert took > 0.5, f"too short a chat to tell: {took:.2f} s"
+    assert max(latencies) < took / 2, f"health took up to {max(latencies):.2f} s of the {took:.2f} s"
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "-1", "0"])
