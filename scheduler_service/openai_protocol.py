@@ -211,7 +211,16 @@ class ChatRequest(_Request):
         for i, message in enumerate(self.messages):
             if "role" not in message:
                 raise InvalidRequestError(f"messages[{i}] has no role")
+            if not isinstance(message["role"], str):
+                raise InvalidRequestError(
+                    f"messages[{i}].role must be a string, got {type(message['role']).__name__}"
+                )
             content = message.get("content")
+            if content is not None and not isinstance(content, (str, list)):  # (OpenAI's types)
+                raise InvalidRequestError(
+                    f"messages[{i}].content must be a string or a list of content parts, got "
+                    f"{type(content).__name__}"
+                )
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):

@@ -242,6 +242,32 @@ def test_a_text_part_whose_text_is_no_string_is_a_400(server, part):
 
 
 @pytest.mark.parametrize(
+    "message, named",
+    [
+        (
+            {"role": "user", "content": 5},
+            "messages[1].content must be a string or a list of content parts, got int",
+        ),
+        ({"role": "user", "content": {"text": "Hi"}}, "messages[1].content must be a string or a list of"),
+        ({"role": "user", "content": True}, "messages[1].content must be a string or a list of"),
+        ({"role": 5, "content": "Hi"}, "messages[1].role must be a string, got int"),
+        ({"role": None, "content": "Hi"}, "messages[1].role must be a string, got NoneType"),
+    ],
+)
+def test_a_message_whose_content_or_role_is_of_another_type_is_a_400(server, message, named):
+    """OpenAI's (and vLLM's) content is a string, a list of parts or null, a role a string: anything
+    else was rendered as Python writes it (`user: {'text': 'Hi'}`), a prompt the client never
+    sent. A 400 naming it, and the service keeps serving."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    messages = [{"role": "system", "content": "Be brief."}, message]
+    r = httpx.post(url, json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(named)
+    body = {"messages": [{"role": "user", "content": None}, {"role": "user"}], "max_tokens": 2}
+    assert httpx.post(url, json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
     "endpoint, fields, named",
     [
         ("completions", {"prompt": [1] * 20_000 + ["a"]}, "prompt.list[int].20000: "),
