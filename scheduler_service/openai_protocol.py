@@ -256,10 +256,13 @@ class ChatRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def as_sent(self, message: str) -> str:
-        """The limit is max_completion_tokens where the client sent only that name."""
-        if self.max_completion_tokens is None or self.max_tokens is not None:
-            return message
-        return re.sub(r"\bmax_tokens\b", "max_completion_tokens", message)
+        """The limit is max_completion_tokens where the client sent only that name, and the number of
+        alternatives (the engine's logprobs) is top_logprobs where it sent them."""
+        if self.max_completion_tokens is not None and self.max_tokens is None:
+            message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", message)
+        if self.top_logprobs is not None:
+            message = re.sub(r"^logprobs \(", "top_logprobs (", message)
+        return message
 
     @property
     def num_top_logprobs(self) -> int:

@@ -300,6 +300,19 @@ def test_negative_top_logprobs_are_a_400(server):
     assert "top_logprobs must be >= 0, got -1" in r.json()["error"]["message"]
 
 
+def test_top_logprobs_over_max_logprobs_are_a_400_naming_them(server):
+    """A chat's number of alternatives is its top_logprobs: the error names them (it named
+    `logprobs`, which a chat request sends as true or false)."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}
+    r = httpx.post(url, json={**body, "top_logprobs": 21, "prompt_logprobs": 2})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert message.startswith("top_logprobs (21) exceeds max_logprobs (20; the scheduler's --max-logprobs)")
+    r = httpx.post(url, json={**body, "top_logprobs": 2, "prompt_logprobs": 21})
+    assert r.json()["error"]["message"].startswith("prompt_logprobs (21) exceeds max_logprobs (20")
+
+
 def test_unknown_routes_and_methods_are_openai_error_objects(api, model, server):
     """The README's promise: every error is `{"error": {"message", "type", "param", "code"}}`."""
     with pytest.raises(openai.NotFoundError) as e:
