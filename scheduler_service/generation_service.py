@@ -95,7 +95,11 @@ def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate, bool]:
         raise InvalidRequestError(
             f"chat.tools_json must be a JSON array of tool objects (OpenAI's tools), got {chat.tools_json[:100]}"
         )
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = []
+    for i, m in enumerate(chat.messages):
+        if not m.role:  # (proto3: unset is empty; HTTP's messages need one too)
+            raise InvalidRequestError(f"chat.messages[{i}] has no role")
+        messages.append({"role": m.role, "content": m.content})
     if not messages:
         raise InvalidRequestError("chat.messages is empty")
     template = chat_template(tokenizer)

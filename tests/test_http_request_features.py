@@ -267,6 +267,25 @@ def test_a_message_whose_content_or_role_is_of_another_type_is_a_400(server, mes
     assert httpx.post(url, json=body).status_code == 200
 
 
+def test_a_grpc_chat_message_without_a_role_is_invalid_argument(server):
+    """As HTTP's "messages[1] has no role": an unset (empty) role was rendered as one by a template
+    that takes any role (`: and now?`), a prompt the client never meant."""
+    from protos.tandem.v1 import generation_pb2 as pb
+    from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="Hi"), pb.ChatMessage(content="and now?")])
+    request = pb.GenerateRequest(chat=chat, sampling_params=pb.SamplingParams(max_tokens=2))
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == "chat.messages[1] has no role"
+        chat.messages[1].role = "user"
+        request = pb.GenerateRequest(chat=chat, sampling_params=pb.SamplingParams(max_tokens=2))
+        assert list(stub.Generate(request, timeout=30))[-1].WhichOneof("payload") == "final"
+
+
 @pytest.mark.parametrize(
     "endpoint, fields, named",
     [
