@@ -2,7 +2,8 @@
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with `data: [DONE]`),
 GET /health. Requests go through the same transport-free layer as gRPC's (request_handling.py) and
 the same AsyncEngine; errors are OpenAI error objects (openai_protocol.py). A client that goes away
-aborts its requests, which frees their blocks."""
+aborts its requests, which frees their blocks. A request body is at most MAX_BODY_BYTES (the gRPC
+API's message limit): a larger one is a 413 before it is parsed."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protos.api_keys import AUTHORIZATION, ApiKeys
+from protos.defaults import GENERATION_MAX_MESSAGE_BYTES
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.chat_output import ChatDelta, ChatOutputParser
 from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemRequestError
@@ -49,6 +51,9 @@ _REQUEST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
 # The errors a 400 for a malformed body lists (a list of a million wrong items has a million).
 MAX_BODY_ERRORS = 10
+# The largest request body, the gRPC API's message limit: what one API takes, the other does. FastAPI
+# reads a body whole and parses it on the event loop, which every stream and health check shares.
+MAX_BODY_BYTES = GENERATION_MAX_MESSAGE_BYTES
 
 
 class HttpError(Exception):
@@ -90,15 +95,18 @@ class OpenAIServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
-        if self._keys is not None:
+        app.add_middleware(_LimitBody, server=self, limit=MAX_BODY_BYTES)
+        if self._keys is not None:  # (outermost: a caller without a key learns nothing of its body)
             app.add_middleware(_RequireApiKey, server=self)
 
         @app.exception_handler(HttpError)
         async def http_error(request: Request, e: HttpError) -> JSONResponse:
             return _error_response(e.status, e.message, e.code)
 
-        @app.exception_handler(StarletteHTTPException)  # an unknown route or method
+        @app.exception_handler(StarletteHTTPException)  # an unknown route or method; a body too large
         async def http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
+            if e.status_code == 413:
+                self.count_too_large(request.url.path)
             return JSONResponse(error_body(str(e.detail), e.status_code), e.status_code, e.headers)
 
         @app.exception_handler(RequestValidationError)
@@ -155,6 +163,11 @@ class OpenAIServer:
             "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
             "invalid_api_key",
         )
+
+    def count_too_large(self, path: str) -> None:
+        """A completion refused for its body's size counts as gRPC counts an oversized message."""
+        if path in _REQUEST_PATHS:
+            self.metrics.requests_failed.labels(ErrorCode.RESOURCE_EXHAUSTED.name).inc()
 
     def _engine(self):
         try:
@@ -271,6 +284,42 @@ class OpenAIServer:
         if body.stream:
             return StreamingResponse(writer.sse(), media_type="text/event-stream")
         return await writer.whole(request)
+
+
+def body_too_large(limit: int, size: int | None = None) -> str:
+    what = "the request body" if size is None else f"the request body of {size} bytes"
+    return f"{what} exceeds the limit of {limit} bytes"
+
+
+class _LimitBody:
+    """ASGI middleware: a request body over `limit` bytes is a 413 naming the limit, at once from its
+    Content-Length, or (a body of unannounced length) as soon as the bytes read pass the limit, before
+    the app holds it all or parses it."""
+
+    def __init__(self, app, server: OpenAIServer, limit: int) -> None:
+        self.app, self.server, self.limit = app, server, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            self.server.count_too_large(scope["path"])
+            await _error_response(413, body_too_large(self.limit, int(declared)))(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_within_limit():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:  # (the app's handler answers it: FastAPI re-raises these)
+                    raise StarletteHTTPException(413, body_too_large(self.limit))
+            return message
+
+        await self.app(scope, receive_within_limit, send)
 
 
 class _RequireApiKey:

@@ -625,3 +625,64 @@ def test_fields_it_ignores_are_logged_once_per_request(api, model, caplog):
         f"request {got.id}: these fields were present in the request but ignored (not supported): "
         "continue_final_message, skip_special_tokens"
     ]
+
+
+def test_a_body_over_the_limit_is_a_413_and_the_server_keeps_serving(server, monkeypatch):
+    """A request body over MAX_BODY_BYTES (the gRPC API's message limit) is a 413 naming the limit,
+    refused from its Content-Length before it is read, or (a chunked body of no announced length) as
+    its bytes pass the limit, and counted as gRPC counts an oversized message. Before, any body was
+    read whole and parsed on the event loop that every stream and health check shares: a 200 MB
+    prompt held them for seconds. Then a request under the limit is served."""
+    from scheduler_service import http_api
+
+    monkeypatch.setattr(http_api, "MAX_BODY_BYTES", 1000)  # (read when the app is built)
+    app = OpenAIServer(server.engine).app
+    registry = server.engine.metrics.registry
+
+    def exhausted() -> float:
+        labels = {"code": "RESOURCE_EXHAUSTED"}
+        return registry.get_sample_value("tandem_scheduler_requests_failed_total", labels) or 0.0
+
+    big = json.dumps({"prompt": PROMPT + " x" * 1000, "max_tokens": 2}).encode()
+
+    async def chunks():
+        for i in range(0, len(big), 100):
+            yield big[i : i + 100]
+
+    async def call() -> list:
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://tandem") as client:
+            declared = await client.post(
+                "/v1/completions", content=big, headers={"content-type": "application/json"}
+            )
+            chunked = await client.post(
+                "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}
+            )
+            small = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            return [declared, chunked, small]
+
+    before = exhausted()
+    declared, chunked, small = asyncio.run_coroutine_threadsafe(call(), server.engine._loop).result(10)
+    assert declared.status_code == 413
+    assert declared.json()["error"]["message"] == (
+        f"the request body of {len(big)} bytes exceeds the limit of 1000 bytes"
+    )
+    assert chunked.status_code == 413
+    assert chunked.json()["error"]["message"] == "the request body exceeds the limit of 1000 bytes"
+    assert exhausted() - before == 2
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_served_body_limit_is_the_grpc_message_limit(server):
+    """Over the real socket at the default limit: a body one byte over the gRPC API's message limit
+    is a 413 naming it, and the connection's server answers health checks after."""
+    from protos.defaults import GENERATION_MAX_MESSAGE_BYTES
+
+    body = b" " * (GENERATION_MAX_MESSAGE_BYTES + 1)
+    url = f"http://127.0.0.1:{server.http_port}"
+    r = httpx.post(
+        url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert r.status_code == 413, r.text
+    assert f"exceeds the limit of {GENERATION_MAX_MESSAGE_BYTES} bytes" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200
