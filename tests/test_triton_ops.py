@@ -88,7 +88,9 @@ def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dty
 )
 @pytest.mark.parametrize("num_kv_heads, head_dim, with_norm", [(8, 128, True), (2, 64, False)])
 @pytest.mark.parametrize("roles", [False, True])
-def test_qk_norm_rope_stores_kv(dtype, kv_dtype, block_size, scales, num_kv_heads, head_dim, with_norm, roles):
+def test_qk_norm_rope_stores_kv(
+    dtype, kv_dtype, block_size, scales, num_kv_heads, head_dim, with_norm, roles
+):
     """The fused rotary kernel's K/V store: byte for byte the attention backend's (the model
     dtype's cache, and e4m3 with the lone token's rows, a run's zeroing and a block size no power
     of 2), the q and k it returns unchanged; either kernel (roles)."""

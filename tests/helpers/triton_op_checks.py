@@ -169,9 +169,16 @@ def check_qk_norm_rope_stores_kv(
     v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
     torch_ref.store_kv(k, v, k_ref, v_ref, slot_mapping, *scales)
     q_fused, k_fused = qk_norm_rope(
-        *args, num_heads, num_kv_heads, head_dim, kv_cache=(k_cache, v_cache, slot_mapping, *scales), roles=roles
+        *args,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        kv_cache=(k_cache, v_cache, slot_mapping, *scales),
+        roles=roles,
     )
-    what = f"qk_norm_rope storing KV ({dtype} into {kv_dtype}, block size {bs}, scales {scales}, roles {roles})"
+    what = (
+        f"qk_norm_rope storing KV ({dtype} into {kv_dtype}, block size {bs}, scales {scales}, roles {roles})"
+    )
     assert torch.equal(q_fused, q) and torch.equal(k_fused, k), what + ": q / k changed"
     bits = torch.uint8 if kv_dtype == torch.float8_e4m3fn else torch.int16
     assert torch.equal(k_cache.view(bits), k_ref.view(bits)), what + ": K cache"
