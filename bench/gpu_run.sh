@@ -48,7 +48,7 @@ for what in "$@"; do
     case $what in
     tests) stage tests "$PY" -m pytest -q tests/test_triton_ops.py tests/test_sampling_kernel.py tests/test_gpu_engine.py ;;
     # Every GPU test of the engine, the sampler and the fp8 GEMM (issue 18's request features with the fused sampler among them).
-    gpu-tests) TAIL=30 stage gpu-tests "$PY" -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_sampling_kernel.py tests/test_fp8_gemm.py tests/test_triton_ops.py ;;
+    gpu-tests) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage gpu-tests "$PY" -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_sampling_kernel.py tests/test_fp8_gemm.py tests/test_triton_ops.py ;;
     moe-tests) TAIL=20 stage moe-tests "$PY" -m pytest -q -m gpu tests/test_fused_moe.py tests/test_triton_ops.py tests/test_gpu_engine.py -k "moe or rope or famil" ;;
     moe) TAIL=30 stage moe "$PY" bench/moe.py ;;
     route-sweep) TAIL=30 stage route-sweep "$PY" bench/moe.py --sweep-route --num-tokens ${SWEEP_TOKENS:-8 64 256 1024 8192} ;;
@@ -116,6 +116,8 @@ for what in "$@"; do
     rope-tests) TAIL=8 stage rope-tests "$PY" -m pytest -q -m gpu tests/test_triton_ops.py -k "qk_norm_rope or rope_without" ;;
     rope-store) TAIL=20 stage rope-store bash -c '"$0" bench/rope_store.py && "$0" bench/rope_store.py --heads 32 8 --layers 36' "$PY" ;;
     # The fp8 decode kernel in programs of one or two warps (then W1 with a winner: w1-fp8-config).
+    # Up to ~5 minutes on a cold Triton cache: alone in a device call (its 600 s cap), as the W1
+    # stages of several runs below.
     decode-warps) TAIL=60 STAGE_TIMEOUT=500 stage decode-warps "$PY" bench/attention.py --sweep-warps ;;
     decode-warps-8b) TAIL=60 STAGE_TIMEOUT=500 stage decode-warps-8b "$PY" bench/attention.py --sweep-warps --heads 32 8 ;;
     fp8-engine-tests) TAIL=8 stage fp8-engine-tests "$PY" -m pytest -q -m gpu tests/test_fp8_kv.py tests/test_gpu_engine.py -k fp8 ;;

@@ -507,7 +507,7 @@ def test_a_long_grpc_chat_is_rendered_without_holding_up_the_event_loop(server):
     from protos.tandem.v1 import generation_pb2 as pb
     from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 
-    messages = [pb.ChatMessage(role="user", content="")] * 600_000
+    messages = [pb.ChatMessage(role="user", content="")] * 1_500_000  # (12 MB: under the 16 MiB limit)
     request = pb.GenerateRequest(chat=pb.Chat(messages=messages), sampling_params=pb.SamplingParams())
     latencies: list[float] = []
     done = threading.Event()

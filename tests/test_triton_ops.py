@@ -68,10 +68,19 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_fa
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", [(1, 32, 8, 64), (300, 14, 2, 64)])
-def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("roles", [False, True])
+def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dtype, roles):
     """The rotary-only variant (Llama, Qwen2, Mistral), with a scaled cos/sin table."""
     check_qk_norm_rope(
-        num_tokens, num_heads, num_kv_heads, head_dim, dtype, "cuda", with_norm=False, rope=LLAMA3
+        num_tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        "cuda",
+        with_norm=False,
+        rope=LLAMA3,
+        roles=roles,
     )
 
 

@@ -593,9 +593,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, config: di
     keeps it."""
     config = config or {}
     programs = max(num_seqs * num_kv_heads, 1)
-    if programs >= config.get("split_below", SPLIT_BELOW) * num_sms:
+    if programs >= int(config.get("split_below", SPLIT_BELOW)) * num_sms:
         return 1
-    want = min(MAX_SPLITS, triton.cdiv(config.get("split_to", SPLIT_TO) * num_sms, programs))
+    want = min(MAX_SPLITS, triton.cdiv(int(config.get("split_to", SPLIT_TO)) * num_sms, programs))
     return 1 << (want.bit_length() - 1)
 
 

@@ -11,7 +11,9 @@ the unfused path; these replace them with three launches per layer. With the Tri
 backend the rotary kernel also writes the token's K and V into the paged KV cache (the attention
 backend's store, attention/triton_kernels.store_token_kv: the same bytes), one launch fewer a layer.
 It launches a program per token, or with QK_NORM_ROPE_ROLES a program per token and role (query
-heads; key heads and K's store; V's store), the same results either way.
+heads; key heads and K's store; V's store); either way the cache holds the store's bytes of the k
+returned, which may differ between the two by a rounding step (on the GPU their tiles add the q/k
+RMS statistics in different orders).
 
 Where the next layer is an fp8 linear (CausalLM.fuse_fp8_quantization), RMSNorm and SiLU-and-mul
 quantize their output for its W8A8 GEMM instead of storing it (`quantize_rows_multiple`): per token
@@ -466,7 +468,8 @@ def qk_norm_rope(
     attention.triton_kernels.store_kv(k, v, ...) would.
 
     roles: a program per token and role (its query heads, its key heads, its V: the roles kernel)
-    instead of one per token; None: QK_NORM_ROPE_ROLES. The same results and bytes."""
+    instead of one per token; None: QK_NORM_ROPE_ROLES. q and k may differ between the two by a
+    rounding step (the norm's sums added in another order); each stores the k it returns."""
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError("qk_norm_rope needs row-contiguous inputs and a power-of-two head_dim")
     num_tokens = qkv.shape[0]
