@@ -35,6 +35,17 @@ from scheduler_service.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+# The characters of a request's `user` the log shows (the field has no limit of its own, as OpenAI's).
+MAX_LOGGED_USER_CHARS = 256
+
+
+def _shown(user: str) -> str:
+    """`user` as the log shows it: quoted and escaped (repr), at most MAX_LOGGED_USER_CHARS of it."""
+    if len(user) <= MAX_LOGGED_USER_CHARS:
+        return repr(user)
+    return f"{user[:MAX_LOGGED_USER_CHARS]!r}... ({len(user)} characters)"
+
+
 class AsyncEngine:
     """Owns the engine thread. Public methods run on the asyncio loop given to start()."""
 
@@ -147,7 +158,7 @@ class AsyncEngine:
         logger.info(
             "request %s%s: %d prompt tokens, %s",
             request_id,
-            f" (user {user!r})" if user else "",
+            f" (user {_shown(user)})" if user else "",
             len(prompt_token_ids),
             params.summary(),
         )

@@ -39,9 +39,16 @@ RENDER_INLINE_MESSAGES = 256
 
 
 def verify_request_id(request_id: str) -> None:
+    """A client's request id is logged as it is: at most MAX_REQUEST_ID_CHARS printable characters (a
+    newline in one would write a line of its own choosing into the scheduler's log)."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(
             f"request_id is {len(request_id)} characters long; at most {MAX_REQUEST_ID_CHARS}"
+        )
+    if not request_id.isprintable():
+        at = next(i for i, c in enumerate(request_id) if not c.isprintable())
+        raise InvalidRequestError(
+            f"request_id has a character that is not printable ({request_id[at]!r}) at position {at}"
         )
 
 

@@ -142,6 +142,12 @@ SCHEDULER_CATALOG: list[tuple[str, object, grpc.StatusCode, str]] = [
     ("too-many-stop-strings", req([5], stop=["x"] * 65), IA, "at most 64 stop strings"),
     ("stop-string-too-long", req([5], stop=["y" * 2000]), IA, "at most 1024"),
     ("request-id-too-long", pb.GenerateRequest(text="a", request_id="r" * 1000), IA, "at most 256"),
+    (
+        "request-id-newline",  # (logged as it is: it would forge a log line)
+        pb.GenerateRequest(text="a", request_id="r1\nINFO forged"),
+        IA,
+        "not printable ('\\n') at position 2",
+    ),
     ("text-too-long", req("word " * 40_000), IA, "exceeds max_model_len"),
     ("invalid-utf8", _raw_text(b"ab\xff\xfe"), IA, "not a valid tandem.v1.GenerateRequest"),
     ("truncated-message", bytes([0x0A, 0x50]) + b"abc", IA, "not a valid tandem.v1.GenerateRequest"),

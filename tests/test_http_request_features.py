@@ -199,6 +199,18 @@ def test_the_user_and_the_request_id_are_logged(api, model, caplog):
     assert f"request {got.id} (user 'bob-42')" in caplog.text
 
 
+def test_a_long_user_is_logged_in_part(api, model, caplog):
+    """`user` has no limit (as OpenAI's): a 1 MB one was a 1 MB line in the log for each request.
+    The log keeps its first 256 characters and says how long it was; the request is served."""
+    user = "u" * 300 + "v" * 1_000_000
+    with caplog.at_level(logging.INFO, logger="scheduler_service"):
+        got = api.completions.create(model=model, prompt=PROMPT, max_tokens=2, user=user)
+    assert got.usage.completion_tokens == 2
+    line = next(r.getMessage() for r in caplog.records if got.id in r.getMessage())
+    assert f"(user {'u' * 256!r}... (1000300 characters))" in line
+    assert len(line) < 1000
+
+
 def test_chat_prompt_logprobs_are_the_response_s(api, model):
     got = api.chat.completions.create(
         model=model,
