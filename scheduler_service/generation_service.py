@@ -82,7 +82,7 @@ def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate, bool]:
     ):
         try:
             fields[name] = json.loads(raw) if raw else None
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # (not JSON, or an integer past Python's 4,300 digits)
             raise InvalidRequestError(f"chat.{name} is not JSON: {e}") from None
         except RecursionError:
             raise InvalidRequestError(f"chat.{name} is nested too deeply") from None

@@ -68,7 +68,7 @@ def _new_id() -> str:
 def parse_tool_call(body: str, index: int) -> ToolCall | None:
     try:
         call = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer past Python's 4,300 digits, nested too deep
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
@@ -152,7 +152,7 @@ class ToolCallParser:
                 return self._whole_block(self._body, deltas, unclosed)
             try:
                 name = json.loads(f'"{match.group(1)}"')
-            except json.JSONDecodeError:
+            except ValueError:
                 name = match.group(1)
             call = ToolCall(len(self.calls), _new_id(), name, "")
             self.calls.append(call)
@@ -178,7 +178,7 @@ class ToolCallParser:
                 out = held.rstrip().removesuffix("}").rstrip()
                 try:
                     value = json.loads(out)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # as parse_tool_call
                     value = out
                 self._send(value if isinstance(value, str) else out, deltas)
             return

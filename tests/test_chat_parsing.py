@@ -112,6 +112,32 @@ def test_whole_and_streamed_splits_agree(output, pieces):
     assert _split(output, pieces) == OUTPUTS[output]
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    ["1" * 5000, "[" * 100_000 + "]" * 100_000, '"' + "[" * 100_000 + '"'],
+    ids=["integer-of-5000-digits", "nested-100000-deep", "a-string"],
+)
+@pytest.mark.parametrize("pieces", [0, 7])
+def test_a_call_json_cannot_take_stays_text_whatever_the_model_wrote(arguments, pieces):
+    """A model may write anything in a call: an integer past Python's 4,300 digits or arrays nested
+    past the parser's recursion limit raised out of the parser (ValueError, RecursionError), ending
+    the response with an error. Now such a block is no call and stays in the content; a string of
+    brackets is a call's arguments as written."""
+    text = 'Calling.<tool_call>{"arguments": ' + arguments + ', "name": "f"}</tool_call>'
+    parser = ChatOutputParser(None, ToolCallParser())
+    step = max(1, len(text) // pieces) if pieces else len(text)
+    content = "".join(
+        parser.add(text[i : i + step], last=i + step >= len(text)).content for i in range(0, len(text), step)
+    )
+    if arguments.startswith('"'):
+        assert (content, [(c.name, c.arguments) for c in parser.calls]) == (
+            "Calling.",
+            [("f", arguments[1:-1])],
+        )
+    else:
+        assert (content, parser.calls) == (text, [])
+
+
 def test_a_block_opened_by_the_prompt_is_reasoning():
     assert _split("thinking</think>answer", 5, prompt="<|im_start|>assistant\n<think>\n") == (
         "thinking",

@@ -239,6 +239,18 @@ def test_grpc_chat_tools_not_an_array_of_objects_is_invalid_argument(server, too
 
 
 @pytest.mark.parametrize("field", ["tools_json", "chat_template_kwargs_json"])
+def test_grpc_chat_json_with_an_integer_python_cannot_read_is_invalid_argument(server, field):
+    """An integer of more than 4,300 digits is JSON Python refuses (a ValueError that is no
+    JSONDecodeError): it was an UNKNOWN status."""
+    request = chat_request(MESSAGES, max_tokens=2)
+    setattr(request.chat, field, '{"a": ' + "7" * 5000 + "}")
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(f"chat.{field} is not JSON: Exceeds the limit (4300 digits)")
+
+
+@pytest.mark.parametrize("field", ["tools_json", "chat_template_kwargs_json"])
 def test_grpc_chat_json_nested_too_deeply_is_invalid_argument(server, field):
     """JSON nested past the parser's recursion limit was an UNKNOWN status (a RecursionError)."""
     request = chat_request(MESSAGES, max_tokens=2)
