@@ -175,8 +175,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         session = session_of(context)
         try:
             self.ownership.open_stream(session)
-        except NotOwner as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except NotOwner as e:  # (a step refused as its stream opens counts as one refused later)
+            self._refuse(_Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)), context)
         except TooManyStreams as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         admission = _StreamAdmission(self.ownership, session, lambda: self._num_resets)

@@ -124,6 +124,38 @@ def test_stray_callers_cannot_reset_or_step_while_the_owner_is_live(server):
         assert plan.num_computed_tokens == [4] and owner.step(plan).seq_ids == [1]
 
 
+def _step_failures(server: ExecutorServer) -> dict[str, float]:
+    return {
+        s.labels["code"]: s.value
+        for family in server.metrics.registry.collect()
+        for s in family.samples
+        if s.name == "tandem_executor_step_failures_total"
+    }
+
+
+def test_refused_step_streams_count_as_refused_steps(server):
+    """tandem_executor_step_failures_total{code="FAILED_PRECONDITION"} counts the steps refused for
+    not coming from the owner: most are refused as their Step stream opens (a stray caller, a
+    scheduler that lost the executor), and those were not counted at all."""
+    owner = session_metadata("o" * 32, "scheduler A")
+    _raw(server.address, "Reset", metadata=owner)
+    stream = queue.SimpleQueue()
+    with grpc.insecure_channel(server.address) as channel:
+        responses = pb_grpc.ExecutorServiceStub(channel).Step(
+            iter(stream.get, None), timeout=10, metadata=owner
+        )
+        stream.put(plan_to_proto(_prefill(1, 1, 0)))
+        assert next(responses).step_id == 1
+        for metadata in (None, session_metadata("b" * 32, "scheduler B")):
+            error = _refused(
+                lambda metadata=metadata: _raw(server.address, "Step", _prefill(7, 2, 1), metadata=metadata)
+            )
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+        stream.put(None)
+        assert list(responses) == []
+    assert _step_failures(server) == {"FAILED_PRECONDITION": 2}
+
+
 def test_idle_step_streams_without_a_session_leave_the_executor_answering(server):
     """A caller without a session may open Step streams on an executor nobody owns yet, and each
     one open holds a server thread: 16 idle ones held every thread, and Describe, health and the
