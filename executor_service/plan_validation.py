@@ -216,6 +216,9 @@ def sampling_problem(p: StepSamplingParams, vocab_size: int) -> str | None:
         return (
             f"logit_bias has {len(p.logit_bias_token_ids)} entries, more than the vocabulary ({vocab_size})"
         )
+    # (each step bans them while the sequence is short of min_tokens: their number is its cost)
+    if len(p.stop_token_ids) > vocab_size:
+        return f"stop_token_ids has {len(p.stop_token_ids)} entries, more than the vocabulary ({vocab_size})"
     if bad := _first(p.logit_bias_values, lambda v: not math.isfinite(v)):
         return f"logit_bias_values[{bad[0]}] = {bad[1]} must be finite"
     for name in ("stop_token_ids", "logit_bias_token_ids"):

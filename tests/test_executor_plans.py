@@ -103,6 +103,10 @@ BAD_PLANS = {
     ),
     "top_p 0.0 must be in (0, 1]": _new_plan(_new(2, [5], [3], top_p=0.0)),
     "temperature -1.0 must be >= 0": _new_plan(_new(2, [5], [3], temperature=-1.0)),
+    # (each step bans them while the sequence is short of min_tokens: 5M made a step 0.8 s, not 3 ms)
+    "stop_token_ids has 513 entries, more than the vocabulary (512)": _new_plan(
+        _new(2, [5], [3], min_tokens=4, stop_token_ids=[7] * 513)
+    ),
     # Seq 1 is finished by this plan, so scheduling it is scheduling an unknown sequence.
     "unknown seq id 1": _decode(finished_seq_ids=[1]),
 }

@@ -29,7 +29,9 @@ Catalog of bad plans (MUTATIONS: one mutation of the base plan each; all INVALID
   token-outside-vocab        a new token id >= 512 or < 0
   bad-sampling               temperature / top_p / min_p / penalties NaN, inf or out of range;
                              top_k, logprobs, num_prompt_tokens out of range (NaN and infinite
-                             penalties used to run)
+                             penalties used to run); more stop_token_ids than the vocabulary
+                             (they were unbounded: 5M of them, an 8 MiB plan, made every step
+                             of the batch 0.8 s instead of 3 ms while the sequence was held)
   unknown-tokens             tokens scheduled beyond the known ones (decode of 2)
   computed-mismatch          num_computed_tokens differs from the executor's count
   too-few-blocks             a block table too short for the scheduled tokens
@@ -279,7 +281,7 @@ BAD_SAMPLING = {
     "num_prompt_tokens": [-1, -(2**31)],
     "min_tokens": [-1],
     "prompt_logprobs": [-1, VOCAB + 1],
-    "stop_token_ids": [[VOCAB], [-1]],
+    "stop_token_ids": [[VOCAB], [-1], [7] * (VOCAB + 1)],
     "logit_bias_token_ids": [[VOCAB]],
     "logit_bias_values": [[NAN], [INF]],
 }
