@@ -204,7 +204,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             while True:
                 msg = in_flight.next_request(executor.ready)
                 if msg is None:  # the oldest step is done, or two are out
-                    yield self._receive(executor, in_flight, context)
+                    yield self._receive(executor, in_flight, admission, context)
                     continue
                 if msg is END:
                     break
@@ -212,13 +212,13 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     plan = admission.admit(msg)
                 except _Refusal as refusal:
                     while in_flight:  # answer what ran, then refuse
-                        yield self._receive(executor, in_flight, context)
+                        yield self._receive(executor, in_flight, admission, context)
                     self._refuse(refusal, context)
                 if not context.is_active():  # cancelled: a plan read ahead is not launched
                     break
                 if self._closed:  # answer the steps that ran, then refuse
                     while in_flight:
-                        yield self._receive(executor, in_flight, context)
+                        yield self._receive(executor, in_flight, admission, context)
                     context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                 # Waits, outside the executor lock, while another stream has steps in flight.
                 idle = in_flight.sending(plan, _num_graph_steps(executor))
@@ -250,7 +250,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     raise send_error
                 yield self._answered(executor, in_flight, oldest, result)
             while in_flight:
-                yield self._receive(executor, in_flight, context)
+                yield self._receive(executor, in_flight, admission, context)
         finally:
             if in_flight:  # the stream broke or a step failed: forget what was not answered
                 try:
@@ -260,10 +260,18 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     in_flight.clear()
 
     def _receive(
-        self, executor: ServedExecutor, in_flight: StreamSteps, context: grpc.ServicerContext
+        self,
+        executor: ServedExecutor,
+        in_flight: StreamSteps,
+        admission: _StreamAdmission,
+        context: grpc.ServicerContext,
     ) -> pb.StepResult:
         plan = in_flight.oldest().plan
         with self._lock:
+            try:  # a Reset since the stream opened dropped the step (`finally` discards the rest)
+                admission.recheck(plan.step_id)
+            except _Refusal as refusal:
+                self._refuse(refusal, context)
             result = self._run_step(executor.receive, plan, context)
         return self._answered(executor, in_flight, plan, result)
 

@@ -23,11 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from client.defaults import free_port
 from executor_service import cli
 from executor_service.metrics import step_kind
-from executor_service.plan_validation import PlanError
+from executor_service.plan_validation import PlanError, StepOrderError
 from executor_service.server import ExecutorServer
 from protos.executor import StepOnlyExecutor
 from protos.plan import ExecutorInfo, NewSequence, StepPlan, StepResult, StepSamplingParams, plan_to_proto
 from protos.session import session_metadata
+from protos.tandem.v1 import executor_pb2 as pb
 from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import LLMEngine
@@ -494,6 +495,61 @@ def test_shutdown_answers_the_step_in_flight_before_refusing_the_next():
                 next(responses)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
             plans.put(None)
+    finally:
+        server.stop(1)
+
+
+class ResettableExecutor(UnfinishedExecutor):
+    """As LocalExecutor: a reset forgets the steps in flight (ready() then holds), and a receive of
+    a step no longer in flight is a StepOrderError."""
+
+    def ready(self) -> bool:
+        return not self.sent
+
+    def reset(self) -> int:
+        self.sent.clear()
+        return 0
+
+    def receive(self, plan: StepPlan) -> StepResult:
+        if not self.sent or self.sent[0] is not plan:
+            raise StepOrderError(f"receive of step {plan.step_id}, which is not the oldest in flight")
+        return super().receive(plan)
+
+
+def test_a_reset_while_a_step_is_in_flight_refuses_it_as_stale():
+    """The owner's Reset (or Release) while its stream has a step in flight on the device (the
+    scheduler closes the stream first, but the executor may not have seen that yet): the step is
+    gone, and the stream ends FAILED_PRECONDITION as for a plan read after the Reset. It ended
+    INTERNAL, with a traceback logged and tandem_executor_step_failures_total{code="INTERNAL"}."""
+    executor = ResettableExecutor()
+    server = ExecutorServer("127.0.0.1", 0)
+    server.start()
+    server.set_executor(executor)
+    owner = session_metadata("o" * 32, "scheduler A")
+    plan = StepPlan(0, seq_ids=[9], num_scheduled_tokens=[1], num_computed_tokens=[0])
+    plans: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.ExecutorServiceStub(channel)
+            stub.Reset(pb.ResetRequest(), timeout=10, metadata=owner)
+            responses = stub.Step(iter(plans.get, None), timeout=30, metadata=owner)
+            plans.put(plan_to_proto(plan))
+            deadline = time.monotonic() + 10
+            while not executor.sent and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stub.Reset(pb.ResetRequest(), timeout=10, metadata=owner)
+            with pytest.raises(grpc.RpcError) as e:
+                next(responses)
+            plans.put(None)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+        assert "reset after its Step stream opened" in e.value.details()
+        failures = {
+            s.labels["code"]: s.value
+            for f in text_string_to_metric_families(_registry_text(server))
+            for s in f.samples
+            if s.name == "tandem_executor_step_failures_total"
+        }
+        assert failures == {"FAILED_PRECONDITION": 1}
     finally:
         server.stop(1)
 
