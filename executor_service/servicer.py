@@ -20,7 +20,13 @@ import grpc
 from executor_service.executor_thread import ExecutorThread
 from executor_service.metrics import ExecutorMetrics
 from executor_service.ownership import LogThrottle, NotOwner, Ownership, Session, TooManyStreams, session_of
-from executor_service.plan_validation import PlanError, StepOrderError, check_step_order
+from executor_service.plan_validation import (
+    HELD_SEQS_PER_BATCH_SEQ,
+    PlanError,
+    StepOrderError,
+    check_num_new_seqs,
+    check_step_order,
+)
 from executor_service.steps_in_flight import END, StreamSteps
 from protos.executor import Executor
 from protos.parsing import MalformedMessage, deserializer
@@ -74,15 +80,24 @@ class _Refusal(Exception):
 
 class _StreamAdmission:
     """What a Step stream lets through to the executor: well-formed plans of the executor's owner,
-    with step ids that increase (they continue across reconnects, so only within a stream)."""
+    with step ids that increase (they continue across reconnects, so only within a stream), and no
+    more new sequences than the executor may hold (`max_held_seqs`: refused before they are read)."""
 
-    def __init__(self, ownership: Ownership, session: Session, resets: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        ownership: Ownership,
+        session: Session,
+        resets: Callable[[], int],
+        resets_at_open: int,
+        max_held_seqs: int,
+    ) -> None:
         self._ownership = ownership
         self._session = session
+        self._max_held_seqs = max_held_seqs
         self._last_step_id: int | None = None
-        # The executor's resets so far: a plan of this stream after another one is stale.
+        # The executor's resets so far, and when the stream opened: a plan after another is stale.
         self._resets = resets
-        self._resets_at_open = resets()
+        self._resets_at_open = resets_at_open
 
     def admit(self, msg: object) -> StepPlan:
         """The plan in `msg`, or _Refusal."""
@@ -91,6 +106,7 @@ class _StreamAdmission:
         try:
             check_step_order(msg.step_id, self._last_step_id)
             self._ownership.check_plan(self._session, msg.step_id)
+            check_num_new_seqs(msg.step_id, len(msg.new_seqs), self._max_held_seqs)
         except PlanError as e:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except NotOwner as e:
@@ -179,8 +195,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             self._refuse(_Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)), context)
         except TooManyStreams as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        admission = _StreamAdmission(self.ownership, session, lambda: self._num_resets)
+        resets_at_open = self._num_resets
         try:
+            max_held_seqs = HELD_SEQS_PER_BATCH_SEQ * self.run_on_worker(executor.describe).max_num_seqs
+            admission = _StreamAdmission(
+                self.ownership, session, lambda: self._num_resets, resets_at_open, max_held_seqs
+            )
             if executor.overlaps_steps:
                 yield from self._step_overlapped(executor, request_iterator, admission, context)
             else:

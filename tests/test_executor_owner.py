@@ -294,6 +294,33 @@ def test_the_executor_holds_at_most_twice_max_num_seqs(server):
         assert remote.reset() == 4
 
 
+def test_a_plan_of_more_new_seqs_than_the_executor_holds_is_refused_before_it_is_read(server):
+    """300,000 new sequences in one 6 MiB plan (max_num_seqs 2: at most 4 held) are refused at
+    once, naming the limit. Each was turned into Python objects and checked first: 3.5 s and
+    250 MB here; 3M in a 64 MiB plan took 30 s and 2.5 GB of the executor's memory."""
+    owner = session_metadata("o" * 32, "scheduler A")
+    _raw(server.address, "Reset", metadata=owner)
+    new = pb.NewSequence(
+        seq_id=1,
+        token_ids=[5],
+        block_table=[0],
+        sampling_params=pb.StepSamplingParams(top_p=1, repetition_penalty=1),
+    ).SerializeToString()
+    new_seqs = 300_000
+    plan = pb.StepPlan(step_id=1).SerializeToString() + (b"\x12" + bytes([len(new)]) + new) * new_seqs
+    with grpc.insecure_channel(server.address) as channel:
+        step = channel.stream_stream("/tandem.v1.ExecutorService/Step")  # the bytes as they are
+        started = time.monotonic()
+        error = _refused(lambda: list(step(iter([plan]), timeout=30, metadata=owner)))
+        elapsed = time.monotonic() - started
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details() == (
+        f"step 1: {new_seqs} new seqs exceed 2 x max_num_seqs (4), the most sequences the executor holds"
+    )
+    assert elapsed < 2.0
+    assert _raw(server.address, "Step", _prefill(2, 1, 0), metadata=owner)[0].seq_ids == [1]
+
+
 def test_sequence_cap_in_validate_plan():
     limits = PlanLimits(
         block_size=16,
