@@ -390,10 +390,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         _refuse_malformed(request, context)
         executor = self._executor(context)
         session = session_of(context)
-        if not self.ownership.release(session):
-            return pb.ReleaseResponse(released=False)
-        # What the owner left behind is dropped: the next owner starts from an empty executor.
+        # What the owner left behind is dropped: the next owner starts from an empty executor. Under
+        # the lock, behind the step that may still run: released before, the executor could be
+        # claimed meanwhile, and the drop would take the next owner's sequences.
         with self._lock:
+            if not self.ownership.release(session):
+                return pb.ReleaseResponse(released=False)
             dropped = self.run_on_worker(executor.reset)
             self._num_resets += 1
         logger.info("released by %s: dropped %d sequences", session, dropped)

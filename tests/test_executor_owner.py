@@ -267,6 +267,33 @@ def test_release_hands_the_executor_over_at_once(server):
         assert server.servicer.ownership.owner.name == "scheduler B"
 
 
+def test_a_release_behind_a_running_step_drops_nothing_of_the_next_owner(server):
+    """A scheduler that stops closes its stream and calls Release while its last step may still
+    run. Release gave the executor up at once and dropped the sequences only once the step was
+    done: a successor's Reset in between took over, and the late drop took the successor's
+    sequences (its plans then failed, 'reset after its Step stream opened'). The owner stays the
+    owner until its Release has dropped its sequences; the successor is refused until then."""
+    a, b = (session_metadata(c * 32, f"scheduler {c.upper()}") for c in "ab")
+    _raw(server.address, "Reset", metadata=a)
+    _raw(server.address, "Step", _prefill(1, 1, 0), metadata=a)
+    released = []
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ExecutorServiceStub(channel)
+        with server.servicer._lock:  # A's last step still runs
+            thread = threading.Thread(
+                target=lambda: released.append(stub.Release(pb.ReleaseRequest(), timeout=10, metadata=a))
+            )
+            thread.start()
+            time.sleep(0.3)
+            error = _refused(lambda: _raw(server.address, "Reset", metadata=b))
+        thread.join()
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "owned by scheduler A" in error.details()
+    assert released[0].released
+    assert _raw(server.address, "Reset", metadata=b).num_dropped_seqs == 0  # A's were dropped
+    assert _raw(server.address, "Step", _prefill(2, 2, 1), metadata=b)[0].seq_ids == [2]
+    assert len(server.servicer.executor.seqs) == 1
+
+
 def test_step_ids_must_increase_on_a_stream(server):
     owner = session_metadata("s" * 32, "scheduler A")
     _raw(server.address, "Reset", metadata=owner)
