@@ -87,7 +87,7 @@ def add_connection_flags(group) -> None:
     group.add_argument(
         "--retries",
         type=int,
-        default=int(env("RETRIES", str(DEFAULT_RETRIES))),
+        default=env("RETRIES", str(DEFAULT_RETRIES)),  # a string: argparse applies `type`, or errors
         help=f"retries of a request refused UNAVAILABLE before its first token (0-4, jittered backoff; "
         f"default {DEFAULT_RETRIES}; env TANDEM_RETRIES)",
     )

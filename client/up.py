@@ -69,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--http-port",
         type=int,
-        default=int(env("HTTP_PORT") or HTTP_PORT),
+        default=env("HTTP_PORT") or HTTP_PORT,
         help=f"scheduler's OpenAI-compatible HTTP API port (default {HTTP_PORT}; 0: none) [TANDEM_HTTP_PORT]",
     )
     p.add_argument(

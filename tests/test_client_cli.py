@@ -148,6 +148,22 @@ def test_sampling_flags_become_kwargs():
     assert cli.sampling_kwargs(parse("generate", "x")) == {"max_tokens": 16, "temperature": 0.0}
 
 
+def test_a_bad_client_twin_is_a_usage_error_of_its_own_command(monkeypatch, capsys):
+    """TANDEM_RETRIES and TANDEM_HTTP_PORT that are no integers: argparse's error for the command
+    that reads them (exit 2), not a traceback of every `tandem` command (--help included)."""
+    for twin, argv, flag, other in (
+        ("TANDEM_RETRIES", ("generate", "x"), "--retries", ("up",)),
+        ("TANDEM_HTTP_PORT", ("up",), "--http-port", ("generate", "x")),
+    ):
+        monkeypatch.setenv(twin, "abc")
+        parse(*other)  # a command that does not read it is unaffected
+        with pytest.raises(SystemExit) as e:
+            parse(*argv)
+        assert e.value.code == 2
+        assert f"argument {flag}: invalid int value: 'abc'" in capsys.readouterr().err
+        monkeypatch.delenv(twin)
+
+
 def test_verb_detection_skips_global_options():
     assert cli._command_of(["--log-level", "INFO", "executor", "--port", "1"]) == "executor"
     assert cli._command_of(["generate", "x"]) == "generate"
