@@ -247,6 +247,12 @@ def run(args: argparse.Namespace) -> int:
     from protos.api_keys import load_api_keys
 
     try:
+        for flag, value, zero in (
+            ("--port", args.port, "any free port"),
+            ("--metrics-port", args.metrics_port, "off"),
+        ):
+            if not 0 <= value < 65536:
+                raise ValueError(f"{flag} must be in [0, 65535] (0 = {zero}), got {value}")
         config = ExecutorConfig(
             model=args.model,
             revision=args.revision,

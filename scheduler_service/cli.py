@@ -274,8 +274,13 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag} must be >= 0 (0 = no limit), got {value}")
         if args.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
-        if not 0 <= args.http_port < 65536:
-            raise ValueError(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
+        for flag, value, zero in (
+            ("--port", args.port, "any free port"),
+            ("--http-port", args.http_port, "off"),
+            ("--metrics-port", args.metrics_port, "off"),
+        ):
+            if not 0 <= value < 65536:
+                raise ValueError(f"{flag} must be in [0, 65535] (0 = {zero}), got {value}")
         if args.api_server_count is None:
             args.api_server_count = default_api_server_count()
         if args.api_server_count < 0:

@@ -82,3 +82,14 @@ def test_a_switch_twin_is_on_for_true_words(monkeypatch):
         (action,) = add_flags(parser, table).values()
         assert parser.parse_args([]).enforce_eager is expected
         assert action.help.endswith("[TANDEM_ENFORCE_EAGER=1]")
+
+
+@pytest.mark.parametrize("verb", sorted(CLIS))
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+@pytest.mark.parametrize("port", ["65536", "-1"])
+def test_a_port_outside_the_tcp_range_is_refused_naming_its_flag(verb, flag, port, monkeypatch, capsys):
+    """A port past 65535 was an OverflowError traceback from bind(), and a negative gRPC port was
+    bound as 65536 minus it: both are refused before anything starts, naming the flag."""
+    _, args = _parse(verb, monkeypatch, argv=["--port", "0", "--metrics-port", "0", flag, port])
+    assert CLIS[verb].run(args) == 2
+    assert f"{flag} must be in [0, 65535]" in capsys.readouterr().err
