@@ -56,7 +56,11 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None) -> int:
             if not line.strip():
                 return 0
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            stream = client.chat(messages, chat_template_kwargs=kwargs, **sampling)
+            try:
+                stream = client.chat(messages, chat_template_kwargs=kwargs, **sampling)
+            except (TypeError, ValueError) as e:  # a flag's value the request cannot carry
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             try:
                 reply = _print_reply(stream, out)
             except TandemError as e:

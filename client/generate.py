@@ -76,7 +76,7 @@ def generate_remote(address: str, prompts: list, args: argparse.Namespace, sampl
         # Start every request before reading any: the server batches them together.
         try:
             streams = [client.generate(p, user=getattr(args, "user", ""), **sampling) for p in prompts]
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         several = (sampling.get("n") or 1) > 1

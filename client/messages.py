@@ -40,6 +40,19 @@ SAMPLING_FIELDS = {
     "include_stop_str_in_output": bool,
 }
 
+# The proto's integers: int32, but the seed's uint64, which takes a negative seed (vLLM's int64) as
+# the offline SamplingParams does, modulo 2**64.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _int32(value: int, what: str) -> int:
+    """`value`, or ValueError naming `what` where an int32 field cannot hold it (protobuf's own
+    error names only the value)."""
+    if not INT32_MIN <= value <= INT32_MAX:
+        raise ValueError(f"{what} must be in [{INT32_MIN}, {INT32_MAX}], got {value}")
+    return value
+
 
 class TandemError(Exception):
     """A failed call: the gRPC status code and the server's message."""
@@ -203,17 +216,26 @@ def sampling_params(**kwargs) -> pb.SamplingParams:
                 raise TypeError(f"{name} must be a dict of token id -> bias, got {value!r}")
             if any(isinstance(k, bool) or not isinstance(k, int) for k in value):
                 raise TypeError(f"{name} keys must be token ids (integers), got {list(value)!r}")
-            value = {int(k): float(v) for k, v in value.items()}
+            value = {_int32(int(k), f"{name} token id"): float(v) for k, v in value.items()}
         elif kind is list:
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
                 raise TypeError(f"{name} must be a list, got {value!r}")
-            value = [int(v) for v in value] if name == "stop_token_ids" else [str(v) for v in value]
+            if name == "stop_token_ids":
+                value = [_int32(int(v), f"{name}[{i}]") for i, v in enumerate(value)]
+            else:
+                value = [str(v) for v in value]
         elif kind is bool:
             value = bool(value)
         elif kind is int:
             if isinstance(value, bool) or int(value) != value:
                 raise TypeError(f"{name} must be an integer, got {value!r}")
             value = int(value)
+            if name != "seed":
+                value = _int32(value, name)
+            elif SEED_MIN <= value <= SEED_MAX:
+                value %= 2**64
+            else:
+                raise ValueError(f"seed must be in [-2**63, 2**64), got {value}")
         else:
             value = float(value)
         values[name] = value
@@ -230,8 +252,10 @@ def generate_request(
         request.text = prompt
     else:
         ids = list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise TypeError("prompt must be a string or a list of token ids (ints)")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TypeError("prompt must be a string or a list of token ids (ints)")
+            _int32(t, f"prompt token id at position {i}")
         request.token_ids.ids.extend(ids)
     return request
 

@@ -87,6 +87,51 @@ def test_bad_kwargs_fail_before_anything_is_sent(kwargs, message):
         sampling_params(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 2**31}, r"max_tokens must be in \[-2147483648, 2147483647\], got 2147483648"),
+        ({"n": -(2**31) - 1}, r"n must be in \[-2147483648, 2147483647\]"),
+        ({"seed": 2**64}, r"seed must be in \[-2\*\*63, 2\*\*64\), got 18446744073709551616"),
+        ({"seed": -(2**63) - 1}, r"seed must be in \[-2\*\*63, 2\*\*64\)"),
+        ({"stop_token_ids": [1, 2**31]}, r"stop_token_ids\[1\] must be in \[-2147483648, 2147483647\]"),
+        ({"logit_bias": {2**40: 1.0}}, r"logit_bias token id must be in \[-2147483648, 2147483647\]"),
+    ],
+)
+def test_integers_past_the_protos_fields_are_refused_naming_the_argument(kwargs, message):
+    """protobuf's own error named only the value ("Value out of range: 2147483648"), and
+    `tandem generate --max-tokens 99999999999` was a traceback of it."""
+    with pytest.raises(ValueError, match=message):
+        sampling_params(**kwargs)
+
+
+def test_a_negative_seed_travels_modulo_2_64_as_offline():
+    assert sampling_params(seed=-1).seed == 2**64 - 1
+    assert sampling_params(seed=-(2**63)).seed == 2**63
+
+
+def test_a_prompt_token_id_past_int32_is_refused_naming_its_position(capsys):
+    with pytest.raises(
+        ValueError, match=r"prompt token id at position 1 must be in \[-2147483648, 2147483647\]"
+    ):
+        generate_request([1, 2**31])
+    address = f"127.0.0.1:{free_port()}"  # nothing is sent: no server needed
+    for flags in (["x", "--max-tokens", "99999999999"], ["--prompt-ids", "99999999999"]):
+        assert cli.main(["generate", "--server", address, "--retries", "0", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "must be in [-2147483648, 2147483647]" in err
+        assert "Traceback" not in err
+    import io
+
+    from client.chat import run_chat
+
+    argv = ["chat", "--server", address, "--max-tokens", "99999999999"]
+    assert (
+        run_chat(cli.build_parser(argv).parse_args(argv), stdin=io.StringIO("hi\n"), out=io.StringIO()) == 2
+    )
+    assert "max_tokens must be in [-2147483648, 2147483647]" in capsys.readouterr().err
+
+
 def test_prompt_is_text_or_token_ids():
     assert generate_request("hello").WhichOneof("prompt") == "text"
     request = generate_request([1, 2, 3], request_id="r1", max_tokens=2)
