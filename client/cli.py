@@ -21,7 +21,7 @@ SERVICE_VERBS = {
 
 def _token_ids(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        return [int(t) for t in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--prompt-ids takes comma-separated integers, got {text!r}"

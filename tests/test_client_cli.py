@@ -174,6 +174,17 @@ def test_prompts_positional_flags_and_ids():
         cli.prompts_of(parse("generate"))
 
 
+@pytest.mark.parametrize("ids", ["1,,2", "1,2,", ",1", ""])
+def test_prompt_ids_with_an_empty_item_are_refused(ids, capsys):
+    """An empty item was dropped ("1,,2" ran as [1, 2], "" as an empty prompt): a typo'd id list
+    is not the prompt the user wrote."""
+    with pytest.raises(SystemExit) as e:
+        parse("generate", f"--prompt-ids={ids}")
+    assert e.value.code == 2
+    assert f"--prompt-ids takes comma-separated integers, got {ids!r}" in capsys.readouterr().err
+    assert cli.prompts_of(parse("generate", "--prompt-ids", " 1, 2 ")) == [[1, 2]]
+
+
 def test_sampling_flags_become_kwargs():
     args = parse(
         "generate", "x", "--max-tokens", "9", "--stop", "\n", "--stop", "END", "--stop-token-id", "3",
