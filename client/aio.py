@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.client import call_metadata, open_channel
+from client.client import call_metadata, call_timeout, open_channel
 from client.defaults import DEFAULT_RETRIES, DEFAULT_SERVER
 from client.messages import (
     Chunk,
@@ -103,7 +103,7 @@ class AsyncTandemClient:
         retries: int = DEFAULT_RETRIES,
     ):
         self.address = address
-        self.timeout = timeout
+        self.timeout = call_timeout(timeout)
         self._metadata = call_metadata(api_key)
         self._channel = open_channel(grpc.aio, address, tls, tls_ca, tls_server_name, retries)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)

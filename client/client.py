@@ -10,6 +10,7 @@ with TandemClient("127.0.0.1:50051") as client:
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,14 @@ from client.messages import (
 from protos.defaults import read_pem
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+
+def call_timeout(timeout: float | None) -> float | None:
+    """Every call's deadline in seconds (None: none); ValueError for one that is not a positive,
+    finite number (0 or less would fail every call at once, DEADLINE_EXCEEDED)."""
+    if timeout is not None and not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive, finite number of seconds (or none), got {timeout}")
+    return timeout
 
 
 def call_metadata(api_key: str | None) -> list[tuple[str, str]] | None:
@@ -166,7 +175,7 @@ class TandemClient:
         retries: int = DEFAULT_RETRIES,
     ):
         self.address = address
-        self.timeout = timeout
+        self.timeout = call_timeout(timeout)
         self._metadata = call_metadata(api_key)
         self._channel = open_channel(grpc, address, tls, tls_ca, tls_server_name, retries)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)

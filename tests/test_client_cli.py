@@ -185,6 +185,24 @@ def test_prompt_ids_with_an_empty_item_are_refused(ids, capsys):
     assert cli.prompts_of(parse("generate", "--prompt-ids", " 1, 2 ")) == [[1, 2]]
 
 
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf"])
+def test_a_timeout_that_is_no_positive_number_of_seconds_is_refused(timeout, capsys):
+    """--timeout 0 (or negative, NaN) failed every call at once with DEADLINE_EXCEEDED, which the
+    CLI reported as "no tandem server at ...": a server that was there was said not to be."""
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds"):
+        TandemClient("127.0.0.1:1", timeout=float(timeout))
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds"):
+        asyncio.run(_async_client(timeout=float(timeout)))
+    argv = ["generate", "--server", f"127.0.0.1:{free_port()}", "x", "--timeout", timeout]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "timeout must be a positive, finite number of seconds" in err and "no tandem server" not in err
+
+
+async def _async_client(**kwargs) -> None:
+    AsyncTandemClient("127.0.0.1:1", **kwargs)
+
+
 def test_sampling_flags_become_kwargs():
     args = parse(
         "generate", "x", "--max-tokens", "9", "--stop", "\n", "--stop", "END", "--stop-token-id", "3",
