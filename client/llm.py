@@ -6,6 +6,7 @@ outputs = llm.generate(["The list type"], SamplingParams(max_tokens=32))
 
 from __future__ import annotations
 
+import reprlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,12 +129,17 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[GenerationOutput]:
         """Generate for every prompt at once (continuous batching); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+            isinstance(sp, SamplingParams) for sp in sampling_params
+        ):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got {reprlib.repr(sampling_params)}"
+            )
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
 
@@ -216,6 +222,32 @@ class LLM:
         if logprobs is not None:
             name_tokens(self.tokenizer, logprobs)
         return CompletionOutput(index, token_ids, text, reason, logprobs, stop_reason or None)
+
+
+def _is_token_ids(prompt: object) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    )
+
+
+def _prompt_list(prompts: object) -> list[Prompt]:
+    """generate()'s prompts as a list of prompts, each a text or a list of token ids; TypeError
+    naming the first that is neither (checked before anything is admitted: a float id would fail
+    inside the engine's step, with its request still in the engine)."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+    ):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(
+            f"prompts must be a string, a list of token ids, or a list of those, got {reprlib.repr(prompts)}"
+        )
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) and not _is_token_ids(prompt):
+            raise TypeError(
+                f"prompts[{i}] must be a string or a list of token ids (ints), got {reprlib.repr(prompt)}"
+            )
+    return [p if isinstance(p, str) else list(p) for p in prompts]
 
 
 class _TextStream:

@@ -155,3 +155,34 @@ def test_bad_features_name_the_limit(llm, params, message):
         _generate(llm, PROMPT, **params)
     assert message in str(e.value)
     assert _generate(llm, PROMPT, max_tokens=1).token_ids  # it keeps serving
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        (None, "prompts must be a string, a list of token ids, or a list of those, got None"),
+        (
+            {"prompt": "x"},
+            "prompts must be a string, a list of token ids, or a list of those, got {'prompt': 'x'}",
+        ),
+        (b"abc", "prompts must be a string, a list of token ids, or a list of those, got b'abc'"),
+        ([5, 6.0], r"prompts[0] must be a string or a list of token ids (ints), got [5, 6.0]"),
+        ([[5, 6], [1.5, 2]], r"prompts[1] must be a string or a list of token ids (ints), got [1.5, 2]"),
+        ([[True, 5]], r"prompts[0] must be a string or a list of token ids (ints), got [True, 5]"),
+        (["a", None], r"prompts[1] must be a string or a list of token ids (ints), got None"),
+    ],
+)
+def test_prompts_of_another_type_are_refused_and_the_llm_keeps_serving(llm, prompts, message):
+    """A float token id passed validation and failed inside the engine's step (struct.error), with
+    the request still admitted: every later generate() failed the same way. A dict was a KeyError,
+    bytes ran as the token ids of its bytes."""
+    with pytest.raises(TypeError) as e:
+        llm.generate(prompts, use_tqdm=False)
+    assert message in str(e.value)
+    assert _generate(llm, PROMPT, max_tokens=1).token_ids
+
+
+def test_sampling_params_of_another_type_are_refused(llm):
+    for params in ({"max_tokens": 3}, [{"max_tokens": 3}]):
+        with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
+            llm.generate([PROMPT], params, use_tqdm=False)
