@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
 from executor_service.ownership import DEFAULT_OWNER_LEASE_SECONDS
@@ -276,8 +277,9 @@ def run(args: argparse.Namespace) -> int:
         )
         credentials = tls_credentials(args)
         api_keys = load_api_keys(args.api_key, args.api_key_file)
-        if args.owner_lease_seconds < 0:
-            raise ValueError(f"--owner-lease-seconds must be >= 0, got {args.owner_lease_seconds}")
+        for flag, value in (("--grace", args.grace), ("--owner-lease-seconds", args.owner_lease_seconds)):
+            if not 0 <= value < math.inf:  # NaN too
+                raise ValueError(f"{flag} must be a finite number of seconds >= 0, got {value}")
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import socket
 import sys
@@ -175,7 +176,7 @@ FLAGS = (
         type=float,
         default=300.0,
         help="seconds accepted requests wait for a lost executor to come back before failing "
-        "UNAVAILABLE (default 300)",
+        "UNAVAILABLE (default 300; 0 = no limit)",
     ),
     flag(
         "--executor-step-timeout",
@@ -287,12 +288,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--api-server-count must be >= 0 (0 = one process), got {args.api_server_count}"
             )
-        if args.shutdown_timeout < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-        if args.executor_step_timeout < 0:
-            raise ValueError(
-                f"--executor-step-timeout must be >= 0 (0 = no limit), got {args.executor_step_timeout}"
-            )
+        for flag, value, zero in (
+            ("--shutdown-timeout", args.shutdown_timeout, ""),
+            ("--executor-recovery-timeout", args.executor_recovery_timeout, " (0 = no limit)"),
+            ("--executor-step-timeout", args.executor_step_timeout, " (0 = no limit)"),
+        ):
+            if not 0 <= value < math.inf:  # NaN too
+                raise ValueError(f"{flag} must be a finite number of seconds >= 0{zero}, got {value}")
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         config = SchedulerConfig(

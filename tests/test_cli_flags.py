@@ -93,3 +93,22 @@ def test_a_port_outside_the_tcp_range_is_refused_naming_its_flag(verb, flag, por
     _, args = _parse(verb, monkeypatch, argv=["--port", "0", "--metrics-port", "0", flag, port])
     assert CLIS[verb].run(args) == 2
     assert f"{flag} must be in [0, 65535]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "verb, flag",
+    [
+        ("scheduler", "--shutdown-timeout"),
+        ("scheduler", "--executor-recovery-timeout"),
+        ("scheduler", "--executor-step-timeout"),
+        ("executor", "--grace"),
+        ("executor", "--owner-lease-seconds"),
+    ],
+)
+@pytest.mark.parametrize("seconds", ["nan", "inf", "-1"])
+def test_a_duration_that_is_no_finite_number_of_seconds_is_refused(verb, flag, seconds, monkeypatch, capsys):
+    """NaN passed every `< 0` check ("draining for up to nan s"; a NaN or negative recovery timeout
+    was silently no limit at all, an infinite lease kept a dead scheduler the owner for ever)."""
+    _, args = _parse(verb, monkeypatch, argv=["--port", "0", "--metrics-port", "0", flag, seconds])
+    assert CLIS[verb].run(args) == 2
+    assert f"{flag} must be a finite number of seconds >= 0" in capsys.readouterr().err

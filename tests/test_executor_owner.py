@@ -583,7 +583,10 @@ def test_a_rogue_reset_is_refused_while_the_owner_streams(server):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--owner-lease-seconds", "-1"], "--owner-lease-seconds must be >= 0, got -1.0"),
+        (
+            ["--owner-lease-seconds", "-1"],
+            "--owner-lease-seconds must be a finite number of seconds >= 0, got -1.0",
+        ),
         (["--api-key-file", "/no/such/keys"], "cannot read the API key file /no/such/keys"),
     ],
 )
