@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,14 @@ DEFAULT_BLOCK_SIZE = 16
 # keys a block its loads are 16-byte runs and it reads 2.9 TB/s, at 32 3.5-3.6 (H200,
 # bench/attention.py --sweep-layout; W1 with fp8 KV +16%: bench/RESULTS.md).
 FP8_DEFAULT_BLOCK_SIZE = 32
+# Checked first, so that an argument of another type (LLM(...) passes its engine arguments here)
+# is a TypeError naming it, not whatever its first use would raise.
+_INT_FIELDS = ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+               "seed", "tensor_parallel_size", "tp_master_port")  # fmt: skip
+_STR_FIELDS = ("device", "revision", "dtype", "attention_backend", "kv_cache_dtype", "quantization",
+               "fused_ops", "tp_master_addr")  # fmt: skip
+_FLOAT_FIELDS = ("kv_cache_gb", "gpu_memory_utilization")
+_OPTIONAL_FIELDS = ("block_size", "num_kv_blocks", "max_model_len", "revision", "dtype", "quantization")
 
 
 @dataclass
@@ -77,6 +87,7 @@ class ExecutorConfig:
     model_name: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         given = self.model
         try:
             self.model = resolve_model(self.model, self.revision)
@@ -107,8 +118,8 @@ class ExecutorConfig:
             raise ValueError(
                 f"num_kv_blocks ({self.num_kv_blocks}) must be positive, or None to use kv_cache_gb"
             )
-        if self.num_kv_blocks is None and self.kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb ({self.kv_cache_gb}) must be positive")
+        if self.num_kv_blocks is None and not 0 < self.kv_cache_gb < math.inf:  # NaN too
+            raise ValueError(f"kv_cache_gb ({self.kv_cache_gb}) must be a positive, finite number")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -131,6 +142,25 @@ class ExecutorConfig:
         self._check_backend()
         self._check_fused_ops()
         self._check_tensor_parallel()
+
+    def _check_types(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(
+                f"model must be a checkpoint directory or a hub id (a string), got {self.model!r}"
+            )
+        self.model = os.fspath(self.model)
+        for name in (*_INT_FIELDS, *_STR_FIELDS, *_FLOAT_FIELDS):
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_FIELDS:
+                continue
+            if name in _STR_FIELDS:
+                ok, kind = isinstance(value, str), "a string"
+            elif name in _INT_FIELDS:
+                ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            else:
+                ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+            if not ok:
+                raise TypeError(f"{name} must be {kind}, got {value!r}")
 
     def _check_quantization(self) -> None:
         if self.quantization is None:

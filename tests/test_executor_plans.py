@@ -213,11 +213,34 @@ def test_kv_cache_gb_sets_the_block_count(qwen3_tied):
         ({"block_size": 0}, r"block_size \(0\) must be positive"),
         ({"max_num_seqs": 9000}, r"max_num_batched_tokens \(8192\) must be >= max_num_seqs \(9000\)"),
         ({"device": "tpu"}, "device 'tpu' must be 'cpu' or 'cuda'"),
+        # NaN and inf passed the `<= 0` check and failed at load, converting NaN to a block count.
+        ({"kv_cache_gb": float("nan")}, r"kv_cache_gb \(nan\) must be a positive, finite number"),
+        ({"kv_cache_gb": float("inf")}, r"kv_cache_gb \(inf\) must be a positive, finite number"),
     ],
 )
 def test_config_errors_say_what_to_change(qwen3_tied, kwargs, message):
     with pytest.raises(ValueError, match=message):
         ExecutorConfig(model=str(qwen3_tied), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": None}, "model must be a checkpoint directory or a hub id (a string), got None"),
+        ({"device": None}, "device must be a string, got None"),
+        ({"max_num_seqs": "4"}, "max_num_seqs must be an integer, got '4'"),
+        ({"block_size": 16.0}, "block_size must be an integer, got 16.0"),
+        ({"max_model_len": True}, "max_model_len must be an integer, got True"),
+        ({"kv_cache_gb": "1"}, "kv_cache_gb must be a number, got '1'"),
+    ],
+)
+def test_config_arguments_of_another_type_are_a_type_error_naming_them(qwen3_tied, kwargs, message):
+    """As LLM(...)'s engine arguments: they failed wherever they were first used, with Python's
+    own words ("'<=' not supported between instances of 'str' and 'int'", an AttributeError)."""
+    kwargs = {"model": str(qwen3_tied), **kwargs}
+    with pytest.raises(TypeError) as e:
+        ExecutorConfig(**kwargs)
+    assert message in str(e.value)
 
 
 def test_kv_cache_smaller_than_max_model_len_is_refused(qwen3_tied):
