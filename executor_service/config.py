@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from executor_service.attention import BACKENDS
-from executor_service.model_config import ModelConfig, load_model_config
+from executor_service.model_config import MissingConfigKeys, ModelConfig, load_model_config
 from executor_service.models import get_model_class
 from executor_service.parallel import check_tp_layout, rank_device
 from executor_service.quantization import AT_LOAD_METHODS, BlockFP8Config
@@ -98,7 +98,11 @@ class ExecutorConfig:
         self.model_name = given if self.model != given else path.resolve().name
         if not (path / "config.json").is_file():
             raise ValueError(f"model {self.model!r} must be a checkpoint directory with a config.json")
-        self.model_config = load_model_config(path)
+        try:
+            self.model_config = load_model_config(path)
+        except MissingConfigKeys as e:
+            get_model_class(e.architecture)  # another family's config is named as such
+            raise
         self._check_quantization()
         self.model_class = get_model_class(self.model_config.architecture)
         self._check_device()

@@ -68,9 +68,35 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
+# What every family's config.json has, read without a default.
+REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
+
+
+class MissingConfigKeys(ValueError):
+    """A config.json without a key every family has: maybe another family's (GPT-2's n_embd),
+    which the caller can name by its `architecture`."""
+
+    def __init__(self, message: str, architecture: str) -> None:
+        super().__init__(message)
+        self.architecture = architecture
+
+
 def _read_json(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """A JSON object from `path`; ValueError naming the file for anything else."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
 
 
 def rope_parameters_of(cfg: dict, where: str) -> dict[str, Any]:
@@ -115,6 +141,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     cfg = _read_json(model_dir / "config.json")
     architectures = cfg.get("architectures") or []
     architecture = architectures[0] if architectures else cfg.get("model_type", "unknown")
+    if missing := [key for key in REQUIRED_KEYS if key not in cfg]:
+        raise MissingConfigKeys(f"{where} has no {', '.join(missing)}", architecture)
     activation = cfg.get("hidden_act", "silu")
     if activation != "silu":
         raise ValueError(f"hidden_act {activation!r} in {where} is not supported; supported: silu")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -241,6 +243,41 @@ def test_config_arguments_of_another_type_are_a_type_error_naming_them(qwen3_tie
     with pytest.raises(TypeError) as e:
         ExecutorConfig(**kwargs)
     assert message in str(e.value)
+
+
+GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_head": 2,
+               "n_layer": 2, "n_positions": 128, "vocab_size": 512}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("file", "text", "message"),
+    [
+        ("config.json", "{not json", r"config.json is not valid JSON: Expecting property name"),
+        ("config.json", "[1, 2]", r"config.json must hold a JSON object, not list"),
+        ("config.json", None, r"config.json has no vocab_size"),
+        (
+            "config.json",
+            json.dumps(GPT2_CONFIG),
+            "architecture 'GPT2LMHeadModel' is not supported; supported: ",
+        ),
+        ("generation_config.json", "oops", r"generation_config.json is not valid JSON: Expecting value"),
+    ],
+)
+def test_a_broken_config_json_is_refused_naming_the_file(qwen3_tied, tmp_path, file, text, message):
+    """A JSON error did not say which file ("error: Expecting value: line 1 column 1 (char 0)"),
+    and a config that is no object, lacks a key, or is another family's (GPT-2's n_embd) was an
+    AttributeError or KeyError traceback of `tandem executor`."""
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_tied, model)
+    if text is None:
+        config = json.loads((model / "config.json").read_text())
+        del config["vocab_size"]
+        text = json.dumps(config)
+    (model / file).write_text(text)
+    with pytest.raises(ValueError) as e:
+        ExecutorConfig(model=str(model))
+    assert re.search(message, str(e.value)), str(e.value)
+    assert str(model) in str(e.value) or "GPT2" in str(e.value)
 
 
 def test_kv_cache_smaller_than_max_model_len_is_refused(qwen3_tied):
