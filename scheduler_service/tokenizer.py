@@ -34,7 +34,10 @@ class Tokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.exists():
             raise FileNotFoundError(f"no tokenizer.json in {path}; pass --tokenizer or token ids")
-        self._tok = _HFTokenizer.from_file(str(file))
+        try:
+            self._tok = _HFTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+            raise ValueError(f"cannot load the tokenizer {file}: {e}") from None
         # The checkpoint directory (its chat template lies beside tokenizer.json).
         self.path = file.parent
         # The most bytes of text one token stands for (None: no sound bound for this tokenizer).

@@ -334,6 +334,26 @@ def test_cli_flags_have_environment_twins(monkeypatch):
     assert embedded(_info("some-other-model")) is None
 
 
+def test_a_tokenizer_json_that_does_not_load_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """tokenizers' own bare Exception ("Model missing. at line 1 column 2") was a traceback of
+    `tandem scheduler --tokenizer DIR`, and of LLM(..., tokenizer=DIR) and tandem generate --model."""
+    import argparse
+
+    from scheduler_service import cli
+    from scheduler_service.tokenizer import Tokenizer
+
+    for text in ("{}", "not json"):
+        (tmp_path / "tokenizer.json").write_text(text)
+        with pytest.raises(ValueError, match=f"cannot load the tokenizer {tmp_path / 'tokenizer.json'}: "):
+            Tokenizer(tmp_path)
+    monkeypatch.delenv("TANDEM_API_SERVER_COUNT", raising=False)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--executor", "127.0.0.1:1", "--tokenizer", str(tmp_path)])
+    assert cli.run(args) == 2
+    assert "error: cannot load the tokenizer" in capsys.readouterr().err
+
+
 def _info(model: str):
     from protos.plan import ExecutorInfo
 
