@@ -113,9 +113,13 @@ class LLM:
                 max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
             ),
         )
-        # The executor resolved a hub id to its cached snapshot.
-        tokenizer_path = tokenizer or self.executor.config.model
-        self.tokenizer = Tokenizer(tokenizer_path) if Tokenizer.exists(tokenizer_path) else None
+        # The executor resolved a hub id to its cached snapshot. A tokenizer asked for must be there;
+        # without one, a checkpoint without tokenizer.json takes token ids only.
+        if tokenizer is not None:
+            self.tokenizer = Tokenizer(tokenizer)
+        else:
+            model = self.executor.config.model
+            self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
 
     def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):

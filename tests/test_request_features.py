@@ -186,3 +186,10 @@ def test_sampling_params_of_another_type_are_refused(llm):
     for params in ({"max_tokens": 3}, [{"max_tokens": 3}]):
         with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
             llm.generate([PROMPT], params, use_tqdm=False)
+
+
+def test_a_tokenizer_that_is_not_there_is_refused_not_dropped(qwen3_tied, tmp_path):
+    """LLM(model, tokenizer=PATH) with nothing at PATH ran without a tokenizer at all, the model's
+    own included: text prompts then failed with "this model has no tokenizer.json"."""
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer.json in {tmp_path / 'typo'}"):
+        LLM(str(qwen3_tied), tokenizer=str(tmp_path / "typo"), num_kv_blocks=64)
