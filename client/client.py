@@ -32,7 +32,7 @@ from client.messages import (
     item_from_response,
     model_info_from_proto,
 )
-from protos.defaults import read_pem
+from protos.defaults import check_tls_ca, read_pem
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -55,6 +55,7 @@ def channel_credentials(tls: bool, tls_ca: str | Path | bytes | None) -> grpc.Ch
         return None
     if tls_ca is not None:
         tls_ca = read_pem(tls_ca, "the CA certificate")
+        check_tls_ca(tls_ca, "tls_ca")
     return grpc.ssl_channel_credentials(root_certificates=tls_ca)
 
 

@@ -17,6 +17,8 @@ from protos.defaults import (
     EXECUTOR_PORT,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
+    check_tls_ca,
+    check_tls_pair,
 )
 from protos.flags import Group, add_flags, flag
 
@@ -238,7 +240,11 @@ def tls_credentials(args: argparse.Namespace):
         raise ValueError("--tls-ca (mutual TLS) needs this executor's own --tls-cert and --tls-key")
     if args.tls_cert is None:
         return None
-    return server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
+    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
+    check_tls_pair(args.tls_cert, args.tls_key, "--tls-cert and --tls-key")
+    if args.tls_ca is not None:
+        check_tls_ca(args.tls_ca, f"--tls-ca {args.tls_ca}")
+    return credentials
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import ssl
 from pathlib import Path
 
 SCHEDULER_PORT = 50051
@@ -64,3 +65,24 @@ def read_pem(source: str | Path | bytes, what: str = "") -> bytes:
         return Path(source).read_bytes()
     except OSError as e:
         raise ValueError(f"cannot read {what + ' ' if what else ''}{source}: {e.strerror}") from None
+
+
+def check_tls_pair(cert: str | Path, key: str | Path, flags: str) -> None:
+    """ValueError unless the PEM files `cert` and `key` are a certificate chain and its private key
+    (`flags` names them in the error): gRPC would only say that it failed to bind the port."""
+    read_pem(cert, "the TLS certificate"), read_pem(key, "the TLS key")  # unreadable: said as elsewhere
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password="")
+    except ssl.SSLError as e:
+        why = "the key is not the certificate's" if e.reason == "KEY_VALUES_MISMATCH" else "not PEM"
+        raise ValueError(f"{flags} are not a PEM certificate chain and its private key ({why})") from None
+
+
+def check_tls_ca(ca: str | Path | bytes, what: str) -> None:
+    """ValueError unless `ca` (PEM bytes or a file) holds a CA certificate: gRPC would take it and
+    fail every handshake."""
+    pem = read_pem(ca, "the CA certificate")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=pem.decode("ascii", "replace"))
+    except (ssl.SSLError, ValueError):  # ValueError: an empty file
+        raise ValueError(f"{what} holds no PEM CA certificate") from None

@@ -18,6 +18,8 @@ from protos.defaults import (
     MAX_NUM_SEQS,
     SCHEDULER_METRICS_PORT,
     SCHEDULER_PORT,
+    check_tls_ca,
+    check_tls_pair,
 )
 from protos.flags import Group, add_flags, flag
 from protos.hub import resolve_model
@@ -314,6 +316,14 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer(resolve_model(args.tokenizer)) if args.tokenizer else None
         api_keys = load_api_keys(args.api_key, args.api_key_file)
         tls = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
+        if args.tls_cert:
+            check_tls_pair(args.tls_cert, args.tls_key, "--tls-cert and --tls-key")
+        if args.executor_tls_ca:
+            check_tls_ca(args.executor_tls_ca, f"--executor-tls-ca {args.executor_tls_ca}")
+        if args.executor_tls_cert and args.executor_tls_key:
+            check_tls_pair(
+                args.executor_tls_cert, args.executor_tls_key, "--executor-tls-cert and --executor-tls-key"
+            )
         executor_keys = load_api_keys(args.executor_api_key, args.executor_api_key_file)
         executor = RemoteExecutor(
             args.executor,

@@ -282,6 +282,58 @@ def test_scheduler_cli_refuses_half_a_tls_config_and_a_missing_key_file(tmp_path
     assert parser.parse_args(base).api_key_file == str(empty)
 
 
+def test_tls_files_that_are_no_pem_are_refused_naming_their_flags(pki, tmp_path, capsys):
+    """A certificate or key that is no PEM, or a key of another certificate, failed the start as
+    "cannot listen on 127.0.0.1:50051: Failed to bind to address" (a port problem, said gRPC); a CA
+    that is no PEM was taken, and every connection to the executor then failed its handshake (the
+    client's: "no tandem server at ...")."""
+    import argparse
+
+    from executor_service import cli as executor_cli
+    from scheduler_service import cli as scheduler_cli
+
+    def write(name: str, data: bytes) -> str:
+        (tmp_path / name).write_bytes(data)
+        return str(tmp_path / name)
+
+    cert, key = write("cert.pem", pki["server"][0]), write("key.pem", pki["server"][1])
+    other_key, junk = (
+        write("other-key.pem", pki["other_server"][1]),
+        write("junk.pem", b"not a certificate\n"),
+    )
+    ca = write("ca.pem", pki["ca"])
+    pair = "are not a PEM certificate chain and its private key"
+    cases = [
+        (scheduler_cli, ["--tls-cert", junk, "--tls-key", key], f"--tls-cert and --tls-key {pair} (not PEM)"),
+        (
+            scheduler_cli,
+            ["--tls-cert", cert, "--tls-key", other_key],
+            f"--tls-cert and --tls-key {pair} (the key",
+        ),
+        (scheduler_cli, ["--executor-tls-ca", junk], f"--executor-tls-ca {junk} holds no PEM CA certificate"),
+        (
+            scheduler_cli,
+            ["--executor-tls-ca", ca, "--executor-tls-cert", cert, "--executor-tls-key", junk],
+            f"--executor-tls-cert and --executor-tls-key {pair}",
+        ),
+        (executor_cli, ["--tls-cert", junk, "--tls-key", key], f"--tls-cert and --tls-key {pair}"),
+        (
+            executor_cli,
+            ["--tls-cert", cert, "--tls-key", key, "--tls-ca", junk],
+            f"--tls-ca {junk} holds no PEM",
+        ),
+    ]
+    for cli, flags, message in cases:
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        base = ["--executor", "127.0.0.1:1"] if cli is scheduler_cli else []
+        args = parser.parse_args([*base, "--port", "0", "--metrics-port", "0", *flags])
+        assert cli.run(args) == 2, flags
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="holds no PEM CA certificate"):
+        TandemClient("127.0.0.1:1", tls_ca=junk)
+
+
 def test_scheduler_help_names_its_side_of_the_executors_tls_ca():
     """The issue's `--tls-ca` "on both sides": on the scheduler it is --executor-tls-ca (with
     --executor-tls-cert/--executor-tls-key), and --help says so."""
