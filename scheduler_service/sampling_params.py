@@ -32,8 +32,9 @@ MAX_N = 128
 # vLLM's int64 seed), a top_k past the vocabulary is off.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 INT32_MAX = 2**31 - 1
-# (None allowed where the field's type says so: max_tokens, seed, prompt_logprobs)
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "n", "min_tokens", "prompt_logprobs")
+# Those that may be None (logprobs' None is 0 by then).
+_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "prompt_logprobs")
 _FLOAT_FIELDS = (
     "temperature",
     "min_p",
@@ -65,7 +66,7 @@ class SamplingParams:
     # Stop tokens (end-of-sequence and stop_token_ids) and stop strings wait for this many tokens.
     min_tokens: int = 0
     # OpenAI's logit_bias: token id -> bias added to its logit before sampling.
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] | None = field(default_factory=dict)
     # Top alternatives per prompt token with the prompt's logprobs (0: each token's own); None: none.
     prompt_logprobs: int | None = None
     # Keep the stop string, or the stop token's text, at the end of the output (vLLM's option).
@@ -84,23 +85,38 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.logprobs is None:
             self.logprobs = 0
+        if self.logit_bias is None:  # vLLM's default
+            self.logit_bias = {}
         self.verify()
 
     def verify(self) -> None:
         """Raise InvalidRequestError naming the violated limit."""
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is None and name in _OPTIONAL_INT_FIELDS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
                 _fail(f"{name} must be an integer, got {value!r}")
         for name in _FLOAT_FIELDS:
-            if not math.isfinite(_float32(getattr(self, name))):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                _fail(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(_float32(value)):
                 _fail(
                     f"{name} must be a finite number (a 32-bit float: at most 3.4e38 in magnitude), "
                     f"got {getattr(self, name)}"
                 )
+        if not isinstance(self.stop, (list, tuple)):
+            _fail(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            _fail(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        if not isinstance(self.logit_bias, dict):
+            _fail(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             _fail(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for i, stop in enumerate(self.stop):
+            if not isinstance(stop, str):
+                _fail(f"stop[{i}] must be a string, got {stop!r}")
             if len(stop) > MAX_STOP_STRING_CHARS:
                 _fail(f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_STRING_CHARS}")
             verify_unicode(stop, f"stop[{i}]")

@@ -168,6 +168,32 @@ def test_integer_fields_refuse_other_numbers(kwargs, message):
     assert str(exc.value) == message
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": "0.5"}, "temperature must be a number, got '0.5'"),
+        ({"top_p": None}, "top_p must be a number, got None"),
+        ({"n": None}, "n must be an integer, got None"),
+        ({"top_k": None}, "top_k must be an integer, got None"),
+        ({"min_tokens": None}, "min_tokens must be an integer, got None"),
+        ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
+        ({"stop": ["a", None]}, "stop[1] must be a string, got None"),
+        ({"stop": [b"x"]}, "stop[0] must be a string, got b'x'"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5"),
+        ({"logit_bias": [1]}, "logit_bias must be a dict of token id -> bias, got [1]"),
+    ],
+)
+def test_fields_of_another_type_are_refused_naming_the_field(kwargs, message):
+    """Offline, a field of another type failed in Python's words: struct.error ("required argument
+    is not a float"), "'<=' not supported between instances of 'int' and 'NoneType'", "object of
+    type 'int' has no len()", an AttributeError for a list as logit_bias; bytes passed as a stop."""
+    with pytest.raises(InvalidRequestError) as exc:
+        SamplingParams(**kwargs)
+    assert str(exc.value) == message
+
+
 def test_logprobs_none_is_none():
-    """vLLM's default logprobs=None: no logprobs (it raised a TypeError)."""
+    """vLLM's default logprobs=None: no logprobs (it raised a TypeError); its logit_bias=None: no bias
+    (a TypeError too)."""
     assert SamplingParams(logprobs=None).logprobs == 0
+    assert SamplingParams(logit_bias=None).logit_bias == {}
