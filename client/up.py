@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -231,7 +232,27 @@ def _wait_serving(service: Service, address: str, timeout: float, stop: threadin
     return "interrupted"
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first flag whose value cannot work, before anything starts (the
+    services check theirs again)."""
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-tokens", args.max_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not 0 < args.startup_timeout < math.inf:
+        raise ValueError(
+            f"--startup-timeout must be a positive, finite number of seconds, got {args.startup_timeout}"
+        )
+    for flag, value in (("--shutdown-timeout", args.shutdown_timeout), ("--grace", args.grace)):
+        if value is not None and not 0 <= value < math.inf:  # NaN too
+            raise ValueError(f"{flag} must be a finite number of seconds >= 0, got {value}")
+
+
 def run_up(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:  # a Hugging Face id in the local cache: both services get its snapshot directory
         args.model = resolve_model(args.model)
         args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else None

@@ -274,6 +274,33 @@ def test_up_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+        (
+            ["--startup-timeout", "0"],
+            "--startup-timeout must be a positive, finite number of seconds, got 0.0",
+        ),
+        (
+            ["--startup-timeout", "nan"],
+            "--startup-timeout must be a positive, finite number of seconds, got nan",
+        ),
+        (
+            ["--shutdown-timeout", "nan"],
+            "--shutdown-timeout must be a finite number of seconds >= 0, got nan",
+        ),
+        (["--grace", "-1"], "--grace must be a finite number of seconds >= 0, got -1.0"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    ],
+)
+def test_up_refuses_bad_values_before_starting_anything(tmp_path, capsys, flags, message):
+    """--max-num-seqs 0 was dropped (both services ran with 256); a NaN startup timeout or grace
+    never ran out (a service that hung was waited for for ever)."""
+    assert cli.main(["up", "--model", str(tmp_path), *flags]) == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
 def test_generate_server_path_needs_no_torch():
     script = f"""
 import importlib.abc, sys
