@@ -49,12 +49,22 @@ class Flag:
     def env_names(self) -> tuple[str, ...]:
         return tuple(ENV_PREFIX + n for n in (self.env, *self.env_fallbacks))
 
-    def environment_default(self) -> Any:
-        """The default as the environment has it now: the first twin that is set, else `default`."""
+    def environment_twin(self) -> tuple[str, str] | None:
+        """(name, value) of the first twin that is set now, or None."""
         for name in self.env_names:
             value = os.environ.get(name)
             if value is not None:
-                return value.strip().lower() in _TRUE if self.switch else value
+                return name, value
+        return None
+
+    def environment_default(self) -> Any:
+        """The default as the environment has it now: the first twin that is set, else `default`."""
+        return self.default_for(self.environment_twin())
+
+    def default_for(self, twin: tuple[str, str] | None) -> Any:
+        """The default given environment_twin()'s answer."""
+        if twin is not None:
+            return twin[1].strip().lower() in _TRUE if self.switch else twin[1]
         return bool(self.default) if self.switch else self.default
 
     def full_help(self) -> str:
@@ -79,15 +89,36 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> dict[st
             if f.group not in groups:
                 groups[f.group] = parser.add_argument_group(f.group.title, f.group.description)
             target = groups[f.group]
-        default = f.environment_default()
+        twin = f.environment_twin()
+        default = f.default_for(twin)
         kwargs: dict[str, Any] = {"default": default, "help": f.full_help()}
         if f.switch:
             kwargs["action"] = "store_true"
         else:
             kwargs.update(type=f.type, choices=f.choices, metavar=f.metavar)
+            if f.type is not None and twin is not None:
+                kwargs["type"] = _naming_twin(f.type, *twin)
         if f.dest is not None:
             kwargs["dest"] = f.dest
         if f.required:
             kwargs["required"] = default is None
         actions[f.names[0]] = target.add_argument(*f.names, **kwargs)
     return actions
+
+
+def _naming_twin(convert: Callable[[str], Any], name: str, text: str) -> Callable[[str], Any]:
+    """`convert` (a flag's type), whose error for the twin's own value names the twin: argparse
+    converts the twin as the flag's default, and would name only the flag."""
+
+    def parse(value: str) -> Any:
+        try:
+            return convert(value)
+        except (TypeError, ValueError):
+            if value != text:
+                raise
+            raise argparse.ArgumentTypeError(
+                f"invalid {parse.__name__} value: {value!r} (from {name})"
+            ) from None
+
+    parse.__name__ = getattr(convert, "__name__", repr(convert))  # argparse's "invalid int value"
+    return parse

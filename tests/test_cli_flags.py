@@ -112,3 +112,18 @@ def test_a_duration_that_is_no_finite_number_of_seconds_is_refused(verb, flag, s
     _, args = _parse(verb, monkeypatch, argv=["--port", "0", "--metrics-port", "0", flag, seconds])
     assert CLIS[verb].run(args) == 2
     assert f"{flag} must be a finite number of seconds >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", sorted(CLIS))
+def test_a_twin_that_does_not_parse_is_named_in_the_error(verb, monkeypatch, capsys):
+    """Kubernetes' service links set TANDEM_EXECUTOR_PORT=tcp://10.0.0.1:50052 (README): argparse
+    said "argument --port: invalid int value", naming a flag the command line did not have."""
+    twin = {"executor": "TANDEM_EXECUTOR_PORT", "scheduler": "TANDEM_SCHEDULER_PORT"}[verb]
+    with pytest.raises(SystemExit) as e:
+        _parse(verb, monkeypatch, {twin: "tcp://10.0.0.1:50052"})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --port: invalid int value: 'tcp://10.0.0.1:50052' (from {twin})" in err
+    with pytest.raises(SystemExit):  # the flag's own bad value is the flag's
+        _parse(verb, monkeypatch, argv=["--port", "x"])
+    assert "argument --port: invalid int value: 'x'\n" in capsys.readouterr().err
