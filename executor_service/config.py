@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from executor_service.attention import BACKENDS
+from executor_service.loader import SAFETENSORS_INDEX
 from executor_service.model_config import MissingConfigKeys, ModelConfig, load_model_config
 from executor_service.models import get_model_class
 from executor_service.parallel import check_tp_layout, rank_device
@@ -98,6 +99,8 @@ class ExecutorConfig:
         self.model_name = given if self.model != given else path.resolve().name
         if not (path / "config.json").is_file():
             raise ValueError(f"model {self.model!r} must be a checkpoint directory with a config.json")
+        if not (path / SAFETENSORS_INDEX).is_file() and not any(path.glob("*.safetensors")):
+            raise ValueError(f"no *.safetensors files in {self.model}")  # else found while loading
         try:
             self.model_config = load_model_config(path)
         except MissingConfigKeys as e:
@@ -142,6 +145,13 @@ class ExecutorConfig:
                 + ("context with its rope scaling" if limit > self.model_config.max_position_embeddings
                    else "max_position_embeddings")
             )  # fmt: skip
+        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
+            # As kv_cache_sizing says it of a computed count; a fixed one is known before the load.
+            raise ValueError(
+                f"the KV cache holds {self.num_kv_blocks * self.block_size} tokens ({self.num_kv_blocks} "
+                f"blocks of {self.block_size}), fewer than max_model_len ({self.max_model_len}): raise "
+                "num_kv_blocks, or lower max_model_len"
+            )
         self.model_class.check_serving(self.model_config, self.max_model_len)
         self._check_backend()
         self._check_fused_ops()

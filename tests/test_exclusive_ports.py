@@ -92,7 +92,7 @@ def test_an_executor_on_a_port_in_use_exits_naming_it(first, which, qwen3_tied):
     scheduler, port, metrics_port = first
     taken = port if which == "grpc" else metrics_port
     ports = (taken, free_port()) if which == "grpc" else (free_port(), taken)
-    argv = ["executor_service", "--model", str(qwen3_tied), "--num-kv-blocks", "16"]
+    argv = ["executor_service", "--model", str(qwen3_tied), "--num-kv-blocks", "16", "--max-model-len", "256"]
     done = _run(argv + ["--port", str(ports[0]), "--metrics-port", str(ports[1])])
     _assert_refused(done, taken, scheduler.process.pid)
     _assert_still_serving(first)

@@ -285,6 +285,27 @@ def test_kv_cache_smaller_than_max_model_len_is_refused(qwen3_tied):
         LocalExecutor(ExecutorConfig(model=str(qwen3_tied), num_kv_blocks=10))
 
 
+def test_what_the_load_would_refuse_is_refused_by_the_configuration(qwen3_tied, tmp_path, capsys):
+    """A fixed --num-kv-blocks too small for max_model_len, or a checkpoint without weights, was
+    found only while loading, after the executor served: a traceback in its log and exit 1."""
+    from client.cli import main
+
+    with pytest.raises(
+        ValueError,
+        match=r"the KV cache holds 40 tokens \(10 blocks of 4\), fewer than max_model_len \(1024\)",
+    ):
+        ExecutorConfig(model=str(qwen3_tied), num_kv_blocks=10, block_size=4)
+    assert ExecutorConfig(model=str(qwen3_tied), num_kv_blocks=256, block_size=4).num_kv_blocks == 256
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_tied, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ValueError, match=f"no \\*.safetensors files in {model}"):
+        ExecutorConfig(model=str(model))
+    assert main(["executor", "--model", str(model), "--port", "0", "--metrics-port", "0"]) == 2
+    assert main(["executor", "--num-kv-blocks", "1", "--port", "0", "--metrics-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error: the KV cache holds 16 tokens (1 blocks of 16)" in err
+
+
 def _two_seqs_then_decodes(**params) -> list[StepPlan]:
     """Prefill of two sequences (one with a prefill chunk left), then decodes that read the
     tokens the step before samples; step ids 1..4."""
