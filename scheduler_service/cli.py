@@ -262,6 +262,23 @@ def default_api_server_count(cores: int | None = None) -> int:
     return 0 if cores < 8 else min(4, cores // 4)
 
 
+# gRPC targets other than HOST:PORT (dns:///host:port, unix:/path, ...), taken as given.
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def check_executor_address(address: str) -> None:
+    """ValueError unless --executor is HOST:PORT with a usable port (or a gRPC target with a
+    scheme): a malformed one would be retried for ever, the scheduler NOT_SERVING all along."""
+    if address.startswith(_GRPC_SCHEMES):
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            "--executor must be HOST:PORT with a port in [1, 65535] (or a gRPC target such as "
+            f"dns:///host:port), got {address!r}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the flags, then serve until SIGTERM / SIGINT."""
     from scheduler_service.config import EngineOptions, SchedulerConfig
@@ -270,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
     from scheduler_service.server import SchedulerServer, serve_until_signal
 
     try:
+        check_executor_address(args.executor)
         if args.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
         for flag, value in (("--max-queue", args.max_queue), ("--max-queued-tokens", args.max_queued_tokens)):

@@ -127,3 +127,18 @@ def test_a_twin_that_does_not_parse_is_named_in_the_error(verb, monkeypatch, cap
     with pytest.raises(SystemExit):  # the flag's own bad value is the flag's
         _parse(verb, monkeypatch, argv=["--port", "x"])
     assert "argument --port: invalid int value: 'x'\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "address", ["", "executor", "localhost:abc", "127.0.0.1:99999", "127.0.0.1:0", ":50052"]
+)
+def test_an_executor_address_that_can_never_connect_is_refused(address, monkeypatch, capsys):
+    """The scheduler served NOT_SERVING for ever, retrying an address gRPC could not even parse
+    (a warning every 2 s); the executor may start later, but not at a malformed address."""
+    _, args = _parse(
+        "scheduler", monkeypatch, argv=["--port", "0", "--metrics-port", "0", "--executor", address]
+    )
+    assert scheduler_cli.run(args) == 2
+    assert "--executor must be HOST:PORT with a port in [1, 65535]" in capsys.readouterr().err
+    for target in ("executor:50052", "[::1]:50052", "dns:///executor:50052", "unix:/run/executor.sock"):
+        assert scheduler_cli.check_executor_address(target) is None
