@@ -325,11 +325,7 @@ def test_an_fp8_checkpoint_at_tp2_identical_to_tp1(tmp_path, quantize_at_load, k
     options = {**OPTIONS, "kv_cache_dtype": kv_cache_dtype}
     if quantize_at_load:
         path, options["quantization"] = src, "fp8"
-    llm = LLM(str(path), **options)
-    try:
-        expected = generate(llm.executor)[0]
-    finally:
-        llm.executor.close()
+    expected = tp1_tokens(path, **options)
     llm = LLM(str(path), tensor_parallel_size=2, tp_master_port=free_port(), **options)
     try:
         assert generate(llm.executor)[0] == expected
@@ -418,11 +414,7 @@ def test_fp8_kv_with_checkpoint_scales_on_a_replicated_kv_head_at_tp2_identical_
     weights["model.layers.3.self_attn.kv_scale"] = torch.tensor(0.5)
     save_file(weights, path / "model.safetensors")
     options = {**OPTIONS, "kv_cache_dtype": "fp8"}
-    llm = LLM(str(path), **options)
-    try:
-        expected = generate(llm.executor)[0]
-    finally:
-        llm.executor.close()
+    expected = tp1_tokens(path, **options)
     llm = LLM(str(path), tensor_parallel_size=2, tp_master_port=free_port(), **options)
     try:
         assert llm.executor.runner.num_kv_heads == 1

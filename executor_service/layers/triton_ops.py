@@ -482,33 +482,11 @@ def qk_norm_rope(
     cache_args = [qkv, qkv, positions, *([0] * 8), 1.0, 1.0, num_tokens]  # unused without a cache
     if kv_cache is not None:
         k_cache, v_cache, slot_mapping, k_scale, v_scale = kv_cache
-        args, constants = cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens)
-        cache_args = [k_cache, v_cache, slot_mapping, *args]
-        store = {"STORE_KV": True, "BLOCK_KVH": triton.next_power_of_2(num_kv_heads), **constants}
-    if QK_NORM_ROPE_ROLES if roles is None else roles:
-        store.pop("BLOCK_KVH", None)
-        _qk_norm_rope_roles_kernel[(num_tokens, 3 if kv_cache is not None else 2)](
-            qkv,
-            positions,
-            q_weight if q_weight is not None else qkv,
-            k_weight if k_weight is not None else qkv,
-            cos_sin_cache,
-            q,
-            k,
-            qkv.stride(0),
-            cos_sin_cache.stride(0),
-            eps,
-            *cache_args,
-            NUM_HEADS=num_heads,
-            NUM_KV_HEADS=num_kv_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_QH=triton.next_power_of_2(num_heads),
-            BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
-            HAS_NORM=q_weight is not None,
-            **store,
-        )
-        return q, k
-    _qk_norm_rope_kernel[(num_tokens,)](
+        store_args, constants = cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens)
+        cache_args = [k_cache, v_cache, slot_mapping, *store_args]
+        store = {"STORE_KV": True, **constants}
+    # Both kernels' arguments and the constants they share.
+    args = (
         qkv,
         positions,
         q_weight if q_weight is not None else qkv,
@@ -520,11 +498,21 @@ def qk_norm_rope(
         cos_sin_cache.stride(0),
         eps,
         *cache_args,
-        NUM_HEADS=num_heads,
-        NUM_QK_HEADS=qk_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(qk_heads),
-        HAS_NORM=q_weight is not None,
-        **store,
     )
+    shared = {
+        "NUM_HEADS": num_heads,
+        "HEAD_DIM": head_dim,
+        "BLOCK_KVH": triton.next_power_of_2(num_kv_heads),
+        "HAS_NORM": q_weight is not None,
+        **store,
+    }
+    if QK_NORM_ROPE_ROLES if roles is None else roles:
+        grid = (num_tokens, 3 if kv_cache is not None else 2)
+        _qk_norm_rope_roles_kernel[grid](
+            *args, NUM_KV_HEADS=num_kv_heads, BLOCK_QH=triton.next_power_of_2(num_heads), **shared
+        )
+    else:
+        _qk_norm_rope_kernel[(num_tokens,)](
+            *args, NUM_QK_HEADS=qk_heads, BLOCK_H=triton.next_power_of_2(qk_heads), **shared
+        )
     return q, k

@@ -41,5 +41,9 @@ def generate(executor) -> tuple[list[list[int]], LLMEngine]:
 
 
 def tp1_tokens(model: Path, **options) -> list[list[int]]:
+    """generate's tokens at TP=1 (OPTIONS, with `options` over them)."""
     llm = LLM(str(model), **{**OPTIONS, **options})
-    return generate(llm.executor)[0]
+    try:
+        return generate(llm.executor)[0]
+    finally:
+        llm.executor.close()
