@@ -110,6 +110,16 @@ V2_CANDIDATES = (
     (64, 128, 4, 4, 1, 2),  # split-K, for the grids of few tiles (down: K = 12288, N = 4096)
     (128, 128, 8, 4, 1, 2),
     (128, 128, 8, 4, 1, 3),
+    # Tiles of every row at m = 129-256: each weight byte crosses L2 to an SM once (at 64 rows a
+    # tile, four times: 100 MB of qkv's 25 MB at m = 256, about 13 us of L2 bandwidth), the
+    # activation's 1 MB once per 128 columns. Four warpgroups of 64 x 128 (128 registers, 144 KB at
+    # 3 stages, 192 KB at 4); split-K fills the SMs (qkv: 48 column tiles).
+    (256, 128, 16, 3, 1, 1),
+    (256, 128, 16, 4, 1, 1),
+    (256, 128, 16, 3, 1, 2),
+    (256, 128, 16, 4, 1, 2),
+    (256, 128, 16, 3, 1, 3),
+    (256, 64, 8, 4, 1, 2),
 )
 SWEEP_V2_TOKENS = (64, 128, 256, 512)
 
@@ -134,15 +144,15 @@ def time_fast(fn) -> float:
     return triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
 
 
-def sweep_v2(weights: dict) -> None:
-    """Every V2_CANDIDATES entry at every shape and SWEEP_V2_TOKENS count (tiles of more rows than
-    tokens left out), with the first kernel's default, bf16 and torch._scaled_mm on the same
+def sweep_v2(weights: dict, tokens: tuple[int, ...] = SWEEP_V2_TOKENS) -> None:
+    """Every V2_CANDIDATES entry at every shape and token count (tiles of more rows than tokens
+    left out), with the first kernel's default, bf16 and torch._scaled_mm on the same
     quantized operands; one table per shape (us), then the best of each."""
     best_lines, table_lines = [], []
     for name, (n, k) in SHAPES.items():
         w_q, w_s, w = weights[name]
         rows: dict[str, dict[int, float]] = collections.defaultdict(dict)
-        for m in SWEEP_V2_TOKENS:
+        for m in tokens:
             x = torch.randn(m, k, device=w_q.device, dtype=torch.bfloat16)
             a_q, a_s = quantize_per_token_group(x)
             a_q4, a_s4 = quantize_per_token_group(x, rows_multiple=4)
@@ -184,11 +194,11 @@ def sweep_v2(weights: dict) -> None:
                     continue
                 rows[v2_label(*cand)][m] = t
         print(f"\n{name} (n={n}, k={k}): us, GEMM alone on quantized activations", flush=True)
-        print(f"  {'':34s}" + "".join(f"{f'm={m}':>9s}" for m in SWEEP_V2_TOKENS))
+        print(f"  {'':34s}" + "".join(f"{f'm={m}':>9s}" for m in tokens))
         for label, times in rows.items():
             print(f"  {label:34s}" + "".join(f"{times[m] * 1e3:9.1f}" if m in times else f"{'-':>9s}"
-                                             for m in SWEEP_V2_TOKENS))  # fmt: skip
-        for m in SWEEP_V2_TOKENS:
+                                             for m in tokens))  # fmt: skip
+        for m in tokens:
             v2 = {lab: t[m] for lab, t in rows.items() if lab.startswith("v2") and m in t}
             if not v2:
                 continue
@@ -342,6 +352,11 @@ def main() -> None:
         "--sweep-v2", action="store_true", help="time the v2 kernel's candidates at m = 64-512"
     )
     parser.add_argument(
+        "--tokens",
+        default=",".join(map(str, SWEEP_V2_TOKENS)),
+        help="--sweep-v2: the token counts, comma-separated (default %(default)s)",
+    )
+    parser.add_argument(
         "--sass", action="store_true", help="compile for sm90 (no GPU) and summarize the K loop"
     )
     parser.add_argument("--top", type=int, default=0, help="--sass: the most frequent opcodes to list")
@@ -356,7 +371,7 @@ def main() -> None:
         for name, (n, k) in SHAPES.items():
             w_q, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda") * 0.02)
             weights[name] = (w_q, w_s, dequantize_weight_blocks(w_q, w_s, torch.bfloat16))
-        sweep_v2(weights)
+        sweep_v2(weights, tuple(int(t) for t in args.tokens.split(",")))
         return
     for name, (n, k) in SHAPES.items():
         w_q, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda") * 0.02)

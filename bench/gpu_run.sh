@@ -133,6 +133,8 @@ for what in "$@"; do
     fp8-gemm) TAIL=30 stage fp8-gemm "$PY" bench/fp8_gemm.py ;;
     # The v2 GEMM's candidates at m = 64-512 against v1, bf16 and torch._scaled_mm (~2-3 min; the best per shape and GEMM_TABLE lines last).
     fp8-gemm-sweep) TAIL=40 stage fp8-gemm-sweep "$PY" bench/fp8_gemm.py --sweep-v2 ;;
+    # The same at W4's full decode batch only (m = 256, ~40 s): the whole-M tiles (256 x 128, 16 warps, split-K) against today's choices.
+    fp8-gemm-m256) TAIL=40 stage fp8-gemm-m256 "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 256 ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;
     w1-fp8) TAIL=12 stage w1-fp8 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 ;;
