@@ -134,6 +134,8 @@ for what in "$@"; do
     # The v2 GEMM's candidates at m = 64-512 against v1, bf16 and torch._scaled_mm (~2-3 min; the best per shape and GEMM_TABLE lines last).
     fp8-gemm-sweep) TAIL=40 stage fp8-gemm-sweep "$PY" bench/fp8_gemm.py --sweep-v2 ;;
     # The same at W4's full decode batch only (m = 256, ~40 s): the whole-M tiles (256 x 128, 16 warps, split-K) against today's choices.
+    # The Gluon prototype (bench/fp8_gemm_gluon.py: two K steps' wgmmas in flight) against the Triton GEMM, checked then timed (~30 s).
+    fp8-gemm-gluon) TAIL=12 stage fp8-gemm-gluon "$PY" bench/fp8_gemm_gluon.py --gpu ;;
     fp8-gemm-m256) TAIL=40 stage fp8-gemm-m256 "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 256 ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;
