@@ -136,6 +136,8 @@ for what in "$@"; do
     # The same at W4's full decode batch only (m = 256, ~40 s): the whole-M tiles (256 x 128, 16 warps, split-K) against today's choices.
     # The Gluon prototype (bench/fp8_gemm_gluon.py: two K steps' wgmmas in flight) against the Triton GEMM, checked then timed (~30 s).
     fp8-gemm-gluon) TAIL=12 stage fp8-gemm-gluon "$PY" bench/fp8_gemm_gluon.py --gpu ;;
+    # The v2 candidates at prefill's token counts (2,048 and 8,192; torch._scaled_mm is today's GEMM there), ~2 min.
+    fp8-gemm-prefill) TAIL=40 stage fp8-gemm-prefill "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 2048,8192 ;;
     fp8-gemm-m256) TAIL=40 stage fp8-gemm-m256 "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 256 ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;
