@@ -211,7 +211,7 @@ def sweep_v2(weights: dict, tokens: tuple[int, ...] = SWEEP_V2_TOKENS) -> None:
                 f"scaled_mm {smm * 1e3 if smm else float('nan'):.1f}, bf16 {bf16 * 1e3:.1f} "
                 f"(fp8's best against bf16 {bf16 / fp8:.2f}x, {bf16 / (fp8 + quant):.2f}x with the quantization)"
             )
-            if v2[lab] < v1 and (smm is None or v2[lab] < smm):
+            if v2[lab] < v1 and (smm is None or v2[lab] < smm) and m_bucket(m) is not None:
                 cand = next(c for c in V2_CANDIDATES if v2_label(*c) == lab)
                 line = f"    ({m_bucket(m)}, {n}, {k}): {v2_config(*cand)},"
                 if scaled_mm_applies(m, n, k, torch.bfloat16, torch.device("cuda")):

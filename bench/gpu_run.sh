@@ -134,11 +134,11 @@ for what in "$@"; do
     # The v2 GEMM's candidates at m = 64-512 against v1, bf16 and torch._scaled_mm (~2-3 min; the best per shape and GEMM_TABLE lines last).
     fp8-gemm-sweep) TAIL=40 stage fp8-gemm-sweep "$PY" bench/fp8_gemm.py --sweep-v2 ;;
     # The same at W4's full decode batch only (m = 256, ~40 s): the whole-M tiles (256 x 128, 16 warps, split-K) against today's choices.
-    # The Gluon prototype (bench/fp8_gemm_gluon.py: two K steps' wgmmas in flight) against the Triton GEMM, checked then timed (~30 s).
-    fp8-gemm-gluon) TAIL=12 stage fp8-gemm-gluon "$PY" bench/fp8_gemm_gluon.py --gpu ;;
+    fp8-gemm-m256) TAIL=40 stage fp8-gemm-m256 "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 256 ;;
     # The v2 candidates at prefill's token counts (2,048 and 8,192; torch._scaled_mm is today's GEMM there), ~2 min.
     fp8-gemm-prefill) TAIL=40 stage fp8-gemm-prefill "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 2048,8192 ;;
-    fp8-gemm-m256) TAIL=40 stage fp8-gemm-m256 "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 256 ;;
+    # The Gluon prototype (bench/fp8_gemm_gluon.py: two K steps' wgmmas in flight, the first scaled while the second runs) against the v2 GEMM: checked on edge shapes, then timed (~40 s).
+    fp8-gemm-gluon) TAIL=40 stage fp8-gemm-gluon "$PY" bench/fp8_gemm_gluon.py --gpu ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;
     w1-fp8) TAIL=12 stage w1-fp8 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 ;;
