@@ -362,31 +362,33 @@ async def serve(args, count: int, executor, options, tokenizer_for) -> int:
     bridge = CoreBridge(engine, metrics, ipc.ipc_address())
     bridge.start(loop)
     engine.start(loop)
-    children = []
-    for index in range(count):
-        spec = {
-            "args": _spec_args(args),
-            "index": index,
-            "port": port,
-            "ipc": bridge.address,
-            "parent_pid": os.getpid(),
-        }
-        pass_fds = ()
-        if http_socket is not None:
-            spec["http_fd"] = http_socket.fileno()
-            pass_fds = (http_socket.fileno(),)
-        children.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "scheduler_service.api_server"],
-                env={**os.environ, SPEC_ENV: json.dumps(spec)},
-                pass_fds=pass_fds,
-            )
-        )
+    # The stop is armed before any API server is spawned: a SIGTERM from then on is a stop asked
+    # for (exit 0), never the default action's death by signal that would leave them orphaned.
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    children = []
     code = 0
     try:
+        for index in range(count):
+            spec = {
+                "args": _spec_args(args),
+                "index": index,
+                "port": port,
+                "ipc": bridge.address,
+                "parent_pid": os.getpid(),
+            }
+            pass_fds = ()
+            if http_socket is not None:
+                spec["http_fd"] = http_socket.fileno()
+                pass_fds = (http_socket.fileno(),)
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "scheduler_service.api_server"],
+                    env={**os.environ, SPEC_ENV: json.dumps(spec)},
+                    pass_fds=pass_fds,
+                )
+            )
         deadline = time.monotonic() + _START_TIMEOUT_S
         while len(bridge.peers) < count:
             if stop.is_set():  # SIGTERM / SIGINT while they start: a stop asked for, not a failure

@@ -6,11 +6,13 @@ The rest of the process-level suite runs against this layout too with TANDEM_API
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -42,11 +44,12 @@ def split(qwen3_tied, tmp_path_factory):
 
 
 def _api_servers(services: Services) -> list[int]:
-    return [
-        pid
-        for pid in descendants(services.scheduler.process.pid)
-        if b"scheduler_service.api_server" in open(f"/proc/{pid}/cmdline", "rb").read()
-    ]
+    pids = []
+    for pid in descendants(services.scheduler.process.pid):
+        with contextlib.suppress(OSError):  # it exited since it was listed
+            if b"scheduler_service.api_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+    return pids
 
 
 def test_default_api_server_count_follows_the_cores():
@@ -233,6 +236,34 @@ def test_a_refusal_while_another_scheduler_owns_the_executor_names_the_owner(qwe
                     break
                 time.sleep(0.2)
         assert "rogue owner" in refused.value.message, refused.value.message
+    finally:
+        services.stop()
+
+
+def test_sigterm_as_the_first_api_server_is_spawned_exits_0_without_orphans(qwen3_tied, tmp_path):
+    """A SIGTERM that reaches the core while it is still spawning its API servers (the first one is
+    there, the second not yet) is a stop asked for too: exit 0 and no API server left behind. The
+    core armed its handler only after spawning them all, so such a signal killed it (-15) and
+    orphaned the ones already started."""
+    services = Services(qwen3_tied, tmp_path, ["--api-server-count", "4"])
+    try:
+        services.scheduler.start()
+        core = services.scheduler.process
+        deadline = time.monotonic() + 60
+        while not (children := _api_servers(services)):
+            assert time.monotonic() < deadline and core.poll() is None, services.logs()
+            time.sleep(0.001)
+        core.send_signal(signal.SIGTERM)
+        spawned = set(children)
+        while core.poll() is None and time.monotonic() < deadline:  # any it spawns after the signal
+            spawned.update(_api_servers(services))
+            time.sleep(0.001)
+        assert core.wait(60) == 0, services.logs()
+        children = sorted(spawned)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if alive(pid)]
     finally:
         services.stop()
 
