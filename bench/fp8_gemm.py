@@ -8,9 +8,10 @@ takes 128-block scales, and the relative error of each against the bf16 GEMM.
 Times are of CUDA-graph replays (as the engine's decode steps run), so that a few-microsecond
 kernel is not measured as Python's launch overhead. --sweep times a grid of launch configurations
 (tile sizes, stages, split-K) of the Triton GEMM at each shape and token count. --sweep-v2 times the
-v2 kernel's candidates (V2_CANDIDATES) at m = 64-512 against the first kernel's default, bf16
-torch.matmul and torch._scaled_mm, every GEMM on activations quantized beforehand (the quantization
-is its own column), and prints the best per shape and GEMM_TABLE lines for where v2 wins. --sass
+v2 kernel's candidates (V2_CANDIDATES) and the Gluon kernel's (GLUON_CANDIDATES) at m = 64-512
+(--tokens) against the first kernel's default, bf16 torch.matmul and torch._scaled_mm, every GEMM
+on activations quantized beforehand (the quantization is its own column), and prints the best per
+shape and GEMM_TABLE lines for where a candidate wins. --sass
 (no GPU needed) compiles the first kernel at gemm_config's m = 256 configs and the v2 candidates
 for sm90 and prints registers, shared memory and the SASS of the K loop (instructions per K step,
 wgmma, FFMA / FMUL, barriers, wgmma waits).
@@ -135,6 +136,37 @@ def v2_label(bm: int, bn: int, warps: int, stages: int, tma: int, split_k: int) 
     )
 
 
+# The Gluon kernel's (executor_service/layers/fp8_gemm_gluon.py: two K steps' wgmmas in flight, one
+# scaled while the other multiplies): (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_K), each
+# warpgroup 64 rows; sum and two products in registers (256 x 128 at 16 warps would not fit).
+GLUON_CANDIDATES = (
+    (64, 64, 4, 6, 1),
+    (64, 128, 4, 3, 1),
+    (64, 128, 4, 4, 1),
+    (128, 64, 8, 4, 1),
+    (128, 128, 8, 4, 1),
+    (256, 64, 16, 4, 1),
+    (256, 64, 16, 3, 2),
+    (64, 128, 4, 4, 2),
+    (128, 128, 8, 4, 3),
+)
+
+
+def gluon_config(bm: int, bn: int, warps: int, stages: int, split_k: int) -> dict:
+    return {"KERNEL": "gluon", "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+            "SPLIT_K": split_k}  # fmt: skip
+
+
+def candidates() -> dict[str, dict]:
+    """Every sweep candidate's configuration by its label ("v2 ..." and "gluon ...")."""
+    out = {v2_label(*c): v2_config(*c) for c in V2_CANDIDATES}
+    for bm, bn, warps, stages, split_k in GLUON_CANDIDATES:
+        out[f"gluon {bm}x{bn} w{warps} s{stages}{f' k/{split_k}' if split_k > 1 else ''}"] = gluon_config(
+            bm, bn, warps, stages, split_k
+        )
+    return out
+
+
 def time_fast(fn) -> float:
     """time_ms with shorter warm-up and repetitions (the sweeps' hundreds of timings)."""
     fn()
@@ -145,8 +177,8 @@ def time_fast(fn) -> float:
 
 
 def sweep_v2(weights: dict, tokens: tuple[int, ...] = SWEEP_V2_TOKENS) -> None:
-    """Every V2_CANDIDATES entry at every shape and token count (tiles of more rows than tokens
-    left out), with the first kernel's default, bf16 and torch._scaled_mm on the same
+    """Every candidate (V2_CANDIDATES, GLUON_CANDIDATES) at every shape and token count (tiles of
+    more rows than tokens left out), with the first kernel's default, bf16 and torch._scaled_mm on the same
     quantized operands; one table per shape (us), then the best of each."""
     best_lines, table_lines = [], []
     for name, (n, k) in SHAPES.items():
@@ -176,30 +208,30 @@ def sweep_v2(weights: dict, tokens: tuple[int, ...] = SWEEP_V2_TOKENS) -> None:
             rows["v1 default (gemm_config)"][m] = time_fast(
                 lambda: w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16)  # noqa: B023
             )
-            for cand in V2_CANDIDATES:
-                if cand[0] > max(m, 64):
+            for label, cfg in candidates().items():
+                if cfg["BLOCK_M"] > max(m, 64):
                     continue
-                cfg = v2_config(*cand)
+                # NaN in the block the output will most likely get from the caching allocator: a
+                # tile the kernel does not write shows as wrong, not as the last candidate's sums.
+                torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=w_q.device)
                 try:
                     got = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, cfg)
                     err = rel(got, ref)
                     t = time_fast(lambda: w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, cfg))  # noqa: B023
                 except Exception as e:  # out of shared memory, say
-                    print(f"  {name} m={m} {v2_label(*cand)}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    print(f"  {name} m={m} {label}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
-                if err > 1e-2:  # bf16 outputs a rounding apart: ~1e-3
-                    print(
-                        f"  {name} m={m} {v2_label(*cand)}: WRONG, rel err {err:.2g} against the first kernel"
-                    )
+                if not err <= 1e-2:  # bf16 outputs a rounding apart: ~1e-3 (NaN is wrong too)
+                    print(f"  {name} m={m} {label}: WRONG, rel err {err:.2g} against the first kernel")
                     continue
-                rows[v2_label(*cand)][m] = t
+                rows[label][m] = t
         print(f"\n{name} (n={n}, k={k}): us, GEMM alone on quantized activations", flush=True)
         print(f"  {'':34s}" + "".join(f"{f'm={m}':>9s}" for m in tokens))
         for label, times in rows.items():
             print(f"  {label:34s}" + "".join(f"{times[m] * 1e3:9.1f}" if m in times else f"{'-':>9s}"
                                              for m in tokens))  # fmt: skip
         for m in tokens:
-            v2 = {lab: t[m] for lab, t in rows.items() if lab.startswith("v2") and m in t}
+            v2 = {lab: t[m] for lab, t in rows.items() if lab.startswith(("v2", "gluon")) and m in t}
             if not v2:
                 continue
             lab = min(v2, key=v2.get)
@@ -212,8 +244,7 @@ def sweep_v2(weights: dict, tokens: tuple[int, ...] = SWEEP_V2_TOKENS) -> None:
                 f"(fp8's best against bf16 {bf16 / fp8:.2f}x, {bf16 / (fp8 + quant):.2f}x with the quantization)"
             )
             if v2[lab] < v1 and (smm is None or v2[lab] < smm) and m_bucket(m) is not None:
-                cand = next(c for c in V2_CANDIDATES if v2_label(*c) == lab)
-                line = f"    ({m_bucket(m)}, {n}, {k}): {v2_config(*cand)},"
+                line = f"    ({m_bucket(m)}, {n}, {k}): {candidates()[lab]},"
                 if scaled_mm_applies(m, n, k, torch.bfloat16, torch.device("cuda")):
                     # GEMM_TABLE is the Triton GEMM's: fp8_linear takes torch._scaled_mm here
                     line += "  # with fp8_linear taking the Triton GEMM at this size"

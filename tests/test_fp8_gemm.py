@@ -77,6 +77,66 @@ def test_w8a8_v2_gemm_on_gpu(m, n, k, cfg):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cfg",
+    [(64, 128, 4, 4, 1), (64, 64, 4, 6, 1), (128, 128, 8, 4, 1), (256, 64, 16, 4, 1), (64, 128, 4, 4, 3)],
+)
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 6144, 4096), (100, 320, 1040), (300, 4096, 12288), (513, 24576, 4096), (64, 256, 128)],
+)
+def test_w8a8_gluon_gemm_on_gpu(m, n, k, cfg):
+    """The Gluon kernel (KERNEL "gluon": two K steps' wgmmas in flight) within rounding of the
+    dequantized math, and the v2 kernel's sums with the same tiles: equal without split-K (the same
+    arithmetic in the same order), within fp32 rounding with it. Partial tiles, odd and even K step
+    counts, a partial last K box (k = 1040) and an empty split (k = 128 over 3)."""
+    from executor_service.fp8 import quantize_weight_blocks
+    from executor_service.layers.fp8_gemm_triton import (
+        gluon_applies,
+        quantize_per_token_group,
+        w8a8_block_matmul,
+    )
+
+    bm, bn, warps, stages, split_k = cfg
+    config = {"KERNEL": "gluon", "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+              "SPLIT_K": split_k}  # fmt: skip
+    rel = check_gemm(m, n, k, torch.bfloat16, "cuda", config)
+    assert rel < 0.05, f"relative error against the unquantized GEMM {rel:.3g}"
+    gen = torch.Generator(device="cuda").manual_seed(m * n + k)
+    a_q, a_s = quantize_per_token_group(torch.randn(m, k, device="cuda", generator=gen).bfloat16())
+    w_q, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=gen) * 0.05)
+    assert gluon_applies(a_q, w_q)  # an H100 / H200: the Gluon kernel runs, not its v2 fallback
+    got = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.float32, config)
+    want = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.float32, {**config, "KERNEL": "v2", "TMA": True})
+    tol = 0.0 if split_k == 1 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_w8a8_gluon_gemm_overlaps_its_scaling_on_sm90():
+    """Compiled for sm90 without a GPU, the Gluon kernel keeps what it exists for: no ptxas note of
+    serialized wgmmas, and in its K loop the first product's FFMAs between the wait that leaves one
+    wgmma outstanding and the one that leaves none (scaled while the second multiplies)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import re
+
+    from bench import fp8_gemm_gluon as bench_gluon
+    from bench.kernel_sass import cuobjdump
+
+    cfg = bench_gluon.config(64, 128, 4, 4, 1)
+    kernel = bench_gluon.compile_sm90(cfg)
+    assert bench_gluon.ptxas_notes(kernel.asm["ptx"]) == []
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        order = bench_gluon.loop_order(cuobjdump("-sass", cubin.name))
+    assert re.fullmatch(
+        r"wgmma x8, wait\(1 outstanding\), FFMA x64, wait\(0 outstanding\), FFMA x64", order
+    ), order
+
+
+@pytest.mark.gpu
 def test_fp8_checkpoint_greedy_matches_torch_w8a8_on_gpu(tmp_path, monkeypatch):
     """The repo's trained model quantized to FP8, served through the Triton W8A8 GEMM (CUDA graphs,
     fused ops) against the same engine with every fp8 linear replaced by the W8A8 math in torch, in
@@ -224,6 +284,8 @@ for tma in (False, True):
     check_gemm(17, 160, 384, torch.float32, "cpu", {**small, "SPLIT_K": 2})  # shares of 2 and 1 steps
     check_gemm(5, 72, 256, torch.float32, "cpu", {**small, "SPLIT_K": 4})  # more shares than steps
     check_gemm(40, 256, 256, torch.float32, "cpu", {**small, "BLOCK_M": 32, "BLOCK_N": 128})
+    # The Gluon kernel's configuration where it cannot run (the interpreter): v2 with its tiles.
+    check_gemm(17, 160, 384, torch.float32, "cpu", {**small, "KERNEL": "gluon", "SPLIT_K": 2})
 # Contiguous rows of K = 200 (check_gemm's activations are a view of rows padded to 256 with zeros):
 # what a load past K would read is the next row.
 from helpers.fp8_gemm_checks import _dequantize_rows, reference_quantize

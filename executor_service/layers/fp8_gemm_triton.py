@@ -32,6 +32,10 @@ addresses or masks). Compiled for sm90 at 64 x 128 tiles, 4 warps: 171 instructi
 (bench/fp8_gemm.py --sass). Triton waits for each K step's wgmma before scaling it (the scale is
 applied to its result) in both kernels; more programs per SM overlap one's FMAs with another's
 wgmma. The rounding differs from the first kernel's ((dot * a_s) * b_s + acc) by an ulp a step.
+
+`KERNEL: "gluon"` (fp8_gemm_gluon.py) is v2's GEMM, sums and order written in Gluon so that a
+warpgroup scales one K step's product while its next wgmma runs; where it cannot run (off sm90,
+operands TMA cannot read, the interpreter) the v2 kernel takes its tiles.
 """
 
 from __future__ import annotations
@@ -330,8 +334,13 @@ def w8a8_block_matmul(
     # reproducible run to run, so only where bench/fp8_gemm.py --sweep found it faster).
     c = out if split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=a_q.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
-    if cfg.get("KERNEL", "v1") == "v2":
-        _launch_v2(a_q, a_s, weight, weight_scale_inv, c, cfg, grid)
+    kernel = cfg.get("KERNEL", "v1")
+    if kernel == "gluon" and gluon_applies(a_q, weight):
+        from executor_service.layers.fp8_gemm_gluon import launch_gluon
+
+        launch_gluon(a_q, a_s, weight, weight_scale_inv, c, cfg, grid)
+    elif kernel in ("v2", "gluon"):  # the Gluon kernel's sums in its order, where it cannot run
+        _launch_v2(a_q, a_s, weight, weight_scale_inv, c, {"TMA": True, **cfg}, grid)
     else:
         w8a8_block_matmul_kernel[grid](
             a_q, weight, c, a_s, weight_scale_inv, m, n, k,
@@ -342,6 +351,14 @@ def w8a8_block_matmul(
     if split_k > 1:
         out.copy_(c)
     return out
+
+
+def gluon_applies(a_q: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether fp8_gemm_gluon's kernel can run: an sm90 GPU (wgmma is sm90's alone) and operands
+    TMA reads (tma_applies)."""
+    if not a_q.is_cuda or torch.cuda.get_device_capability(a_q.device) != (9, 0):
+        return False
+    return tma_applies(a_q, weight)
 
 
 def tma_applies(a_q: torch.Tensor, weight: torch.Tensor) -> bool:
