@@ -136,34 +136,35 @@ def v2_label(bm: int, bn: int, warps: int, stages: int, tma: int, split_k: int) 
     )
 
 
-# The Gluon kernel's (executor_service/layers/fp8_gemm_gluon.py: two K steps' wgmmas in flight, one
-# scaled while the other multiplies): (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_K), each
-# warpgroup 64 rows; sum and two products in registers (256 x 128 at 16 warps would not fit).
+# The Gluon kernel's (executor_service/layers/fp8_gemm_gluon.py: PRODUCTS K steps' wgmmas in flight,
+# each scaled while the ones after it multiply): (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_K,
+# PRODUCTS), each warpgroup 64 rows; the sum and the products in registers (four products only at
+# 64 x 64 a warpgroup, and not at 16 warps' 128 registers a thread).
 GLUON_CANDIDATES = (
-    (64, 64, 4, 6, 1),
-    (64, 128, 4, 3, 1),
-    (64, 128, 4, 4, 1),
-    (128, 64, 8, 4, 1),
-    (128, 128, 8, 4, 1),
-    (256, 64, 16, 4, 1),
-    (256, 64, 16, 3, 2),
-    (64, 128, 4, 4, 2),
-    (128, 128, 8, 4, 3),
+    (64, 64, 4, 6, 1, 2),
+    (64, 64, 4, 6, 1, 4),
+    (64, 128, 4, 3, 1, 2),
+    (64, 128, 4, 4, 1, 2),
+    (128, 64, 8, 4, 1, 4),
+    (128, 128, 8, 4, 1, 2),
+    (256, 64, 16, 4, 1, 2),
+    (256, 64, 16, 4, 2, 2),
+    (64, 128, 4, 4, 2, 2),
+    (128, 128, 8, 4, 3, 2),
 )
 
 
-def gluon_config(bm: int, bn: int, warps: int, stages: int, split_k: int) -> dict:
+def gluon_config(bm: int, bn: int, warps: int, stages: int, split_k: int, products: int) -> dict:
     return {"KERNEL": "gluon", "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
-            "SPLIT_K": split_k}  # fmt: skip
+            "SPLIT_K": split_k, "PRODUCTS": products}  # fmt: skip
 
 
 def candidates() -> dict[str, dict]:
     """Every sweep candidate's configuration by its label ("v2 ..." and "gluon ...")."""
     out = {v2_label(*c): v2_config(*c) for c in V2_CANDIDATES}
-    for bm, bn, warps, stages, split_k in GLUON_CANDIDATES:
-        out[f"gluon {bm}x{bn} w{warps} s{stages}{f' k/{split_k}' if split_k > 1 else ''}"] = gluon_config(
-            bm, bn, warps, stages, split_k
-        )
+    for bm, bn, warps, stages, split_k, products in GLUON_CANDIDATES:
+        label = f"gluon {bm}x{bn} w{warps} s{stages} p{products}{f' k/{split_k}' if split_k > 1 else ''}"
+        out[label] = gluon_config(bm, bn, warps, stages, split_k, products)
     return out
 
 

@@ -45,11 +45,22 @@ def gluon_matmul(a_q, a_s, weight, weight_scale_inv, out_dtype, cfg: dict, fill:
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_K): one warpgroup a 64-row slice of the tile.
-CONFIGS = ((64, 128, 4, 4, 1), (64, 64, 4, 6, 1), (128, 128, 8, 4, 1), (128, 64, 4, 4, 1), (64, 128, 4, 4, 2))
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_K, PRODUCTS): products in flight 2, or 4 where a
+# warpgroup's share of the tile is 64 x 64 (the sum and four products: 160 fp32 registers a thread).
+CONFIGS = (
+    (64, 128, 4, 4, 1, 2),
+    (64, 64, 4, 6, 1, 2),
+    (64, 64, 4, 6, 1, 4),
+    (128, 128, 8, 4, 1, 2),
+    (128, 64, 8, 4, 1, 4),
+    (256, 64, 16, 4, 1, 2),  # four products would serialize: 128 registers a thread at 16 warps (C7512)
+    (64, 128, 4, 4, 2, 2),
+)
 
 
-def config(bm: int, bn: int, warps: int, stages: int, split_k: int) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "SPLIT_K": split_k}
+def config(bm: int, bn: int, warps: int, stages: int, split_k: int, products: int = 2) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "SPLIT_K": split_k,
+            "PRODUCTS": products}  # fmt: skip
 
 
 def compile_sm90(cfg: dict):
@@ -61,7 +72,7 @@ def compile_sm90(cfg: dict):
 
     fn = w8a8_block_matmul_gluon_kernel
     constants = {"SPLIT_K": cfg["SPLIT_K"], "NUM_STAGES": cfg["num_stages"], "GROUP_M": 8,
-                 "num_warps": cfg["num_warps"]}  # fmt: skip
+                 "PRODUCTS": cfg.get("PRODUCTS", 2), "num_warps": cfg["num_warps"]}  # fmt: skip
     types = {
         name: f"tensordesc<fp8e4nv[{rows}, {GROUP}],{operand_layout(rows)!r}>"
         for name, rows in (("a_desc", cfg["BLOCK_M"]), ("b_desc", cfg["BLOCK_N"]))
@@ -94,7 +105,7 @@ def ptxas_notes(ptx: str) -> list[str]:
 
 
 def loop_order(sass: str) -> str:
-    """The two-step K loop's wgmmas, waits (with how many groups they leave outstanding) and FFMAs
+    """The K loop's wgmmas, waits (with how many groups they leave outstanding) and FFMAs
     in issue order, runs counted: the shortest backward branch's body that waits with a wgmma
     outstanding (any with a wgmma where none does)."""
     import re
@@ -143,7 +154,7 @@ def sass(cfg: dict) -> None:
     regs = re.search(r"REG:(\d+)", usage)
     print(f"{cfg}: {regs.group(1) if regs else '?'} registers, {kernel.metadata.shared} B shared; "
           f"ptxas notes: {ptxas_notes(kernel.asm['ptx']) or 'none'}", flush=True)  # fmt: skip
-    print(f"   K loop (two steps): {loop_order(code)}", flush=True)
+    print(f"   K loop (an iteration): {loop_order(code)}", flush=True)
 
 
 def check(a_q, a_s, w_q, w_s, ref, cfg: dict) -> str:

@@ -79,17 +79,19 @@ def test_w8a8_v2_gemm_on_gpu(m, n, k, cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    [(64, 128, 4, 4, 1), (64, 64, 4, 6, 1), (128, 128, 8, 4, 1), (256, 64, 16, 4, 1), (64, 128, 4, 4, 3)],
-)
+    [(64, 128, 4, 4, 1, 2), (64, 64, 4, 6, 1, 4), (128, 128, 8, 4, 1, 2), (128, 64, 8, 4, 1, 4),
+     (256, 64, 16, 4, 1, 2), (64, 128, 4, 4, 3, 2), (64, 64, 4, 4, 2, 4)],
+)  # fmt: skip
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     [(1, 6144, 4096), (100, 320, 1040), (300, 4096, 12288), (513, 24576, 4096), (64, 256, 128)],
 )
 def test_w8a8_gluon_gemm_on_gpu(m, n, k, cfg):
-    """The Gluon kernel (KERNEL "gluon": two K steps' wgmmas in flight) within rounding of the
+    """The Gluon kernel (KERNEL "gluon": two or four K steps' wgmmas in flight) within rounding of the
     dequantized math, and the v2 kernel's sums with the same tiles: equal without split-K (the same
     arithmetic in the same order), within fp32 rounding with it. Partial tiles, odd and even K step
-    counts, a partial last K box (k = 1040) and an empty split (k = 128 over 3)."""
+    counts (k = 1040: 9 steps, a tail of 1 or 3 taken one by one), a partial last K box and an
+    empty split (k = 128 over 3)."""
     from executor_service.fp8 import quantize_weight_blocks
     from executor_service.layers.fp8_gemm_triton import (
         gluon_applies,
@@ -97,9 +99,9 @@ def test_w8a8_gluon_gemm_on_gpu(m, n, k, cfg):
         w8a8_block_matmul,
     )
 
-    bm, bn, warps, stages, split_k = cfg
+    bm, bn, warps, stages, split_k, products = cfg
     config = {"KERNEL": "gluon", "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
-              "SPLIT_K": split_k}  # fmt: skip
+              "SPLIT_K": split_k, "PRODUCTS": products}  # fmt: skip
     rel = check_gemm(m, n, k, torch.bfloat16, "cuda", config)
     assert rel < 0.05, f"relative error against the unquantized GEMM {rel:.3g}"
     gen = torch.Generator(device="cuda").manual_seed(m * n + k)
@@ -112,18 +114,22 @@ def test_w8a8_gluon_gemm_on_gpu(m, n, k, cfg):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
-def test_w8a8_gluon_gemm_overlaps_its_scaling_on_sm90():
+@pytest.mark.parametrize(("cfg", "loop"), [
+    ((64, 128, 4, 4, 1, 2), r"wgmma x8, wait\(1 outstanding\), FFMA x64, wait\(0 outstanding\), FFMA x64"),
+    ((64, 64, 4, 6, 1, 4), r"wgmma x16, wait\(3 outstanding\), FFMA x32, wait\(2 outstanding\), FFMA x32, "
+                           r"wait\(1 outstanding\), FFMA x32, wait\(0 outstanding\), FFMA x32"),
+])  # fmt: skip
+def test_w8a8_gluon_gemm_overlaps_its_scaling_on_sm90(cfg, loop):
     """Compiled for sm90 without a GPU, the Gluon kernel keeps what it exists for: no ptxas note of
-    serialized wgmmas, and in its K loop the first product's FFMAs between the wait that leaves one
-    wgmma outstanding and the one that leaves none (scaled while the second multiplies)."""
+    serialized wgmmas, and in its K loop each product's FFMAs right after the wait that leaves the
+    products after it outstanding (scaled while they multiply), two or four products an iteration."""
     pytest.importorskip("triton.experimental.gluon")
     import re
 
     from bench import fp8_gemm_gluon as bench_gluon
     from bench.kernel_sass import cuobjdump
 
-    cfg = bench_gluon.config(64, 128, 4, 4, 1)
-    kernel = bench_gluon.compile_sm90(cfg)
+    kernel = bench_gluon.compile_sm90(bench_gluon.config(*cfg))
     assert bench_gluon.ptxas_notes(kernel.asm["ptx"]) == []
     import tempfile
 
@@ -131,9 +137,7 @@ def test_w8a8_gluon_gemm_overlaps_its_scaling_on_sm90():
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
         order = bench_gluon.loop_order(cuobjdump("-sass", cubin.name))
-    assert re.fullmatch(
-        r"wgmma x8, wait\(1 outstanding\), FFMA x64, wait\(0 outstanding\), FFMA x64", order
-    ), order
+    assert re.fullmatch(loop, order), order
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""The W8A8 block-scaled GEMM in Gluon (Hopper): each K step's product scaled while the next step's
-wgmma runs, for fp8_gemm_triton's configurations with `KERNEL: "gluon"`.
+"""The W8A8 block-scaled GEMM in Gluon (Hopper): each K step's product scaled while the next steps'
+wgmmas run, for fp8_gemm_triton's configurations with `KERNEL: "gluon"`.
 
 The GEMM is fp8_gemm_triton's: y = x @ W^T, x e4m3 [M, K] with one fp32 scale per token and 128
 columns, W e4m3 [N, K] with one per 128 x 128 block, so each K step of 128 has its own scale per
@@ -8,26 +8,28 @@ the v2 kernel's arithmetic in the v2 kernel's order.
 
 Triton's tl.dot waits for each K step's wgmma before the FFMAs that scale it, so a warpgroup's
 tensor-core work and its scaling alternate (other programs on the SM fill the gaps). Here the
-kernel issues wgmma itself: two K steps an iteration are started into fresh registers
-(use_acc=False, asynchronously), the first is waited for with one wgmma left outstanding and scaled
-while the second multiplies, then the second. What ptxas needs for that (`python
+kernel issues wgmma itself: PRODUCTS K steps an iteration (2, or 4) are started into fresh
+registers (use_acc=False, asynchronously), then each is waited for with the ones after it still
+outstanding and scaled while they multiply. What ptxas needs for that (`python
 bench/fp8_gemm_gluon.py --sass` shows the loop: `wgmma x8, wait(1 outstanding), FFMA x64, wait(0
-outstanding), FFMA x64` at 64 x 128, 4 warps):
+outstanding), FFMA x64` at 64 x 128, 4 warps, two products):
 
 - no product in flight across the loop's back edge: carried in flight, its phi copies read the
   registers early and ptxas serializes every wgmma of the kernel (its note C7514);
 - the scales loaded at the top of the iteration: loaded after the first wait (behind the refill's
-  barriers) they hold every FFMA until after the second;
-- registers for the sum and two products (3 x 64 fp32 a thread at 64 x 128 a warpgroup): 256 x 128
-  tiles at 16 warps have 128 a thread and serialize (C7512); 256 x 64 fit.
+  barriers) they hold every FFMA until after the last wait;
+- registers for the sum and the products (3 x 64 fp32 a thread for two at 64 x 128 a warpgroup,
+  5 x 32 for four at 64 x 64); at 16 warps (128 registers a thread) 256 x 128 tiles, or four
+  products, serialize (C7512).
 
-Operands come through TMA into a ring of NUM_STAGES shared-memory slots (at least 2), one mbarrier
-a slot, all filled before the loop; a slot is refilled with the step NUM_STAGES after the one it
-held once that step's wgmma is complete. The tile is stored from the wgmma's register layout, or
-with SPLIT_K > 1 added to an fp32 output atomically, as the Triton kernels do.
+Operands come through TMA into a ring of NUM_STAGES shared-memory slots (at least PRODUCTS), one
+mbarrier a slot, all filled before the loop; a slot is refilled with the step NUM_STAGES after the
+one it held once that step's wgmma is complete. The K steps left over (fewer than PRODUCTS) run one
+by one. The tile is stored from the wgmma's register layout, or with SPLIT_K > 1 added to an fp32
+output atomically, as the Triton kernels do.
 
-wgmma is sm90's alone (fp8_gemm_triton.gluon_applies); elsewhere, and under the interpreter (Gluon has none),
-fp8_gemm_triton runs the v2 kernel with the same tiles: the same sums in the same order.
+wgmma is sm90's alone (fp8_gemm_triton.gluon_applies); elsewhere, and under the interpreter (Gluon
+has none), fp8_gemm_triton runs the v2 kernel with the same tiles: the same sums in the same order.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def w8a8_block_matmul_gluon_kernel(
     SPLIT_K: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
+    PRODUCTS: gl.constexpr,  # K steps a loop iteration, their wgmmas in flight together
     num_warps: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -128,7 +131,9 @@ def w8a8_block_matmul_gluon_kernel(
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.static_assert(BLOCK_K == 128, "one activation scale a row and K step")
     gl.static_assert(128 % BLOCK_N == 0, "one weight scale a tile and K step")
-    gl.static_assert(NUM_STAGES >= 2, "a step's load is issued when the one before it is finished")
+    gl.static_assert(
+        NUM_STAGES >= PRODUCTS, "a step's load waits for the step NUM_STAGES before it to finish"
+    )
 
     # The tile, in fp8_gemm_triton's grouped order, and this split's K steps [kb_lo, kb_hi).
     pid = gl.program_id(0)
@@ -170,28 +175,26 @@ def w8a8_block_matmul_gluon_kernel(
 
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
-        # Two K steps an iteration: both products started, then the first scaled while the second
-        # multiplies. No wgmma is in flight across iterations: a product carried in flight through
-        # the loop's back edge is copied there, which ptxas answers by serializing every wgmma
-        # (its C7514 note).
-        for j in range(0, steps // 2):
-            i = 2 * j
+        # PRODUCTS K steps an iteration: all their products started, then each waited for with the
+        # ones after it still outstanding and scaled while they multiply. No wgmma is in flight
+        # across iterations: a product carried in flight through the loop's back edge is copied
+        # there, which ptxas answers by serializing every wgmma (its C7514 note).
+        for j in range(0, steps // PRODUCTS):
+            i = PRODUCTS * j
             # The scales first: their loads' latency passes while the wgmmas run.
-            scale_first = _step_scale(a_s_ptrs, m_mask, b_s_ptr, kb_lo + i)
-            scale_second = _step_scale(a_s_ptrs, m_mask, b_s_ptr, kb_lo + i + 1)
-            mbarrier.wait(bars.index(i % NUM_STAGES), (i // NUM_STAGES) & 1)
-            first = _start_step(a_bufs, b_bufs, zero, i % NUM_STAGES)
-            mbarrier.wait(bars.index((i + 1) % NUM_STAGES), ((i + 1) // NUM_STAGES) & 1)
-            second = _start_step(a_bufs, b_bufs, zero, (i + 1) % NUM_STAGES)
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(first,))
-            acc = _finish_step(done, scale_first, acc, a_desc, b_desc, a_bufs, b_bufs, bars, kb_lo, i, steps,
-                               off_m, off_n, NUM_STAGES)  # fmt: skip
-            # acc passes through the wait, so that the first product's FFMAs stay before it.
-            done, acc = warpgroup_mma_wait(num_outstanding=0, deps=(second, acc))
-            acc = _finish_step(done, scale_second, acc, a_desc, b_desc, a_bufs, b_bufs, bars, kb_lo, i + 1, steps,
-                               off_m, off_n, NUM_STAGES)  # fmt: skip
-        if steps % 2 == 1:  # the last step alone
-            i = steps - 1
+            scales = ()
+            for u in gl.static_range(PRODUCTS):
+                scales = scales + (_step_scale(a_s_ptrs, m_mask, b_s_ptr, kb_lo + i + u),)
+            products = ()
+            for u in gl.static_range(PRODUCTS):
+                mbarrier.wait(bars.index((i + u) % NUM_STAGES), ((i + u) // NUM_STAGES) & 1)
+                products = products + (_start_step(a_bufs, b_bufs, zero, (i + u) % NUM_STAGES),)
+            for u in gl.static_range(PRODUCTS):
+                # acc passes through each wait, so that the FFMAs before it stay there.
+                done, acc = warpgroup_mma_wait(num_outstanding=PRODUCTS - 1 - u, deps=(products[u], acc))
+                acc = _finish_step(done, scales[u], acc, a_desc, b_desc, a_bufs, b_bufs, bars, kb_lo, i + u, steps,
+                                   off_m, off_n, NUM_STAGES)  # fmt: skip
+        for i in range(steps - steps % PRODUCTS, steps):  # the last steps one by one
             scale = _step_scale(a_s_ptrs, m_mask, b_s_ptr, kb_lo + i)
             mbarrier.wait(bars.index(i % NUM_STAGES), (i // NUM_STAGES) & 1)
             last = _start_step(a_bufs, b_bufs, zero, i % NUM_STAGES)
@@ -230,5 +233,6 @@ def launch_gluon(a_q, a_s, weight, weight_scale_inv, c, cfg: dict, grid: tuple[i
         a_desc, b_desc, c, a_s, weight_scale_inv, m, n, k,
         c.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
         SPLIT_K=cfg.get("SPLIT_K", 1), NUM_STAGES=cfg["num_stages"], GROUP_M=cfg.get("GROUP_M", 8),
+        PRODUCTS=cfg.get("PRODUCTS", 2),
         num_warps=cfg["num_warps"],
     )  # fmt: skip
