@@ -44,8 +44,9 @@ def gluon_matmul(a_q, a_s, weight, weight_scale_inv, out_dtype, cfg: dict, fill:
     return out
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_K, PRODUCTS), a warpgroup each 64 rows of the tile:
-# products in flight 2, or 4 where a warpgroup's share of the tile is 64 x 64 (the sum and four products: 160 fp32 registers a thread).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_K, PRODUCTS), a warpgroup each 64 rows of the
+# tile: products in flight 2, or 4 where a warpgroup's share of the tile is 64 x 64 (the sum and
+# four products: 160 fp32 registers a thread).
 CONFIGS = (
     (64, 128, 4, 4, 1, 2),
     (64, 64, 4, 6, 1, 2),
