@@ -121,6 +121,14 @@ V2_CANDIDATES = (
     (256, 128, 16, 4, 1, 2),
     (256, 128, 16, 3, 1, 3),
     (256, 64, 8, 4, 1, 2),
+    # Decode's few tokens (read through 64-row boxes that TMA zero-fills past M): bound by streaming
+    # the weights (qkv at 1 token: 17.1 us, 1.5 TB/s, through the first kernel split over K), so
+    # narrow column tiles for more programs and deep rings for more bytes in flight (12 KB a stage
+    # at 64 x 32), with and without split-K.
+    (64, 32, 4, 8, 1, 1),
+    (64, 32, 4, 12, 1, 1),
+    (64, 32, 4, 8, 1, 2),
+    (64, 64, 4, 8, 1, 2),
 )
 SWEEP_V2_TOKENS = (64, 128, 256, 512)
 
@@ -151,6 +159,8 @@ GLUON_CANDIDATES = (
     (256, 64, 16, 4, 2, 2),
     (64, 128, 4, 4, 2, 2),
     (128, 128, 8, 4, 3, 2),
+    (64, 32, 4, 8, 1, 2),  # decode's few tokens, as V2_CANDIDATES' last ones
+    (64, 64, 4, 8, 2, 4),
 )
 
 

@@ -135,6 +135,8 @@ for what in "$@"; do
     fp8-gemm-sweep) TAIL=40 stage fp8-gemm-sweep "$PY" bench/fp8_gemm.py --sweep-v2 ;;
     # The same at W4's full decode batch only (m = 256, ~40 s): the whole-M tiles (256 x 128, 16 warps, split-K) against today's choices.
     fp8-gemm-m256) TAIL=40 stage fp8-gemm-m256 "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 256 ;;
+    # The v2 and Gluon candidates at decode's few tokens (1, 8 and 32: narrow tiles, deep rings) against the first kernel's split-K rule, ~1 min.
+    fp8-gemm-decode) TAIL=40 stage fp8-gemm-decode "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 1,8,32 ;;
     # The v2 candidates at prefill's token counts (2,048 and 8,192; torch._scaled_mm is today's GEMM there), ~2 min.
     fp8-gemm-prefill) TAIL=40 stage fp8-gemm-prefill "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 2048,8192 ;;
     # The Gluon prototype (bench/fp8_gemm_gluon.py: two K steps' wgmmas in flight, the first scaled while the second runs) against the v2 GEMM: checked on edge shapes, then timed (~40 s).

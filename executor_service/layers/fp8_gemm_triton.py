@@ -267,8 +267,8 @@ def w8a8_block_matmul_v2_kernel(
 
 # Per (token bucket, n, k): a config that replaces gemm_config's rule there, from
 # `bench/fp8_gemm.py --sweep-v2` (its "table" lines). m in (32, 64] takes bucket 64, (64, 128] 128,
-# and so on to (4096, 8192] 8192 (prefill chunks); decode's few tokens and larger counts keep the rule.
-M_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# and so on from 1 token to (4096, 8192] 8192 (prefill chunks); larger counts keep the rule.
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _V2_64x64_S6 = {"KERNEL": "v2", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "TMA": True}
 GEMM_TABLE: dict[tuple[int, int, int], dict] = {
     # Qwen3-8B on the H200, 2026-12-02 (bench/RESULTS.md): us against the first kernel's rule and
