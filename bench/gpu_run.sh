@@ -121,6 +121,8 @@ for what in "$@"; do
     decode-warps) TAIL=60 STAGE_TIMEOUT=500 stage decode-warps "$PY" bench/attention.py --sweep-warps ;;
     decode-warps-8b) TAIL=60 STAGE_TIMEOUT=500 stage decode-warps-8b "$PY" bench/attention.py --sweep-warps --heads 32 8 ;;
     fp8-engine-tests) TAIL=8 stage fp8-engine-tests "$PY" -m pytest -q -m gpu tests/test_fp8_kv.py tests/test_gpu_engine.py -k fp8 ;;
+    # The Gluon fp8 GEMM's GPU tests (against v2 and the dequantized math) and its compiled K loop.
+    gluon-tests) TAIL=8 stage gluon-tests "$PY" -m pytest -q tests/test_fp8_gemm.py -k "gluon" ;;
     fp8-kv-major-tests) TAIL=8 stage fp8-kv-major-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
     # Nsight Compute on the decode kernel, bf16 and fp8 caches (where the machine's runtime gives
     # ncu the counters; the clocks left alone): what bounds the fp8 kernel.
