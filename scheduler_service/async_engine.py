@@ -308,9 +308,11 @@ class AsyncEngine:
         if engine.last_step_seconds > 0:
             metrics.executor_round_trip.observe(engine.last_step_seconds)
         if plan.new_seqs:
-            now = time.perf_counter()
+            # Queueing ends when the plan that admits a request is sent, not when its result is
+            # back (a long prefill, or the plan ahead of it, is no time in the queue).
+            scheduled = engine.last_plan_sent_at or time.perf_counter()
             arrivals = self._tracker.arrivals
             for new in plan.new_seqs:
                 arrival = arrivals.pop(new.seq_id, None)
                 if arrival is not None:
-                    metrics.queue_time.observe(now - arrival)
+                    metrics.queue_time.observe(scheduled - arrival)

@@ -85,9 +85,11 @@ class LLMEngine:
         self._in_flight = self.scheduler.in_flight
         self._next_request_id = 0
         self._last_status = (time.monotonic(), 0, 0)
-        # The plan whose result the last step() applied (or that failed), and the seconds from
-        # sending it to its result (0 when it had nothing for the executor).
+        # The plan whose result the last step() applied (or that failed), when it was sent
+        # (perf_counter; None when it had nothing for the executor), and the seconds from sending
+        # it to its result (0 when it had nothing for the executor).
         self.last_plan: StepPlan | None = None
+        self.last_plan_sent_at: float | None = None
         self.last_step_seconds = 0.0
 
     def add_request(
@@ -160,7 +162,7 @@ class LLMEngine:
                 self._send(scheduler.schedule())
             oldest = in_flight.oldest()
             plan, sent_at = oldest.plan, oldest.sent_at
-            self.last_plan = plan
+            self.last_plan, self.last_plan_sent_at = plan, sent_at
             self.last_step_seconds = 0.0
             if sent_at is None:
                 result = StepResult(step_id=plan.step_id)

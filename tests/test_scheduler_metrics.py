@@ -1,15 +1,21 @@
-"""The scheduler's Prometheus metrics, without a service: bucket ranges and the info metric."""
+"""The scheduler's Prometheus metrics without a service: bucket ranges, the info metric, and what
+an AsyncEngine over a fake executor records."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from dataclasses import replace
 
-from helpers.fake_executor import FakeExecutor
+from helpers.fake_executor import FakeExecutor, prompt
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.config import EngineOptions, SchedulerConfig
 from scheduler_service.metrics import _LATENCY_BUCKETS, SchedulerMetrics, StepHistogram
+from scheduler_service.sampling_params import SamplingParams
 
 
 def samples(m: SchedulerMetrics) -> dict[tuple, float]:
@@ -85,3 +91,49 @@ def test_step_histogram_batches_in_one_bucket_count_as_their_values_would():
         return [line for line in generate_latest(registry).decode().splitlines() if "_created " not in line]
 
     assert exposed(batched) == exposed(plain)
+
+
+class SlowExecutor(FakeExecutor):
+    """A FakeExecutor whose every step takes `seconds` (a long prefill, a slow device)."""
+
+    def __init__(self, seconds: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.seconds = seconds
+
+    def step(self, plan):
+        time.sleep(self.seconds)
+        return super().step(plan)
+
+
+def run_engine(executor, requests: list[tuple[list[int], SamplingParams]]) -> SchedulerMetrics:
+    """The requests through an AsyncEngine over `executor`, to their ends; its metrics."""
+    metrics = SchedulerMetrics()
+
+    async def run() -> None:
+        engine = AsyncEngine(executor, EngineOptions(SchedulerConfig()), metrics)
+        engine.start(asyncio.get_running_loop())
+        try:
+            for _ in range(500):
+                if engine.engine is not None:
+                    break
+                await asyncio.sleep(0.01)
+            streams = [
+                engine.add_request(f"r{i}", p, s, time.perf_counter()) for i, (p, s) in enumerate(requests)
+            ]
+            for stream in streams:
+                while not stream.finished:
+                    await asyncio.wait_for(stream.wait(10**9), 30)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
+    return metrics
+
+
+def test_queue_time_ends_when_the_request_is_scheduled_not_when_its_step_is_back():
+    """tandem_scheduler_queue_time_seconds is arrival to first schedule: a request sent to an idle
+    scheduler waits for nothing, however long its prefill step then takes."""
+    m = run_engine(SlowExecutor(0.5), [(prompt(8), SamplingParams(max_tokens=1, ignore_eos=True))])
+    s = samples(m)
+    assert s[("tandem_scheduler_queue_time_seconds_count",)] == 1
+    assert s[("tandem_scheduler_queue_time_seconds_sum",)] < 0.25
