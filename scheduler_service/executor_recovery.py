@@ -113,6 +113,8 @@ class ExecutorRecovery:
     def lose(self, engine: LLMEngine, reason: str) -> None:
         """Drop the engine but keep its requests (to recompute on the next executor)."""
         self.engine = None
+        # What its last plans counted (admissions, preemptions) before the gauges go to zero.
+        self.metrics.update_from_stats(engine.scheduler.stats)
         self.metrics.executor_up.set(0)
         self.set_health(False)
         # Plans of the dropped engine may still be in flight (a result it could not apply):

@@ -245,13 +245,16 @@ class Scheduler:
                 self._fail_unfittable(seq)
                 continue
             bm.allocate(seq, n, cached)
-            self.stats.num_prefix_queried_tokens = bm.num_prefix_queried_tokens
-            self.stats.num_prefix_hit_tokens = bm.num_prefix_hit_tokens
             waiting.popleft()
             running.append(seq)
             seq.status = _RUNNING
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_cached
+                # Its prompt's lookup, once: a recompute (after a preemption, on a new executor)
+                # reads back its own blocks, which is no prefix hit (as vLLM's hit rate).
+                if bm.enable_prefix_caching:
+                    self.stats.num_prefix_queried_tokens += len(seq.token_ids)
+                    self.stats.num_prefix_hit_tokens += num_cached
             seq.num_computed_tokens = seq.num_kv_written = num_cached
             plan.new_seqs.append(seq.to_new_sequence())
             seq.sent = True

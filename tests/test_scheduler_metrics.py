@@ -8,12 +8,14 @@ import random
 import time
 from dataclasses import replace
 
+import pytest
 from helpers.fake_executor import FakeExecutor, prompt
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.config import EngineOptions, SchedulerConfig
+from scheduler_service.executor_client import ExecutorUnavailable
 from scheduler_service.metrics import _LATENCY_BUCKETS, SchedulerMetrics, StepHistogram
 from scheduler_service.sampling_params import SamplingParams
 
@@ -105,6 +107,22 @@ class SlowExecutor(FakeExecutor):
         return super().step(plan)
 
 
+class LosingExecutor(FakeExecutor):
+    """A FakeExecutor that is lost (ExecutorUnavailable) at the steps numbered in `lose_at` and
+    back at once, as an executor restarted: the scheduler recomputes its requests on it."""
+
+    def __init__(self, lose_at: set[int], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lose_at = lose_at
+        self.num_steps = 0
+
+    def step(self, plan):
+        self.num_steps += 1
+        if self.num_steps in self.lose_at:
+            raise ExecutorUnavailable("executor at fake:1 is unavailable (Step): connection reset")
+        return super().step(plan)
+
+
 def run_engine(executor, requests: list[tuple[list[int], SamplingParams]]) -> SchedulerMetrics:
     """The requests through an AsyncEngine over `executor`, to their ends; its metrics."""
     metrics = SchedulerMetrics()
@@ -137,3 +155,35 @@ def test_queue_time_ends_when_the_request_is_scheduled_not_when_its_step_is_back
     s = samples(m)
     assert s[("tandem_scheduler_queue_time_seconds_count",)] == 1
     assert s[("tandem_scheduler_queue_time_seconds_sum",)] < 0.25
+
+
+def test_preemption_counts_each_prompt_once_and_its_recompute_as_no_prefix_hit():
+    """Requests preempted for want of blocks and recomputed: the prompt and generation token
+    counters are what the clients got, and the prefix cache counters see each prompt once (a
+    recompute reading back its own blocks is no prefix hit: vLLM's hit rate leaves it out too)."""
+    executor = FakeExecutor(num_kv_blocks=16, block_size=4)  # 64 tokens for 4 x (8 + 20)
+    requests = [(prompt(8, seed), SamplingParams(max_tokens=20, ignore_eos=True)) for seed in range(4)]
+    s = samples(run_engine(executor, requests))
+    assert s[("tandem_scheduler_preemptions_total",)] > 0
+    assert s[("tandem_scheduler_prompt_tokens_total",)] == 4 * 8
+    assert s[("tandem_scheduler_generation_tokens_total",)] == 4 * 20
+    assert s[("tandem_scheduler_prefix_cache_queried_tokens_total",)] == 4 * 8
+    assert s[("tandem_scheduler_prefix_cache_hit_tokens_total",)] == 0  # no two prompts share a block
+    assert s[("tandem_scheduler_requests_running",)] == s[("tandem_scheduler_requests_waiting",)] == 0
+    assert s[("tandem_scheduler_kv_cache_blocks_used",)] == s[("tandem_scheduler_kv_cache_usage_ratio",)] == 0
+
+
+@pytest.mark.parametrize("lose_at", [{1}, {5}, {3, 9}])
+def test_requests_recomputed_on_a_new_executor_count_their_tokens_once(lose_at):
+    """The executor lost before any token (step 1), after some, or twice: the requests kept and
+    recomputed on the next one count their prompts, tokens and prefix lookups once, as the
+    clients got them, and each its first token and queue time once."""
+    requests = [(prompt(8, seed), SamplingParams(max_tokens=20, ignore_eos=True)) for seed in range(4)]
+    s = samples(run_engine(LosingExecutor(lose_at, num_kv_blocks=64, block_size=4), requests))
+    assert s[("tandem_scheduler_prompt_tokens_total",)] == 4 * 8
+    assert s[("tandem_scheduler_generation_tokens_total",)] == 4 * 20
+    assert s[("tandem_scheduler_prefix_cache_queried_tokens_total",)] == 4 * 8
+    assert s[("tandem_scheduler_time_to_first_token_seconds_count",)] == 4
+    assert s[("tandem_scheduler_queue_time_seconds_count",)] == 4
+    assert s[("tandem_scheduler_executor_up",)] == 1
+    assert s[("tandem_scheduler_requests_running",)] == s[("tandem_scheduler_kv_cache_blocks_used",)] == 0
