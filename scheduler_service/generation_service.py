@@ -199,6 +199,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await self._fail(context, _STATUS_CODES[e.code], e.message)
         except ValueError as e:  # anything else a request can get wrong
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:  # while it was tokenized or admitted (by a slow engine core)
+            self._count_gone(context)
+            raise
         streams = [stream for stream, _ in samples]
         num_finals = 0
         failed = False
@@ -220,11 +223,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 if not stream.finished:  # the client cancelled, its deadline passed, or a sample failed
                     self.engine.abort(stream)
             if num_finals < len(streams) and not failed:
-                # Cancelled, past its deadline, or a message that could not be sent.
-                remaining = context.time_remaining()
-                expired = remaining is not None and remaining <= DEADLINE_SLACK_S
-                code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-                self.metrics.requests_failed.labels(code.name).inc()
+                self._count_gone(context)
+
+    def _count_gone(self, context: grpc.aio.ServicerContext) -> None:
+        """A call that ended before its answer without an error of ours: cancelled, past its
+        deadline, or a message that could not be sent."""
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        self.metrics.requests_failed.labels(code.name).inc()
 
     async def _samples(
         self, samples: list[tuple[RequestStream, ChatOutputParser | None]]

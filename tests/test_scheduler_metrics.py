@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
+import grpc
 import pytest
 from helpers.fake_executor import FakeExecutor, prompt
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.config import EngineOptions, SchedulerConfig
 from scheduler_service.executor_client import ExecutorUnavailable
 from scheduler_service.metrics import _LATENCY_BUCKETS, SchedulerMetrics, StepHistogram
 from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.server import SchedulerServer, ServerThread
 
 
 def samples(m: SchedulerMetrics) -> dict[tuple, float]:
@@ -187,3 +193,53 @@ def test_requests_recomputed_on_a_new_executor_count_their_tokens_once(lose_at):
     assert s[("tandem_scheduler_queue_time_seconds_count",)] == 4
     assert s[("tandem_scheduler_executor_up",)] == 1
     assert s[("tandem_scheduler_requests_running",)] == s[("tandem_scheduler_kv_cache_blocks_used",)] == 0
+
+
+class SlowCore:
+    """What an API server sees of an engine core that is slow to admit (busy, or far): submit()
+    waits until the test lets it go (an API server's RemoteEngine awaits the core's answer)."""
+
+    def __init__(self, metrics, on_health) -> None:
+        self.metrics = metrics
+        self.tokenizer = None
+        self.engine = SimpleNamespace(limits=SimpleNamespace(max_model_len=128))
+        self.streams: list = []
+        self.num_pending_admissions = 0
+        self.submitting = threading.Event()
+
+    def start(self, loop) -> None:
+        pass
+
+    def check_admitting(self):
+        return self.engine
+
+    async def submit(self, *args, **kwargs):
+        self.submitting.set()
+        await asyncio.Event().wait()  # (never answered here: the client goes first)
+
+    def stop_admitting(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_request_cancelled_while_it_is_admitted_counts_as_failed(how):
+    """A client that cancels (or whose deadline passes) while its request is being admitted is
+    in tandem_scheduler_requests_failed_total, as one that does so while the request runs."""
+    server = SchedulerServer(engine_factory=SlowCore, port=0, metrics_port=0)
+    with ServerThread(server), grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        message = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2, 3, 4]))
+        call = stub.Generate(message, timeout=0.5 if how == "deadline" else None)
+        assert server.engine.submitting.wait(10)
+        if how == "cancel":
+            call.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(call)
+        code = "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"
+        deadline = time.monotonic() + 5
+        while samples(server.metrics).get(("tandem_scheduler_requests_failed_total", ("code", code))) != 1:
+            assert time.monotonic() < deadline, samples(server.metrics)
+            time.sleep(0.02)
