@@ -12,6 +12,8 @@ class SchedulerStats:
     # Prompt tokens of requests that produced their first token.
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Prompt tokens looked up in the prefix cache, and found there, at each request's first
+    # admission (a recompute is not counted).
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_steps: int = 0
