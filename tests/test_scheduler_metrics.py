@@ -1,5 +1,5 @@
-"""The scheduler's Prometheus metrics without a service: bucket ranges, the info metric, and what
-an AsyncEngine over a fake executor records."""
+"""The scheduler's Prometheus metrics without a model: bucket ranges, the info metric, what an
+AsyncEngine over a fake executor records, and what the gRPC service over a fake engine core does."""
 
 from __future__ import annotations
 
