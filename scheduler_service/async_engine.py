@@ -293,6 +293,8 @@ class AsyncEngine:
             return
         names = [engine.scheduler.seqs[i].name for i in plan.seq_ids if i in engine.scheduler.seqs]
         failed = engine.fail_requests(plan.seq_ids, str(error))
+        for seq_id in plan.seq_ids:  # admitted by no plan that ran: no queue time to observe
+            self._tracker.arrivals.pop(seq_id, None)
         logger.error(
             "step %d failed (%s); failed its %d requests: %s", plan.step_id, error, len(failed), some(names)
         )

@@ -243,3 +243,48 @@ def test_a_request_cancelled_while_it_is_admitted_counts_as_failed(how):
         while samples(server.metrics).get(("tandem_scheduler_requests_failed_total", ("code", code))) != 1:
             assert time.monotonic() < deadline, samples(server.metrics)
             time.sleep(0.02)
+
+
+class RefusingExecutor(FakeExecutor):
+    """A FakeExecutor that refuses its first `refuse` plans (the requests in them fail), then runs."""
+
+    def __init__(self, refuse: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.refuse = refuse
+
+    def step(self, plan):
+        if self.refuse > 0:
+            self.refuse -= 1
+            raise ValueError(f"step {plan.step_id} rejected")
+        return super().step(plan)
+
+
+def test_requests_failed_in_refused_plans_leave_no_arrival_behind():
+    """A long-running scheduler keeps no memory of requests that failed in plans the executor
+    refused (1,600 here): their arrival times (kept to time their queueing) were never dropped, so
+    each such failure grew the engine thread's table for good."""
+
+    async def run() -> int:
+        executor = RefusingExecutor(refuse=25, max_num_seqs=64)
+        engine = AsyncEngine(executor, EngineOptions(SchedulerConfig()), SchedulerMetrics())
+        engine.start(asyncio.get_running_loop())
+        try:
+            for _ in range(500):
+                if engine.engine is not None:
+                    break
+                await asyncio.sleep(0.01)
+            params = SamplingParams(max_tokens=1, ignore_eos=True)
+            for batch in range(25):
+                streams = [engine.add_request(f"r{batch}-{i}", prompt(4, i), params, time.perf_counter())
+                           for i in range(64)]  # fmt: skip
+                for stream in streams:
+                    while not stream.finished:
+                        await asyncio.wait_for(stream.wait(10**9), 30)
+            last = engine.add_request("last", prompt(4), params, time.perf_counter())
+            while not last.finished:
+                await asyncio.wait_for(last.wait(10**9), 30)
+            return len(engine._tracker.arrivals)
+        finally:
+            await engine.aclose()
+
+    assert asyncio.run(run()) == 0
