@@ -5,9 +5,9 @@ become `{"error": {"message", "type", "param", "code"}}` with the status OpenAI 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scheduler_service.errors import ErrorCode, InvalidRequestError
 from scheduler_service.sampling_params import SamplingParams, verify_unicode
@@ -85,6 +85,27 @@ class _Request(BaseModel):
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
+
+    # The fields a client may send as null for their default: OpenAI's nullable ones and vLLM's
+    # optional ones. (Where None is a value of its own, as max_tokens' "no limit", the field says so.)
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset(
+        {
+            "n",
+            "stream",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_p",
+            "repetition_penalty",
+            "stop_token_ids",
+        }
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.NULL_IS_DEFAULT}
+        return data
 
     def check_fields(self) -> None:
         """Raises InvalidRequestError for fields that contradict each other, or ask for what this
@@ -164,6 +185,8 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     best_of: int | None = None
 
+    NULL_IS_DEFAULT = _Request.NULL_IS_DEFAULT | {"echo"}
+
     def prompts(self) -> list[str | list[int]]:
         if self.echo:
             raise InvalidRequestError("echo is not supported")
@@ -196,6 +219,8 @@ class ChatRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     documents: FailFastList[dict[str, Any]] | None = None
+
+    NULL_IS_DEFAULT = _Request.NULL_IS_DEFAULT | {"logprobs"}
 
     def check_fields(self) -> None:
         super().check_fields()

@@ -698,3 +698,37 @@ def test_the_served_body_limit_is_the_grpc_message_limit(server):
     assert r.status_code == 413, r.text
     assert f"exceeds the limit of {GENERATION_MAX_MESSAGE_BYTES} bytes" in r.json()["error"]["message"]
     assert httpx.get(url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "endpoint, field",
+    [
+        (endpoint, field)
+        for endpoint in ("completions", "chat/completions")
+        for field in (
+            "n",
+            "stream",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_p",
+            "repetition_penalty",
+            "stop_token_ids",
+        )
+    ]
+    + [("completions", "echo"), ("chat/completions", "logprobs")],
+)
+def test_a_field_sent_as_null_is_its_default(server, endpoint, field):
+    """OpenAI's n, stream, presence_penalty, frequency_penalty, echo and chat's logprobs may be null
+    (and vLLM's min_p, repetition_penalty and stop_token_ids): null is the default. A client that
+    wrote `"n": null` (a wrapper passing on what its caller left unset) got a 400, "n: Input should
+    be a valid integer"."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    body = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    body |= (
+        {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    r = httpx.post(url, json={**body, field: None})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got == {**httpx.post(url, json=body).json(), "id": got["id"], "created": got["created"]}
+    assert len(got["choices"]) == 1 and got["choices"][0]["logprobs"] is None
