@@ -4,6 +4,7 @@ become `{"error": {"message", "type", "param", "code"}}` with the status OpenAI 
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -177,6 +178,30 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+def _calls_for_template(calls: list) -> list:
+    """An assistant's past tool calls as chat templates take them (transformers' convention, and
+    vLLM's): each call's `arguments` an object, not OpenAI's JSON string of it ({} for none).
+    Arguments that are no JSON object stay as sent: the model's own text, which a template that
+    writes a string as it is (Qwen3's) writes back unchanged."""
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            arguments = function.get("arguments")
+            if not arguments:
+                arguments = {}
+            elif isinstance(arguments, str):
+                try:
+                    parsed = json.loads(arguments)
+                except (ValueError, RecursionError):  # not JSON, an integer too long, nested too deep
+                    parsed = None
+                if isinstance(parsed, dict):
+                    arguments = parsed
+            call = {**call, "function": {**function, "arguments": arguments}}
+        out.append(call)
+    return out
+
+
 class CompletionRequest(_Request):
     prompt: str | FailFastList[str] | FailFastList[int] | FailFastList[FailFastList[int]]
     max_tokens: int | None = 16
@@ -260,6 +285,10 @@ class ChatRequest(_Request):
                         )
                     texts.append(text)
                 message = {**message, "content": "\n".join(texts)}
+            if message["role"] == "assistant" and isinstance(calls := message.get("tool_calls"), list):
+                message = {**message, "tool_calls": _calls_for_template(calls)}
+                if not calls:  # (a template asking `'tool_calls' in message` takes it for calls)
+                    del message["tool_calls"]
             messages.append(message)
         if not messages:
             raise InvalidRequestError("messages is empty")

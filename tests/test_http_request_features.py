@@ -23,17 +23,22 @@ from scheduler_service.errors import TandemRequestError
 from scheduler_service.http_api import OpenAIServer
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.server import ServerThread
+from scheduler_service.tokenizer import Tokenizer
 
 PROMPT = "The list type"
 
 
 @pytest.fixture(scope="module")
 def checkpoint(qwen3_tied, tmp_path_factory):
-    """The conftest checkpoint with a plain chat template."""
+    """The conftest checkpoint with a plain chat template (an assistant's tool calls written as
+    Llama 3.1's template writes them: arguments through `tojson`)."""
     path = tmp_path_factory.mktemp("with_template") / "qwen3"
     shutil.copytree(qwen3_tied, path)
     (path / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% if 'tool_calls' in m %} calls{% for c in m.tool_calls %} "
+        "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}{% endif %}{{ '\\n' }}"
+        "{% endfor %}assistant:"
     )
     return path
 
@@ -732,3 +737,37 @@ def test_a_field_sent_as_null_is_its_default(server, endpoint, field):
     got = r.json()
     assert got == {**httpx.post(url, json=body).json(), "id": got["id"], "created": got["created"]}
     assert len(got["choices"]) == 1 and got["choices"][0]["logprobs"] is None
+
+
+def test_an_assistant_s_tool_call_arguments_reach_the_template_as_an_object(api, model, checkpoint):
+    """OpenAI's clients send a past call's arguments as a JSON string; chat templates (Llama 3.1's,
+    transformers' convention) take them as an object and write them with `tojson`. vLLM parses
+    them; here the string was passed on and written as a JSON string of JSON
+    (`"{\\"city\\": ...}"`), a prompt the model was never trained on. An empty list of calls is
+    dropped (a template that asks `'tool_calls' in message` took it for calls), and arguments that
+    are no JSON object stay as the model wrote them."""
+    calls = [
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"id": "c2", "type": "function", "function": {"name": "now", "arguments": ""}},
+        {"id": "c3", "type": "function", "function": {"name": "bad", "arguments": "{oops"}},
+    ]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Sure", "tool_calls": []},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    ]
+    got = api.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    expected = (
+        "user: Weather?\nassistant: Sure\nassistant: None calls "
+        'get_weather{"city": "Paris"} now{} bad"{oops"\ntool: 18C\nassistant:'
+    )
+    # (the prompt's token ids, as the prompt logprobs name them: the first token has none)
+    ids = [int(next(iter(entry))) for entry in got.model_extra["prompt_logprobs"][1:]]
+    assert ids == Tokenizer(checkpoint).encode(expected, add_special_tokens=False)[1:]
