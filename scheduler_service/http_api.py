@@ -78,6 +78,8 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id (of stop_token_ids) that ended it, else None.
+    stop_reason: str | int | None = None
     sent_prompt_logprobs: bool = False
 
     def split(self, text: str, last: bool) -> ChatDelta:
@@ -356,7 +358,8 @@ async def _choice_deltas(
             engine.abort(stream)
             stream.finished = finished = True
         if finished:
-            choice.finish_reason, _ = output.finish(stream.finish_reason, stream.last_token_id)
+            choice.finish_reason, stop = output.finish(stream.finish_reason, stream.last_token_id)
+            choice.stop_reason = stop if output.stop_string is not None else int(stop) if stop else None
         yield delta.text, logprobs, finished
         if finished:
             return
@@ -507,6 +510,7 @@ class _ResponseWriter:
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": self._finish_reason(choice),
+                "stop_reason": choice.stop_reason,
             }
             if self.body.prompt_logprobs is not None:
                 whole["prompt_logprobs"] = self.prompt_logprobs(choice)
@@ -522,6 +526,7 @@ class _ResponseWriter:
             "message": message,
             "logprobs": logprobs,
             "finish_reason": self._finish_reason(choice),
+            "stop_reason": choice.stop_reason,
         }
 
     def _abort_unfinished(self) -> None:
@@ -545,6 +550,7 @@ class _ResponseWriter:
 
     def _delta(self, choice: _Choice, text: str, logprobs: list[TokenLogprob], last: bool) -> dict | None:
         finish = self._finish_reason(choice) if last else None
+        stop = choice.stop_reason if last else None
         lp = self.logprobs(logprobs, sum(len(t) for t in choice.text)) if logprobs else None
         choice.text.append(text)
         if not self.chat:
@@ -554,7 +560,13 @@ class _ResponseWriter:
                 choice.sent_prompt_logprobs = prompt_lp is not None
             if not text and not last and not logprobs and prompt_lp is None:
                 return None
-            delta = {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish}
+            delta = {
+                "index": choice.index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": finish,
+                "stop_reason": stop,
+            }
             if prompt_lp is not None:  # in the first chunk (vLLM's streamed completions)
                 delta["prompt_logprobs"] = prompt_lp
             return delta
@@ -570,7 +582,13 @@ class _ResponseWriter:
             return None
         if last:  # the finish reason may be "tool_calls" only now
             finish = self._finish_reason(choice)
-        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": lp,
+            "finish_reason": finish,
+            "stop_reason": stop,
+        }
 
     async def sse(self) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()

@@ -771,3 +771,35 @@ def test_an_assistant_s_tool_call_arguments_reach_the_template_as_an_object(api,
     # (the prompt's token ids, as the prompt logprobs name them: the first token has none)
     ids = [int(next(iter(entry))) for entry in got.model_extra["prompt_logprobs"][1:]]
     assert ids == Tokenizer(checkpoint).encode(expected, add_special_tokens=False)[1:]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_stop_reason_names_what_stopped_the_choice(server, reference, endpoint, stream):
+    """vLLM's stop_reason beside finish_reason: the stop string that ended the choice, the id of the
+    stop token (of stop_token_ids) that did, and null for the end-of-sequence token or the length.
+    The server knew it (gRPC's final message carries it) and left it out: a vLLM client reading
+    which of its stop strings matched read nothing."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream}
+    body |= (
+        {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    eos = reference.executor.describe().eos_token_ids[0]
+
+    def final(**fields) -> tuple[str, object]:
+        if not stream:
+            choice = httpx.post(url, json={**body, **fields}).json()["choices"][0]
+            return choice["finish_reason"], choice["stop_reason"]
+        with httpx.stream("POST", url, json={**body, **fields}) as r:
+            events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e)["choices"] for e in events[:-1]]
+        assert all(c[0].get("stop_reason") is None for c in chunks[:-1])
+        return chunks[-1][0]["finish_reason"], chunks[-1][0]["stop_reason"]
+
+    text = httpx.post(url, json={**body, "stream": False}).json()["choices"][0]
+    text = text["text"] if endpoint == "completions" else text["message"]["content"]
+    assert final() == ("length", None)
+    assert final(stop=["zzz", text[3:6]]) == ("stop", text[3:6])
+    assert final(logit_bias={"42": 100}, stop_token_ids=[42]) == ("stop", 42)
+    assert final(logit_bias={str(eos): 100}, ignore_eos=False) == ("stop", None)
