@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP front end (FastAPI on uvicorn, on the scheduler's event loop):
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with `data: [DONE]`),
-GET /health. Requests go through the same transport-free layer as gRPC's (request_handling.py) and
+vLLM's POST /tokenize and /detokenize, GET /health. Requests go through the same transport-free layer as gRPC's (request_handling.py) and
 the same AsyncEngine; errors are OpenAI error objects (openai_protocol.py). A client that goes away
 aborts its requests, which frees their blocks. A request body is at most MAX_BODY_BYTES (the gRPC
 API's message limit): a larger one is a 413 before it is parsed."""
@@ -30,7 +30,14 @@ from protos.defaults import GENERATION_MAX_MESSAGE_BYTES
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.chat_output import ChatDelta, ChatOutputParser
 from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemRequestError
-from scheduler_service.openai_protocol import HTTP_STATUS, ChatRequest, CompletionRequest, error_body
+from scheduler_service.openai_protocol import (
+    HTTP_STATUS,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 from scheduler_service.request_handling import (
     RENDER_INLINE_MESSAGES,
     TOKENIZE_INLINE_CHARS,
@@ -40,7 +47,7 @@ from scheduler_service.request_handling import (
     verify_tokenizer,
 )
 from scheduler_service.request_stream import RequestStream
-from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.sampling_params import SamplingParams, verify_unicode
 from scheduler_service.sequence import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -48,6 +55,8 @@ logger = logging.getLogger(__name__)
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; past it: 504
 # The endpoints whose refusals count in tandem_scheduler_requests_failed_total.
 _REQUEST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Endpoints outside /v1 that need the API key too (vLLM's: the tokenizer and the chat template).
+_TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
 # The errors a 400 for a malformed body lists (a list of a million wrong items has a million).
 MAX_BODY_ERRORS = 10
@@ -152,6 +161,14 @@ class OpenAIServer:
         async def chat_completions(body: ChatRequest, request: Request):
             return await self._serve(request, body, chat=True)
 
+        @app.post("/tokenize")
+        async def tokenize(body: TokenizeRequest) -> JSONResponse:
+            return await self._tokenize(body)
+
+        @app.post("/detokenize")
+        async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+            return await self._detokenize(body)
+
         return app
 
     def _refuse_unauthorized(self, headers: Headers) -> JSONResponse | None:
@@ -176,6 +193,16 @@ class OpenAIServer:
             return self.engine.check_admitting()
         except TandemRequestError as e:
             raise HttpError(HTTP_STATUS[e.code], e.message) from None
+
+    @staticmethod
+    def _unknown_model(name: str | None, served: str) -> HttpError | None:
+        """The 404 for a model this server does not serve (None: it serves it, or none was named).
+        The executor names a local checkpoint by its directory: its path names it too."""
+        if name and name != served and Path(name).name != served:
+            return HttpError(
+                404, f"the model {name!r} does not exist: this server serves {served!r}", "model_not_found"
+            )
+        return None
 
     def _fail(self, e: TandemRequestError) -> HttpError:
         self.metrics.requests_failed.labels(e.code.name).inc()
@@ -216,15 +243,9 @@ class OpenAIServer:
     async def _admit(self, body, chat: bool, timeout: float | None) -> tuple[list[_Choice], str]:
         body.check_fields()
         engine = self.engine.check_admitting()  # (a refusal is counted, as gRPC counts it: _serve)
-        served = engine.info.model
-        # The executor names a local checkpoint by its directory: its path names it too.
-        if body.model and body.model != served and Path(body.model).name != served:
+        if (unknown := self._unknown_model(body.model, engine.info.model)) is not None:
             self.metrics.requests_failed.labels("NOT_FOUND").inc()
-            raise HttpError(
-                404,
-                f"the model {body.model!r} does not exist: this server serves {served!r}",
-                "model_not_found",
-            )
+            raise unknown
         num_top = body.num_top_logprobs
         wants_logprobs = body.logprobs if chat else body.logprobs is not None
         # The engine reports a sampled token's logprob beside at least one alternative.
@@ -259,6 +280,57 @@ class OpenAIServer:
                 self.engine.abort(choice.stream)
             raise
         return choices, request_id
+
+    # -- vLLM's tokenizer endpoints ---------------------------------------------------------
+
+    async def _tokenize(self, body: TokenizeRequest) -> JSONResponse:
+        engine = self._engine()
+        if (unknown := self._unknown_model(body.model, engine.info.model)) is not None:
+            raise unknown
+        try:
+            chat = body.chat()
+            if chat is None:
+                text, add_special_tokens = body.prompt, body.add_special_tokens is not False
+            else:  # (rendered as a chat completion's prompt: the template writes its special tokens)
+                prompts, _ = await self._prompts(chat, chat=True)
+                text, add_special_tokens = prompts[0], bool(body.add_special_tokens)
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
+                raise InvalidRequestError(NO_TOKENIZER)
+            verify_unicode(text, "the prompt")
+        except TandemRequestError as e:
+            raise HttpError(HTTP_STATUS[e.code], e.message) from None
+        if len(text) > TOKENIZE_INLINE_CHARS:
+            ids = await asyncio.to_thread(tokenizer.encode_off_gil, text, add_special_tokens)
+        else:
+            ids = tokenizer.encode(text, add_special_tokens)
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": engine.limits.max_model_len,
+                "tokens": ids,
+                "token_strs": [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None,
+            }
+        )
+
+    async def _detokenize(self, body: DetokenizeRequest) -> JSONResponse:
+        engine = self._engine()
+        if (unknown := self._unknown_model(body.model, engine.info.model)) is not None:
+            raise unknown
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise HttpError(400, NO_TOKENIZER)
+        vocab_size = tokenizer.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab_size:
+                raise HttpError(
+                    400, f"token id {t} at position {i} is outside the vocabulary (size {vocab_size})"
+                )
+        if len(body.tokens) > TOKENIZE_INLINE_CHARS:
+            text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
+        else:
+            text = tokenizer.decode(body.tokens, skip_special_tokens=False)  # (vLLM's: all of them)
+        return JSONResponse({"prompt": text})
 
     async def _serve(self, request: Request, body, chat: bool):
         timeout = request.headers.get(TIMEOUT_HEADER)
@@ -325,14 +397,15 @@ class _LimitBody:
 
 
 class _RequireApiKey:
-    """ASGI middleware: a /v1 request without a valid key is a 401 before its body is read and
-    validated (as vLLM's); /health needs none."""
+    """ASGI middleware: a /v1 request (or /tokenize, /detokenize) without a valid key is a 401
+    before its body is read and validated (as vLLM's); /health needs none."""
 
     def __init__(self, app, server: OpenAIServer) -> None:
         self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path in _TOKENIZER_PATHS):
             refusal = self.server._refuse_unauthorized(Headers(scope=scope))
             if refusal is not None:
                 await refusal(scope, receive, send)

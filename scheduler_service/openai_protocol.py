@@ -325,3 +325,33 @@ class ChatRequest(_Request):
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise InvalidRequestError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         return self.top_logprobs or 0
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages (with the chat fields that shape the prompt)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: FailFastList[dict[str, Any]] | None = None
+    # Default: on for a prompt, off for messages (the template writes its own), as vLLM's.
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    tools: FailFastList[dict[str, Any]] | None = None
+    documents: FailFastList[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat(self) -> ChatRequest | None:
+        """The messages as a chat completion's (None for a prompt); InvalidRequestError for neither
+        or both."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("send a prompt or messages (one of them)")
+        if self.messages is None:
+            return None
+        fields = ("messages", "add_generation_prompt", "tools", "documents", "chat_template_kwargs")
+        return ChatRequest(**{name: getattr(self, name) for name in fields})
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: FailFastList[int]

@@ -803,3 +803,50 @@ def test_stop_reason_names_what_stopped_the_choice(server, reference, endpoint, 
     assert final(stop=["zzz", text[3:6]]) == ("stop", text[3:6])
     assert final(logit_bias={"42": 100}, stop_token_ids=[42]) == ("stop", 42)
     assert final(logit_bias={str(eos): 100}, ignore_eos=False) == ("stop", None)
+
+
+def test_tokenize_and_detokenize_as_vllm_s(server, checkpoint):
+    """vLLM's /tokenize (a prompt, or chat messages rendered as a chat completion renders them) and
+    /detokenize: a client counts a prompt's tokens against max_model_len before it sends it, or
+    reads ids back as text. They were a 404."""
+    url = f"http://127.0.0.1:{server.http_port}"
+    tokenizer = Tokenizer(checkpoint)
+    ids = tokenizer.encode(PROMPT)
+    r = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": len(ids), "max_model_len": 1024, "tokens": ids, "token_strs": None}
+    strs = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert strs["token_strs"] == [tokenizer.token_text(i) for i in ids]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tokenizer.encode("user: Hi\nassistant:", add_special_tokens=False)
+    completion = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert chat["count"] == completion.json()["usage"]["prompt_tokens"]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPT}
+    for path, body, status, message in [
+        ("tokenize", {"prompt": PROMPT, "model": "nope"}, 404, "the model 'nope' does not exist"),
+        ("tokenize", {}, 400, "send a prompt or messages"),
+        ("tokenize", {"messages": [{"content": "Hi"}]}, 400, "messages[0] has no role"),
+        (
+            "detokenize",
+            {"tokens": [5, 10**6]},
+            400,
+            "token id 1000000 at position 1 is outside the vocabulary",
+        ),
+        ("detokenize", {"tokens": "abc"}, 400, "tokens: "),
+    ]:
+        r = httpx.post(f"{url}/{path}", json=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["message"].startswith(message), r.text
+    special = tokenizer.encode("<|endoftext|>", add_special_tokens=False)
+    assert httpx.post(f"{url}/detokenize", json={"tokens": special}).json() == {"prompt": "<|endoftext|>"}
+
+    async def without_key() -> list[int]:  # (with --api-key they need it, as /v1 does)
+        app = OpenAIServer(server.engine, api_keys=["sk-1"]).app
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as client:
+            return [
+                (await client.post("/tokenize", json={"prompt": PROMPT})).status_code,
+                (await client.post("/detokenize", json={"tokens": ids})).status_code,
+            ]
+
+    assert asyncio.run_coroutine_threadsafe(without_key(), server.engine._loop).result(10) == [401, 401]
