@@ -91,6 +91,16 @@ class _Choice:
     # vLLM's: the stop string or stop token id (of stop_token_ids) that ended it, else None.
     stop_reason: str | int | None = None
     sent_prompt_logprobs: bool = False
+    # A completion's echoed prompt: its text, and its first token (which has no logprob).
+    prompt_text: str | None = None
+    first_prompt_token: int | None = None
+    # Echoed with max_tokens 0: the one token the engine samples is not returned.
+    prompt_only: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        """The generated tokens returned."""
+        return 0 if self.prompt_only else self.output.num_tokens
 
     def split(self, text: str, last: bool) -> ChatDelta:
         return self.parser.add(text, last) if self.parser is not None else ChatDelta(content=text)
@@ -253,6 +263,9 @@ class OpenAIServer:
         params = body.sampling_params(max(num_top, 1) if wants_logprobs else 0)
         verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)
         prompts, template = await self._prompts(body, chat)
+        echo = not chat and body.echo
+        if echo and self.engine.tokenizer is None:
+            raise InvalidRequestError(f"echo needs a tokenizer (to write the prompt's text); {NO_TOKENIZER}")
         parses_tools = chat and body.parses_tools()  # (refused before any sample is submitted)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if ignored := body.ignored_fields():  # (vLLM's warning)
@@ -269,10 +282,15 @@ class OpenAIServer:
                     await self._encode(prompt, params, not chat) if isinstance(prompt, str) else list(prompt)
                 )
                 name = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+                # (decoded before it is submitted: if cut short, it leaves nothing running)
+                text = await self._prompt_text(prompt) if echo else None
                 for stream in await self.engine.submit(name, ids, params, arrival, timeout, body.user):
                     choice = _Choice(
                         len(choices), stream, OutputProcessor(self.engine.tokenizer, stream.params)
                     )
+                    if echo:
+                        choice.prompt_text, choice.first_prompt_token = text, ids[0]
+                        choice.prompt_only = body.prompt_only
                     if template is not None:
                         choice.parser = ChatOutputParser.for_request(template, prompt, parses_tools)
                     choices.append(choice)
@@ -281,6 +299,16 @@ class OpenAIServer:
                 self.engine.abort(choice.stream)
             raise
         return choices, request_id
+
+    async def _prompt_text(self, prompt: str | list[int]) -> str:
+        """An echoed prompt's text: as sent, or its token ids' text (special tokens included, as
+        /detokenize writes them)."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.engine.tokenizer
+        if len(prompt) > TOKENIZE_INLINE_CHARS:
+            return await asyncio.to_thread(tokenizer.decode, prompt, False)
+        return tokenizer.decode(prompt, skip_special_tokens=False)
 
     # -- vLLM's tokenizer endpoints ---------------------------------------------------------
 
@@ -417,8 +445,9 @@ class _RequireApiKey:
 async def _choice_deltas(
     engine: AsyncEngine, choice: _Choice
 ) -> AsyncIterator[tuple[str, list[TokenLogprob], bool]]:
-    """(text delta, its tokens' logprobs, last) as the engine produces them; the stream's failure
-    is raised as TandemRequestError."""
+    """(text delta, its tokens' logprobs, last) as the engine produces them (none of them for a
+    prompt echoed alone, which ends for its length); the stream's failure is raised as
+    TandemRequestError."""
     stream, output = choice.stream, choice.output
     while True:
         await stream.wait(1)
@@ -434,7 +463,12 @@ async def _choice_deltas(
         if finished:
             choice.finish_reason, stop = output.finish(stream.finish_reason, stream.last_token_id)
             choice.stop_reason = stop if output.stop_string is not None else int(stop) if stop else None
-        yield delta.text, logprobs, finished
+            if choice.prompt_only:
+                choice.finish_reason, choice.stop_reason = "length", None
+        if choice.prompt_only:
+            yield "", [], finished
+        else:
+            yield delta.text, logprobs, finished
         if finished:
             return
 
@@ -465,7 +499,7 @@ class _ResponseWriter:
 
     def usage(self) -> dict:
         prompt = sum(c.stream.num_prompt_tokens for c in self.choices[:: self.body.n])
-        completion = sum(c.output.num_tokens for c in self.choices)
+        completion = sum(c.num_tokens for c in self.choices)
         cached = sum(c.stream.num_cached_tokens for c in self.choices[:: self.body.n])
         return {
             "prompt_tokens": prompt,
@@ -480,11 +514,10 @@ class _ResponseWriter:
     def prompt_logprobs(self, choice: _Choice) -> list | None:
         """vLLM's prompt_logprobs: None for the first prompt token, then for each token a map from
         token id (its own and its top alternatives') to logprob, rank and text."""
-        # The first sample of a prompt scores it (SamplingParams.for_samples).
-        first = self.choices[choice.index - choice.stream.index]
-        lps = first.stream.prompt_logprobs
+        lps = self._scored_prompt(choice)
         if lps is None:
             return None
+        num_top = self.body.prompt_logprobs  # (echo may have scored it with more: prompt_logprobs_of)
         out: list[dict | None] = [None]
         for lp in lps:
             entry = {
@@ -494,12 +527,45 @@ class _ResponseWriter:
                     "decoded_token": self._token(lp.token_id),
                 }
             }
-            for rank, (t, v) in enumerate(lp.top_logprobs, 1):
+            for rank, (t, v) in enumerate(lp.top_logprobs[:num_top], 1):
                 entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self._token(t)})
             out.append(entry)
         return out
 
-    def logprobs(self, logprobs: list[TokenLogprob], offset: int = 0) -> dict | None:
+    def _scored_prompt(self, choice: _Choice) -> list[TokenLogprob] | None:
+        """The logprobs of the choice's prompt tokens after the first (None: not scored, or not yet).
+        The first sample of a prompt scores it (SamplingParams.for_samples)."""
+        return self.choices[choice.index - choice.stream.index].stream.prompt_logprobs
+
+    def _echoed_logprobs(self, choice: _Choice) -> dict:
+        """The completion logprobs of an echoed prompt's tokens: the first has none (null)."""
+        entries = [(choice.first_prompt_token, None)]
+        entries += [(lp.token_id, lp) for lp in self._scored_prompt(choice) or []]
+        return self._completion_logprobs(entries, 0)
+
+    def _completion_logprobs(self, entries: list[tuple[int, TokenLogprob | None]], offset: int) -> dict:
+        """OpenAI's legacy format: each token, its logprob, the top N and always the token itself
+        (up to N + 1, as vLLM's), and where it starts in the choice's text; null where a token has
+        none (an echoed prompt's first)."""
+        tokens, offsets, values, tops = [], [], [], []
+        for token_id, lp in entries:
+            token = self._token(token_id)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            values.append(None if lp is None else lp.logprob)
+            tops.append(
+                None
+                if lp is None
+                else {token: lp.logprob, **{self._token(i): v for i, v in lp.top_logprobs[: self.num_top]}}
+            )
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def logprobs(
+        self, logprobs: list[TokenLogprob], offset: int = 0, echoed: _Choice | None = None
+    ) -> dict | None:
+        """The chat or completion logprobs of generated tokens whose text starts at `offset`; those of
+        `echoed`'s prompt before them."""
         if self.num_top is None:
             return None
         if self.chat:
@@ -519,21 +585,11 @@ class _ResponseWriter:
                     }
                 )
             return {"content": content}
-        tokens = [self._token(lp.token_id) for lp in logprobs]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            # OpenAI's: the top N and always the sampled token (up to N + 1), as vLLM's
-            "top_logprobs": [
-                {token: lp.logprob, **{self._token(i): v for i, v in lp.top_logprobs[: self.num_top]}}
-                for token, lp in zip(tokens, logprobs, strict=True)
-            ],
-            "text_offset": offsets,
-        }
+        generated = self._completion_logprobs([(lp.token_id, lp) for lp in logprobs], offset)
+        if echoed is None:
+            return generated
+        prompt = self._echoed_logprobs(echoed)
+        return {key: prompt[key] + generated[key] for key in prompt}
 
     # -- whole responses ----------------------------------------------------------------------
 
@@ -577,7 +633,11 @@ class _ResponseWriter:
 
     def _whole_choice(self, choice: _Choice) -> dict:
         text = "".join(choice.text)
-        logprobs = self.logprobs(choice.logprobs)
+        if choice.prompt_text is not None:  # echoed: the prompt, then what was generated
+            logprobs = self.logprobs(choice.logprobs, len(choice.prompt_text), echoed=choice)
+            text = choice.prompt_text + text
+        else:
+            logprobs = self.logprobs(choice.logprobs)
         if not self.chat:
             whole = {
                 "index": choice.index,
@@ -625,14 +685,19 @@ class _ResponseWriter:
     def _delta(self, choice: _Choice, text: str, logprobs: list[TokenLogprob], last: bool) -> dict | None:
         finish = self._finish_reason(choice) if last else None
         stop = choice.stop_reason if last else None
-        lp = self.logprobs(logprobs, sum(len(t) for t in choice.text)) if logprobs else None
+        echo = choice.prompt_text is not None and not choice.text  # (the prompt, in its first chunk)
+        if echo:
+            lp = self.logprobs(logprobs, len(choice.prompt_text), echoed=choice)
+            text = choice.prompt_text + text
+        else:
+            lp = self.logprobs(logprobs, sum(len(t) for t in choice.text)) if logprobs else None
         choice.text.append(text)
         if not self.chat:
             prompt_lp = None
             if self.body.prompt_logprobs is not None and not choice.sent_prompt_logprobs:
                 prompt_lp = self.prompt_logprobs(choice)
                 choice.sent_prompt_logprobs = prompt_lp is not None
-            if not text and not last and not logprobs and prompt_lp is None:
+            if not text and not last and not logprobs and prompt_lp is None and not echo:
                 return None
             delta = {
                 "index": choice.index,
@@ -669,6 +734,9 @@ class _ResponseWriter:
 
         async def pump(choice: _Choice) -> None:
             try:
+                if choice.prompt_text is not None and self.num_top is not None and choice.stream.index:
+                    # An echoed prompt comes with its logprobs, which its first sample scores.
+                    await _prompt_scored(self.choices[choice.index - choice.stream.index].stream)
                 async for item in _choice_deltas(self.engine, choice):
                     await queue.put((choice, *item))
             except TandemRequestError as e:
@@ -714,6 +782,13 @@ class _ResponseWriter:
             for task in tasks:
                 task.cancel()
             self._abort_unfinished()
+
+
+async def _prompt_scored(stream: RequestStream) -> None:
+    """Returns once the stream has its prompt's logprobs (they come with its first tokens), or ended."""
+    while stream.prompt_logprobs is None and not stream.finished:
+        stream.event.clear()
+        await stream.event.wait()
 
 
 async def _disconnected(request: Request) -> None:

@@ -134,6 +134,10 @@ class _Request(BaseModel):
     def max_tokens_of(self) -> int | None:
         return self.max_tokens
 
+    def prompt_logprobs_of(self) -> int | None:
+        """The alternatives per prompt token the engine scores the prompt with (None: not scored)."""
+        return self.prompt_logprobs
+
     def as_sent(self, message: str) -> str:
         """An error message with the fields named as the client sent them."""
         return message
@@ -161,7 +165,7 @@ class _Request(BaseModel):
             n=self.n,
             min_tokens=self.min_tokens,
             logit_bias=_logit_bias(self.logit_bias),
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs_of(),
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
@@ -213,8 +217,6 @@ class CompletionRequest(_Request):
     NULL_IS_DEFAULT = _Request.NULL_IS_DEFAULT | {"echo"}
 
     def prompts(self) -> list[str | list[int]]:
-        if self.echo:
-            raise InvalidRequestError("echo is not supported")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -225,6 +227,37 @@ class CompletionRequest(_Request):
         if not prompt:
             raise InvalidRequestError("prompt is empty")
         return list(prompt)
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0 (OpenAI's and vLLM's): the prompt comes back alone (scored, with
+        logprobs), nothing generated. The engine generates at least one token: it samples one,
+        which is not returned (as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
+    def max_tokens_of(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens
+
+    def prompt_logprobs_of(self) -> int | None:
+        """Echoed with logprobs, the prompt's tokens come with theirs: the prompt is scored with at
+        least `logprobs` alternatives per token (vLLM's)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    def sampling_params(self, num_logprobs: int) -> SamplingParams:
+        if self.prompt_only and self.min_tokens > 0:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens (0)")
+        return super().sampling_params(num_logprobs)
+
+    def as_sent(self, message: str) -> str:
+        """The length limit of a prompt echoed with max_tokens 0 counts the one token it samples."""
+        if self.prompt_only:
+            message = message.replace(
+                "+ max_tokens (1) exceeds",
+                "+ 1 token (echo with max_tokens 0 still samples one, not returned) exceeds",
+            )
+        return message
 
     @property
     def num_top_logprobs(self) -> int:
@@ -249,6 +282,10 @@ class ChatRequest(_Request):
 
     def check_fields(self) -> None:
         super().check_fields()
+        if (self.model_extra or {}).get("echo"):  # (rather than ignored: the client expects its prompt back)
+            raise InvalidRequestError(
+                "echo is not supported in chat completions (a completion echoes its prompt: /v1/completions)"
+            )
         if self.stream and self.prompt_logprobs is not None:  # (vLLM's rule)
             raise InvalidRequestError(
                 "prompt_logprobs are not available when stream=true in a chat completion: they come "
