@@ -36,8 +36,8 @@ class CompletionOutput:
     # One entry per generated token when the request asked for logprobs (with the tokens' text
     # when there is a tokenizer).
     logprobs: list[TokenLogprob] | None = None
-    # The stop string or stop token id that ended it, if any.
-    stop_reason: str | None = None
+    # The stop string (a str) or stop token id (an int) that ended it; None otherwise.
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -216,16 +216,21 @@ class LLM:
             drop = out.finish_reason == "stop" and not params.include_stop_str_in_output
             text_ids = token_ids[:-1] if drop else token_ids
             text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else None
-            reason = out.finish_reason or "abort"
-            stop_reason = str(last) if reason == "stop" and last in params.stop_token_ids else ""
+            reason, stop_string = out.finish_reason or "abort", None
         else:
             n = stream.processor.num_tokens
             token_ids, text = token_ids[:n], "".join(stream.text)
-            reason, stop_reason = stream.processor.finish(out.finish_reason, last)
+            reason, _ = stream.processor.finish(out.finish_reason, last)
+            stop_string = stream.processor.stop_string
             logprobs = logprobs[:n] if logprobs is not None else None
+        # vLLM's stop_reason: the stop string, or the stop token id as an int (None for an
+        # end-of-sequence token).
+        stop_reason = stop_string
+        if stop_string is None and reason == "stop" and last in params.stop_token_ids:
+            stop_reason = last
         if logprobs is not None:
             name_tokens(self.tokenizer, logprobs)
-        return CompletionOutput(index, token_ids, text, reason, logprobs, stop_reason or None)
+        return CompletionOutput(index, token_ids, text, reason, logprobs, stop_reason)
 
 
 def _is_token_ids(prompt: object) -> bool:

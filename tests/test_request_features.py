@@ -107,7 +107,7 @@ def test_include_stop_str_in_output_keeps_the_stop_text(llm):
     )
     assert dropped.token_ids == with_it.token_ids == full.token_ids[:4]
     assert with_it.text == dropped.text + text
-    assert with_it.outputs[0].stop_reason == str(token)
+    assert with_it.outputs[0].stop_reason == token
 
 
 def test_a_stop_string_given_as_a_str_is_one_stop_string(llm):
