@@ -240,23 +240,45 @@ def _is_token_ids(prompt: object) -> bool:
 
 
 def _prompt_list(prompts: object) -> list[Prompt]:
-    """generate()'s prompts as a list of prompts, each a text or a list of token ids; TypeError
-    naming the first that is neither (checked before anything is admitted: a float id would fail
-    inside the engine's step, with its request still in the engine)."""
-    if isinstance(prompts, str) or (
+    """generate()'s prompts as a list of prompts, each a text or a list of token ids; vLLM's
+    TextPrompt ({"prompt": text}) and TokensPrompt ({"prompt_token_ids": ids}) dicts are taken
+    too. TypeError naming the first that is none of these (checked before anything is admitted: a
+    float id would fail inside the engine's step, with its request still in the engine)."""
+    if isinstance(prompts, (str, dict)) or (
         isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
     ):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(
-            f"prompts must be a string, a list of token ids, or a list of those, got {reprlib.repr(prompts)}"
+            "prompts must be a string, a list of token ids, a dict ({'prompt': text} or "
+            f"{{'prompt_token_ids': ids}}), or a list of those, got {reprlib.repr(prompts)}"
         )
-    for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, str) and not _is_token_ids(prompt):
-            raise TypeError(
-                f"prompts[{i}] must be a string or a list of token ids (ints), got {reprlib.repr(prompt)}"
-            )
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+    return [_prompt(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
+
+
+def _prompt(prompt: object, name: str) -> Prompt:
+    if isinstance(prompt, dict):
+        if unknown := [k for k in prompt if k not in ("prompt", "prompt_token_ids")]:
+            raise TypeError(f"{name} has keys this model does not take: {', '.join(map(repr, unknown))}")
+        if "prompt_token_ids" in prompt:  # (vLLM's TokensPrompt; a "prompt" beside it is not used)
+            ids = prompt["prompt_token_ids"]
+            if not _is_token_ids(ids):
+                raise TypeError(
+                    f"{name}['prompt_token_ids'] must be a list of token ids (ints), got {reprlib.repr(ids)}"
+                )
+            return list(ids)
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError(f"{name}['prompt'] must be a string, got {reprlib.repr(prompt['prompt'])}")
+            return prompt["prompt"]
+    elif isinstance(prompt, str):
+        return prompt
+    elif _is_token_ids(prompt):
+        return list(prompt)
+    raise TypeError(
+        f"{name} must be a string, a list of token ids (ints), or a dict with 'prompt' or "
+        f"'prompt_token_ids', got {reprlib.repr(prompt)}"
+    )
 
 
 class _TextStream:

@@ -30,3 +30,39 @@ def test_stop_reason_is_the_stop_token_id_as_an_int(llm):
         assert out.outputs[0].stop_reason == token and isinstance(out.outputs[0].stop_reason, int)
     length = _generate(llm, PROMPT, max_tokens=2, ignore_eos=True)
     assert (length.outputs[0].finish_reason, length.outputs[0].stop_reason) == ("length", None)
+
+
+def test_prompts_as_vllms_dicts(llm):
+    """vLLM's TextPrompt ({"prompt": text}) and TokensPrompt ({"prompt_token_ids": ids}), alone or
+    in a list with plain prompts, were a TypeError."""
+    params = SamplingParams(max_tokens=4)
+    plain = llm.generate(["The list type", PROMPT], params, use_tqdm=False)
+    as_dicts = llm.generate(
+        [{"prompt": "The list type"}, {"prompt_token_ids": PROMPT}], params, use_tqdm=False
+    )
+    assert [o.token_ids for o in as_dicts] == [o.token_ids for o in plain]
+    assert [(o.prompt, o.prompt_token_ids) for o in as_dicts] == [
+        (o.prompt, o.prompt_token_ids) for o in plain
+    ]
+    one = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+    assert len(one) == 1 and one[0].token_ids == plain[1].token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"text": "x"}, "prompts[0] has keys this model does not take: 'text'"),
+        ({}, "prompts[0] must be a string, a list of token ids (ints), or a dict with 'prompt' or"),
+        ({"prompt": 5}, "prompts[0]['prompt'] must be a string, got 5"),
+        ({"prompt_token_ids": [1.5]}, "prompts[0]['prompt_token_ids'] must be a list of token ids (ints)"),
+        (
+            {"prompt_token_ids": [5], "multi_modal_data": {}},
+            "prompts[0] has keys this model does not take: 'multi_modal_data'",
+        ),
+    ],
+)
+def test_bad_prompt_dicts_are_refused_and_the_llm_keeps_serving(llm, prompt, message):
+    with pytest.raises(TypeError) as e:
+        llm.generate([prompt], use_tqdm=False)
+    assert message in str(e.value)
+    assert _generate(llm, PROMPT, max_tokens=1).token_ids

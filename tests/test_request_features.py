@@ -157,25 +157,29 @@ def test_bad_features_name_the_limit(llm, params, message):
     assert _generate(llm, PROMPT, max_tokens=1).token_ids  # it keeps serving
 
 
+# generate()'s TypeErrors: for its argument, and for one prompt of a list.
+NOT_PROMPTS = "prompts must be a string, a list of token ids, a dict ({'prompt': text} or {'prompt_token_ids': ids}), or a list of those, got "
+NOT_A_PROMPT = (
+    " must be a string, a list of token ids (ints), or a dict with 'prompt' or 'prompt_token_ids', got "
+)
+
+
 @pytest.mark.parametrize(
     "prompts, message",
     [
-        (None, "prompts must be a string, a list of token ids, or a list of those, got None"),
-        (
-            {"prompt": "x"},
-            "prompts must be a string, a list of token ids, or a list of those, got {'prompt': 'x'}",
-        ),
-        (b"abc", "prompts must be a string, a list of token ids, or a list of those, got b'abc'"),
-        ([5, 6.0], r"prompts[0] must be a string or a list of token ids (ints), got [5, 6.0]"),
-        ([[5, 6], [1.5, 2]], r"prompts[1] must be a string or a list of token ids (ints), got [1.5, 2]"),
-        ([[True, 5]], r"prompts[0] must be a string or a list of token ids (ints), got [True, 5]"),
-        (["a", None], r"prompts[1] must be a string or a list of token ids (ints), got None"),
+        (None, NOT_PROMPTS + "None"),
+        ({"text": "x"}, "prompts[0] has keys this model does not take: 'text'"),
+        (b"abc", NOT_PROMPTS + "b'abc'"),
+        ([5, 6.0], "prompts[0]" + NOT_A_PROMPT + "[5, 6.0]"),
+        ([[5, 6], [1.5, 2]], "prompts[1]" + NOT_A_PROMPT + "[1.5, 2]"),
+        ([[True, 5]], "prompts[0]" + NOT_A_PROMPT + "[True, 5]"),
+        (["a", None], "prompts[1]" + NOT_A_PROMPT + "None"),
     ],
 )
 def test_prompts_of_another_type_are_refused_and_the_llm_keeps_serving(llm, prompts, message):
     """A float token id passed validation and failed inside the engine's step (struct.error), with
     the request still admitted: every later generate() failed the same way. A dict was a KeyError,
-    bytes ran as the token ids of its bytes."""
+    bytes ran as the token ids of its bytes. (vLLM's prompt dicts are taken: test_llm_api.py.)"""
     with pytest.raises(TypeError) as e:
         llm.generate(prompts, use_tqdm=False)
     assert message in str(e.value)
