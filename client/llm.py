@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
-from scheduler_service.engine import LLMEngine, RequestOutput
+from scheduler_service.engine import LLMEngine
+from scheduler_service.engine import RequestOutput as EngineOutput
 from scheduler_service.request_handling import OutputProcessor, name_tokens, tokenize, verify_tokenizer
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
@@ -38,12 +39,17 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     # The stop string (a str) or stop token id (an int) that ended it; None otherwise.
     stop_reason: str | int | None = None
+    # The sum of the sampled tokens' logprobs, when the request asked for logprobs.
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
-class GenerationOutput:
-    """A prompt's generation: its samples in `outputs` (one unless SamplingParams.n > 1);
-    token_ids, text, finish_reason and logprobs are the first sample's."""
+class RequestOutput:
+    """A prompt's generation (vLLM's name): its samples in `outputs` (one unless
+    SamplingParams.n > 1); token_ids, text, finish_reason and logprobs are the first sample's."""
 
     prompt: str | None
     prompt_token_ids: list[int]
@@ -52,6 +58,10 @@ class GenerationOutput:
     # With prompt_logprobs: None for the first prompt token (nothing precedes it), then one
     # entry per prompt token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Unique within the LLM ("0", "1", ..., as vLLM's offline ids).
+    request_id: str = ""
+    # generate() returns finished requests only.
+    finished: bool = True
 
     @property
     def token_ids(self) -> list[int]:
@@ -131,7 +141,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-    ) -> list[GenerationOutput]:
+    ) -> list[RequestOutput]:
         """Generate for every prompt at once (continuous batching); outputs in prompt order."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -195,18 +205,20 @@ class LLM:
         bar.close()
 
         results = [
-            GenerationOutput(prompt if isinstance(prompt, str) else None, ids, cached.get(i, 0), [], None)
+            RequestOutput(prompt if isinstance(prompt, str) else None, ids, cached.get(i, 0), [])
             for i, (prompt, ids) in enumerate(zip(prompts, encoded))
         ]
-        for rid, (i, _, _) in requests.items():
+        for rid, (i, j, _) in requests.items():
             results[i].outputs.append(finished[rid])
+            if j == 0:  # (the prompt's id is its first sample's)
+                results[i].request_id = str(rid)
         for i, lps in prompt_logprobs.items():
             name_tokens(self.tokenizer, lps)
             results[i].prompt_logprobs = [None, *lps]
         return results
 
     def _output(
-        self, out: RequestOutput, stream: _TextStream | None, index: int, params: SamplingParams
+        self, out: EngineOutput, stream: _TextStream | None, index: int, params: SamplingParams
     ) -> CompletionOutput:
         token_ids = list(out.token_ids)
         logprobs = out.logprobs
@@ -228,9 +240,11 @@ class LLM:
         stop_reason = stop_string
         if stop_string is None and reason == "stop" and last in params.stop_token_ids:
             stop_reason = last
+        cumulative = None
         if logprobs is not None:
             name_tokens(self.tokenizer, logprobs)
-        return CompletionOutput(index, token_ids, text, reason, logprobs, stop_reason)
+            cumulative = sum(lp.logprob for lp in logprobs)
+        return CompletionOutput(index, token_ids, text, reason, logprobs, stop_reason, cumulative)
 
 
 def _is_token_ids(prompt: object) -> bool:
@@ -281,6 +295,10 @@ def _prompt(prompt: object, name: str) -> Prompt:
     )
 
 
+# The name this module's outputs had before they took vLLM's.
+GenerationOutput = RequestOutput
+
+
 class _TextStream:
     """The text of a request with stop strings, as it is generated."""
 
@@ -288,7 +306,7 @@ class _TextStream:
         self.processor = OutputProcessor(tokenizer, params)
         self.text: list[str] = []
 
-    def add(self, out: RequestOutput) -> bool:
+    def add(self, out: EngineOutput) -> bool:
         """Whether a stop string ended the request."""
         delta = self.processor.add(out.new_token_ids, out.finished, out.finish_reason)
         self.text.append(delta.text)

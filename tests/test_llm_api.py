@@ -66,3 +66,18 @@ def test_bad_prompt_dicts_are_refused_and_the_llm_keeps_serving(llm, prompt, mes
         llm.generate([prompt], use_tqdm=False)
     assert message in str(e.value)
     assert _generate(llm, PROMPT, max_tokens=1).token_ids
+
+
+def test_outputs_carry_vllms_fields(llm):
+    """RequestOutput's request_id and finished, CompletionOutput's cumulative_logprob (the sum of
+    the sampled tokens' logprobs when logprobs are asked for, else None) and finished(), which
+    code written for vLLM reads, were missing."""
+    from client.llm import CompletionOutput, RequestOutput
+
+    outs = llm.generate([PROMPT, "The list type"], SamplingParams(max_tokens=4, logprobs=1), use_tqdm=False)
+    assert all(isinstance(o, RequestOutput) and o.finished for o in outs)
+    assert len({o.request_id for o in outs}) == 2 and all(isinstance(o.request_id, str) for o in outs)
+    sample = outs[0].outputs[0]
+    assert isinstance(sample, CompletionOutput) and sample.finished()
+    assert sample.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in sample.logprobs))
+    assert _generate(llm, PROMPT, max_tokens=2).outputs[0].cumulative_logprob is None
