@@ -10,14 +10,22 @@ import reprlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
 
 from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.engine import RequestOutput as EngineOutput
-from scheduler_service.request_handling import OutputProcessor, name_tokens, tokenize, verify_tokenizer
+from scheduler_service.request_handling import (
+    OutputProcessor,
+    check_text_prompt,
+    name_tokens,
+    verify_tokenizer,
+)
+from scheduler_service.request_handling import chat_template as request_chat_template
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.sequence import TokenLogprob
 from scheduler_service.tokenizer import Tokenizer
@@ -131,19 +139,78 @@ class LLM:
             model = self.executor.config.model
             self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
 
-    def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer (None for a checkpoint without tokenizer.json)."""
+        return self.tokenizer
+
+    def _encode(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            return tokenize(self.tokenizer, prompt, params, self.engine.limits.max_model_len, NO_TOKENIZER)
+            tokenizer = check_text_prompt(
+                self.tokenizer, prompt, params, self.engine.limits.max_model_len, NO_TOKENIZER
+            )
+            return tokenizer.encode(prompt, add_special_tokens)
         return list(prompt)
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | dict | Sequence[Prompt | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt at once (continuous batching); outputs in prompt order."""
-        prompts = _prompt_list(prompts)
+        return self._generate(_prompt_list(prompts), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to a list of them, each
+        rendered with the checkpoint's chat template (or `chat_template`, a Jinja source) as the
+        HTTP API's chat completions render theirs; the text is tokenized without special tokens (the
+        template writes its own). InvalidRequestError for messages the template refuses."""
+        from scheduler_service.openai_protocol import ChatRequest  # (pydantic: only for chat)
+
+        one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, (list, tuple)):
+            raise TypeError(
+                f"messages must be a list of messages or a list of those, got {reprlib.repr(messages)}"
+            )
+        template = request_chat_template(self.tokenizer, NO_TOKENIZER)
+        if chat_template is not None:
+            template = ChatTemplate(chat_template, template.special_tokens)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            request = ChatRequest(
+                messages=conversation,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            prompts.append(
+                template.render(
+                    request.template_messages(),
+                    tools=request.tools,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+            )
+        return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+
+    def _generate(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        add_special_tokens: bool = True,
+    ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -160,7 +227,7 @@ class LLM:
         # Validate and encode everything before admitting anything: a bad prompt fails alone.
         for sp in sampling_params:
             verify_tokenizer(sp, self.tokenizer, NO_TOKENIZER)
-        encoded = [self._encode(p, sp) for p, sp in zip(prompts, sampling_params)]
+        encoded = [self._encode(p, sp, add_special_tokens) for p, sp in zip(prompts, sampling_params)]
         for ids, sp in zip(encoded, sampling_params):
             self.engine.validate_request(ids, sp)
         # n samples of a prompt are n requests: (prompt index, sample index) of each.

@@ -3,7 +3,11 @@ it: the fields of its outputs, the prompt forms generate() takes, chat()."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
+from helpers.chat_checkpoint import QWEN3_TEMPLATE
 
 from client.llm import LLM
 from scheduler_service.sampling_params import SamplingParams
@@ -14,6 +18,16 @@ PROMPT = [5, 6, 7, 8, 9]
 @pytest.fixture(scope="module")
 def llm(qwen3_tied):
     return LLM(str(qwen3_tied), block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def chat_llm(qwen3_tied, tmp_path_factory):
+    """The tied checkpoint with Qwen3's chat template."""
+    directory = tmp_path_factory.mktemp("chat") / "ckpt"
+    shutil.copytree(qwen3_tied, directory)
+    config = {"eos_token": "<|endoftext|>", "chat_template": QWEN3_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return LLM(str(directory), block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
 
 
 def _generate(llm, prompt, **params):
@@ -81,3 +95,56 @@ def test_outputs_carry_vllms_fields(llm):
     assert isinstance(sample, CompletionOutput) and sample.finished()
     assert sample.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in sample.logprobs))
     assert _generate(llm, PROMPT, max_tokens=2).outputs[0].cumulative_logprob is None
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "The list type"}]},
+]
+
+
+def test_chat_renders_the_template_and_generates(chat_llm):
+    """vLLM's LLM.chat (one conversation or a list of them, add_generation_prompt, tools,
+    chat_template_kwargs, chat_template) was missing: code using it got an AttributeError."""
+    llm = chat_llm
+    params = SamplingParams(max_tokens=4)
+    text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nThe list type<|im_end|>\n"
+    out = llm.chat(CONVERSATION, params, use_tqdm=False)
+    assert len(out) == 1 and out[0].prompt == text + "<|im_start|>assistant\n"
+    # Rendered text is tokenized without special tokens (the template writes its own).
+    assert out[0].prompt_token_ids == llm.get_tokenizer().encode(out[0].prompt, add_special_tokens=False)
+    assert (
+        out[0].token_ids
+        == llm.generate({"prompt_token_ids": out[0].prompt_token_ids}, params, use_tqdm=False)[0].token_ids
+    )
+
+    second = [{"role": "user", "content": "Exceptions"}]
+    both = llm.chat([CONVERSATION, second], params, use_tqdm=False)
+    assert [o.prompt for o in both] == [
+        out[0].prompt,
+        "<|im_start|>user\nExceptions<|im_end|>\n<|im_start|>assistant\n",
+    ]
+
+    no_prompt = llm.chat(CONVERSATION, params, use_tqdm=False, add_generation_prompt=False)
+    assert no_prompt[0].prompt == text
+    thinking_off = llm.chat(second, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert thinking_off[0].prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    with_tools = llm.chat(second, params, use_tqdm=False, tools=[tool])
+    assert '"name": "get_time"' in with_tools[0].prompt
+    own = llm.chat(second, params, use_tqdm=False, chat_template="{{ messages[0].content }}!")
+    assert own[0].prompt == "Exceptions!"
+
+
+def test_chat_errors_are_clear_and_the_llm_keeps_serving(chat_llm, llm):
+    from scheduler_service.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="messages\\[0\\] has no role"):
+        chat_llm.chat([{"content": "x"}], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="unknown role: robot"):
+        chat_llm.chat([{"role": "robot", "content": "x"}], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="this model has no chat template"):
+        llm.chat([{"role": "user", "content": "x"}], use_tqdm=False)
+    assert chat_llm.chat([{"role": "user", "content": "x"}], SamplingParams(max_tokens=1), use_tqdm=False)[
+        0
+    ].token_ids
