@@ -6,6 +6,7 @@ outputs = llm.generate(["The list type"], SamplingParams(max_tokens=32))
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
 import time
 from collections.abc import Sequence
@@ -234,7 +235,10 @@ class LLM:
         requests: dict[int, tuple[int, int, SamplingParams]] = {}
         streams: dict[int, _TextStream] = {}
         for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
-            for j, sample in enumerate(sp.for_samples()):
+            # logprobs=0: the sampled token's own logprob (vLLM's), which the engine reports beside
+            # one alternative (its 0 is none); _output drops the alternative.
+            submitted = dataclasses.replace(sp, logprobs=1) if sp.logprobs == 0 else sp
+            for j, sample in enumerate(submitted.for_samples()):
                 rid = self.engine.add_request(ids, sample)
                 requests[rid] = (i, j, sample)
                 # Requests with stop strings are detokenized as they go, to end them at the first
@@ -266,8 +270,9 @@ class LLM:
                     self.engine.abort_request(rid)  # a stop string ended it
                 elif not out.finished:
                     continue
-                finished[rid] = self._output(out, stream, *requests[rid][1:])
-                cached.setdefault(requests[rid][0], out.num_cached_tokens)
+                i, j, sample = requests[rid]
+                finished[rid] = self._output(out, stream, j, sample, sampling_params[i].logprobs == 0)
+                cached.setdefault(i, out.num_cached_tokens)
                 bar.update(1)
         bar.close()
 
@@ -285,7 +290,12 @@ class LLM:
         return results
 
     def _output(
-        self, out: EngineOutput, stream: _TextStream | None, index: int, params: SamplingParams
+        self,
+        out: EngineOutput,
+        stream: _TextStream | None,
+        index: int,
+        params: SamplingParams,
+        own_logprobs_only: bool,
     ) -> CompletionOutput:
         token_ids = list(out.token_ids)
         logprobs = out.logprobs
@@ -309,6 +319,8 @@ class LLM:
             stop_reason = last
         cumulative = None
         if logprobs is not None:
+            if own_logprobs_only:
+                logprobs = [dataclasses.replace(lp, top_logprobs=[]) for lp in logprobs]
             name_tokens(self.tokenizer, logprobs)
             cumulative = sum(lp.logprob for lp in logprobs)
         return CompletionOutput(index, token_ids, text, reason, logprobs, stop_reason, cumulative)

@@ -33,8 +33,8 @@ MAX_N = 128
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 INT32_MAX = 2**31 - 1
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "n", "min_tokens", "prompt_logprobs")
-# Those that may be None (logprobs' None is 0 by then).
-_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "prompt_logprobs")
+# Those that may be None.
+_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = (
     "temperature",
     "min_p",
@@ -59,8 +59,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    # Top alternatives per sampled token, beside its own logprob; 0 or None (vLLM's default): none.
-    logprobs: int | None = 0
+    # Top alternatives per sampled token, beside its own logprob; None (vLLM's default): none. The
+    # engine reports none for 0 too (gRPC's unset, the HTTP API's none); the offline LLM reports
+    # the sampled token's own for it, as vLLM does.
+    logprobs: int | None = None
     # Samples generated from the prompt (front ends run them as n requests: for_samples()).
     n: int = 1
     # Stop tokens (end-of-sequence and stop_token_ids) and stop strings wait for this many tokens.
@@ -83,8 +85,6 @@ class SamplingParams:
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if self.logprobs is None:
-            self.logprobs = 0
         if self.logit_bias is None:  # vLLM's default
             self.logit_bias = {}
         self.verify()
@@ -142,7 +142,7 @@ class SamplingParams:
             _fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}{underflow}")
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
             _fail(f"seed must be in [-2**63, 2**64), got {self.seed}")
-        if self.logprobs < 0:
+        if self.logprobs is not None and self.logprobs < 0:
             _fail(f"logprobs must be >= 0, got {self.logprobs}")
         for i, t in enumerate(self.stop_token_ids):
             if isinstance(t, bool) or not isinstance(t, int):
@@ -211,7 +211,7 @@ class SamplingParams:
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            logprobs=self.logprobs,
+            logprobs=self.logprobs or 0,
             num_prompt_tokens=num_prompt_tokens,
             min_tokens=self.min_tokens,
             logit_bias_token_ids=list(self.logit_bias),
@@ -236,9 +236,9 @@ def verify_request(
     for i, t in enumerate(prompt_token_ids):
         if not 0 <= t < vocab_size:
             _fail(f"token id {t} at position {i} is outside the vocabulary (size {vocab_size})")
-    if params.logprobs > vocab_size:
+    if (params.logprobs or 0) > vocab_size:
         _fail(f"logprobs ({params.logprobs}) exceeds the vocabulary size ({vocab_size})")
-    if max_logprobs is not None and params.logprobs > max_logprobs:
+    if max_logprobs is not None and (params.logprobs or 0) > max_logprobs:
         _fail(
             f"logprobs ({params.logprobs}) exceeds max_logprobs ({max_logprobs}; the scheduler's --max-logprobs)"
         )

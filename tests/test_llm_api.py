@@ -148,3 +148,16 @@ def test_chat_errors_are_clear_and_the_llm_keeps_serving(chat_llm, llm):
     assert chat_llm.chat([{"role": "user", "content": "x"}], SamplingParams(max_tokens=1), use_tqdm=False)[
         0
     ].token_ids
+
+
+def test_logprobs_0_returns_the_sampled_tokens_own(llm):
+    """vLLM's logprobs=0 returns each sampled token's logprob without alternatives (what a
+    likelihood evaluation reads); it returned no logprobs at all, as None does."""
+    out = _generate(llm, PROMPT, max_tokens=4, logprobs=0).outputs[0]
+    with_one = _generate(llm, PROMPT, max_tokens=4, logprobs=1).outputs[0]
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids == with_one.token_ids
+    assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in with_one.logprobs]
+    assert all(lp.top_logprobs == [] and lp.top_tokens == [] for lp in out.logprobs)
+    assert out.cumulative_logprob == with_one.cumulative_logprob
+    assert _generate(llm, PROMPT, max_tokens=4, logprobs=None).outputs[0].logprobs is None
+    assert _generate(llm, PROMPT, max_tokens=4).outputs[0].logprobs is None

@@ -195,5 +195,5 @@ def test_fields_of_another_type_are_refused_naming_the_field(kwargs, message):
 def test_logprobs_none_is_none():
     """vLLM's default logprobs=None: no logprobs (it raised a TypeError); its logit_bias=None: no bias
     (a TypeError too)."""
-    assert SamplingParams(logprobs=None).logprobs == 0
+    assert SamplingParams(logprobs=None).to_step_params(1).logprobs == 0
     assert SamplingParams(logit_bias=None).logit_bias == {}
