@@ -48,6 +48,7 @@ _FLOAT_FIELDS = (
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16
+    # Greedy by default (vLLM's default is 1.0; the HTTP API passes 1.0, as vLLM's).
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
