@@ -39,13 +39,16 @@ from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 
 class AsyncGenerationStream:
     """One Generate call: `async for` Chunks, then one Final. cancel() aborts it on the server.
-    Leaving its `with` block before the stream has ended (with n > 1: every sample's Final) cancels it."""
+    Leaving its `with` block before the stream has ended (with n > 1: every sample's Final) cancels it,
+    and so does dropping it: a caller that breaks out of `async for item in client.generate(...)`
+    frees the request on the server at once (grpc.aio would keep the call running). The stream reads
+    with `call.read()` and holds no async generator over `self`, so CPython frees it as soon as the
+    caller lets go. A task cancelled while it awaits the next item cancels the call (grpc.aio's own)."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str = "") -> None:
         self._call = call
         self._request_id = request_id
         self._cancelled = False
-        self._items = self._read()
         # The last Final (one per sample with n > 1); `done` once the stream has ended.
         self.final: Final | None = None
         self.done = False
@@ -54,24 +57,25 @@ class AsyncGenerationStream:
         return self
 
     async def __anext__(self) -> Chunk | Final:
-        return await self._items.__anext__()
-
-    async def _read(self) -> AsyncIterator[Chunk | Final]:
-        try:
-            async for response in self._call:
-                item = item_from_response(response, self._request_id)
-                if isinstance(item, Final):
-                    self.final = item
-                if item is not None:
-                    yield item
-            self.done = True
-        except asyncio.CancelledError:
-            if not self._cancelled:
-                raise
-        except grpc.RpcError as e:
-            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
-                return
-            raise TandemError.from_rpc_error(e) from None
+        while True:
+            try:
+                response = await self._call.read()
+            except asyncio.CancelledError:
+                if not self._cancelled:
+                    raise
+                raise StopAsyncIteration from None
+            except grpc.RpcError as e:
+                if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                    raise StopAsyncIteration from None
+                raise TandemError.from_rpc_error(e) from None
+            if response is grpc.aio.EOF:
+                self.done = True
+                raise StopAsyncIteration
+            item = item_from_response(response, self._request_id)
+            if isinstance(item, Final):
+                self.final = item
+            if item is not None:
+                return item
 
     def cancel(self) -> None:
         """Abort the request: the server stops generating for it and frees its KV blocks."""
@@ -85,6 +89,10 @@ class AsyncGenerationStream:
         # Not at the first Final: with n > 1 the other samples may still be running.
         if not self.done:
             self.cancel()
+
+    def __del__(self) -> None:
+        if not self.done:
+            self._call.cancel()
 
 
 class AsyncTandemClient:

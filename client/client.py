@@ -112,13 +112,15 @@ def open_channel(
 
 class GenerationStream:
     """One Generate call: iterate for Chunks, then one Final. cancel() aborts it on the server.
-    Leaving its `with` block before the stream has ended (with n > 1: every sample's Final) cancels it."""
+    Leaving its `with` block before the stream has ended (with n > 1: every sample's Final) cancels it,
+    and so does dropping it: a caller that breaks out of `for item in client.generate(...)` frees
+    the request on the server at once. The stream holds no reference to itself (no generator over
+    `self`), so CPython frees it as soon as the caller lets go, not at a later garbage collection."""
 
     def __init__(self, call, request_id: str = "") -> None:
         self._call = call
         self._request_id = request_id
         self._cancelled = False
-        self._items = self._read()
         # The last Final (one per sample with n > 1); `done` once the stream has ended.
         self.final: Final | None = None
         self.done = False
@@ -127,21 +129,21 @@ class GenerationStream:
         return self
 
     def __next__(self) -> Chunk | Final:
-        return next(self._items)
-
-    def _read(self) -> Iterator[Chunk | Final]:
-        try:
-            for response in self._call:
-                item = item_from_response(response, self._request_id)
-                if isinstance(item, Final):
-                    self.final = item
-                if item is not None:
-                    yield item
-            self.done = True
-        except grpc.RpcError as e:
-            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
-                return
-            raise TandemError.from_rpc_error(e) from None
+        while True:
+            try:
+                response = next(self._call)
+            except StopIteration:
+                self.done = True
+                raise
+            except grpc.RpcError as e:
+                if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                    raise StopIteration from None
+                raise TandemError.from_rpc_error(e) from None
+            item = item_from_response(response, self._request_id)
+            if isinstance(item, Final):
+                self.final = item
+            if item is not None:
+                return item
 
     def cancel(self) -> None:
         """Abort the request: the server stops generating for it and frees its KV blocks."""
@@ -155,6 +157,10 @@ class GenerationStream:
         # Not at the first Final: with n > 1 the other samples may still be running.
         if not self.done:
             self.cancel()
+
+    def __del__(self) -> None:
+        if not self.done:
+            self._call.cancel()
 
 
 class TandemClient:

@@ -4,6 +4,7 @@ of keyword arguments to generation.proto, and the clients against a fake Generat
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import subprocess
 import sys
@@ -430,6 +431,45 @@ def test_cancel_aborts_on_the_server(fake_server):
         assert list(stream) == []  # ends quietly, no error
         assert [c.token_ids for c in received] == [[1], [2], [3]]
     assert servicer.cancelled.wait(5)
+
+
+def test_breaking_out_of_a_stream_cancels_it_on_the_server(fake_server):
+    """A caller that stops iterating (break) without a `with` block or cancel() frees the request on
+    the server as soon as it lets go of the stream, not at some later garbage collection (disabled
+    here, so that the test does not pass by luck)."""
+    address, servicer = fake_server
+    servicer.cancelled.clear()
+    gc.disable()
+    try:
+        with TandemClient(address) as client:
+            for item in client.generate("forever", max_tokens=0):
+                if item.token_ids == [3]:
+                    break
+            assert servicer.cancelled.wait(5), "the server still generates for an abandoned stream"
+    finally:
+        gc.enable()
+
+
+def test_breaking_out_of_an_async_stream_cancels_it_on_the_server(fake_server):
+    address, servicer = fake_server
+    servicer.cancelled.clear()
+
+    async def main():
+        async with AsyncTandemClient(address) as client:
+            async for item in client.generate("forever", max_tokens=0):
+                if item.token_ids == [3]:
+                    break
+            for _ in range(100):
+                if servicer.cancelled.is_set():
+                    return True
+                await asyncio.sleep(0.05)
+            return False
+
+    gc.disable()
+    try:
+        assert asyncio.run(main()), "the server still generates for an abandoned stream"
+    finally:
+        gc.enable()
 
 
 def test_async_client(fake_server):
