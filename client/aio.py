@@ -43,11 +43,17 @@ class AsyncGenerationStream:
     and so does dropping it: a caller that breaks out of `async for item in client.generate(...)`
     frees the request on the server at once (grpc.aio would keep the call running). The stream reads
     with `call.read()` and holds no async generator over `self`, so CPython frees it as soon as the
-    caller lets go. A task cancelled while it awaits the next item cancels the call (grpc.aio's own)."""
+    caller lets go. A task cancelled while it awaits the next item cancels the call (grpc.aio's own).
+    Closing the client cancels its open streams too, which grpc.aio reports as asyncio.CancelledError:
+    a reader whose task was not cancelled gets TandemError(CANCELLED) instead, as the sync client's
+    does, not a CancelledError that would pass for its task's own cancellation."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str = "") -> None:
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall, request_id: str = "", client_closed=lambda: False
+    ) -> None:
         self._call = call
         self._request_id = request_id
+        self._client_closed = client_closed
         self._cancelled = False
         # The last Final (one per sample with n > 1); `done` once the stream has ended.
         self.final: Final | None = None
@@ -61,9 +67,13 @@ class AsyncGenerationStream:
             try:
                 response = await self._call.read()
             except asyncio.CancelledError:
-                if not self._cancelled:
-                    raise
-                raise StopAsyncIteration from None
+                if self._cancelled:
+                    raise StopAsyncIteration from None
+                task = asyncio.current_task()
+                cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+                if self._client_closed() and not (cancelling and cancelling()):
+                    raise TandemError(grpc.StatusCode.CANCELLED, "the client was closed") from None
+                raise
             except grpc.RpcError as e:
                 if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
                     raise StopAsyncIteration from None
@@ -114,6 +124,7 @@ class AsyncTandemClient:
         self.timeout = call_timeout(timeout)
         self._metadata = call_metadata(api_key)
         self._channel = open_channel(grpc.aio, address, tls, tls_ca, tls_server_name, retries)
+        self._closed = False
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -125,7 +136,7 @@ class AsyncTandemClient:
         it is for (logged by the server)."""
         request = generate_request(prompt, request_id, user=user, **sampling)
         call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
-        return AsyncGenerationStream(call, request_id)
+        return AsyncGenerationStream(call, request_id, lambda: self._closed)
 
     def chat(
         self,
@@ -142,7 +153,7 @@ class AsyncTandemClient:
             messages, request_id, chat_template_kwargs=chat_template_kwargs, tools=tools, **sampling
         )
         call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
-        return AsyncGenerationStream(call, request_id)
+        return AsyncGenerationStream(call, request_id, lambda: self._closed)
 
     async def complete(self, prompt: str | list[int], *, request_id: str = "", **sampling) -> Completion:
         """The whole generation at once (one sample: for n > 1, complete_samples)."""
@@ -204,6 +215,7 @@ class AsyncTandemClient:
             await asyncio.sleep(0.1)
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncTandemClient:

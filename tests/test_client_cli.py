@@ -496,6 +496,38 @@ def test_async_client(fake_server):
     assert servicer.cancelled.wait(5)
 
 
+def test_closing_the_async_client_ends_its_open_streams_with_tandem_error(fake_server):
+    """A stream read while its client closes ends in TandemError(CANCELLED), as the sync client's
+    does, and the server stops generating; not in a CancelledError, which would look like the
+    reading task's own cancellation (gather, TaskGroup and the task's cancelled() believe it)."""
+    address, servicer = fake_server
+    servicer.cancelled.clear()
+
+    async def main():
+        client = AsyncTandemClient(address)
+        stream = client.generate("forever", max_tokens=0)
+
+        async def read():
+            async for _ in stream:
+                pass
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.3)  # the reader is reading
+        await client.close()
+        with pytest.raises(TandemError) as err:
+            await reader
+        assert err.value.code == grpc.StatusCode.CANCELLED and not reader.cancelled()
+        with TandemClient(address) as sync_client:
+            sync_stream = sync_client.generate("forever", max_tokens=0)
+            next(sync_stream)
+        with pytest.raises(TandemError) as err:
+            list(sync_stream)
+        assert err.value.code == grpc.StatusCode.CANCELLED
+
+    asyncio.run(main())
+    assert servicer.cancelled.wait(5)
+
+
 def test_cli_generate_against_a_server(fake_server, capsys):
     address, _ = fake_server
     assert cli.main(["generate", "--server", address, "one", "two", "--max-tokens", "3", "--json"]) == 0
