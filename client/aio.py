@@ -10,6 +10,7 @@ async with AsyncTandemClient("127.0.0.1:50051") as client:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -101,8 +102,10 @@ class AsyncGenerationStream:
             self.cancel()
 
     def __del__(self) -> None:
-        if not self.done:
-            self._call.cancel()
+        # (a stream built only in part has no call; at interpreter exit the channel may be gone)
+        if not getattr(self, "done", True):
+            with contextlib.suppress(Exception):
+                self._call.cancel()
 
 
 class AsyncTandemClient:

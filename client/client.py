@@ -9,6 +9,7 @@ with TandemClient("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -159,8 +160,10 @@ class GenerationStream:
             self.cancel()
 
     def __del__(self) -> None:
-        if not self.done:
-            self._call.cancel()
+        # (a stream built only in part has no call; at interpreter exit the channel may be gone)
+        if not getattr(self, "done", True):
+            with contextlib.suppress(Exception):
+                self._call.cancel()
 
 
 class TandemClient:
