@@ -35,7 +35,9 @@ wgmma. The rounding differs from the first kernel's ((dot * a_s) * b_s + acc) by
 
 `KERNEL: "gluon"` (fp8_gemm_gluon.py) is v2's GEMM, sums and order written in Gluon so that a
 warpgroup scales one K step's product while its next wgmma runs; where it cannot run (off sm90,
-operands TMA cannot read, the interpreter) the v2 kernel takes its tiles.
+operands TMA cannot read, the interpreter) the v2 kernel takes its tiles. On the H200 it is no
+faster than v2 at Qwen3-8B's shapes from 256 tokens on, and 0-2.5 us faster than the first kernel's
+split-K rule at 1-32 tokens (bench/RESULTS.md, 2026-12-05); GEMM_TABLE names it nowhere yet.
 """
 
 from __future__ import annotations
