@@ -17,6 +17,7 @@ import openai
 import pytest
 from helpers.chat_checkpoint import chat_checkpoint
 from helpers.fake_executor import FakeExecutor
+from helpers.scheduler_server import wait_http_health
 
 from client import AsyncTandemClient, Chunk, TandemClient
 from client.messages import Completion, CompletionBuilder, chat_request
@@ -88,10 +89,7 @@ def checkpoint(tmp_path_factory):
 def server(checkpoint):
     server, _ = _server(checkpoint, pause=0.003)  # a token a step: streams come in pieces
     with ServerThread(server):
-        deadline = time.monotonic() + 20
-        while httpx.get(f"http://127.0.0.1:{server.http_port}/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_http_health(f"http://127.0.0.1:{server.http_port}")
         yield server
 
 
@@ -270,10 +268,7 @@ def test_a_client_that_goes_away_frees_its_blocks(checkpoint, stream, caplog):
     server, executor = _server(checkpoint, slow=0.01)
     with ServerThread(server) as running:
         url = f"http://127.0.0.1:{running.http_port}"
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{url}/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_http_health(url)
         # 900 tokens at 10 ms a step take 9 s: the request must end well before.
         body = {"model": "fake", "prompt": "hello", "max_tokens": 900, "stream": stream}
         start = time.monotonic()
@@ -293,13 +288,6 @@ def test_a_client_that_goes_away_frees_its_blocks(checkpoint, stream, caplog):
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-def _wait_health(url, want=200):
-    deadline = time.monotonic() + 20
-    while httpx.get(f"{url}/health").status_code != want:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-
 def test_a_full_queue_is_429_and_no_executor_is_503(checkpoint):
     from scheduler_service.executor_client import ExecutorUnavailable
 
@@ -308,7 +296,7 @@ def test_a_full_queue_is_429_and_no_executor_is_503(checkpoint):
     server.engine.options.config.max_num_seqs = 1
     with ServerThread(server) as running:
         url = f"http://127.0.0.1:{running.http_port}"
-        _wait_health(url)
+        wait_http_health(url)
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         first = api.completions.create(model="fake", prompt="a", max_tokens=400, stream=True)
         next(iter(first))  # running: the one batch slot is taken
@@ -343,7 +331,7 @@ def test_past_its_deadline_a_request_is_504_and_frees_its_blocks(checkpoint, str
     server, executor = _server(checkpoint, slow=0.01)
     with ServerThread(server) as running:
         url = f"http://127.0.0.1:{running.http_port}"
-        _wait_health(url)
+        wait_http_health(url)
         # 900 tokens at 10 ms a step take 9 s; the deadline is 0.5 s.
         body = {"model": "fake", "prompt": "hello", "max_tokens": 900, "stream": stream}
         start = time.monotonic()
@@ -378,10 +366,7 @@ def test_the_http_api_over_tls(checkpoint, tmp_path):
     server, _ = _server(checkpoint, http_tls=(str(files["cert"]), str(files["key"])))
     with ServerThread(server) as running:
         url = f"https://127.0.0.1:{running.http_port}"
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{url}/health", verify=ours).status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_http_health(url, verify=ours)
         trusted = httpx.Client(verify=ours)
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=trusted)
         got = api.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=200, temperature=0)

@@ -8,12 +8,11 @@ likelihood this way (lm-evaluation-harness's `local-completions`); the server re
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
-from helpers.scheduler_server import make_server
+from helpers.scheduler_server import make_server, wait_http_health
 
 from scheduler_service.server import ServerThread
 from scheduler_service.tokenizer import Tokenizer
@@ -26,10 +25,7 @@ PROMPTS = ["The list type", "A tuple is"]
 def server(qwen3_tied):
     thread = ServerThread(make_server(qwen3_tied, http_port=0))
     server = thread.start()
-    deadline = time.monotonic() + 20
-    while httpx.get(f"http://127.0.0.1:{server.http_port}/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_http_health(f"http://127.0.0.1:{server.http_port}")
     yield server
     thread.stop()
 

@@ -16,7 +16,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from helpers.scheduler_server import NUM_KV_BLOCKS, make_server
+from helpers.scheduler_server import NUM_KV_BLOCKS, make_server, wait_http_health
 
 from client.llm import LLM
 from scheduler_service.errors import TandemRequestError
@@ -47,10 +47,7 @@ def checkpoint(qwen3_tied, tmp_path_factory):
 def server(checkpoint):
     thread = ServerThread(make_server(checkpoint, http_port=0))
     server = thread.start()
-    deadline = time.monotonic() + 20
-    while httpx.get(f"http://127.0.0.1:{server.http_port}/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_http_health(f"http://127.0.0.1:{server.http_port}")
     yield server
     thread.stop()
 

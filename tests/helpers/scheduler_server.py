@@ -6,6 +6,7 @@ import threading
 import time
 import urllib.request
 
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,6 +36,14 @@ def make_server(path, executor=None, *, max_num_seqs=32, **kwargs) -> SchedulerS
     return SchedulerServer(
         executor, options, tokenizer_for=lambda info: tokenizer, port=0, metrics_port=0, **kwargs
     )
+
+
+def wait_http_health(url: str, want: int = 200, **httpx_kwargs) -> None:
+    """Until the HTTP front end at `url` answers /health with `want` (20 s at most)."""
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{url}/health", **httpx_kwargs).status_code != want:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def wait_serving(channel, timeout=20.0, want=SERVING) -> None:
