@@ -240,6 +240,14 @@ def test_a_refusal_while_another_scheduler_owns_the_executor_names_the_owner(qwe
         services.stop()
 
 
+def _assert_all_exit(pids: list[int]) -> None:
+    """The processes are all gone within 30 s (no orphaned API server)."""
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if alive(pid)]
+
+
 def test_sigterm_as_the_first_api_server_is_spawned_exits_0_without_orphans(qwen3_tied, tmp_path):
     """A SIGTERM that reaches the core while it is still spawning its API servers (the first one is
     there, the second not yet) is a stop asked for too: exit 0 and no API server left behind. The
@@ -259,11 +267,7 @@ def test_sigterm_as_the_first_api_server_is_spawned_exits_0_without_orphans(qwen
             spawned.update(_api_servers(services))
             time.sleep(0.001)
         assert core.wait(60) == 0, services.logs()
-        children = sorted(spawned)
-        deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if alive(pid)]
+        _assert_all_exit(sorted(spawned))
     finally:
         services.stop()
 
@@ -285,9 +289,6 @@ def test_sigterm_while_the_api_servers_start_exits_0_without_orphans(qwen3_tied,
         time.sleep(0.5)
         os.kill(children[0], signal.SIGCONT)
         assert core.wait(60) == 0, services.logs()
-        deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if alive(pid)]
+        _assert_all_exit(children)
     finally:
         services.stop()
