@@ -129,24 +129,35 @@ class LosingExecutor(FakeExecutor):
         return super().step(plan)
 
 
+async def started(executor, metrics: SchedulerMetrics) -> AsyncEngine:
+    """An AsyncEngine over `executor`, started on the running loop and connected to it."""
+    engine = AsyncEngine(executor, EngineOptions(SchedulerConfig()), metrics)
+    engine.start(asyncio.get_running_loop())
+    for _ in range(500):
+        if engine.engine is not None:
+            break
+        await asyncio.sleep(0.01)
+    return engine
+
+
+async def complete(engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]], name="r") -> None:
+    """The requests through the engine, to their ends."""
+    streams = [
+        engine.add_request(f"{name}{i}", p, s, time.perf_counter()) for i, (p, s) in enumerate(requests)
+    ]
+    for stream in streams:
+        while not stream.finished:
+            await asyncio.wait_for(stream.wait(10**9), 30)
+
+
 def run_engine(executor, requests: list[tuple[list[int], SamplingParams]]) -> SchedulerMetrics:
     """The requests through an AsyncEngine over `executor`, to their ends; its metrics."""
     metrics = SchedulerMetrics()
 
     async def run() -> None:
-        engine = AsyncEngine(executor, EngineOptions(SchedulerConfig()), metrics)
-        engine.start(asyncio.get_running_loop())
+        engine = await started(executor, metrics)
         try:
-            for _ in range(500):
-                if engine.engine is not None:
-                    break
-                await asyncio.sleep(0.01)
-            streams = [
-                engine.add_request(f"r{i}", p, s, time.perf_counter()) for i, (p, s) in enumerate(requests)
-            ]
-            for stream in streams:
-                while not stream.finished:
-                    await asyncio.wait_for(stream.wait(10**9), 30)
+            await complete(engine, requests)
         finally:
             await engine.aclose()
 
@@ -265,24 +276,12 @@ def test_requests_failed_in_refused_plans_leave_no_arrival_behind():
     each such failure grew the engine thread's table for good."""
 
     async def run() -> int:
-        executor = RefusingExecutor(refuse=25, max_num_seqs=64)
-        engine = AsyncEngine(executor, EngineOptions(SchedulerConfig()), SchedulerMetrics())
-        engine.start(asyncio.get_running_loop())
+        engine = await started(RefusingExecutor(refuse=25, max_num_seqs=64), SchedulerMetrics())
         try:
-            for _ in range(500):
-                if engine.engine is not None:
-                    break
-                await asyncio.sleep(0.01)
             params = SamplingParams(max_tokens=1, ignore_eos=True)
             for batch in range(25):
-                streams = [engine.add_request(f"r{batch}-{i}", prompt(4, i), params, time.perf_counter())
-                           for i in range(64)]  # fmt: skip
-                for stream in streams:
-                    while not stream.finished:
-                        await asyncio.wait_for(stream.wait(10**9), 30)
-            last = engine.add_request("last", prompt(4), params, time.perf_counter())
-            while not last.finished:
-                await asyncio.wait_for(last.wait(10**9), 30)
+                await complete(engine, [(prompt(4, i), params) for i in range(64)], f"r{batch}-")
+            await complete(engine, [(prompt(4), params)], "last")
             return len(engine._tracker.arrivals)
         finally:
             await engine.aclose()
