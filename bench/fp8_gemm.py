@@ -164,17 +164,14 @@ GLUON_CANDIDATES = (
 )
 
 
-def gluon_config(bm: int, bn: int, warps: int, stages: int, split_k: int, products: int) -> dict:
-    return {"KERNEL": "gluon", "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
-            "SPLIT_K": split_k, "PRODUCTS": products}  # fmt: skip
-
-
 def candidates() -> dict[str, dict]:
     """Every sweep candidate's configuration by its label ("v2 ..." and "gluon ...")."""
+    from bench.fp8_gemm_gluon import config as gluon_config
+
     out = {v2_label(*c): v2_config(*c) for c in V2_CANDIDATES}
     for bm, bn, warps, stages, split_k, products in GLUON_CANDIDATES:
         label = f"gluon {bm}x{bn} w{warps} s{stages} p{products}{f' k/{split_k}' if split_k > 1 else ''}"
-        out[label] = gluon_config(bm, bn, warps, stages, split_k, products)
+        out[label] = {"KERNEL": "gluon", **gluon_config(bm, bn, warps, stages, split_k, products)}
     return out
 
 
