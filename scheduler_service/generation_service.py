@@ -21,10 +21,10 @@ from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemReque
 from scheduler_service.request_handling import (
     NO_TOKENIZER,
     RENDER_INLINE_MESSAGES,
-    TOKENIZE_INLINE_CHARS,
     OutputProcessor,
     chat_template,
     check_text_prompt,
+    encode_text,
     verify_request_id,
     verify_tokenizer,
 )
@@ -157,13 +157,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             else:
                 text, template, tools = render_chat(tokenizer, request.chat)
             tokenizer = check_text_prompt(tokenizer, text, params, engine.limits.max_model_len)
-            special = kind == "text"  # a chat template writes its own special tokens
-            if len(text) > TOKENIZE_INLINE_CHARS:
-                # encode_off_gil: a long text in a thread that leaves the event loop (health, other
-                # streams) running.
-                prompt = await asyncio.to_thread(tokenizer.encode_off_gil, text, special)
-            else:
-                prompt = tokenizer.encode(text, special)
+            # (a chat template writes its own special tokens)
+            prompt = await encode_text(tokenizer, text, add_special_tokens=kind == "text")
         else:
             # Its length checked before its ids become a list: a 14 MiB message of 15M ids held the
             # event loop (health, other streams) for ~0.5 s on its way to the same refusal.

@@ -45,6 +45,7 @@ from scheduler_service.request_handling import (
     OutputProcessor,
     chat_template,
     check_text_prompt,
+    encode_text,
     verify_tokenizer,
 )
 from scheduler_service.request_stream import RequestStream
@@ -226,9 +227,7 @@ class OpenAIServer:
         tokenizer = check_text_prompt(
             self.engine.tokenizer, text, params, engine.limits.max_model_len, NO_TOKENIZER
         )
-        if len(text) > TOKENIZE_INLINE_CHARS:
-            return await asyncio.to_thread(tokenizer.encode_off_gil, text, add_special_tokens)
-        return tokenizer.encode(text, add_special_tokens)
+        return await encode_text(tokenizer, text, add_special_tokens)
 
     async def _prompts(
         self, body: CompletionRequest | ChatRequest, chat: bool
@@ -305,10 +304,7 @@ class OpenAIServer:
         /detokenize writes them)."""
         if isinstance(prompt, str):
             return prompt
-        tokenizer = self.engine.tokenizer
-        if len(prompt) > TOKENIZE_INLINE_CHARS:
-            return await asyncio.to_thread(tokenizer.decode, prompt, False)
-        return tokenizer.decode(prompt, skip_special_tokens=False)
+        return await _decoded(self.engine.tokenizer, prompt)
 
     # -- vLLM's tokenizer endpoints ---------------------------------------------------------
 
@@ -329,10 +325,7 @@ class OpenAIServer:
             verify_unicode(text, "the prompt")
         except TandemRequestError as e:
             raise HttpError(HTTP_STATUS[e.code], e.message) from None
-        if len(text) > TOKENIZE_INLINE_CHARS:
-            ids = await asyncio.to_thread(tokenizer.encode_off_gil, text, add_special_tokens)
-        else:
-            ids = tokenizer.encode(text, add_special_tokens)
+        ids = await encode_text(tokenizer, text, add_special_tokens)
         return JSONResponse(
             {
                 "count": len(ids),
@@ -355,11 +348,7 @@ class OpenAIServer:
                 raise HttpError(
                     400, f"token id {t} at position {i} is outside the vocabulary (size {vocab_size})"
                 )
-        if len(body.tokens) > TOKENIZE_INLINE_CHARS:
-            text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
-        else:
-            text = tokenizer.decode(body.tokens, skip_special_tokens=False)  # (vLLM's: all of them)
-        return JSONResponse({"prompt": text})
+        return JSONResponse({"prompt": await _decoded(tokenizer, body.tokens)})  # (vLLM's: all of them)
 
     async def _serve(self, request: Request, body, chat: bool):
         timeout = request.headers.get(TIMEOUT_HEADER)
@@ -782,6 +771,14 @@ class _ResponseWriter:
             for task in tasks:
                 task.cancel()
             self._abort_unfinished()
+
+
+async def _decoded(tokenizer, ids: list[int]) -> str:
+    """The ids' text, special tokens included (a prompt echoed, /detokenize); many ids are decoded
+    in a thread, off the event loop."""
+    if len(ids) > TOKENIZE_INLINE_CHARS:
+        return await asyncio.to_thread(tokenizer.decode, ids, False)
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 async def _prompt_scored(stream: RequestStream) -> None:

@@ -17,6 +17,7 @@ Errors are `TandemRequestError` (errors.py); only a transport maps their codes t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,6 +74,14 @@ def check_text_prompt(
     verify_prompt_length(tokenizer.min_num_tokens(text), params, max_model_len, lower_bound=True)
     verify_unicode(text, "the prompt")
     return tokenizer
+
+
+async def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """text's token ids; a text longer than TOKENIZE_INLINE_CHARS is encoded in a thread, off the GIL
+    (encode_off_gil), so that the event loop (health, other streams) runs meanwhile."""
+    if len(text) > TOKENIZE_INLINE_CHARS:
+        return await asyncio.to_thread(tokenizer.encode_off_gil, text, add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens)
 
 
 def tokenize(
