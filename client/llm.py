@@ -22,8 +22,8 @@ from scheduler_service.engine import LLMEngine
 from scheduler_service.engine import RequestOutput as EngineOutput
 from scheduler_service.request_handling import (
     OutputProcessor,
-    check_text_prompt,
     name_tokens,
+    tokenize,
     verify_tokenizer,
 )
 from scheduler_service.request_handling import chat_template as request_chat_template
@@ -146,10 +146,8 @@ class LLM:
 
     def _encode(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            tokenizer = check_text_prompt(
-                self.tokenizer, prompt, params, self.engine.limits.max_model_len, NO_TOKENIZER
-            )
-            return tokenizer.encode(prompt, add_special_tokens)
+            max_model_len = self.engine.limits.max_model_len
+            return tokenize(self.tokenizer, prompt, params, max_model_len, NO_TOKENIZER, add_special_tokens)
         return list(prompt)
 
     def generate(

@@ -90,9 +90,12 @@ def tokenize(
     params: SamplingParams,
     max_model_len: int,
     no_tokenizer: str = NO_TOKENIZER,
+    add_special_tokens: bool = True,
 ) -> list[int]:
-    """The prompt's token ids, after check_text_prompt."""
-    return check_text_prompt(tokenizer, text, params, max_model_len, no_tokenizer).encode(text)
+    """The prompt's token ids, after check_text_prompt (without special tokens for a prompt a chat
+    template rendered: it writes its own)."""
+    tokenizer = check_text_prompt(tokenizer, text, params, max_model_len, no_tokenizer)
+    return tokenizer.encode(text, add_special_tokens)
 
 
 def chat_template(tokenizer: Tokenizer | None, no_tokenizer: str = NO_TOKENIZER) -> ChatTemplate:
