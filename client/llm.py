@@ -193,14 +193,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
             )
-            prompts.append(
-                template.render(
-                    request.template_messages(),
-                    tools=request.tools,
-                    add_generation_prompt=add_generation_prompt,
-                    chat_template_kwargs=chat_template_kwargs,
-                )
-            )
+            prompts.append(request.render(template))
         return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def _generate(

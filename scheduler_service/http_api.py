@@ -237,18 +237,9 @@ class OpenAIServer:
             return body.prompts(), None
         template = chat_template(self.engine.tokenizer, NO_TOKENIZER)
 
-        def render() -> str:
-            return template.render(
-                body.template_messages(),
-                tools=body.tools,
-                documents=body.documents,
-                add_generation_prompt=body.add_generation_prompt,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
-
         if len(body.messages) > RENDER_INLINE_MESSAGES:  # (the event loop runs meanwhile)
-            return [await asyncio.to_thread(render)], template
-        return [render()], template
+            return [await asyncio.to_thread(body.render, template)], template
+        return [body.render(template)], template
 
     async def _admit(self, body, chat: bool, timeout: float | None) -> tuple[list[_Choice], str]:
         body.check_fields()

@@ -10,6 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.errors import ErrorCode, InvalidRequestError
 from scheduler_service.sampling_params import SamplingParams, verify_unicode
 
@@ -291,6 +292,16 @@ class ChatRequest(_Request):
                 "prompt_logprobs are not available when stream=true in a chat completion: they come "
                 "in the whole response (or stream a completion: its first chunk carries them)"
             )
+
+    def render(self, template: ChatTemplate) -> str:
+        """The prompt `template` writes for these messages, tools, documents and template kwargs."""
+        return template.render(
+            self.template_messages(),
+            tools=self.tools,
+            documents=self.documents,
+            add_generation_prompt=self.add_generation_prompt,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as chat templates take them: text parts joined into one string."""
