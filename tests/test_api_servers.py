@@ -287,7 +287,10 @@ def test_sigterm_while_the_api_servers_start_exits_0_without_orphans(qwen3_tied,
         os.kill(children[0], signal.SIGSTOP)
         core.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        os.kill(children[0], signal.SIGCONT)
+        # The core passes the SIGTERM on at once. A server that has not set its handler yet can die of
+        # it before the stop has reached all its threads (seen under load): gone, not orphaned.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(children[0], signal.SIGCONT)
         assert core.wait(60) == 0, services.logs()
         _assert_all_exit(children)
     finally:
