@@ -149,6 +149,9 @@ for what in "$@"; do
     # W1 fp8 at prefill chunks of 8,192, 4,096 and 2,048 tokens (4,096 and under: piecewise CUDA
     # graphs), alternating, twice each.
     w1-fp8-chunks) TAIL=16 STAGE_TIMEOUT=580 stage w1-fp8-chunks bash -c 'for i in 1 2; do for t in 8192 4096 2048; do echo "max_num_batched_tokens $t"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --max-num-batched-tokens $t | grep "output tok/s"; done; done' "$PY" ;;
+    # W1 fp8 at a step budget of 8,192 tokens (the engine's default) and 16,384 (nano-vllm's and vLLM's
+    # offline default on 80 GB+ GPUs: half the eager prefill steps), alternating, twice each.
+    w1-fp8-budget) TAIL=16 STAGE_TIMEOUT=560 stage w1-fp8-budget bash -c 'for i in 1 2; do for t in 8192 16384; do echo "max_num_batched_tokens $t"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --max-num-batched-tokens $t | grep "output tok/s\|device:"; done; done' "$PY" ;;
     # W1 fp8 with the rotary kernel a program per token (the default) and per token and role, alternating.
     w1-fp8-rope) TAIL=16 STAGE_TIMEOUT=580 stage w1-fp8-rope bash -c 'for i in 1 2; do for f in "" --rope-roles; do echo "rotary ${f:-per token}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s"; done; done' "$PY" ;;
     # W1 fp8 with DECODE_CONFIG (JSON) over the decode kernel's default launch configuration.
