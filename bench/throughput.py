@@ -225,9 +225,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="in-process: the fused rotary kernel in a program per token and role "
         "(layers/triton_ops.QK_NORM_ROPE_ROLES) instead of one per token",
     )
+    p.add_argument(
+        "--decode-stores-v",
+        action="store_true",
+        help="in-process, fp8 KV: a decode step's V stored by the decode attention kernel "
+        "(attention/triton_kernels.DECODE_STORES_V) instead of the fused rotary kernel",
+    )
     args = p.parse_args(argv)
-    if (args.decode_config is not None or args.rope_roles) and args.mode != "in-process":
-        p.error("--decode-config and --rope-roles change this process's kernels: they need --mode in-process")
+    if (
+        args.decode_config is not None or args.rope_roles or args.decode_stores_v
+    ) and args.mode != "in-process":
+        p.error(
+            "--decode-config, --rope-roles and --decode-stores-v change this process's kernels: "
+            "they need --mode in-process"
+        )
     if args.profile_gpu and not args.device.startswith("cuda"):
         p.error("--profile-gpu profiles CUDA kernels: it needs --device cuda")
     if args.workload == "w4":  # BENCH.md W4: Qwen3-8B's shape, FP8 weights and an fp8 KV cache
@@ -755,6 +766,11 @@ def main(argv: list[str] | None = None) -> int:
 
         triton_ops.QK_NORM_ROPE_ROLES = True
         print("the fused rotary kernel: a program per token and role")
+    if args.decode_stores_v:
+        from executor_service.attention import triton_kernels
+
+        triton_kernels.DECODE_STORES_V = True
+        print("a decode step's V: stored by the decode attention kernel")
     if args.mode in ("both", "in-process"):
         tokens, elapsed, cpu = run_in_process(args, args.model, workload)
         results["in-process"] = tokens / elapsed

@@ -76,6 +76,10 @@ class SelfAttention(Fusable, nn.Module):
             from executor_service.layers import triton_ops
 
             kv_cache = self._cache_to_store()
+            # K alone where the decode kernel stores V itself (an e4m3 cache's transposed V)
+            store_v = kv_cache is None or not self.attn.backend.decode_stores_v(
+                self.attn.k_cache, get_context(), qkv.dtype
+            )
             q, k = triton_ops.qk_norm_rope(
                 qkv,
                 positions,
@@ -87,6 +91,7 @@ class SelfAttention(Fusable, nn.Module):
                 self.num_kv_heads,
                 self.head_dim,
                 kv_cache=kv_cache,
+                store_v=store_v,
             )
         else:
             q = q.view(-1, self.num_heads, self.head_dim)
