@@ -226,17 +226,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(layers/triton_ops.QK_NORM_ROPE_ROLES) instead of one per token",
     )
     p.add_argument(
-        "--decode-stores-v",
+        "--decode-stores-kv",
         action="store_true",
-        help="in-process, fp8 KV: a decode step's V stored by the decode attention kernel "
-        "(attention/triton_kernels.DECODE_STORES_V) instead of the fused rotary kernel",
+        help="in-process, fp8 KV: a decode step's K and V stored by the decode attention kernel "
+        "(attention/triton_kernels.DECODE_STORES_KV) instead of the fused rotary kernel",
     )
     args = p.parse_args(argv)
     if (
-        args.decode_config is not None or args.rope_roles or args.decode_stores_v
+        args.decode_config is not None or args.rope_roles or args.decode_stores_kv
     ) and args.mode != "in-process":
         p.error(
-            "--decode-config, --rope-roles and --decode-stores-v change this process's kernels: "
+            "--decode-config, --rope-roles and --decode-stores-kv change this process's kernels: "
             "they need --mode in-process"
         )
     if args.profile_gpu and not args.device.startswith("cuda"):
@@ -766,11 +766,11 @@ def main(argv: list[str] | None = None) -> int:
 
         triton_ops.QK_NORM_ROPE_ROLES = True
         print("the fused rotary kernel: a program per token and role")
-    if args.decode_stores_v:
+    if args.decode_stores_kv:
         from executor_service.attention import triton_kernels
 
-        triton_kernels.DECODE_STORES_V = True
-        print("a decode step's V: stored by the decode attention kernel")
+        triton_kernels.DECODE_STORES_KV = True
+        print("a decode step's K and V: stored by the decode attention kernel")
     if args.mode in ("both", "in-process"):
         tokens, elapsed, cpu = run_in_process(args, args.model, workload)
         results["in-process"] = tokens / elapsed

@@ -199,11 +199,11 @@ def test_fp8_kv_on_gpu_with_preemption_and_graphs_matches_the_cpu_path(qwen3_tie
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_decode_kernel_storing_v_gives_the_same_tokens_and_logprobs(qwen3_tied, monkeypatch, enforce_eager):
-    """DECODE_STORES_V (the decode attention kernel writes a decode step's V; the fused rotary kernel
-    K alone) against the rotary kernel storing both, through the engine: CUDA graphs or eager steps,
-    preemption, blocks started by decode tokens. The caches get the same bytes, so the same tokens
-    and logprobs."""
+def test_decode_kernel_storing_kv_gives_the_same_tokens_and_logprobs(qwen3_tied, monkeypatch, enforce_eager):
+    """DECODE_STORES_KV (the decode attention kernel writes a decode step's K and V; the fused
+    rotary kernel stores nothing then) against the rotary kernel storing them, through the engine:
+    CUDA graphs or eager steps, preemption, blocks started by decode tokens. The caches get the same
+    bytes, so the same tokens and logprobs."""
     from executor_service.attention import triton_kernels
 
     prompts = make_prompts([30, 31, 32, 33, 34, 35, 36, 37], seed=15)
@@ -212,13 +212,13 @@ def test_decode_kernel_storing_v_gives_the_same_tokens_and_logprobs(qwen3_tied, 
     decode = triton_kernels.paged_decode
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("new_v") is not None)
+        calls.append(kwargs.get("new_kv") is not None)
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(triton_kernels, "paged_decode", spy)
     runs = []
-    for stores_v in (False, True):
-        monkeypatch.setattr(triton_kernels, "DECODE_STORES_V", stores_v)
+    for stores_kv in (False, True):
+        monkeypatch.setattr(triton_kernels, "DECODE_STORES_KV", stores_kv)
         calls.clear()
         llm = LLM(
             str(qwen3_tied), device="cuda", num_kv_blocks=12, max_model_len=128, kv_cache_dtype="fp8",
@@ -226,7 +226,7 @@ def test_decode_kernel_storing_v_gives_the_same_tokens_and_logprobs(qwen3_tied, 
         )  # fmt: skip
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.scheduler.stats.num_preemptions > 0
-        assert any(calls) == stores_v  # (graph replays call nothing: their captures did)
+        assert any(calls) == stores_kv  # (graph replays call nothing: their captures did)
         runs.append([(o.token_ids, [(lp.token_id, lp.logprob) for lp in o.logprobs]) for o in outputs])
         llm.executor.close()
     assert runs[1] == runs[0]

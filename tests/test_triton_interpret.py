@@ -78,14 +78,14 @@ for scales in ((1.0, 1.0), (0.05, 2.5)):
         check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"KV_MAJOR": kv_major, "BLOCK_N": 32}, config={"BLOCK_N": 16})
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})
 """,
-    "fp8_decode_stores_v": """
-from helpers.attention_fp8_checks import check_decode_stores_v
+    "fp8_decode_stores_kv": """
+from helpers.attention_fp8_checks import check_decode_stores_kv
 # Decode tokens at a block's first slot (17, 33, 1: whole rows and zeros) and mid-block (20, 40),
 # padding rows, key tiles of one and of several blocks, split over the keys or not.
 for block_size, block_n in ((16, 16), (8, 32)):
     for splits in (1, 3):
         b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, block_size, f16, "cpu", num_padding=2)
-        check_decode_stores_v(to_fp8(b, 0.05, 2.5), splits, {"KV_MAJOR": False, "BLOCK_N": block_n})
+        check_decode_stores_kv(to_fp8(b, 0.05, 2.5), splits, {"KV_MAJOR": False, "BLOCK_N": block_n})
 """,
     "fp8_gemm": """
 from helpers.fp8_gemm_checks import check_gemm, check_quantize
@@ -120,7 +120,6 @@ for roles in (False, True):
         check_qk_norm_rope_stores_kv(2, 32, torch.bfloat16, kv_dtype, block_size, "cpu", scales, roles=roles)
     check_qk_norm_rope_stores_kv(1, 64, f16, FP8, 16, "cpu", (1.0, 2.5), with_norm=False, roles=roles)
     check_qk_norm_rope_stores_kv(3, 32, f16, FP8, 8, "cpu", (1.0, 1.0), roles=roles)  # 3 KV heads
-    check_qk_norm_rope_stores_kv(2, 32, torch.bfloat16, FP8, 16, "cpu", (0.02, 3.0), roles=roles, store_v=False)
 from helpers.triton_op_checks import check_fused_quantization
 for dtype in (torch.float32, torch.bfloat16, f16):
     check_fused_quantization(5, 384, dtype, "cpu")  # 3 groups: a partial power-of-2 block

@@ -19,7 +19,7 @@ from helpers.attention_checks import (
     make_batch,
     reference,
 )
-from helpers.attention_fp8_checks import check_attention_fp8, check_decode_stores_v, check_store_fp8, to_fp8
+from helpers.attention_fp8_checks import check_attention_fp8, check_decode_stores_kv, check_store_fp8, to_fp8
 
 
 def random_lengths(batch: int, max_context: int, seed: int) -> list[int]:
@@ -218,15 +218,15 @@ def test_decode_fp8(scales, group, num_splits, variant):
 @pytest.mark.parametrize("block_size", [16, 32, 256])
 @pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize("variant", [{}, {"BLOCK_N": 64, "num_warps": 1, "num_stages": 3}])
-def test_decode_stores_v_fp8(block_size, num_splits, variant):
-    """The decode kernel storing the step's V (DECODE_STORES_V) writes the store kernel's bytes and
-    attends to the same output, every other token at its block's first slot."""
+def test_decode_stores_kv_fp8(block_size, num_splits, variant):
+    """The decode kernel storing the step's K and V (DECODE_STORES_KV) writes the store kernel's
+    bytes and attends to the same output, every other token at its block's first slot."""
     ctx_lens = random_lengths(40, 900, seed=7)
     ctx_lens = [c - (c - 1) % block_size if i % 2 else c for i, c in enumerate(ctx_lens)]
     batch = make_batch(
         [1] * 40, ctx_lens, 16, 8, 128, block_size, torch.bfloat16, "cuda", seed=8, num_padding=3
     )
-    check_decode_stores_v(to_fp8(batch, 0.03, 2.5), num_splits, {"KV_MAJOR": False, **variant})
+    check_decode_stores_kv(to_fp8(batch, 0.03, 2.5), num_splits, {"KV_MAJOR": False, **variant})
 
 
 @pytest.mark.parametrize("block_n", [32, 64, 128])

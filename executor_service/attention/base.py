@@ -29,11 +29,11 @@ class AttentionBackend:
         compiles while serving."""
         return [min(2, max_num_seqs)]
 
-    def decode_stores_v(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
-        """Whether this step's forward writes V into the cache itself, from its decode kernel: a
-        caller that stores the step's K/V beforehand (the fused rotary kernel) then stores K alone
-        and still passes kv_stored=True. Only a decode-only step over a cache whose V layout makes a
-        separate store costly (the Triton backend's e4m3 cache) says yes."""
+    def decode_stores_kv(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
+        """Whether forward stores this step's K/V from its decode kernel (each program its head's
+        bytes) rather than with a store before attention: then a caller that would store them
+        beforehand (the fused rotary kernel) stores nothing and passes kv_stored=False. The Triton
+        backend's decode-only steps over an e4m3 cache, where a separate store is costly."""
         return False
 
     def prepare(self, context: Context) -> object:
@@ -71,8 +71,7 @@ class AttentionBackend:
         e4m3 (then K is stored as e4m3(k / k_scale) and read back times k_scale, V alike: fp8.py).
         Returns [num_tokens, num_heads, head_dim]: `out` where the backend can write into it (a
         buffer of q's shape), else a new tensor. kv_stored: the caller has stored K/V already
-        (store_kv, inside a piecewise CUDA graph), so only attend; or K alone where
-        decode_stores_v(k_cache, context, q.dtype) is True, and forward stores V.
+        (store_kv, inside a piecewise CUDA graph), so only attend.
         """
         raise NotImplementedError
 

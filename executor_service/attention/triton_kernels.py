@@ -22,6 +22,10 @@ operands along their reduction axis byte by byte from a slot-major tile, while k
 contiguous load as 16-byte vectors. The kernels read a block's V slots past the context (whole
 blocks keep the vectors): the store kernel keeps them zero (a block's first slot written zeroes
 the slots after it that the same launch does not write), so no per-key masking is needed.
+
+With DECODE_STORES_KV (off until timed) a decode step over an e4m3 cache runs no store kernel:
+each decode program first stores its head's K and V of the step's token (store_decode_kv, the
+same bytes), then a barrier, then its loop, which reads them back.
 """
 
 from __future__ import annotations
@@ -235,34 +239,48 @@ def store_token_v(
 
 
 @triton.jit
-def store_decode_v(
+def store_decode_kv(
+    new_k_ptr,
     new_v_ptr,
     slot_mapping_ptr,
+    k_cache_ptr,
     v_cache_ptr,
     t,  # the token's row (a decode sequence's only query row)
     kv_head,
+    stride_nkt,
+    stride_nkh,
     stride_nvt,
     stride_nvh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     stride_vb,
     stride_vh,
     stride_vd,
+    k_scale,
     v_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """A decode token's V for one KV head into the transposed e4m3 V cache, as store_token_v
-    writes it (the same bytes): the attention program of that head writes it, so that the store
-    before attention writes K alone. A token at its block's first slot is a lone token (a decode
-    step appends one token a sequence): it writes whole rows of the block, its V and zeros after."""
+    """A decode token's K and V for one KV head into the e4m3 cache, the bytes store_token_kv
+    writes: the attention program of that head stores them, so no store runs before attention.
+    A token at its block's first slot is a lone token (a decode step appends one token a sequence):
+    it writes whole rows of the block's transposed V, its V and zeros after."""
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot >= 0:  # (-1: CUDA-graph padding)
+        t64 = t.to(tl.int64)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        d = tl.arange(0, BLOCK_D)
+        k = tl.load(new_k_ptr + t64 * stride_nkt + kv_head * stride_nkh + d, mask=d < HEAD_DIM, other=0.0)
+        k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale)).to(k_cache_ptr.dtype.element_ty)
+        k_dst = block * stride_cb + offset * stride_cs + kv_head * stride_ch + d
+        tl.store(k_cache_ptr + k_dst, k, mask=d < HEAD_DIM)
         base = block * stride_vb + kv_head * stride_vh
-        v_row = new_v_ptr + t.to(tl.int64) * stride_nvt + kv_head * stride_nvh
+        v_row = new_v_ptr + t64 * stride_nvt + kv_head * stride_nvh
         if offset == 0:
-            # The block's V^T rows for this head, flat: row d, slot o at element d * BLOCK_SIZE + o
-            # (a power of 2: paged_decode's condition for STORE_V). Slot 0 takes the token's byte,
+            # The block's V^T rows for this head, flat: row r, slot o at element r * BLOCK_SIZE + o
+            # (a power of 2: paged_decode's condition for new_kv). Slot 0 takes the token's byte,
             # the others zero, selected as bytes after the conversion (store_token_v says why).
             i = tl.arange(0, BLOCK_D * BLOCK_SIZE)
             row, o = i // BLOCK_SIZE, i % BLOCK_SIZE
@@ -272,7 +290,6 @@ def store_decode_v(
             dst = base + row * stride_vd + o
             tl.store(v_cache_ptr.to(tl.pointer_type(tl.uint8)) + dst, rows, mask=row < HEAD_DIM)
         else:
-            d = tl.arange(0, BLOCK_D)
             v = tl.load(v_row + d, mask=d < HEAD_DIM, other=0.0)
             v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale)).to(v_cache_ptr.dtype.element_ty)
             tl.store(v_cache_ptr + base + d * stride_vd + offset, v, mask=d < HEAD_DIM)
@@ -303,8 +320,10 @@ def paged_attention_kernel(
     context_lens_ptr,
     cu_seqlens_q_ptr,
     seq_order_ptr,  # with ORDERED: [num_seqs] the sequence of each program_id(2) (longest first)
-    new_v_ptr,  # with STORE_V: this step's V [num_tokens, num_kv_heads, head_dim] (a view of qkv)
-    slot_mapping_ptr,  # with STORE_V: int64 [num_tokens], -1 for CUDA-graph padding rows
+    new_k_ptr,  # with STORE_KV: this step's K and V [num_tokens, num_kv_heads, head_dim] (K rotated,
+    new_v_ptr,  # V a view of qkv), to store into the cache first
+    slot_mapping_ptr,  # with STORE_KV: int64 [num_tokens], -1 for CUDA-graph padding rows
+    k_scale,  # with STORE_KV: the K cache's scale (qk_scale carries it too, folded in)
     qk_scale,  # softmax scale * log2(e) (* k_scale with an fp8 cache): scores go through exp2
     v_scale,  # with an fp8 cache: the output is scaled once instead of every V element
     stride_qt,
@@ -318,7 +337,9 @@ def paged_attention_kernel(
     stride_vh,
     stride_vd,
     stride_bt,
-    stride_nvt,  # with STORE_V: new_v's token and head strides
+    stride_nkt,  # with STORE_KV: new_k's and new_v's token and head strides
+    stride_nkh,
+    stride_nvt,
     stride_nvh,
     num_heads,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -334,7 +355,7 @@ def paged_attention_kernel(
     KV_FP8: tl.constexpr,  # e4m3 cache: K/V widened to q's dtype in registers, fp32 accumulation
     FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
     ORDERED: tl.constexpr = False,  # programs take sequences in seq_order's order
-    STORE_V: tl.constexpr = False,  # decode, e4m3 cache: write the step's V into the cache first (store_decode_v)
+    STORE_KV: tl.constexpr = False,  # decode, e4m3 cache: store the step's K and V first (store_decode_kv)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -382,13 +403,14 @@ def paged_attention_kernel(
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
-    if STORE_V:  # noqa: SIM102 (constexpr branch)
-        # The split whose tiles hold the last key (the new token's) writes its V, then a barrier
-        # makes the bytes visible to the program's own loads of that block.
+    if STORE_KV:  # noqa: SIM102 (constexpr branch)
+        # The split whose tiles hold the last key (the new token's) stores its K and V, then a
+        # barrier makes the bytes visible to the program's own loads of that block.
         if (num_tiles > 0) & (num_tiles - 1 >= tile_lo) & (num_tiles - 1 < tile_hi):
-            store_decode_v(
-                new_v_ptr, slot_mapping_ptr, v_cache_ptr, q_start, kv_head, stride_nvt, stride_nvh,
-                stride_vb, stride_vh, stride_vd, v_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+            store_decode_kv(
+                new_k_ptr, new_v_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, q_start, kv_head,
+                stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_cb, stride_cs, stride_ch,
+                stride_vb, stride_vh, stride_vd, k_scale, v_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
             )  # fmt: skip
             tl.debug_barrier()
 
@@ -470,8 +492,10 @@ def paged_decode_kv_major_kernel(
     context_lens_ptr,
     cu_seqlens_q_ptr,
     seq_order_ptr,
-    new_v_ptr,  # (paged_attention_kernel's STORE_V arguments, unused here)
+    new_k_ptr,  # (paged_attention_kernel's STORE_KV arguments, unused here)
+    new_v_ptr,
     slot_mapping_ptr,
+    k_scale,
     qk_scale,
     v_scale,
     stride_qt,
@@ -485,6 +509,8 @@ def paged_decode_kv_major_kernel(
     stride_vh,
     stride_vd,
     stride_bt,
+    stride_nkt,
+    stride_nkh,
     stride_nvt,
     stride_nvh,
     num_heads,
@@ -637,11 +663,12 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 DECODE_CONFIG_FP8 = {"KV_MAJOR": False, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
-# Whether a decode step's V goes into an e4m3 cache from the decode kernel (each program its head's
-# bytes, before its loop reads them) rather than from the store before attention. The cache keeps V
-# transposed, so a decode token's V is one byte in each of head_dim rows of its block: ~4 us a layer
-# and step as a store of its own at W1's batch 256 (bench/rope_store.py). Off until timed on a GPU.
-DECODE_STORES_V = False
+# Whether a decode step's K and V go into an e4m3 cache from the decode kernel (each program its
+# head's bytes, before its loop reads them) rather than from a store before attention (the fused
+# rotary kernel's: a barrier, K read back, and V^T written one byte into each of head_dim rows of its
+# block, ~9 us a layer at W1's batch 256 against ~5 us with a slot-major V; bench/rope_store.py).
+# Off until timed on a GPU.
+DECODE_STORES_KV = False
 # When decode splits each sequence's keys (flash-decoding): under SPLIT_BELOW programs an SM, into
 # enough splits for about SPLIT_TO programs an SM. A decode config may carry its own ("split_below",
 # "split_to"): a kernel of fewer warps holds more programs an SM at once.
@@ -712,12 +739,12 @@ def cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens: int) -> tup
 
 def _launch(
     q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, grid_q, kv_scales,
-    kernel=paged_attention_kernel, seq_order=None, new_v=None, **meta,
+    kernel=paged_attention_kernel, seq_order=None, new_kv=None, **meta,
 ):  # fmt: skip
     """Launch `kernel` (paged_attention_kernel, or paged_decode_kv_major_kernel, which takes no
     BLOCK_Q, DOT_PRECISION or FP8_DOT_F16) and the split-KV reduce after it; seq_order: the
-    sequences in the order the programs take them, or None for the batch's order; new_v: (v,
-    slot_mapping) for paged_attention_kernel's STORE_V."""
+    sequences in the order the programs take them, or None for the batch's order; new_kv: (k, v,
+    slot_mapping) for paged_attention_kernel's STORE_KV."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
@@ -740,8 +767,8 @@ def _launch(
         partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     if kernel is paged_attention_kernel:
         meta["DOT_PRECISION"] = "ieee" if q.dtype == torch.float32 else "tf32"
-        meta["STORE_V"] = new_v is not None
-    v_new, slot_mapping = new_v if new_v is not None else (q, context_lens)  # (unused without STORE_V)
+        meta["STORE_KV"] = new_kv is not None
+    k_new, v_new, slot_mapping = new_kv if new_kv is not None else (q, q, context_lens)  # (unused without)
     kernel[grid](
         q,
         k_cache,
@@ -753,8 +780,10 @@ def _launch(
         context_lens,
         cu_seqlens_q,
         context_lens if seq_order is None else seq_order,
+        k_new,
         v_new,
         slot_mapping,
+        float(k_scale),
         scale * LOG2E * k_scale,
         float(v_scale),
         q.stride(0),
@@ -768,6 +797,8 @@ def _launch(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
+        k_new.stride(0),
+        k_new.stride(1),
         v_new.stride(0),
         v_new.stride(1),
         num_heads,
@@ -809,7 +840,7 @@ def paged_decode(
     config=None,
     kv_scales=(1.0, 1.0),
     seq_order=None,
-    new_v=None,
+    new_kv=None,
 ) -> None:
     """Attention of every sequence's single query token over its paged KV (grid fixed by shapes).
 
@@ -818,11 +849,12 @@ def paged_decode(
     kv_scales: (k_scale, v_scale) of an e4m3 cache, ignored otherwise.
     seq_order: int32 [num_seqs], a permutation of the sequences (Context.seq_order: longest
     context first), the order the GPU starts their programs in; None: the batch's order.
-    new_v: (v [num_tokens, num_kv_heads, head_dim], slot_mapping) to store this step's V into an
-    e4m3 cache first (the store before attention wrote K alone: decode_stores_v says when)."""
+    new_kv: (k, v [num_tokens, num_kv_heads, head_dim], slot_mapping): store this step's K and V
+    (store_kv's bytes) from the kernel itself, each program its head's, where decode_stores_kv says
+    it can; the caller then runs no store."""
     cfg = {**decode_config(k_cache.dtype), **(config or {})}
-    if new_v is not None and not decode_stores_v(k_cache, cfg, q.dtype):
-        raise ValueError("new_v: the decode kernel stores V only into an e4m3 cache of power-of-2 blocks")
+    if new_kv is not None and not decode_stores_kv(k_cache, cfg, q.dtype):
+        raise ValueError("new_kv: the decode kernel stores K/V only into an e4m3 cache of power-of-2 blocks")
     group = q.shape[1] // k_cache.shape[2]
     f16_query = q.dtype != torch.float32
     # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)
@@ -842,18 +874,18 @@ def paged_decode(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        seq_order=seq_order, new_v=new_v, **meta,
+        seq_order=seq_order, new_kv=new_kv, **meta,
     )  # fmt: skip
 
 
-def decode_stores_v(k_cache: torch.Tensor, config: dict | None = None, q_dtype=torch.bfloat16) -> bool:
-    """Whether paged_decode can store the step's V itself (new_v): DECODE_STORES_V, an e4m3 cache
-    of power-of-2 blocks, and the first kernel (not KV_MAJOR) for this query dtype."""
+def decode_stores_kv(k_cache: torch.Tensor, config: dict | None = None, q_dtype=torch.bfloat16) -> bool:
+    """Whether paged_decode stores a decode step's K and V itself (new_kv): DECODE_STORES_KV, an
+    e4m3 cache of power-of-2 blocks, and the first kernel (not KV_MAJOR) for this query dtype."""
     cfg = config if config is not None else decode_config(k_cache.dtype)
     block_size = k_cache.shape[1]
     kv_major = cfg.get("KV_MAJOR") and cfg.get("FP8_DOT_F16", True) and q_dtype != torch.float32
     return (
-        DECODE_STORES_V
+        DECODE_STORES_KV
         and k_cache.dtype == torch.float8_e4m3fn
         and block_size & (block_size - 1) == 0
         and not kv_major

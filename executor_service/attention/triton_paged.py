@@ -113,8 +113,8 @@ class TritonPagedBackend(AttentionBackend):
             first.setdefault(kernels.choose_num_splits(n, num_kv_heads, _num_sms(device), config), n)
         return sorted({*first.values(), min(2, max_num_seqs)})
 
-    def decode_stores_v(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
-        return self.prepared(context).decode_only and kernels.decode_stores_v(k_cache, q_dtype=q_dtype)
+    def decode_stores_kv(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
+        return self.prepared(context).decode_only and kernels.decode_stores_kv(k_cache, q_dtype=q_dtype)
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
         kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -134,8 +134,12 @@ class TritonPagedBackend(AttentionBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self.prepared(context)
+        new_kv = None  # this step's K/V for the decode kernel to store (decode_stores_kv)
         if k_cache.numel() and not kv_stored:
-            kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
+            if self.decode_stores_kv(k_cache, context, q.dtype):
+                new_kv = (k, v, context.slot_mapping)
+            else:
+                kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
         if plan.no_prefix and not plan.decode_only:
             varlen = prefill_varlen(q, k, v, context, scale)
             if varlen is not None:
@@ -155,12 +159,6 @@ class TritonPagedBackend(AttentionBackend):
                 plan.num_seqs, num_kv_heads, _num_sms(q.device), kernels.decode_config(k_cache.dtype)
             )
             rows = 0 if plan.decode_only else 1
-            # K stored by the caller and V left to the decode kernel (decode_stores_v)
-            new_v = (
-                (v, context.slot_mapping)
-                if kv_stored and self.decode_stores_v(k_cache, context, q.dtype)
-                else None
-            )
             kernels.paged_decode(
                 q,
                 k_cache,
@@ -172,7 +170,7 @@ class TritonPagedBackend(AttentionBackend):
                 rows=rows,
                 kv_scales=(k_scale, v_scale),
                 seq_order=context.seq_order,
-                new_v=new_v,
+                new_kv=new_kv,
             )
         if not plan.decode_only:
             rows = 2 if plan.has_decode else 0

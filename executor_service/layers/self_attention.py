@@ -75,11 +75,7 @@ class SelfAttention(Fusable, nn.Module):
         if self.fused:
             from executor_service.layers import triton_ops
 
-            kv_cache = self._cache_to_store()
-            # K alone where the decode kernel stores V itself (an e4m3 cache's transposed V)
-            store_v = kv_cache is None or not self.attn.backend.decode_stores_v(
-                self.attn.k_cache, get_context(), qkv.dtype
-            )
+            kv_cache = self._cache_to_store(qkv.dtype)
             q, k = triton_ops.qk_norm_rope(
                 qkv,
                 positions,
@@ -91,7 +87,6 @@ class SelfAttention(Fusable, nn.Module):
                 self.num_kv_heads,
                 self.head_dim,
                 kv_cache=kv_cache,
-                store_v=store_v,
             )
         else:
             q = q.view(-1, self.num_heads, self.head_dim)
@@ -102,14 +97,16 @@ class SelfAttention(Fusable, nn.Module):
         o = self.attn(q, k, v, kv_stored=kv_cache is not None)
         return self.o_proj(o.flatten(1))
 
-    def _cache_to_store(self) -> tuple | None:
+    def _cache_to_store(self, dtype: torch.dtype) -> tuple | None:
         """What the fused rotary kernel needs to write this step's K/V into the cache itself: with
         a backend whose store it is (fused_store), the cache bound, and outside a piecewise-graph
-        capture (MixedGraphs puts the store in its graphs); None otherwise."""
+        capture (MixedGraphs puts the store in its graphs); None otherwise, and None where the
+        backend's decode kernel stores them (decode_stores_kv)."""
         attn = self.attn
         if not attn.backend.fused_store or not attn.k_cache.numel() or recording() is not None:
             return None
-        slot_mapping = get_context().slot_mapping
-        if slot_mapping is None:
+        context = get_context()
+        slot_mapping = context.slot_mapping
+        if slot_mapping is None or attn.backend.decode_stores_kv(attn.k_cache, context, dtype):
             return None
         return attn.k_cache, attn.v_cache, slot_mapping, attn.k_scale, attn.v_scale

@@ -266,7 +266,6 @@ def _qk_norm_rope_kernel(
     KV_FP8: tl.constexpr = False,
     BLOCK_S: tl.constexpr = 1,
     WHOLE_ROWS: tl.constexpr = False,
-    STORE_V: tl.constexpr = True,  # with STORE_KV: V too (False: K alone, the decode kernel stores V)
 ):
     # grid: (num_tokens,); a program normalises (HAS_NORM) and rotates every query and key head of one token.
     t = tl.program_id(0).to(tl.int64)
@@ -303,19 +302,13 @@ def _qk_norm_rope_kernel(
             dk = tl.arange(0, HEAD_DIM)[None, :]
             kv_mask = hk < NUM_KV_HEADS
             k = tl.load(k_out_ptr + (t * NUM_KV_HEADS + hk) * HEAD_DIM + dk, mask=kv_mask)
-            if STORE_V:
-                v = tl.load(qkv_ptr + t * stride_qkv + (NUM_QK_HEADS + hk) * HEAD_DIM + dk, mask=kv_mask)
-                store_token_kv(
-                    k, v, t, slot, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                    stride_cb, stride_cs_cache, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-                    block_size, k_scale, v_scale, num_tokens,
-                    NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8, BLOCK_S, WHOLE_ROWS,
-                )  # fmt: skip
-            else:
-                store_token_k(
-                    k, slot, k_cache_ptr, stride_cb, stride_cs_cache, stride_ch, block_size, k_scale,
-                    NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8,
-                )  # fmt: skip
+            v = tl.load(qkv_ptr + t * stride_qkv + (NUM_QK_HEADS + hk) * HEAD_DIM + dk, mask=kv_mask)
+            store_token_kv(
+                k, v, t, slot, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                stride_cb, stride_cs_cache, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+                block_size, k_scale, v_scale, num_tokens,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8, BLOCK_S, WHOLE_ROWS,
+            )  # fmt: skip
 
 
 # Whether qk_norm_rope launches _qk_norm_rope_roles_kernel (a program per token and role) rather
@@ -464,7 +457,6 @@ def qk_norm_rope(
     head_dim: int,
     kv_cache: tuple | None = None,
     roles: bool | None = None,
-    store_v: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] -> rotary(norm(q)) [num_tokens,
     num_heads, head_dim] and rotary(norm(k)) [num_tokens, num_kv_heads, head_dim], new contiguous
@@ -473,8 +465,7 @@ def qk_norm_rope(
 
     kv_cache: (k_cache, v_cache, slot_mapping, k_scale, v_scale): also store each token's K (as
     returned) and V (qkv's last heads) in the paged cache, exactly as
-    attention.triton_kernels.store_kv(k, v, ...) would. store_v=False: K alone (a decode step whose
-    attention kernel stores V: attention.triton_kernels.decode_stores_v).
+    attention.triton_kernels.store_kv(k, v, ...) would.
 
     roles: a program per token and role (its query heads, its key heads, its V: the roles kernel)
     instead of one per token; None: QK_NORM_ROPE_ROLES. q and k may differ between the two by a
@@ -494,8 +485,6 @@ def qk_norm_rope(
         store_args, constants = cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens)
         cache_args = [k_cache, v_cache, slot_mapping, *store_args]
         store = {"STORE_KV": True, **constants}
-        if not store_v:
-            store["STORE_V"] = False
     # Both kernels' arguments and the constants they share.
     args = (
         qkv,
@@ -518,8 +507,7 @@ def qk_norm_rope(
         **store,
     }
     if QK_NORM_ROPE_ROLES if roles is None else roles:
-        shared.pop("STORE_V", None)  # (the roles kernel's third role is V's store: launched or not)
-        grid = (num_tokens, 3 if kv_cache is not None and store_v else 2)
+        grid = (num_tokens, 3 if kv_cache is not None else 2)
         _qk_norm_rope_roles_kernel[grid](
             *args, NUM_KV_HEADS=num_kv_heads, BLOCK_QH=triton.next_power_of_2(num_heads), **shared
         )

@@ -104,11 +104,11 @@ def check_attention_fp8(
     assert_matches(out, batch, ref)
 
 
-def check_decode_stores_v(batch: dict, num_splits: int = 1, decode_config: dict | None = None) -> None:
-    """A decode step whose V the decode kernel stores (paged_decode's new_v, DECODE_STORES_V), after
-    a store of K alone, against the store kernel's K and V then the decode kernel: the same cache
-    bytes (V written, a block's first slot zeroing the rest of its V^T rows over stale NaN, every
-    other byte untouched, padding rows skipped) and the same output, bit for bit."""
+def check_decode_stores_kv(batch: dict, num_splits: int = 1, decode_config: dict | None = None) -> None:
+    """A decode step whose K and V the decode kernel stores (paged_decode's new_kv,
+    DECODE_STORES_KV) against the store kernel then the decode kernel: the same cache bytes (K and
+    V written over stale NaN, a block's first slot zeroing the rest of its V^T rows, every other
+    byte untouched, padding rows skipped) and the same output, bit for bit."""
     from executor_service.attention import triton_kernels as tk
     from executor_service.fp8 import v_cache_slots
 
@@ -116,10 +116,12 @@ def check_decode_stores_v(batch: dict, num_splits: int = 1, decode_config: dict 
     block_size = batch["k_cache"].shape[1]
     # Stale bytes (NaN) in each decode token's slot, and after it in a block the token starts (a
     # block's earlier owner may leave them; past a mid-block token the cache already holds zeros).
+    k_slots = batch["k_cache"].view(torch.uint8)
     v_slots = v_cache_slots(batch["v_cache"]).view(torch.uint8)
     for slot in ctx.slot_mapping[ctx.slot_mapping >= 0].tolist():
-        offset = slot % block_size
-        v_slots[slot // block_size, offset : None if offset == 0 else offset + 1] = 0x7F
+        block, offset = divmod(slot, block_size)
+        k_slots[block, offset] = 0x7F
+        v_slots[block, offset : None if offset == 0 else offset + 1] = 0x7F
     meta = (ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q)
     q, order = batch["q"], longest_first(ctx.context_lens)
     k_a, v_a = batch["k_cache"].clone(), batch["v_cache"].clone()
@@ -131,17 +133,16 @@ def check_decode_stores_v(batch: dict, num_splits: int = 1, decode_config: dict 
     )  # fmt: skip
     k_b, v_b = batch["k_cache"].clone(), batch["v_cache"].clone()
     out_b = torch.full_like(q, NAN)
-    tk.store_kv(batch["k"], batch["v"], k_b, v_b.clone(), ctx.slot_mapping, *kv_scales)  # K alone
-    was = tk.DECODE_STORES_V
-    tk.DECODE_STORES_V = True
+    was = tk.DECODE_STORES_KV
+    tk.DECODE_STORES_KV = True
     try:
-        assert tk.decode_stores_v(k_b, decode_config, q.dtype)
+        assert tk.decode_stores_kv(k_b, decode_config, q.dtype)
         tk.paged_decode(
             q, k_b, v_b, out_b, *meta, batch["scale"], num_splits, config=decode_config, kv_scales=kv_scales,
-            seq_order=order, new_v=(batch["v"], ctx.slot_mapping),
+            seq_order=order, new_kv=(batch["k"], batch["v"], ctx.slot_mapping),
         )  # fmt: skip
     finally:
-        tk.DECODE_STORES_V = was
+        tk.DECODE_STORES_KV = was
     assert torch.equal(k_b.view(torch.uint8), k_a.view(torch.uint8)), "K cache"
     assert torch.equal(v_b.view(torch.uint8), v_a.view(torch.uint8)), "V cache"
     assert torch.equal(out_b, out_a), "output"

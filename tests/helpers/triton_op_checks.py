@@ -133,14 +133,13 @@ def check_qk_norm_rope(
 def check_qk_norm_rope_stores_kv(
     num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
     device: str, scales: tuple[float, float] = (1.0, 1.0), with_norm: bool = True, roles: bool | None = None,
-    store_v: bool = True,
 ) -> None:  # fmt: skip
     """qk_norm_rope with the KV cache: the same q and k as without it, and the cache's bytes those of
     the attention backend's store of that k and of qkv's V (torch_ref.store_kv, which the Triton
     store matches byte for byte): a prefill run into a new block (an e4m3 cache zeroes the rest of
     its V slots), decode tokens at a block's first slot and mid-block, a padding row (-1). Every
     cache slot starts as NaN, so that a slot written or zeroed wrongly shows. roles: qk_norm_rope's
-    kernel (None: its default). store_v=False: the same K bytes, and not one V byte written."""
+    kernel (None: its default)."""
     from executor_service.attention import torch_ref
     from executor_service.fp8 import fp8_v_cache
     from executor_service.layers.triton_ops import qk_norm_rope
@@ -168,7 +167,7 @@ def check_qk_norm_rope_stores_kv(
 
     q, k = qk_norm_rope(*args, num_heads, num_kv_heads, head_dim, roles=roles)
     v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
-    torch_ref.store_kv(k, v, k_ref, v_ref if store_v else v_ref.clone(), slot_mapping, *scales)
+    torch_ref.store_kv(k, v, k_ref, v_ref, slot_mapping, *scales)
     q_fused, k_fused = qk_norm_rope(
         *args,
         num_heads,
@@ -176,11 +175,9 @@ def check_qk_norm_rope_stores_kv(
         head_dim,
         kv_cache=(k_cache, v_cache, slot_mapping, *scales),
         roles=roles,
-        store_v=store_v,
     )
     what = (
-        f"qk_norm_rope storing KV ({dtype} into {kv_dtype}, block size {bs}, scales {scales}, roles {roles}, "
-        f"store_v {store_v})"
+        f"qk_norm_rope storing KV ({dtype} into {kv_dtype}, block size {bs}, scales {scales}, roles {roles})"
     )
     assert torch.equal(q_fused, q) and torch.equal(k_fused, k), what + ": q / k changed"
     bits = torch.uint8 if kv_dtype == torch.float8_e4m3fn else torch.int16
