@@ -229,7 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--decode-stores-kv",
         action="store_true",
         help="in-process, fp8 KV: a decode step's K and V stored by the decode attention kernel "
-        "(attention/triton_kernels.DECODE_STORES_KV) instead of the fused rotary kernel",
+        "(attention/triton_kernels.DECODE_STORES_KV) instead of the fused rotary kernel; rank 0 only "
+        "under tensor parallelism (its other ranks are processes of their own)",
     )
     args = p.parse_args(argv)
     if (

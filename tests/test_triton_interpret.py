@@ -86,6 +86,10 @@ for block_size, block_n in ((16, 16), (8, 32)):
     for splits in (1, 3):
         b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, block_size, f16, "cpu", num_padding=2)
         check_decode_stores_kv(to_fp8(b, 0.05, 2.5), splits, {"KV_MAJOR": False, "BLOCK_N": block_n})
+# A cache block of several key tiles (BLOCK_N below the block size), split among up to 8 programs.
+b = make_batch([1] * 4, [65, 100, 129, 7], 4, 2, 32, 64, f16, "cpu", seed=2, num_padding=1)
+for splits in (1, 3, 8):
+    check_decode_stores_kv(to_fp8(b, 1.0, 1.0), splits, {"KV_MAJOR": False, "BLOCK_N": 16})
 """,
     "fp8_gemm": """
 from helpers.fp8_gemm_checks import check_gemm, check_quantize

@@ -881,7 +881,7 @@ def paged_decode(
 def decode_stores_kv(k_cache: torch.Tensor, config: dict | None = None, q_dtype=torch.bfloat16) -> bool:
     """Whether paged_decode stores a decode step's K and V itself (new_kv): DECODE_STORES_KV, an
     e4m3 cache of power-of-2 blocks, and the first kernel (not KV_MAJOR) for this query dtype."""
-    cfg = config if config is not None else decode_config(k_cache.dtype)
+    cfg = {**decode_config(k_cache.dtype), **(config or {})}
     block_size = k_cache.shape[1]
     kv_major = cfg.get("KV_MAJOR") and cfg.get("FP8_DOT_F16", True) and q_dtype != torch.float32
     return (

@@ -108,7 +108,9 @@ def check_decode_stores_kv(batch: dict, num_splits: int = 1, decode_config: dict
     """A decode step whose K and V the decode kernel stores (paged_decode's new_kv,
     DECODE_STORES_KV) against the store kernel then the decode kernel: the same cache bytes (K and
     V written over stale NaN, a block's first slot zeroing the rest of its V^T rows, every other
-    byte untouched, padding rows skipped) and the same output, bit for bit."""
+    byte untouched, padding rows skipped) and the same output, bit for bit. Under the interpreter
+    the programs run one after another, so only the GPU tests can show a race (a split reading the
+    token's slots before the split that stores them, or a missing barrier)."""
     from executor_service.attention import triton_kernels as tk
     from executor_service.fp8 import v_cache_slots
 
