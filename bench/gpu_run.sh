@@ -154,11 +154,12 @@ for what in "$@"; do
     w1-fp8-budget) TAIL=16 STAGE_TIMEOUT=560 stage w1-fp8-budget bash -c 'for i in 1 2; do for t in 8192 16384; do echo "max_num_batched_tokens $t"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --max-num-batched-tokens $t | grep "output tok/s\|device:"; done; done' "$PY" ;;
     # The decode kernel storing a decode step's K and V (DECODE_STORES_KV): its GPU tests, then W1 fp8
     # without and with it, alternating, PAIRS times (default 2).
-    decode-kv-tests) TAIL=12 stage decode-kv-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_kv.py -k "stores_kv or store_kv_fp8 or fp8_kv_on_gpu" ;;
+    decode-kv-tests) TAIL=12 stage decode-kv-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_kv.py -k "stores_kv or fuses_rope or store_kv_fp8 or fp8_kv_on_gpu" ;;
     w1-fp8-decode-kv) TAIL=16 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage w1-fp8-decode-kv bash -c 'for i in $(seq ${PAIRS:-2}); do for f in "" --decode-stores-kv; do echo "K/V ${f:-stored by the rotary kernel}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s\|device:"; done; done' "$PY" ;;
-    # Issue 17's W1 leads in one stage: W1 fp8 as today, with the decode kernel storing K/V, and that
-    # at a step budget of 16,384 tokens, in turn, ROUNDS times (default 2).
-    w1-fp8-leads) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage w1-fp8-leads bash -c 'for i in $(seq ${ROUNDS:-2}); do for f in "" "--decode-stores-kv" "--decode-stores-kv --max-num-batched-tokens 16384"; do echo "W1 fp8 ${f:-as today}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s\|device:"; done; done' "$PY" ;;
+    # Issue 17's W1 leads in one stage: W1 fp8 as today, with the decode kernel storing K/V, with it
+    # also normalising and rotating q and K, and that at a step budget of 16,384 tokens, in turn,
+    # ROUNDS times (default 2).
+    w1-fp8-leads) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage w1-fp8-leads bash -c 'for i in $(seq ${ROUNDS:-2}); do for f in "" "--decode-stores-kv" "--decode-stores-kv --decode-fuses-rope" "--decode-stores-kv --decode-fuses-rope --max-num-batched-tokens 16384"; do echo "W1 fp8 ${f:-as today}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s\|device:"; done; done' "$PY" ;;
     # W1 fp8 with the rotary kernel a program per token (the default) and per token and role, alternating.
     w1-fp8-rope) TAIL=16 STAGE_TIMEOUT=580 stage w1-fp8-rope bash -c 'for i in 1 2; do for f in "" --rope-roles; do echo "rotary ${f:-per token}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s"; done; done' "$PY" ;;
     # W1 fp8 with DECODE_CONFIG (JSON) over the decode kernel's default launch configuration.

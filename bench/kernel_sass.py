@@ -27,11 +27,11 @@ from triton.compiler import ASTSource
 
 from executor_service.attention import triton_kernels as tk
 
-_SCALARS = {"qk_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "num_heads": "i32"}
+_SCALARS = {"qk_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "eps": "fp32", "num_heads": "i32"}
 # Strides the engine's caches and views always have as multiples of 16 elements.
 _ALIGNED_STRIDES = (
     "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch",
-    "stride_vb", "stride_vh", "stride_vd", "stride_nkt", "stride_nkh", "stride_nvt", "stride_nvh",
+    "stride_vb", "stride_vh", "stride_vd", "stride_nkt", "stride_nkh", "stride_nvt", "stride_nvh", "stride_rope",
 )  # fmt: skip
 
 
@@ -76,6 +76,7 @@ def compile_decode(
     block_size: int = 16,
     group_pad: int = 0,
     store_kv: bool = False,
+    rope: bool = False,
 ):
     """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
     block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows)."""
@@ -96,10 +97,13 @@ def compile_decode(
         constants.update(
             {"BLOCK_Q": block_q, "DOT_PRECISION": "tf32", "FP8_DOT_F16": kv == "fp8" and block_q == 1}
         )
-        constants["STORE_KV"] = store_kv
+        constants["STORE_KV"] = store_kv or rope
+        constants["ROPE"] = rope
+        constants["HAS_NORM"] = rope
     int_ptrs = ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seq_order_ptr")
     types = {name: "*i32" if name in int_ptrs else "*bf16" for name in fn.arg_names if name.endswith("_ptr")}
     types["slot_mapping_ptr"] = "*i64"
+    types["cos_sin_ptr"] = "*fp32"
     types.update(k_cache_ptr=cache, v_cache_ptr=cache, **_SCALARS)
     return compile_sm90(fn, constants, types, _ALIGNED_STRIDES, warps, stages, maxnreg)
 
@@ -168,6 +172,11 @@ def main() -> None:
         "--store-kv", action="store_true", help="the decode kernel storing the step's K/V (DECODE_STORES_KV)"
     )
     parser.add_argument(
+        "--rope",
+        action="store_true",
+        help="... and normalising and rotating q and the new K itself (DECODE_FUSES_ROPE)",
+    )
+    parser.add_argument(
         "--prefill",
         action="store_true",
         help="paged_prefill's launch (PREFILL_CONFIG's tiles) instead of decode",
@@ -189,7 +198,7 @@ def main() -> None:
     maxnreg = config.get("maxnreg", 0) if args.maxnreg is None else args.maxnreg
     kernel = compile_decode(
         args.kv, kv_major, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
-        args.group, args.head_dim, block_q, args.block_size, args.group_pad, args.store_kv,
+        args.group, args.head_dim, block_q, args.block_size, args.group_pad, args.store_kv, args.rope,
     )  # fmt: skip
     ops, registers = loop_stats(kernel)
     name = "paged_decode_kv_major_kernel" if kv_major else "paged_attention_kernel"

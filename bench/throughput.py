@@ -232,7 +232,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(attention/triton_kernels.DECODE_STORES_KV) instead of the fused rotary kernel; rank 0 only "
         "under tensor parallelism (its other ranks are processes of their own)",
     )
+    p.add_argument(
+        "--decode-fuses-rope",
+        action="store_true",
+        help="with --decode-stores-kv: the decode kernel also normalises and rotates q and the new K "
+        "(attention/triton_kernels.DECODE_FUSES_ROPE), so a decode step runs no rotary kernel",
+    )
     args = p.parse_args(argv)
+    if args.decode_fuses_rope and not args.decode_stores_kv:
+        p.error("--decode-fuses-rope needs --decode-stores-kv")
     if (
         args.decode_config is not None or args.rope_roles or args.decode_stores_kv
     ) and args.mode != "in-process":
@@ -771,7 +779,11 @@ def main(argv: list[str] | None = None) -> int:
         from executor_service.attention import triton_kernels
 
         triton_kernels.DECODE_STORES_KV = True
-        print("a decode step's K and V: stored by the decode attention kernel")
+        triton_kernels.DECODE_FUSES_ROPE = args.decode_fuses_rope
+        print(
+            "a decode step's K and V: stored by the decode attention kernel"
+            + (", which also normalises and rotates q and K" if args.decode_fuses_rope else "")
+        )
     if args.mode in ("both", "in-process"):
         tokens, elapsed, cpu = run_in_process(args, args.model, workload)
         results["in-process"] = tokens / elapsed

@@ -90,6 +90,11 @@ for block_size, block_n in ((16, 16), (8, 32)):
 b = make_batch([1] * 4, [65, 100, 129, 7], 4, 2, 32, 64, f16, "cpu", seed=2, num_padding=1)
 for splits in (1, 3, 8):
     check_decode_stores_kv(to_fp8(b, 1.0, 1.0), splits, {"KV_MAJOR": False, "BLOCK_N": 16})
+from helpers.attention_fp8_checks import check_decode_fuses_rope
+# ... and normalising and rotating q and the new K itself (DECODE_FUSES_ROPE), with and without q/k norms.
+for dtype, with_norm in ((f16, True), (torch.bfloat16, True), (f16, False)):
+    b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, 16, dtype, "cpu", seed=5, num_padding=2)
+    check_decode_fuses_rope(to_fp8(b, 0.05, 2.5), 3, {"KV_MAJOR": False, "BLOCK_N": 16}, with_norm=with_norm)
 """,
     "fp8_gemm": """
 from helpers.fp8_gemm_checks import check_gemm, check_quantize

@@ -19,7 +19,13 @@ from helpers.attention_checks import (
     make_batch,
     reference,
 )
-from helpers.attention_fp8_checks import check_attention_fp8, check_decode_stores_kv, check_store_fp8, to_fp8
+from helpers.attention_fp8_checks import (
+    check_attention_fp8,
+    check_decode_fuses_rope,
+    check_decode_stores_kv,
+    check_store_fp8,
+    to_fp8,
+)
 
 
 def random_lengths(batch: int, max_context: int, seed: int) -> list[int]:
@@ -227,6 +233,18 @@ def test_decode_stores_kv_fp8(block_size, num_splits, variant):
         [1] * 40, ctx_lens, 16, 8, 128, block_size, torch.bfloat16, "cuda", seed=8, num_padding=3
     )
     check_decode_stores_kv(to_fp8(batch, 0.03, 2.5), num_splits, {"KV_MAJOR": False, **variant})
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_fuses_rope_fp8(with_norm, num_splits):
+    """The decode kernel normalising and rotating q and the new K itself (DECODE_FUSES_ROPE) against
+    the fused rotary kernel, the store and the decode kernel: within a rounding step of the norm's
+    sum (each kernel sums in its own order), every other token at its block's first slot."""
+    ctx_lens = random_lengths(40, 900, seed=9)
+    ctx_lens = [c - (c - 1) % 32 if i % 2 else c for i, c in enumerate(ctx_lens)]
+    batch = make_batch([1] * 40, ctx_lens, 16, 8, 128, 32, torch.bfloat16, "cuda", seed=10, num_padding=3)
+    check_decode_fuses_rope(to_fp8(batch, 0.03, 2.5), num_splits, {"KV_MAJOR": False}, with_norm, exact=False)
 
 
 @pytest.mark.parametrize("block_n", [32, 64, 128])

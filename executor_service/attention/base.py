@@ -36,6 +36,13 @@ class AttentionBackend:
         backend's decode-only steps over an e4m3 cache, where a separate store is costly."""
         return False
 
+    def decode_fuses_rope(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
+        """Whether forward can take this step's q and k straight from the qkv projection, with a
+        DecodeRope (attention/triton_kernels.py) to normalise and rotate them in its decode kernel, so
+        that the layer runs no rotary kernel: a decode step where decode_stores_kv holds, and the
+        Triton backend's DECODE_FUSES_ROPE."""
+        return False
+
     def prepare(self, context: Context) -> object:
         """Once per step, before the first layer: derive per-step metadata (routing, split counts)
         from the context. Backends that need none keep this no-op; the model runner may call it after

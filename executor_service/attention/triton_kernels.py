@@ -25,10 +25,14 @@ the slots after it that the same launch does not write), so no per-key masking i
 
 With DECODE_STORES_KV (off until timed) a decode step over an e4m3 cache runs no store kernel:
 each decode program first stores its head's K and V of the step's token (store_decode_kv, the
-same bytes), then a barrier, then its loop, which reads them back.
+same bytes), then a barrier, then its loop, which reads them back. With DECODE_FUSES_ROPE too, the
+program takes q and K straight from the qkv projection and normalises and rotates them itself
+(norm_rope, as the fused rotary kernel does), so a decode step's layer runs no rotary kernel.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -56,6 +60,32 @@ def round_to_e4m3(x):
     subnormal = ((tl.abs(x) * 512.0 + magic) - magic) * (1.0 / 512.0)
     subnormal = (subnormal.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The two halves (x1, x2: [heads, HEAD_DIM // 2] in the model dtype) of each head's q or k,
+    RMS-normalised with the weight's halves w1, w2 (HAS_NORM), then rotated by the position's cos
+    and sin ([1, HEAD_DIM // 2] rows of the table): the halves of the result, in the model dtype.
+    The fused rotary kernel (layers/triton_ops.py) and the decode kernel's ROPE share it."""
+    dtype = x1.dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    if HAS_NORM:
+        # Per-head RMSNorm, as layers/norm.py: fp32 statistics, normed rounded, times the weight rounded.
+        inv_rms = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)
+        n1 = ((f1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
+        n2 = ((f2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+    else:
+        n1, n2 = f1, f2
+    # Rotary, neox halves, as layers/rotary.py: x * cos + rotate_half(x) * sin, cos and sin in the
+    # model dtype, each product and the sum rounded. (Bitwise equality with the unfused layers is not
+    # kept on the GPU: tests/test_triton_ops.py holds the result to a rounding step of the terms.)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    o1 = ((n1 * cos).to(dtype).to(tl.float32) + (-n2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((n2 * cos).to(dtype).to(tl.float32) + (n1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    return o1, o2
 
 
 @triton.jit
@@ -259,9 +289,14 @@ def store_decode_kv(
     stride_vd,
     k_scale,
     v_scale,
+    rope_row,  # with ROPE: the token's row of the rotary table
+    k_norm_ptr,
+    eps,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROPE: tl.constexpr = False,  # K comes unnormalised and unrotated: norm_rope first
+    HAS_NORM: tl.constexpr = False,
 ):
     """A decode token's K and V for one KV head into the e4m3 cache, the bytes store_token_kv
     writes: the attention program of that head stores them, so no store runs before attention.
@@ -272,10 +307,27 @@ def store_decode_kv(
         t64 = t.to(tl.int64)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         d = tl.arange(0, BLOCK_D)
-        k = tl.load(new_k_ptr + t64 * stride_nkt + kv_head * stride_nkh + d, mask=d < HEAD_DIM, other=0.0)
-        k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale)).to(k_cache_ptr.dtype.element_ty)
-        k_dst = block * stride_cb + offset * stride_cs + kv_head * stride_ch + d
-        tl.store(k_cache_ptr + k_dst, k, mask=d < HEAD_DIM)
+        k_row = new_k_ptr + t64 * stride_nkt + kv_head * stride_nkh
+        k_dst = k_cache_ptr + block * stride_cb + offset * stride_cs + kv_head * stride_ch
+        if ROPE:  # the fused rotary kernel's K (norm_rope in halves), then stored as it would be
+            HALF: tl.constexpr = HEAD_DIM // 2
+            hd = tl.arange(0, HALF)[None, :]
+            cos, sin = tl.load(rope_row + hd), tl.load(rope_row + HEAD_DIM + hd)
+            if HAS_NORM:
+                w1, w2 = tl.load(k_norm_ptr + hd), tl.load(k_norm_ptr + HALF + hd)
+            else:
+                w1, w2 = cos, sin  # unused
+            k1, k2 = norm_rope(
+                tl.load(k_row + hd), tl.load(k_row + HALF + hd), w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM
+            )
+            k1 = round_to_e4m3(tl.math.div_rn(k1.to(tl.float32), k_scale)).to(k_cache_ptr.dtype.element_ty)
+            k2 = round_to_e4m3(tl.math.div_rn(k2.to(tl.float32), k_scale)).to(k_cache_ptr.dtype.element_ty)
+            tl.store(k_dst + hd, k1)
+            tl.store(k_dst + HALF + hd, k2)
+        else:
+            k = tl.load(k_row + d, mask=d < HEAD_DIM, other=0.0)
+            k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale)).to(k_cache_ptr.dtype.element_ty)
+            tl.store(k_dst + d, k, mask=d < HEAD_DIM)
         base = block * stride_vb + kv_head * stride_vh
         v_row = new_v_ptr + t64 * stride_nvt + kv_head * stride_nvh
         if offset == 0:
@@ -324,6 +376,11 @@ def paged_attention_kernel(
     new_v_ptr,  # V a view of qkv), to store into the cache first
     slot_mapping_ptr,  # with STORE_KV: int64 [num_tokens], -1 for CUDA-graph padding rows
     k_scale,  # with STORE_KV: the K cache's scale (qk_scale carries it too, folded in)
+    cos_sin_ptr,  # with ROPE: the rotary table [positions, 2 * HEAD_DIM] (layers/triton_ops.qk_norm_rope's)
+    q_norm_ptr,  # with ROPE and HAS_NORM: the q and k RMSNorm weights [HEAD_DIM]
+    k_norm_ptr,
+    stride_rope,  # with ROPE: the table's row stride
+    eps,  # with ROPE and HAS_NORM: the norms' epsilon
     qk_scale,  # softmax scale * log2(e) (* k_scale with an fp8 cache): scores go through exp2
     v_scale,  # with an fp8 cache: the output is scaled once instead of every V element
     stride_qt,
@@ -356,6 +413,8 @@ def paged_attention_kernel(
     FP8_DOT_F16: tl.constexpr = False,  # with KV_FP8: widen K/V (and q, p) to fp16 instead (bench/attention.py)
     ORDERED: tl.constexpr = False,  # programs take sequences in seq_order's order
     STORE_KV: tl.constexpr = False,  # decode, e4m3 cache: store the step's K and V first (store_decode_kv)
+    ROPE: tl.constexpr = False,  # with STORE_KV: q and the new K come unnormalised and unrotated (DECODE_FUSES_ROPE)
+    HAS_NORM: tl.constexpr = False,  # with ROPE: q and k RMS-normalised first (Qwen3's q/k norms)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -391,8 +450,26 @@ def paged_attention_kernel(
     else:
         d_valid = d < HEAD_DIM
 
-    q_off = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if ROPE:
+        # q straight from the qkv projection: normalised and rotated here, exactly as the fused
+        # rotary kernel would (norm_rope, in halves), at the token's position (context_len - 1).
+        HALF: tl.constexpr = HEAD_DIM // 2
+        hd = tl.arange(0, HALF)
+        rope_row = cos_sin_ptr + tl.maximum(context_len - 1, 0).to(tl.int64) * stride_rope
+        cos = tl.load(rope_row + hd)[None, :]
+        sin = tl.load(rope_row + HEAD_DIM + hd)[None, :]
+        if HAS_NORM:
+            w1, w2 = tl.load(q_norm_ptr + hd)[None, :], tl.load(q_norm_ptr + HALF + hd)[None, :]
+        else:
+            w1, w2 = cos, sin  # unused
+        q_row = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+        x1 = tl.load(q_ptr + q_row + hd[None, :], mask=row_valid[:, None], other=0.0)
+        x2 = tl.load(q_ptr + q_row + HALF + hd[None, :], mask=row_valid[:, None], other=0.0)
+        o1, o2 = norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
+        q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), [M, BLOCK_D])
+    else:
+        q_off = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     if KV_FP8 and FP8_DOT_F16:
         q = q.to(tl.float16)
 
@@ -410,7 +487,9 @@ def paged_attention_kernel(
             store_decode_kv(
                 new_k_ptr, new_v_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, q_start, kv_head,
                 stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_cb, stride_cs, stride_ch,
-                stride_vb, stride_vh, stride_vd, k_scale, v_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+                stride_vb, stride_vh, stride_vd, k_scale, v_scale,
+                cos_sin_ptr + tl.maximum(context_len - 1, 0).to(tl.int64) * stride_rope, k_norm_ptr, eps,
+                BLOCK_SIZE, HEAD_DIM, BLOCK_D, ROPE, HAS_NORM,
             )  # fmt: skip
             tl.debug_barrier()
 
@@ -492,10 +571,15 @@ def paged_decode_kv_major_kernel(
     context_lens_ptr,
     cu_seqlens_q_ptr,
     seq_order_ptr,
-    new_k_ptr,  # (paged_attention_kernel's STORE_KV arguments, unused here)
+    new_k_ptr,  # (paged_attention_kernel's STORE_KV and ROPE arguments, unused here)
     new_v_ptr,
     slot_mapping_ptr,
     k_scale,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    stride_rope,
+    eps,
     qk_scale,
     v_scale,
     stride_qt,
@@ -669,6 +753,24 @@ MAX_SPLITS = 32
 # block, ~9 us a layer at W1's batch 256 against ~5 us with a slot-major V; bench/rope_store.py).
 # Off until timed on a GPU.
 DECODE_STORES_KV = False
+# With DECODE_STORES_KV: the decode kernel also takes q and the new K straight from the qkv
+# projection and normalises and rotates them itself (norm_rope), so a decode step's layer runs no
+# rotary kernel at all (its ~9 us at W1's batch 256 and a kernel boundary). Off until timed.
+DECODE_FUSES_ROPE = False
+
+
+@dataclass(frozen=True)
+class DecodeRope:
+    """What the decode kernel needs to normalise and rotate q and the new K itself (DECODE_FUSES_ROPE):
+    the rotary table of layers/triton_ops.qk_norm_rope ([positions, 2 * head_dim]: each frequency's
+    cos twice, then its sin twice), the q/k RMSNorm weights (None: no q/k norm) and their epsilon."""
+
+    cos_sin_cache: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+
+
 # When decode splits each sequence's keys (flash-decoding): under SPLIT_BELOW programs an SM, into
 # enough splits for about SPLIT_TO programs an SM. A decode config may carry its own ("split_below",
 # "split_to"): a kernel of fewer warps holds more programs an SM at once.
@@ -739,12 +841,12 @@ def cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens: int) -> tup
 
 def _launch(
     q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, grid_q, kv_scales,
-    kernel=paged_attention_kernel, seq_order=None, new_kv=None, **meta,
+    kernel=paged_attention_kernel, seq_order=None, new_kv=None, rope=None, **meta,
 ):  # fmt: skip
     """Launch `kernel` (paged_attention_kernel, or paged_decode_kv_major_kernel, which takes no
     BLOCK_Q, DOT_PRECISION or FP8_DOT_F16) and the split-KV reduce after it; seq_order: the
     sequences in the order the programs take them, or None for the batch's order; new_kv: (k, v,
-    slot_mapping) for paged_attention_kernel's STORE_KV."""
+    slot_mapping) for paged_attention_kernel's STORE_KV, and rope (DecodeRope) for its ROPE."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
@@ -768,7 +870,10 @@ def _launch(
     if kernel is paged_attention_kernel:
         meta["DOT_PRECISION"] = "ieee" if q.dtype == torch.float32 else "tf32"
         meta["STORE_KV"] = new_kv is not None
+        if rope is not None:
+            meta.update(ROPE=True, HAS_NORM=rope.q_weight is not None)
     k_new, v_new, slot_mapping = new_kv if new_kv is not None else (q, q, context_lens)  # (unused without)
+    table, q_norm, k_norm = (q, q, q) if rope is None else (rope.cos_sin_cache, rope.q_weight, rope.k_weight)
     kernel[grid](
         q,
         k_cache,
@@ -784,6 +889,11 @@ def _launch(
         v_new,
         slot_mapping,
         float(k_scale),
+        table,
+        q if q_norm is None else q_norm,
+        q if k_norm is None else k_norm,
+        table.stride(0),
+        float(rope.eps) if rope is not None else 0.0,
         scale * LOG2E * k_scale,
         float(v_scale),
         q.stride(0),
@@ -841,6 +951,7 @@ def paged_decode(
     kv_scales=(1.0, 1.0),
     seq_order=None,
     new_kv=None,
+    rope=None,
 ) -> None:
     """Attention of every sequence's single query token over its paged KV (grid fixed by shapes).
 
@@ -851,10 +962,14 @@ def paged_decode(
     context first), the order the GPU starts their programs in; None: the batch's order.
     new_kv: (k, v [num_tokens, num_kv_heads, head_dim], slot_mapping): store this step's K and V
     (store_kv's bytes) from the kernel itself, each program its head's, where decode_stores_kv says
-    it can; the caller then runs no store."""
+    it can; the caller then runs no store.
+    rope: a DecodeRope, with new_kv: q and new_kv's k are the qkv projection's, not yet normalised
+    and rotated; the kernel does it (DECODE_FUSES_ROPE), as layers/triton_ops.qk_norm_rope would."""
     cfg = {**decode_config(k_cache.dtype), **(config or {})}
     if new_kv is not None and not decode_stores_kv(k_cache, cfg, q.dtype):
         raise ValueError("new_kv: the decode kernel stores K/V only into an e4m3 cache of power-of-2 blocks")
+    if rope is not None and (new_kv is None or q.shape[2] & (q.shape[2] - 1)):
+        raise ValueError("rope: the decode kernel rotates only with new_kv, at a power-of-2 head_dim")
     group = q.shape[1] // k_cache.shape[2]
     f16_query = q.dtype != torch.float32
     # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)
@@ -874,8 +989,14 @@ def paged_decode(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        seq_order=seq_order, new_kv=new_kv, **meta,
+        seq_order=seq_order, new_kv=new_kv, rope=rope, **meta,
     )  # fmt: skip
+
+
+def decode_fuses_rope(k_cache: torch.Tensor, head_dim: int, q_dtype=torch.bfloat16) -> bool:
+    """Whether paged_decode normalises and rotates q and the new K itself (rope): DECODE_FUSES_ROPE
+    where it stores K/V (decode_stores_kv), at a power-of-2 head_dim."""
+    return DECODE_FUSES_ROPE and decode_stores_kv(k_cache, q_dtype=q_dtype) and head_dim & (head_dim - 1) == 0
 
 
 def decode_stores_kv(k_cache: torch.Tensor, config: dict | None = None, q_dtype=torch.bfloat16) -> bool:

@@ -116,6 +116,11 @@ class TritonPagedBackend(AttentionBackend):
     def decode_stores_kv(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
         return self.prepared(context).decode_only and kernels.decode_stores_kv(k_cache, q_dtype=q_dtype)
 
+    def decode_fuses_rope(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
+        return self.prepared(context).decode_only and kernels.decode_fuses_rope(
+            k_cache, k_cache.shape[-1], q_dtype
+        )
+
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
         kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
@@ -132,8 +137,13 @@ class TritonPagedBackend(AttentionBackend):
         v_scale: float = 1.0,
         kv_stored: bool = False,
         out: torch.Tensor | None = None,
+        rope=None,
     ) -> torch.Tensor:
+        """AttentionBackend.forward; rope: a DecodeRope where decode_fuses_rope said so (q and k
+        not yet normalised and rotated)."""
         plan = self.prepared(context)
+        if rope is not None and (kv_stored or not self.decode_fuses_rope(k_cache, context, q.dtype)):
+            raise ValueError("rope: only a decode step whose kernel stores K/V normalises and rotates them")
         new_kv = None  # this step's K/V for the decode kernel to store (decode_stores_kv)
         if k_cache.numel() and not kv_stored:
             if self.decode_stores_kv(k_cache, context, q.dtype):
@@ -171,6 +181,7 @@ class TritonPagedBackend(AttentionBackend):
                 kv_scales=(k_scale, v_scale),
                 seq_order=context.seq_order,
                 new_kv=new_kv,
+                rope=rope,
             )
         if not plan.decode_only:
             rows = 2 if plan.has_decode else 0

@@ -29,13 +29,18 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_stored: bool = False,
         out: torch.Tensor | None = None,
+        rope=None,
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
-        # kv_stored, out: AttentionBackend.forward's (MixedGraphs.run passes them).
+        # kv_stored, out: AttentionBackend.forward's (MixedGraphs.run passes them). rope: a
+        # DecodeRope where the backend's decode_fuses_rope said so (q, k not yet normalised, rotated).
         capture = recording()
         if capture is not None:  # a piecewise capture: attention runs between the graphs
+            if rope is not None:
+                raise ValueError("rope: a piecewise capture stores this step's K/V itself")
             return capture.attention(self, q, k, v)
+        extra = {} if rope is None else {"rope": rope}  # (only backends whose decode_fuses_rope can hold)
         return self.backend.forward(
             q, k, v, self.k_cache, self.v_cache, get_context(), self.scale, self.k_scale, self.v_scale,
-            kv_stored=kv_stored, out=out,
+            kv_stored=kv_stored, out=out, **extra,
         )  # fmt: skip

@@ -72,6 +72,11 @@ class SelfAttention(Fusable, nn.Module):
         # [num_tokens, heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         kv_cache = None
+        if self.fused and (rope := self._decode_rope(qkv.dtype)) is not None:
+            # The decode kernel normalises, rotates and stores q and k itself: no rotary kernel.
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            return self.o_proj(self.attn(q, k, v, rope=rope).flatten(1))
         if self.fused:
             from executor_service.layers import triton_ops
 
@@ -96,6 +101,24 @@ class SelfAttention(Fusable, nn.Module):
             q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, kv_stored=kv_cache is not None)
         return self.o_proj(o.flatten(1))
+
+    def _decode_rope(self, dtype: torch.dtype):
+        """A DecodeRope when the backend's decode kernel normalises and rotates this step's q and k
+        itself (decode_fuses_rope: a decode step, DECODE_FUSES_ROPE), else None."""
+        attn = self.attn
+        if not attn.k_cache.numel() or recording() is not None:
+            return None
+        if not attn.backend.decode_fuses_rope(attn.k_cache, get_context(), dtype):
+            return None
+        from executor_service.attention.triton_kernels import DecodeRope
+
+        q_norm, k_norm = self.q_norm, self.k_norm
+        return DecodeRope(
+            self.rotary_emb.cos_sin_cache,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0,
+        )
 
     def _cache_to_store(self, dtype: torch.dtype) -> tuple | None:
         """What the fused rotary kernel needs to write this step's K/V into the cache itself: with

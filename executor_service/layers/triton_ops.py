@@ -29,6 +29,7 @@ import triton.language as tl
 
 from executor_service.attention.triton_kernels import (
     cache_store_args,
+    norm_rope,
     round_to_e4m3,
     store_token_k,
     store_token_kv,
@@ -203,31 +204,6 @@ def silu_and_mul(x: torch.Tensor, quantize_rows_multiple: int = 0):
     return out
 
 
-@triton.jit
-def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """The two halves (x1, x2: [heads, HEAD_DIM // 2] in the model dtype) of each head's q or k,
-    RMS-normalised with the weight's halves w1, w2 (HAS_NORM), then rotated by the position's cos
-    and sin ([1, HEAD_DIM // 2] rows of the table): the halves of the result, in the model dtype."""
-    dtype = x1.dtype
-    f1 = x1.to(tl.float32)
-    f2 = x2.to(tl.float32)
-    if HAS_NORM:
-        # Per-head RMSNorm, as layers/norm.py: fp32 statistics, normed rounded, times the weight rounded.
-        inv_rms = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)
-        n1 = ((f1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
-        n2 = ((f2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
-    else:
-        n1, n2 = f1, f2
-    # Rotary, neox halves, as layers/rotary.py: x * cos + rotate_half(x) * sin, cos and sin in the
-    # model dtype, each product and the sum rounded. (Bitwise equality with the unfused layers is not
-    # kept on the GPU: tests/test_triton_ops.py holds the result to a rounding step of the terms.)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
-    o1 = ((n1 * cos).to(dtype).to(tl.float32) + (-n2 * sin).to(dtype).to(tl.float32)).to(dtype)
-    o2 = ((n2 * cos).to(dtype).to(tl.float32) + (n1 * sin).to(dtype).to(tl.float32)).to(dtype)
-    return o1, o2
-
-
 # num_tokens (read only by the K/V store's zeroing) is the step's token count: not specialised, or
 # a count of 1 or a multiple of 16 would each compile a variant of their own.
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -285,7 +261,7 @@ def _qk_norm_rope_kernel(
     pos = tl.load(positions_ptr + t)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + d)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM + d)
-    o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    o1, o2 = norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
     q_dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM + d
     k_dst = k_out_ptr + (t * (NUM_QK_HEADS - NUM_HEADS) + h - NUM_HEADS) * HEAD_DIM + d
     dst = tl.where(is_q, q_dst, k_dst)
@@ -427,7 +403,7 @@ def _rope_heads(
         w1, w2 = tl.load(weight_ptr + d), tl.load(weight_ptr + HALF + d)
     else:
         w1, w2 = cos, sin  # unused
-    o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    o1, o2 = norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
     dst = out_ptr + (t * NUM + h) * HEAD_DIM + d
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)

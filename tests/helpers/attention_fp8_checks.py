@@ -149,3 +149,74 @@ def check_decode_stores_kv(batch: dict, num_splits: int = 1, decode_config: dict
     assert torch.equal(v_b.view(torch.uint8), v_a.view(torch.uint8)), "V cache"
     assert torch.equal(out_b, out_a), "output"
     assert not out_b[: int(ctx.cu_seqlens_q[-1 - batch["num_padding"]])].isnan().any()
+
+
+def check_decode_fuses_rope(
+    batch: dict,
+    num_splits: int = 1,
+    decode_config: dict | None = None,
+    with_norm: bool = True,
+    exact: bool = True,
+) -> None:
+    """A decode step whose decode kernel also normalises and rotates q and the new K itself
+    (DECODE_FUSES_ROPE: paged_decode's rope) against the fused rotary kernel (qk_norm_rope), the
+    store kernel and the decode kernel: the same cache bytes and output (exact: bit for bit, as
+    under the interpreter, whose sums run in one order; else within a rounding step of the norm's
+    sum: on the GPU each kernel sums the squares in its own order)."""
+    from executor_service.attention import triton_kernels as tk
+    from executor_service.layers.rotary import RotaryEmbedding
+    from executor_service.layers.triton_ops import qk_norm_rope
+
+    ctx, kv_scales = batch["context"], batch["kv_scales"]
+    q_raw, k_raw, v = batch["q"], batch["k"], batch["v"]
+    num_tokens, num_heads, head_dim = q_raw.shape
+    num_kv_heads = k_raw.shape[1]
+    device, dtype = q_raw.device, q_raw.dtype
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.cat([q_raw.flatten(1), k_raw.flatten(1), v.flatten(1)], dim=1)
+    q_raw = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k_raw = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    weights = [(1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device) for _ in range(2)]
+    if not with_norm:
+        weights = [None, None]
+    rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(device)
+    positions = (ctx.context_lens.long() - 1).clamp(min=0)  # a decode token sits at context_len - 1
+    eps = 1e-6
+    q, k = qk_norm_rope(
+        qkv, positions, *weights, rotary.cos_sin_cache, eps, num_heads, num_kv_heads, head_dim
+    )
+    meta = (ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q)
+    order = longest_first(ctx.context_lens)
+    k_a, v_a = batch["k_cache"].clone(), batch["v_cache"].clone()
+    out_a = torch.full_like(q, NAN)
+    tk.store_kv(k, v, k_a, v_a, ctx.slot_mapping, *kv_scales)
+    tk.paged_decode(
+        q, k_a, v_a, out_a, *meta, batch["scale"], num_splits, config=decode_config, kv_scales=kv_scales,
+        seq_order=order,
+    )  # fmt: skip
+    k_b, v_b = batch["k_cache"].clone(), batch["v_cache"].clone()
+    out_b = torch.full_like(q, NAN)
+    was = tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE
+    tk.DECODE_STORES_KV = tk.DECODE_FUSES_ROPE = True
+    try:
+        assert tk.decode_fuses_rope(k_b, head_dim, dtype)
+        rope = tk.DecodeRope(rotary.cos_sin_cache, *weights, eps)
+        tk.paged_decode(
+            q_raw, k_b, v_b, out_b, *meta, batch["scale"], num_splits, config=decode_config, kv_scales=kv_scales,
+            seq_order=order, new_kv=(k_raw, v, ctx.slot_mapping), rope=rope,
+        )  # fmt: skip
+    finally:
+        tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE = was
+    real = int(ctx.cu_seqlens_q[-1 - batch["num_padding"]])
+    assert not out_b[:real].isnan().any()
+    assert torch.equal(v_b.view(torch.uint8), v_a.view(torch.uint8)), "V cache"
+    if exact:
+        assert torch.equal(k_b.view(torch.uint8), k_a.view(torch.uint8)), "K cache"
+        assert torch.equal(out_b[:real], out_a[:real]), "output"
+    else:
+        differ = (k_b.view(torch.uint8) != k_a.view(torch.uint8)).float().mean().item()
+        assert differ < 1e-3, f"K cache: {differ:.2%} of the bytes differ"
+        torch.testing.assert_close(out_b[:real].float(), out_a[:real].float(), atol=2e-2, rtol=2e-2)
