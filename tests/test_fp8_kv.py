@@ -213,7 +213,7 @@ def test_decode_kernel_storing_kv_gives_the_same_tokens_and_logprobs(qwen3_tied,
     decode = triton_kernels.paged_decode
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("new_kv") is not None)
+        calls.append((kwargs.get("new_kv") is not None, kwargs.get("rope") is not None))
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(triton_kernels, "paged_decode", spy)
@@ -228,7 +228,8 @@ def test_decode_kernel_storing_kv_gives_the_same_tokens_and_logprobs(qwen3_tied,
         )  # fmt: skip
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.scheduler.stats.num_preemptions > 0
-        assert any(calls) == stores_kv  # (graph replays call nothing: their captures did)
+        # (graph replays call nothing: their captures did)
+        assert any(c[0] for c in calls) == stores_kv and any(c[1] for c in calls) == fuses_rope
         runs.append([(o.token_ids, [(lp.token_id, lp.logprob) for lp in o.logprobs]) for o in outputs])
         llm.executor.close()
     assert runs[1] == runs[0]

@@ -95,6 +95,16 @@ from helpers.attention_fp8_checks import check_decode_fuses_rope
 for dtype, with_norm in ((f16, True), (torch.bfloat16, True), (f16, False)):
     b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, 16, dtype, "cpu", seed=5, num_padding=2)
     check_decode_fuses_rope(to_fp8(b, 0.05, 2.5), 3, {"KV_MAJOR": False, "BLOCK_N": 16}, with_norm=with_norm)
+# Through the attention layer: Qwen3 (q/k norms), families without them, YaRN and llama3 rotary tables,
+# GROUP 1 to 4, head_dim 32 and 64, positions up to 4,999.
+from helpers.attention_fp8_checks import check_layer_fuses_rope
+yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024}
+llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 1024}
+check_layer_fuses_rope(True, {}, 4, 2, 32, [17, 33, 1, 300], f16)
+check_layer_fuses_rope(False, {}, 8, 2, 64, [17, 2000, 1, 40], f16)
+check_layer_fuses_rope(False, yarn, 4, 2, 32, [1500, 3, 64], f16)
+check_layer_fuses_rope(True, llama3, 4, 4, 32, [5000, 3, 64], torch.float32)
 """,
     "fp8_gemm": """
 from helpers.fp8_gemm_checks import check_gemm, check_quantize
