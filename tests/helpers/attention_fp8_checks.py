@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from executor_service.context import Context
@@ -104,6 +106,57 @@ def check_attention_fp8(
     assert_matches(out, batch, ref)
 
 
+@contextlib.contextmanager
+def decode_flags(stores_kv: bool, fuses_rope: bool = False):
+    """DECODE_STORES_KV and DECODE_FUSES_ROPE as given inside the block, as they were after it."""
+    from executor_service.attention import triton_kernels as tk
+
+    was = tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE
+    tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE = stores_kv, fuses_rope
+    try:
+        yield
+    finally:
+        tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE = was
+
+
+def _store_then_decode(batch: dict, q, k, v, num_splits: int, decode_config: dict | None):
+    """Today's decode step over copies of the batch's caches: the store kernel's K/V, then the decode
+    kernel. Returns (k_cache, v_cache, out)."""
+    from executor_service.attention import triton_kernels as tk
+
+    ctx, kv_scales = batch["context"], batch["kv_scales"]
+    k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+    out = torch.full_like(q, NAN)
+    tk.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping, *kv_scales)
+    tk.paged_decode(
+        q, k_cache, v_cache, out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, batch["scale"], num_splits,
+        config=decode_config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
+    )  # fmt: skip
+    return k_cache, v_cache, out
+
+
+def _decode_storing(batch: dict, q, k, v, num_splits: int, decode_config: dict | None, rope=None):
+    """The same step with the decode kernel storing K/V itself (DECODE_STORES_KV), and with rope
+    normalising and rotating q and k too (DECODE_FUSES_ROPE), over copies of the batch's caches.
+    Returns (k_cache, v_cache, out)."""
+    from executor_service.attention import triton_kernels as tk
+
+    ctx, kv_scales = batch["context"], batch["kv_scales"]
+    k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+    out = torch.full_like(q, NAN)
+    with decode_flags(True, rope is not None):
+        if rope is None:
+            assert tk.decode_stores_kv(k_cache, decode_config, q.dtype)
+        else:
+            assert tk.decode_fuses_rope(k_cache, q.shape[2], q.dtype)
+        tk.paged_decode(
+            q, k_cache, v_cache, out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, batch["scale"],
+            num_splits, config=decode_config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
+            new_kv=(k, v, ctx.slot_mapping), rope=rope,
+        )  # fmt: skip
+    return k_cache, v_cache, out
+
+
 def check_decode_stores_kv(batch: dict, num_splits: int = 1, decode_config: dict | None = None) -> None:
     """A decode step whose K and V the decode kernel stores (paged_decode's new_kv,
     DECODE_STORES_KV) against the store kernel then the decode kernel: the same cache bytes (K and
@@ -111,10 +164,9 @@ def check_decode_stores_kv(batch: dict, num_splits: int = 1, decode_config: dict
     byte untouched, padding rows skipped) and the same output, bit for bit. Under the interpreter
     the programs run one after another, so only the GPU tests can show a race (a split reading the
     token's slots before the split that stores them, or a missing barrier)."""
-    from executor_service.attention import triton_kernels as tk
     from executor_service.fp8 import v_cache_slots
 
-    ctx, kv_scales = batch["context"], batch["kv_scales"]
+    ctx = batch["context"]
     block_size = batch["k_cache"].shape[1]
     # Stale bytes (NaN) in each decode token's slot, and after it in a block the token starts (a
     # block's earlier owner may leave them; past a mid-block token the cache already holds zeros).
@@ -124,27 +176,9 @@ def check_decode_stores_kv(batch: dict, num_splits: int = 1, decode_config: dict
         block, offset = divmod(slot, block_size)
         k_slots[block, offset] = 0x7F
         v_slots[block, offset : None if offset == 0 else offset + 1] = 0x7F
-    meta = (ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q)
-    q, order = batch["q"], longest_first(ctx.context_lens)
-    k_a, v_a = batch["k_cache"].clone(), batch["v_cache"].clone()
-    out_a = torch.full_like(q, NAN)
-    tk.store_kv(batch["k"], batch["v"], k_a, v_a, ctx.slot_mapping, *kv_scales)
-    tk.paged_decode(
-        q, k_a, v_a, out_a, *meta, batch["scale"], num_splits, config=decode_config, kv_scales=kv_scales,
-        seq_order=order,
-    )  # fmt: skip
-    k_b, v_b = batch["k_cache"].clone(), batch["v_cache"].clone()
-    out_b = torch.full_like(q, NAN)
-    was = tk.DECODE_STORES_KV
-    tk.DECODE_STORES_KV = True
-    try:
-        assert tk.decode_stores_kv(k_b, decode_config, q.dtype)
-        tk.paged_decode(
-            q, k_b, v_b, out_b, *meta, batch["scale"], num_splits, config=decode_config, kv_scales=kv_scales,
-            seq_order=order, new_kv=(batch["k"], batch["v"], ctx.slot_mapping),
-        )  # fmt: skip
-    finally:
-        tk.DECODE_STORES_KV = was
+    step = (batch, batch["q"], batch["k"], batch["v"], num_splits, decode_config)
+    k_a, v_a, out_a = _store_then_decode(*step)
+    k_b, v_b, out_b = _decode_storing(*step)
     assert torch.equal(k_b.view(torch.uint8), k_a.view(torch.uint8)), "K cache"
     assert torch.equal(v_b.view(torch.uint8), v_a.view(torch.uint8)), "V cache"
     assert torch.equal(out_b, out_a), "output"
@@ -167,7 +201,7 @@ def check_decode_fuses_rope(
     from executor_service.layers.rotary import RotaryEmbedding
     from executor_service.layers.triton_ops import qk_norm_rope
 
-    ctx, kv_scales = batch["context"], batch["kv_scales"]
+    ctx = batch["context"]
     q_raw, k_raw, v = batch["q"], batch["k"], batch["v"]
     num_tokens, num_heads, head_dim = q_raw.shape
     num_kv_heads = k_raw.shape[1]
@@ -188,28 +222,9 @@ def check_decode_fuses_rope(
     q, k = qk_norm_rope(
         qkv, positions, *weights, rotary.cos_sin_cache, eps, num_heads, num_kv_heads, head_dim
     )
-    meta = (ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q)
-    order = longest_first(ctx.context_lens)
-    k_a, v_a = batch["k_cache"].clone(), batch["v_cache"].clone()
-    out_a = torch.full_like(q, NAN)
-    tk.store_kv(k, v, k_a, v_a, ctx.slot_mapping, *kv_scales)
-    tk.paged_decode(
-        q, k_a, v_a, out_a, *meta, batch["scale"], num_splits, config=decode_config, kv_scales=kv_scales,
-        seq_order=order,
-    )  # fmt: skip
-    k_b, v_b = batch["k_cache"].clone(), batch["v_cache"].clone()
-    out_b = torch.full_like(q, NAN)
-    was = tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE
-    tk.DECODE_STORES_KV = tk.DECODE_FUSES_ROPE = True
-    try:
-        assert tk.decode_fuses_rope(k_b, head_dim, dtype)
-        rope = tk.DecodeRope(rotary.cos_sin_cache, *weights, eps)
-        tk.paged_decode(
-            q_raw, k_b, v_b, out_b, *meta, batch["scale"], num_splits, config=decode_config, kv_scales=kv_scales,
-            seq_order=order, new_kv=(k_raw, v, ctx.slot_mapping), rope=rope,
-        )  # fmt: skip
-    finally:
-        tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE = was
+    k_a, v_a, out_a = _store_then_decode(batch, q, k, v, num_splits, decode_config)
+    rope = tk.DecodeRope(rotary.cos_sin_cache, *weights, eps)
+    k_b, v_b, out_b = _decode_storing(batch, q_raw, k_raw, v, num_splits, decode_config, rope)
     real = int(ctx.cu_seqlens_q[-1 - batch["num_padding"]])
     assert not out_b[:real].isnan().any()
     assert torch.equal(v_b.view(torch.uint8), v_a.view(torch.uint8)), "V cache"
@@ -248,7 +263,6 @@ def check_layer_fuses_rope(
     DECODE_FUSES_ROPE, where the layer runs no rotary kernel and the decode kernel does it. The same
     output and cache bytes (under the interpreter, whose sums run in one order), for a family with
     or without q/k norms and any rope_parameters."""
-    from executor_service.attention import triton_kernels as tk
     from executor_service.attention import triton_paged
     from executor_service.attention.triton_paged import TritonPagedBackend
     from executor_service.context import reset_context, set_context
@@ -286,26 +300,23 @@ def check_layer_fuses_rope(
     hidden = torch.randn(len(positions), hidden_size, dtype=dtype)
     rotary_calls = []
     qk_norm_rope, num_sms = triton_ops.qk_norm_rope, triton_paged._num_sms
-    was = tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE
     triton_ops.qk_norm_rope = lambda *a, **k: rotary_calls.append(True) or qk_norm_rope(*a, **k)
     triton_paged._num_sms = lambda device: 132  # (an H200's: the CPU has no device properties)
     results = []
     try:
         for fuse in (False, True):
-            tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE = True, fuse
             layer.attn.k_cache, layer.attn.v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
             layer.attn.k_scale, layer.attn.v_scale = 0.05, 2.5
             rotary_calls.clear()
             set_context(ctx)
             try:
-                with torch.no_grad():
+                with torch.no_grad(), decode_flags(True, fuse):
                     out = layer(positions, hidden)
             finally:
                 reset_context()
             results.append((out, layer.attn.k_cache, layer.attn.v_cache, bool(rotary_calls)))
     finally:
         triton_ops.qk_norm_rope, triton_paged._num_sms = qk_norm_rope, num_sms
-        tk.DECODE_STORES_KV, tk.DECODE_FUSES_ROPE = was
     (out_a, k_a, v_a, rotated_a), (out_b, k_b, v_b, rotated_b) = results
     real = len(context_lens)
     assert rotated_a and not rotated_b, "the rotary kernel runs only without DECODE_FUSES_ROPE"
