@@ -12,9 +12,8 @@ import json
 import httpx
 import openai
 import pytest
-from helpers.scheduler_server import make_server, wait_http_health
+from helpers.scheduler_server import serving_http
 
-from scheduler_service.server import ServerThread
 from scheduler_service.tokenizer import Tokenizer
 
 PROMPT = "The list type"
@@ -23,11 +22,8 @@ PROMPTS = ["The list type", "A tuple is"]
 
 @pytest.fixture(scope="module")
 def server(qwen3_tied):
-    thread = ServerThread(make_server(qwen3_tied, http_port=0))
-    server = thread.start()
-    wait_http_health(f"http://127.0.0.1:{server.http_port}")
-    yield server
-    thread.stop()
+    with serving_http(qwen3_tied) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,12 @@ import grpc
 import httpx
 import openai
 import pytest
-from helpers.scheduler_server import NUM_KV_BLOCKS, make_server, wait_http_health
+from helpers.scheduler_server import NUM_KV_BLOCKS, serving_http
 
 from client.llm import LLM
 from scheduler_service.errors import TandemRequestError
 from scheduler_service.http_api import OpenAIServer
 from scheduler_service.sampling_params import SamplingParams
-from scheduler_service.server import ServerThread
 from scheduler_service.tokenizer import Tokenizer
 
 PROMPT = "The list type"
@@ -45,11 +44,8 @@ def checkpoint(qwen3_tied, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    thread = ServerThread(make_server(checkpoint, http_port=0))
-    server = thread.start()
-    wait_http_health(f"http://127.0.0.1:{server.http_port}")
-    yield server
-    thread.stop()
+    with serving_http(checkpoint) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

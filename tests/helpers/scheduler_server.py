@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import urllib.request
@@ -17,7 +18,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from scheduler_service.async_engine import EngineOptions
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.executor_client import ExecutorUnavailable, PlanRejected
-from scheduler_service.server import SchedulerServer
+from scheduler_service.server import SchedulerServer, ServerThread
 from scheduler_service.tokenizer import Tokenizer
 
 NUM_KV_BLOCKS = 256
@@ -44,6 +45,19 @@ def wait_http_health(url: str, want: int = 200, **httpx_kwargs) -> None:
     while httpx.get(f"{url}/health", **httpx_kwargs).status_code != want:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serving_http(path):
+    """make_server(path) with its HTTP front end on a free port, in a thread, answering /health;
+    stopped after the block."""
+    thread = ServerThread(make_server(path, http_port=0))
+    server = thread.start()
+    try:
+        wait_http_health(f"http://127.0.0.1:{server.http_port}")
+        yield server
+    finally:
+        thread.stop()
 
 
 def wait_serving(channel, timeout=20.0, want=SERVING) -> None:
