@@ -152,10 +152,9 @@ for what in "$@"; do
     # W1 fp8 at a step budget of 8,192 tokens (the engine's default) and 16,384 (nano-vllm's and vLLM's
     # offline default on 80 GB+ GPUs: half the eager prefill steps), alternating, twice each.
     w1-fp8-budget) TAIL=16 STAGE_TIMEOUT=560 stage w1-fp8-budget bash -c 'for i in 1 2; do for t in 8192 16384; do echo "max_num_batched_tokens $t"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --max-num-batched-tokens $t | grep "output tok/s\|device:"; done; done' "$PY" ;;
-    # The decode kernel storing a decode step's K and V (DECODE_STORES_KV): its GPU tests, then W1 fp8
-    # without and with it, alternating, PAIRS times (default 2).
+    # The GPU tests of the decode kernel storing a decode step's K and V (DECODE_STORES_KV) and
+    # normalising and rotating q and K (DECODE_FUSES_ROPE); w1-fp8-leads times them.
     decode-kv-tests) TAIL=12 stage decode-kv-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_kv.py -k "stores_kv or fuses_rope or store_kv_fp8 or fp8_kv_on_gpu" ;;
-    w1-fp8-decode-kv) TAIL=16 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage w1-fp8-decode-kv bash -c 'for i in $(seq ${PAIRS:-2}); do for f in "" --decode-stores-kv; do echo "K/V ${f:-stored by the rotary kernel}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s\|device:"; done; done' "$PY" ;;
     # Issue 17's W1 leads in one stage: W1 fp8 as today, with the decode kernel storing K/V, with it
     # also normalising and rotating q and K, and that at a step budget of 16,384 tokens, in turn,
     # ROUNDS times (default 2).
