@@ -450,12 +450,13 @@ def paged_attention_kernel(
     else:
         d_valid = d < HEAD_DIM
 
+    # With ROPE: the rotary table's row at the decode token's position (context_len - 1).
+    rope_row = cos_sin_ptr + tl.maximum(context_len - 1, 0).to(tl.int64) * stride_rope
     if ROPE:
         # q straight from the qkv projection: normalised and rotated here, exactly as the fused
-        # rotary kernel would (norm_rope, in halves), at the token's position (context_len - 1).
+        # rotary kernel would (norm_rope, in halves).
         HALF: tl.constexpr = HEAD_DIM // 2
         hd = tl.arange(0, HALF)
-        rope_row = cos_sin_ptr + tl.maximum(context_len - 1, 0).to(tl.int64) * stride_rope
         cos = tl.load(rope_row + hd)[None, :]
         sin = tl.load(rope_row + HEAD_DIM + hd)[None, :]
         if HAS_NORM:
@@ -488,7 +489,7 @@ def paged_attention_kernel(
                 new_k_ptr, new_v_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, q_start, kv_head,
                 stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_cb, stride_cs, stride_ch,
                 stride_vb, stride_vh, stride_vd, k_scale, v_scale,
-                cos_sin_ptr + tl.maximum(context_len - 1, 0).to(tl.int64) * stride_rope, k_norm_ptr, eps,
+                rope_row, k_norm_ptr, eps,
                 BLOCK_SIZE, HEAD_DIM, BLOCK_D, ROPE, HAS_NORM,
             )  # fmt: skip
             tl.debug_barrier()
