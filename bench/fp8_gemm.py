@@ -271,11 +271,15 @@ def compile_sm90(cfg: dict):
 
     from executor_service.layers import fp8_gemm_triton as g
 
-    v2 = cfg.get("KERNEL") == "v2"
-    fn = g.w8a8_block_matmul_v2_kernel if v2 else g.w8a8_block_matmul_kernel
+    kernel = cfg.get("KERNEL", "v1")
+    fn = {"v2": g.w8a8_block_matmul_v2_kernel, "swap": g.w8a8_block_matmul_swap_kernel}.get(
+        kernel, g.w8a8_block_matmul_kernel
+    )
     constants = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": GROUP, "SCALE_N": GROUP,
                  "GROUP_M": 8, "SPLIT_K": cfg.get("SPLIT_K", 1)}  # fmt: skip
-    if v2:
+    if kernel == "swap":
+        del constants["GROUP_M"]
+    if kernel in ("v2", "swap"):
         constants["TMA"] = bool(cfg.get("TMA"))
     boxes = {"a_ptr": cfg["BLOCK_M"], "b_ptr": cfg["BLOCK_N"]}
     signature = {}
@@ -287,13 +291,15 @@ def compile_sm90(cfg: dict):
                 f"tensordesc<fp8e4nv[{boxes[name]}, {GROUP}]>" if constants.get("TMA") else "*fp8e4nv"
             )
         elif name == "c_ptr":
-            signature[name] = "*bf16" if constants["SPLIT_K"] == 1 else "*fp32"
+            signature[name] = "*bf16" if constants["SPLIT_K"] == 1 or kernel == "swap" else "*fp32"
+        elif name == "count_ptr":
+            signature[name] = "*i32"
         else:
             signature[name] = "*fp32" if name.endswith("_ptr") else "i32"
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
-        if signature[name] in ("i32", "*fp32", "*bf16", "*fp8e4nv")
+        if signature[name] in ("i32", "*fp32", "*bf16", "*fp8e4nv", "*i32")
     }
     source = ASTSource(
         fn=fn, signature=signature, attrs=attrs,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.fp8_gemm_checks import check_fp8_linear_layers, check_gemm, check_quantize
+from helpers.fp8_gemm_checks import check_fp8_linear_layers, check_gemm, check_quantize, check_swap_gemm
 
-from executor_service.fp8 import FP8_DTYPE
+from executor_service.fp8 import FP8_DTYPE, quantize_weight_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -268,6 +268,51 @@ def test_fused_fp8_quantization_serves_the_same_tokens(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cfg",
+    [(16, 64, 4, 6, 1), (16, 128, 4, 4, 4), (32, 128, 4, 6, 8), (64, 128, 4, 4, 2), (64, 64, 4, 8, 3),
+     (128, 128, 8, 3, 1)],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 6144, 4096), (8, 4096, 12288), (33, 256, 384), (100, 24576, 4096)]
+)
+def test_w8a8_swap_gemm_on_gpu(m, n, k, cfg):
+    """The swap kernel's tiles (BLOCK_M tokens, BLOCK_N weight rows, split-K summed in the kernel)
+    within rounding of the dequantized math and of v2, reproducible to the bit."""
+    bm, bn, warps, stages, split_k = cfg
+    config = {"KERNEL": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+              "TMA": True, "SPLIT_K": split_k}  # fmt: skip
+    check_swap_gemm(m, n, k, torch.bfloat16, "cuda", config)
+
+
+@pytest.mark.gpu
+def test_w8a8_swap_split_k_replays_in_a_cuda_graph():
+    """A split-K swap GEMM captured once and replayed on new activations: each replay's output is
+    the eager GEMM's to the bit (each tile's counter is reset by its last split inside the graph,
+    and every split's sums are seen by the one that adds them)."""
+    from executor_service.layers.fp8_gemm_triton import quantize_per_token_group, w8a8_block_matmul
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    w_q, w_s = quantize_weight_blocks(torch.randn(6144, 4096, device="cuda", generator=gen) * 0.05)
+    config = {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4,
+              "TMA": True, "SPLIT_K": 8}  # fmt: skip
+    a_q, a_s = quantize_per_token_group(
+        torch.randn(12, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+    )
+    w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, config)  # compiles; makes the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, config)
+    for _ in range(5):
+        x = torch.randn(12, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+        q, s = quantize_per_token_group(x)
+        a_q.copy_(q)
+        a_s.copy_(s)
+        graph.replay()
+        assert torch.equal(out, w8a8_block_matmul(q, s, w_q, w_s, torch.bfloat16, config))
+
+
+@pytest.mark.gpu
 def test_fp8_linear_layers_on_gpu():
     check_fp8_linear_layers("cuda")
 
@@ -290,6 +335,22 @@ for tma in (False, True):
     check_gemm(40, 256, 256, torch.float32, "cpu", {**small, "BLOCK_M": 32, "BLOCK_N": 128})
     # The Gluon kernel's configuration where it cannot run (the interpreter): v2 with its tiles.
     check_gemm(17, 160, 384, torch.float32, "cpu", {**small, "KERNEL": "gluon", "SPLIT_K": 2})
+# The swap kernel: tokens as the narrow side, several row tiles, split-K (2 and 3 shares, and more
+# shares than K steps: empty ones) summed by each tile's last split; TMA and pointer loads.
+from helpers.fp8_gemm_checks import check_swap_gemm
+for tma in (False, True):
+    swap = {"KERNEL": "swap", "TMA": tma, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    check_swap_gemm(5, 72, 256, torch.float32, "cpu", swap)  # partial M and N tiles, two K steps
+    check_swap_gemm(40, 160, 384, torch.float32, "cpu", swap)  # three row tiles, N scale blocks of 128
+    check_swap_gemm(40, 160, 384, torch.float32, "cpu", {**swap, "SPLIT_K": 2})
+    check_swap_gemm(17, 96, 640, torch.bfloat16, "cpu", {**swap, "BLOCK_N": 64, "SPLIT_K": 3})
+    check_swap_gemm(5, 72, 256, torch.float32, "cpu", {**swap, "SPLIT_K": 4})
+    check_swap_gemm(9, 96, 200, torch.float32, "cpu", {**swap, "SPLIT_K": 2})  # K % 16 != 0: pointers
+# swap_config's rule, where SWAP_MAX_TOKENS turns it on: fp8_linear's GEMM up to that many tokens.
+g.SWAP_MAX_TOKENS = 16
+assert g.gemm_config(5, 256, 384)["KERNEL"] == "swap" and g.gemm_config(17, 256, 384).get("KERNEL") != "swap"
+check_gemm(5, 256, 384, torch.float32, "cpu")  # 2 tiles, K in 8 shares of 3 steps
+g.SWAP_MAX_TOKENS = 0
 # Contiguous rows of K = 200 (check_gemm's activations are a view of rows padded to 256 with zeros):
 # what a load past K would read is the next row.
 from helpers.fp8_gemm_checks import _dequantize_rows, reference_quantize

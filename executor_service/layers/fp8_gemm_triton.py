@@ -38,6 +38,15 @@ warpgroup scales one K step's product while its next wgmma runs; where it cannot
 operands TMA cannot read, the interpreter) the v2 kernel takes its tiles. On the H200 it is no
 faster than v2 at Qwen3-8B's shapes from 256 tokens on, and 0-2.5 us faster than the first kernel's
 split-K rule at 1-32 tokens (bench/RESULTS.md, 2026-12-05); GEMM_TABLE names it nowhere yet.
+
+`KERNEL: "swap"` (`w8a8_block_matmul_swap_kernel`) is for decode's few tokens, where the GEMM only
+streams the weight: it computes the tile transposed (acc[n, m] = W[n, :] . x[m, :]), so that 64-128
+weight rows are the wgmma's M side and 16-64 tokens its N side (m64n16k32 for up to 16 tokens,
+where the other kernels pad the tokens to 64 rows or fall back to mma.sync at 16). With SPLIT_K > 1
+each split stores its fp32 sums and the tile's last split to finish (an int32 ticket a tile) adds
+them in split order and writes the output: one kernel, and the same bits every run, where the
+other kernels' split-K is a zeroed fp32 buffer, atomic adds in any order and a copy kernel.
+Untimed: SWAP_MAX_TOKENS keeps it off.
 """
 
 from __future__ import annotations
@@ -267,6 +276,70 @@ def w8a8_block_matmul_v2_kernel(
     _write_tile(c_ptr, rm, rn, stride_cm, acc, m_mask[:, None] & (rn < N)[None, :], SPLIT_K)
 
 
+@triton.jit
+def w8a8_block_matmul_swap_kernel(
+    a_ptr,  # [M, K] e4m3 (the tokens), or its TMA descriptor of [BLOCK_M, BLOCK_K] boxes (TMA)
+    b_ptr,  # [N, K] e4m3 (the weight), or its descriptor of [BLOCK_N, BLOCK_K] boxes
+    c_ptr,  # [M, N] in the output dtype
+    part_ptr,  # SPLIT_K > 1: [SPLIT_K, M, N] fp32, each split's sums of each tile
+    count_ptr,  # SPLIT_K > 1: int32 a tile, zero between GEMMs: how many of its splits have stored
+    a_s_ptr,
+    b_s_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_bsn,
+    BLOCK_M: tl.constexpr,  # tokens: the wgmma's N (16-256)
+    BLOCK_N: tl.constexpr,  # weight rows: the wgmma's M (64 a warpgroup); <= SCALE_N and dividing it
+    BLOCK_K: tl.constexpr,  # == the scale block along K (128)
+    SCALE_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    # The tile is computed transposed, acc[n, m] = sum_k W[n, k] x[m, k], so that the weight's rows
+    # fill the tensor cores' 64-row side and a decode batch of a few tokens is the narrow side.
+    num_m = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    off_m = (tile % num_m) * BLOCK_M  # the row tiles of one column tile side by side: W read once from L2
+    off_n = (tile // num_m) * BLOCK_N
+    kb_lo, kb_hi = _split_k_range(K, BLOCK_K, SPLIT_K, split)
+
+    rm = off_m + tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    a_s_ptrs = a_s_ptr + rm.to(tl.int64) * stride_asm
+    b_s_ptr += (off_n // SCALE_N).to(tl.int64) * stride_bsn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        b = _load_tile(b_ptr, off_n, N, kb * BLOCK_K, K, stride_bn, BLOCK_N, BLOCK_K, TMA)
+        a = _load_tile(a_ptr, off_m, M, kb * BLOCK_K, K, stride_am, BLOCK_M, BLOCK_K, TMA)
+        scale = tl.load(a_s_ptrs + kb, mask=m_mask, other=0.0) * tl.load(b_s_ptr + kb)
+        acc = tl.fma(tl.dot(b, a.T), scale[None, :], acc)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    mask = (rn < N)[:, None] & m_mask[None, :]
+    c_ptrs = c_ptr + rm.to(tl.int64)[None, :] * stride_cm + rn[:, None]
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Each split stores its sums; the tile's last split to finish adds them up in split order
+        # (the same result every run, unlike atomic adds) and writes the output, so the GEMM is one
+        # kernel: no zeroed fp32 output before it, no copy into the output dtype after it.
+        parts = part_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None]
+        tl.store(parts + split.to(tl.int64) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # all of the program's sums stored before its split is counted (release)
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in tl.static_range(SPLIT_K):  # from L2: the other SMs' stores
+                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # for the next GEMM
+
+
 # Per (token bucket, n, k): a config that replaces gemm_config's rule there, from
 # `bench/fp8_gemm.py --sweep-v2` (its "table" lines). m in (32, 64] takes bucket 64, (64, 128] 128,
 # and so on from 1 token to (4096, 8192] 8192 (prefill chunks); larger counts keep the rule.
@@ -301,6 +374,8 @@ def gemm_config(m: int, n: int, k: int | None = None) -> dict:
     SM) K is split so that every SM streams weights (qkv, o and down at m = 1: 17 / 15 / 26 us
     against 29 / 89 / 74 without); from m = 256 on, tiles of 64-128 rows, no split. GEMM_TABLE's
     entry for (m_bucket(m), n, k) where it has one."""
+    if m <= SWAP_MAX_TOKENS:
+        return swap_config(m, n)
     if k is not None and (m_bucket(m), n, k) in GEMM_TABLE:
         return dict(GEMM_TABLE[m_bucket(m), n, k])
     if m <= 64:
@@ -314,6 +389,21 @@ def gemm_config(m: int, n: int, k: int | None = None) -> dict:
 
 
 _NUM_SMS = 132  # H200 / H100 SXM; only the split-K choice and the quantize grid depend on it
+
+# Up to this many tokens gemm_config takes swap_config's rule over the others (GEMM_TABLE's too):
+# 0, off, until the swap kernel has been timed on the GPU (bench/fp8_gemm.py --sweep-v2 --kernels
+# swap; bench/throughput.py --fp8-gemm-swap-below N sets it for a W4 run).
+SWAP_MAX_TOKENS = 0
+
+
+def swap_config(m: int, n: int) -> dict:
+    """A first rule for the swap kernel at decode sizes: every token in one tile (16-64 wide), 128
+    weight rows a tile, and K split until there are about two programs an SM (at most 8 shares)."""
+    block_m = min(max(16, triton.next_power_of_2(m)), 64)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, GROUP)
+    split_k = min(triton.next_power_of_2(triton.cdiv(2 * _NUM_SMS, tiles)), 8)
+    return {"KERNEL": "swap", "BLOCK_M": block_m, "BLOCK_N": GROUP, "num_warps": 4,
+            "num_stages": 6 if block_m <= 32 else 4, "SPLIT_K": split_k, "TMA": True}  # fmt: skip
 
 
 def w8a8_block_matmul(
@@ -331,12 +421,15 @@ def w8a8_block_matmul(
     if m == 0:
         return out
     cfg = {**gemm_config(m, n, k), **(config or {})}
+    kernel = cfg.get("KERNEL", "v1")
+    if kernel == "swap":
+        _launch_swap(a_q, a_s, weight, weight_scale_inv, out, cfg)
+        return out
     split_k = cfg.get("SPLIT_K", 1)
     # Split over K, the partial sums meet in fp32 (the order of the atomic adds varies: not bitwise
     # reproducible run to run, so only where bench/fp8_gemm.py --sweep found it faster).
     c = out if split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=a_q.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
-    kernel = cfg.get("KERNEL", "v1")
     if kernel == "gluon" and gluon_applies(a_q, weight):
         from executor_service.layers.fp8_gemm_gluon import launch_gluon
 
@@ -391,6 +484,55 @@ def _launch_v2(a_q, a_s, weight, weight_scale_inv, c, cfg, grid) -> None:
         a_q.stride(0), weight.stride(0), c.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP, SCALE_N=GROUP, GROUP_M=cfg.get("GROUP_M", 8),
         SPLIT_K=cfg.get("SPLIT_K", 1), TMA=tma, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+# The swap kernel's split-K counters: an int32 a tile per device, zero between GEMMs (each tile's
+# last split resets its own). Made once, outside any CUDA graph capture, and never replaced, so a
+# captured GEMM's counters stay where the graph wrote them.
+SWAP_MAX_TILES = 1 << 16
+_tile_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    if device not in _tile_counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the fp8 GEMM's split-K counters are made by an eager GEMM, before any capture: run "
+                "the model once outside the CUDA graph first"
+            )
+        _tile_counters[device] = torch.zeros(SWAP_MAX_TILES, dtype=torch.int32, device=device)
+    return _tile_counters[device]
+
+
+def _launch_swap(a_q, a_s, weight, weight_scale_inv, out, cfg) -> None:
+    """w8a8_block_matmul_swap_kernel into out: cfg's BLOCK_M tokens by BLOCK_N weight rows a tile,
+    SPLIT_K programs a tile summing their shares in the kernel (fp32 partial sums in a workspace)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a_q.shape
+    n = weight.shape[0]
+    block_m, block_n, split_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("SPLIT_K", 1)
+    if GROUP % block_n:
+        raise ValueError(
+            f"the swap kernel takes BLOCK_N dividing {GROUP} (one weight scale a tile), not {block_n}"
+        )
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if split_k > 1 and tiles > SWAP_MAX_TILES:
+        raise ValueError(f"the swap kernel splits K for at most {SWAP_MAX_TILES} tiles, not {tiles}")
+    tma = bool(cfg.get("TMA", True)) and tma_applies(a_q, weight)
+    a_arg = TensorDescriptor.from_tensor(a_q, [block_m, GROUP]) if tma else a_q
+    b_arg = TensorDescriptor.from_tensor(weight, [block_n, GROUP]) if tma else weight
+    if split_k > 1:
+        parts = torch.empty(split_k, m, n, dtype=torch.float32, device=a_q.device)
+        counters = tile_counters(a_q.device)
+    else:
+        parts = counters = out  # not read
+    w8a8_block_matmul_swap_kernel[(tiles, split_k)](
+        a_arg, b_arg, out, parts, counters, a_s, weight_scale_inv, m, n, k,
+        a_q.stride(0), weight.stride(0), out.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP, SCALE_N=GROUP, SPLIT_K=split_k, TMA=tma,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 

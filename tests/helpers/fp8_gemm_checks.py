@@ -72,6 +72,32 @@ def check_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: 
     return ((out.float() - exact).norm() / exact.norm()).item()
 
 
+def check_swap_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: dict) -> None:
+    """The swap kernel (tokens as the wgmma's narrow side; split-K summed in the kernel by each
+    tile's last split): within rounding of the dequantized math (check_gemm), the same bits when run
+    again (the splits summed in split order, not in atomic adds' order), its tile counters back at
+    zero for the next GEMM, and the v2 kernel's sums at the same tiles (to the bit on the CPU, where
+    both run numpy's dot; within rounding on a GPU)."""
+    from executor_service.layers import fp8_gemm_triton as g
+
+    check_gemm(m, n, k, dtype, device, config)
+    gen = torch.Generator().manual_seed(7 * m + n + k)
+    a_q, a_s = reference_quantize((torch.randn(m, k, generator=gen) * 3).to(dtype).to(device))
+    a_q = a_q.contiguous()
+    w_q, w_s = quantize_weight_blocks((torch.randn(n, k, generator=gen) * 0.05).to(device))
+    first = g.w8a8_block_matmul(a_q, a_s, w_q, w_s, dtype, config)
+    assert torch.equal(first, g.w8a8_block_matmul(a_q, a_s, w_q, w_s, dtype, config)), "not reproducible"
+    if config.get("SPLIT_K", 1) > 1:
+        assert not g.tile_counters(first.device).any(), "a tile's counter was left raised"
+    v2_tiles = {**config, "KERNEL": "v2", "SPLIT_K": 1, "BLOCK_M": max(16, min(config["BLOCK_M"], 64))}
+    v2 = g.w8a8_block_matmul(a_q, a_s, w_q, w_s, dtype, v2_tiles)
+    if device == "cpu" and config.get("SPLIT_K", 1) == 1:
+        assert torch.equal(first, v2), "the swap kernel's sums differ from v2's"
+    else:
+        tol = 1e-2 if dtype != torch.float32 else 1e-5
+        torch.testing.assert_close(first.float(), v2.float(), atol=tol * v2.abs().max().item(), rtol=tol)
+
+
 def reference_fp8_linear(x, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """The W8A8 linear in torch: the activations quantized as the kernel does (or, an Fp8Input, as
     the fused op before already did), then fp32 math on the dequantized operands, cast to x's dtype
