@@ -12,8 +12,8 @@ v2 kernel's candidates (V2_CANDIDATES) and the Gluon kernel's (GLUON_CANDIDATES)
 (--tokens) against the first kernel's default, bf16 torch.matmul and torch._scaled_mm, every GEMM
 on activations quantized beforehand (the quantization is its own column), and prints the best per
 shape and GEMM_TABLE lines for where a candidate wins. --sass
-(no GPU needed) compiles the first kernel at gemm_config's m = 256 configs and the v2 candidates
-for sm90 and prints registers, shared memory and the SASS of the K loop (instructions per K step,
+(no GPU needed) compiles the first kernel at gemm_config's m = 256 configs, the v2 candidates and
+the swap kernel's tiles for sm90 and prints registers, shared memory and the SASS of the K loop (instructions per K step,
 wgmma, FFMA / FMUL, barriers, wgmma waits).
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
+import json
 import re
 import sys
 import tempfile
@@ -164,14 +165,37 @@ GLUON_CANDIDATES = (
 )
 
 
-def candidates() -> dict[str, dict]:
-    """Every sweep candidate's configuration by its label ("v2 ..." and "gluon ...")."""
+# The swap kernel's (tokens as the wgmma's narrow side; fp8_gemm_triton's module docstring), for
+# m tokens: BLOCK_M the tokens rounded up to 16-128 (one row tile), 64 or 128 weight rows a tile,
+# rings of 4-8 stages ((BLOCK_M + BLOCK_N) * 128 bytes a stage: 18 KB at 16 x 128), K split in up
+# to 8 shares summed in the kernel. At 128 tokens, 8 warps (two warpgroups of 64 weight rows).
+SWAP_BLOCK_N, SWAP_STAGES, SWAP_SPLITS = (64, 128), (4, 6, 8), (1, 2, 4, 8)
+
+
+def swap_candidates(m: int) -> dict[str, dict]:
+    bm = min(max(16, triton.next_power_of_2(m)), 128)
+    out = {}
+    for bn, stages, split_k in itertools.product(SWAP_BLOCK_N, SWAP_STAGES, SWAP_SPLITS):
+        warps = 8 if bm == 128 and bn == 128 else 4
+        if (bm + bn) * 128 * stages > 200 * 1024:  # past sm90's 227 KB with the epilogue's
+            continue
+        label = f"swap {bm}x{bn} w{warps} s{stages}{f' k/{split_k}' if split_k > 1 else ''}"
+        out[label] = {"KERNEL": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
+                      "num_stages": stages, "TMA": True, "SPLIT_K": split_k}  # fmt: skip
+    return out
+
+
+def candidates(m: int | None = None, kernels: tuple[str, ...] = ("v2", "gluon", "swap")) -> dict[str, dict]:
+    """Every sweep candidate's configuration by its label ("v2 ...", "gluon ...", and for m tokens
+    "swap ..."), of the kernels named."""
     from bench.fp8_gemm_gluon import config as gluon_config
 
-    out = {v2_label(*c): v2_config(*c) for c in V2_CANDIDATES}
-    for bm, bn, warps, stages, split_k, products in GLUON_CANDIDATES:
+    out = {v2_label(*c): v2_config(*c) for c in V2_CANDIDATES} if "v2" in kernels else {}
+    for bm, bn, warps, stages, split_k, products in GLUON_CANDIDATES if "gluon" in kernels else ():
         label = f"gluon {bm}x{bn} w{warps} s{stages} p{products}{f' k/{split_k}' if split_k > 1 else ''}"
         out[label] = {"KERNEL": "gluon", **gluon_config(bm, bn, warps, stages, split_k, products)}
+    if m is not None and "swap" in kernels:
+        out.update(swap_candidates(m))
     return out
 
 
@@ -184,11 +208,18 @@ def time_fast(fn) -> float:
     return triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
 
 
-def sweep_v2(weights: dict, tokens: tuple[int, ...] = SWEEP_V2_TOKENS) -> None:
-    """Every candidate (V2_CANDIDATES, GLUON_CANDIDATES) at every shape and token count (tiles of
-    more rows than tokens left out), with the first kernel's default, bf16 and torch._scaled_mm on the same
-    quantized operands; one table per shape (us), then the best of each."""
-    best_lines, table_lines = [], []
+def sweep_v2(
+    weights: dict,
+    tokens: tuple[int, ...] = SWEEP_V2_TOKENS,
+    kernels: tuple[str, ...] = ("v2", "gluon", "swap"),
+    table_out: str | None = None,
+) -> None:
+    """Every candidate of the kernels named (V2_CANDIDATES, GLUON_CANDIDATES, swap_candidates) at
+    every shape and token count (tiles of more rows than tokens left out), with the first kernel's
+    default, bf16 and torch._scaled_mm on the same quantized operands; one table per shape (us),
+    then the best of each, and GEMM_TABLE lines where a candidate beats what fp8_linear runs today
+    (also written to table_out as JSON for bench/throughput.py --fp8-gemm-table)."""
+    best_lines, table_lines, table = [], [], []
     for name, (n, k) in SHAPES.items():
         w_q, w_s, w = weights[name]
         rows: dict[str, dict[int, float]] = collections.defaultdict(dict)
@@ -213,11 +244,12 @@ def sweep_v2(weights: dict, tokens: tuple[int, ...] = SWEEP_V2_TOKENS) -> None:
                 rows["torch._scaled_mm"][m] = time_fast(mm)
             except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
                 print(f"  {name} m={m} torch._scaled_mm: {str(e).splitlines()[0][:100]}")
+            # What the Triton GEMM runs at m today: gemm_config's rule, or GEMM_TABLE's entry.
             rows["v1 default (gemm_config)"][m] = time_fast(
                 lambda: w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16)  # noqa: B023
             )
-            for label, cfg in candidates().items():
-                if cfg["BLOCK_M"] > max(m, 64):
+            for label, cfg in candidates(m, kernels).items():
+                if cfg["KERNEL"] != "swap" and cfg["BLOCK_M"] > max(m, 64):
                     continue
                 # NaN in the block the output will most likely get from the caching allocator: a
                 # tile the kernel does not write shows as wrong, not as the last candidate's sums.
@@ -239,7 +271,7 @@ def sweep_v2(weights: dict, tokens: tuple[int, ...] = SWEEP_V2_TOKENS) -> None:
             print(f"  {label:34s}" + "".join(f"{times[m] * 1e3:9.1f}" if m in times else f"{'-':>9s}"
                                              for m in tokens))  # fmt: skip
         for m in tokens:
-            v2 = {lab: t[m] for lab, t in rows.items() if lab.startswith(("v2", "gluon")) and m in t}
+            v2 = {lab: t[m] for lab, t in rows.items() if lab.startswith(("v2", "gluon", "swap")) and m in t}
             if not v2:
                 continue
             lab = min(v2, key=v2.get)
@@ -252,15 +284,21 @@ def sweep_v2(weights: dict, tokens: tuple[int, ...] = SWEEP_V2_TOKENS) -> None:
                 f"(fp8's best against bf16 {bf16 / fp8:.2f}x, {bf16 / (fp8 + quant):.2f}x with the quantization)"
             )
             if v2[lab] < v1 and (smm is None or v2[lab] < smm) and m_bucket(m) is not None:
-                line = f"    ({m_bucket(m)}, {n}, {k}): {candidates()[lab]},"
+                line = f"    ({m_bucket(m)}, {n}, {k}): {candidates(m, kernels)[lab]},"
+                table.append([m_bucket(m), n, k, candidates(m, kernels)[lab]])
                 if scaled_mm_applies(m, n, k, torch.bfloat16, torch.device("cuda")):
                     # GEMM_TABLE is the Triton GEMM's: fp8_linear takes torch._scaled_mm here
                     line += "  # with fp8_linear taking the Triton GEMM at this size"
                 table_lines.append(line)
     print()
     print("\n".join(best_lines))
-    print("table (GEMM_TABLE entries where v2 beats the first kernel's default and torch._scaled_mm):")
+    print(
+        "table (GEMM_TABLE entries where a candidate beats today's GEMM, the first kernel's default and torch._scaled_mm):"
+    )
     print("\n".join(table_lines))
+    if table_out:
+        Path(table_out).write_text(json.dumps(table, indent=1))
+        print(f"{len(table)} entries written to {table_out}")
 
 
 def compile_sm90(cfg: dict):
@@ -358,6 +396,10 @@ def sass_all(top: int) -> None:
     sass_report("v1 128x128 w8 s3 (m > 256)", gemm_config(512, 4096), top)
     for cand in V2_CANDIDATES:
         sass_report(v2_label(*cand), v2_config(*cand), top)
+    for m in (16, 64):  # the swap kernel's tiles (the split only changes the epilogue)
+        for label, cfg in swap_candidates(m).items():
+            if cfg["SPLIT_K"] == 1 and cfg["num_stages"] in (4, 8):
+                sass_report(label, cfg, top)
 
 
 def _scaled_mm_recipes(x, w_q, w_s):
@@ -402,6 +444,12 @@ def main() -> None:
         help="--sweep-v2: the token counts, comma-separated (default %(default)s)",
     )
     parser.add_argument(
+        "--kernels",
+        default="v2,gluon,swap",
+        help="--sweep-v2: the kernels whose candidates to time, comma-separated (default %(default)s)",
+    )
+    parser.add_argument("--table-out", help="--sweep-v2: write the winning GEMM_TABLE entries here (JSON)")
+    parser.add_argument(
         "--sass", action="store_true", help="compile for sm90 (no GPU) and summarize the K loop"
     )
     parser.add_argument("--top", type=int, default=0, help="--sass: the most frequent opcodes to list")
@@ -416,7 +464,12 @@ def main() -> None:
         for name, (n, k) in SHAPES.items():
             w_q, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda") * 0.02)
             weights[name] = (w_q, w_s, dequantize_weight_blocks(w_q, w_s, torch.bfloat16))
-        sweep_v2(weights, tuple(int(t) for t in args.tokens.split(",")))
+        sweep_v2(
+            weights,
+            tuple(int(t) for t in args.tokens.split(",")),
+            tuple(args.kernels.split(",")),
+            args.table_out,
+        )
         return
     for name, (n, k) in SHAPES.items():
         w_q, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda") * 0.02)

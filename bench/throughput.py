@@ -238,15 +238,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --decode-stores-kv: the decode kernel also normalises and rotates q and the new K "
         "(attention/triton_kernels.DECODE_FUSES_ROPE), so a decode step runs no rotary kernel",
     )
+    p.add_argument(
+        "--fp8-gemm-table",
+        metavar="FILE",
+        help="in-process, fp8 weights: GEMM_TABLE entries to add (layers/fp8_gemm_triton; the JSON "
+        "that bench/fp8_gemm.py --sweep-v2 --table-out writes)",
+    )
+    p.add_argument(
+        "--fp8-gemm-swap-below",
+        type=int,
+        default=0,
+        metavar="N",
+        help="in-process, fp8 weights: the swap kernel's rule (fp8_gemm_triton.swap_config) for the "
+        "fp8 GEMMs of up to N tokens (fp8_gemm_triton.SWAP_MAX_TOKENS; 0: off, today's default)",
+    )
     args = p.parse_args(argv)
     if args.decode_fuses_rope and not args.decode_stores_kv:
         p.error("--decode-fuses-rope needs --decode-stores-kv")
     if (
-        args.decode_config is not None or args.rope_roles or args.decode_stores_kv
+        args.decode_config is not None
+        or args.rope_roles
+        or args.decode_stores_kv
+        or args.fp8_gemm_table
+        or args.fp8_gemm_swap_below
     ) and args.mode != "in-process":
         p.error(
-            "--decode-config, --rope-roles and --decode-stores-kv change this process's kernels: "
-            "they need --mode in-process"
+            "--decode-config, --rope-roles, --decode-stores-kv and the --fp8-gemm flags change this "
+            "process's kernels: they need --mode in-process"
         )
     if args.profile_gpu and not args.device.startswith("cuda"):
         p.error("--profile-gpu profiles CUDA kernels: it needs --device cuda")
@@ -272,6 +290,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.temperature is None:
         args.temperature = 0.0
     return args
+
+
+def apply_fp8_gemm_flags(args: argparse.Namespace) -> None:
+    """--fp8-gemm-table's entries into fp8_gemm_triton.GEMM_TABLE, --fp8-gemm-swap-below into its
+    SWAP_MAX_TOKENS (this process's fp8 GEMMs)."""
+    if not (args.fp8_gemm_table or args.fp8_gemm_swap_below):
+        return
+    from executor_service.layers import fp8_gemm_triton
+
+    entries = json.loads(Path(args.fp8_gemm_table).read_text()) if args.fp8_gemm_table else []
+    for bucket, n, k, cfg in entries:
+        if bucket not in fp8_gemm_triton.M_BUCKETS:
+            raise SystemExit(
+                f"--fp8-gemm-table: {bucket} is not a token bucket ({fp8_gemm_triton.M_BUCKETS})"
+            )
+        fp8_gemm_triton.GEMM_TABLE[bucket, n, k] = cfg
+        print(f"GEMM_TABLE[{bucket}, {n}, {k}] = {cfg}")
+    fp8_gemm_triton.SWAP_MAX_TOKENS = args.fp8_gemm_swap_below
+    if args.fp8_gemm_swap_below:
+        print(f"the fp8 GEMMs of up to {args.fp8_gemm_swap_below} tokens: the swap kernel's rule")
 
 
 def build_w1_checkpoint(out_dir: Path, shape: str = "qwen3-0.6b", quantization: str = "none") -> Path:
@@ -784,6 +822,7 @@ def main(argv: list[str] | None = None) -> int:
             "a decode step's K and V: stored by the decode attention kernel"
             + (", which also normalises and rotates q and K" if args.decode_fuses_rope else "")
         )
+    apply_fp8_gemm_flags(args)
     if args.mode in ("both", "in-process"):
         tokens, elapsed, cpu = run_in_process(args, args.model, workload)
         results["in-process"] = tokens / elapsed

@@ -1,15 +1,17 @@
-"""bench/throughput.py --profile-gpu's accounting of a profiled run: kernel time by group, the time
-the device was busy (overlapping kernels counted once) and the gaps between kernels."""
+"""bench/throughput.py: --profile-gpu's accounting of a profiled run (kernel time by group, the time
+the device was busy, overlapping kernels counted once, and the gaps between kernels), and the flags
+that change this process's fp8 GEMMs."""
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from bench.throughput import print_gpu_time  # noqa: E402
+from bench.throughput import apply_fp8_gemm_flags, parse_args, print_gpu_time  # noqa: E402
 
 
 class _Kernel:
@@ -35,3 +37,26 @@ def test_busy_time_counts_overlapping_kernels_once_and_gaps_by_length(capsys):
     assert "gaps between kernels 1000-inf us: 1, 0.002 s" in out
     assert "0.10 ms a step" in out  # 195 us busy over 2 steps
     assert "gap 2.00 ms at 0.000 s: after _rms_norm_kernel, before store_kv_kernel" in out
+
+
+def test_fp8_gemm_flags_set_the_gemms_of_this_process(tmp_path, monkeypatch, capsys):
+    """A sweep's table (bench/fp8_gemm.py --table-out) and the swap rule reach gemm_config; the
+    split, whose GEMMs run in the executor's process, refuses them."""
+    from executor_service.layers import fp8_gemm_triton as g
+
+    monkeypatch.setattr(g, "GEMM_TABLE", dict(g.GEMM_TABLE))
+    monkeypatch.setattr(g, "SWAP_MAX_TOKENS", g.SWAP_MAX_TOKENS)
+    swap = {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 6, "SPLIT_K": 4}
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps([[16, 6144, 4096, swap]]))
+    apply_fp8_gemm_flags(parse_args(["--mode", "in-process", "--fp8-gemm-table", str(table)]))
+    assert g.gemm_config(9, 6144, 4096) == swap and g.gemm_config(8, 6144, 4096) != swap
+    assert g.gemm_config(9, 4096, 4096) != swap and "GEMM_TABLE[16, 6144, 4096]" in capsys.readouterr().out
+    apply_fp8_gemm_flags(parse_args(["--mode", "in-process", "--fp8-gemm-swap-below", "64"]))
+    assert g.gemm_config(64, 4096, 12288)["KERNEL"] == "swap" and "KERNEL" not in g.gemm_config(65, 4096)
+    table.write_text(json.dumps([[24, 6144, 4096, swap]]))
+    with pytest.raises(SystemExit, match="24 is not a token bucket"):
+        apply_fp8_gemm_flags(parse_args(["--mode", "in-process", "--fp8-gemm-table", str(table)]))
+    with pytest.raises(SystemExit):
+        parse_args(["--mode", "split", "--fp8-gemm-swap-below", "64"])
+    assert "they need --mode in-process" in capsys.readouterr().err
