@@ -167,9 +167,11 @@ GLUON_CANDIDATES = (
 
 # The swap kernel's (tokens as the wgmma's narrow side; fp8_gemm_triton's module docstring), for
 # m tokens: BLOCK_M the tokens rounded up to 16-128 (one row tile), 64 or 128 weight rows a tile,
-# rings of 4-8 stages ((BLOCK_M + BLOCK_N) * 128 bytes a stage: 18 KB at 16 x 128), K split in up
-# to 8 shares summed in the kernel. At 128 tokens, 8 warps (two warpgroups of 64 weight rows).
-SWAP_BLOCK_N, SWAP_STAGES, SWAP_SPLITS = (64, 128), (4, 6, 8), (1, 2, 4, 8)
+# rings of 4 or 6 stages ((BLOCK_M + BLOCK_N) * 128 bytes a stage: 18 KB at 16 x 128), K split in up
+# to 8 shares summed in the kernel (3 and 6 too: qkv's 48 tiles of 128 rows in 8 shares are 384
+# programs, 1.45 waves of two an SM; in 5 or 6, one). At 128 tokens, 8 warps (two warpgroups of 64
+# weight rows).
+SWAP_BLOCK_N, SWAP_STAGES, SWAP_SPLITS = (64, 128), (4, 6), (1, 2, 3, 4, 6, 8)
 
 
 def swap_candidates(m: int) -> dict[str, dict]:
@@ -338,6 +340,7 @@ def compile_sm90(cfg: dict):
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
         if signature[name] in ("i32", "*fp32", "*bf16", "*fp8e4nv", "*i32")
+        and not (kernel == "swap" and name == "M")  # not specialised (do_not_specialize)
     }
     source = ASTSource(
         fn=fn, signature=signature, attrs=attrs,
@@ -398,7 +401,7 @@ def sass_all(top: int) -> None:
         sass_report(v2_label(*cand), v2_config(*cand), top)
     for m in (16, 64):  # the swap kernel's tiles (the split only changes the epilogue)
         for label, cfg in swap_candidates(m).items():
-            if cfg["SPLIT_K"] == 1 and cfg["num_stages"] in (4, 8):
+            if cfg["SPLIT_K"] == 1:
                 sass_report(label, cfg, top)
 
 

@@ -276,7 +276,7 @@ def w8a8_block_matmul_v2_kernel(
     _write_tile(c_ptr, rm, rn, stride_cm, acc, m_mask[:, None] & (rn < N)[None, :], SPLIT_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every decode batch size
 def w8a8_block_matmul_swap_kernel(
     a_ptr,  # [M, K] e4m3 (the tokens), or its TMA descriptor of [BLOCK_M, BLOCK_K] boxes (TMA)
     b_ptr,  # [N, K] e4m3 (the weight), or its descriptor of [BLOCK_N, BLOCK_K] boxes
