@@ -171,11 +171,11 @@ for what in "$@"; do
     w4) TAIL=12 STAGE_TIMEOUT=580 stage w4 "$PY" bench/throughput.py --workload w4 --device cuda --mode in-process ;;
     w4-bf16) TAIL=12 STAGE_TIMEOUT=580 stage w4-bf16 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process ;;
     # The swap fp8 GEMM (decode's few tokens as the wgmma's narrow side, split-K summed in the kernel):
-    # its GPU tests, then its candidates at 1-128 tokens against today's GEMMs (~5 min on a cold
+    # its GPU tests, then its candidates at 1-256 tokens against today's GEMMs (~5 min on a cold
     # Triton cache; the winners to $OUT/gemm_table.json), then W4 as today and with that table (or
     # TABLE=<a committed copy>), alternating, ROUNDS times (default 1).
     swap-tests) TAIL=8 stage swap-tests "$PY" -m pytest -q -m gpu tests/test_fp8_gemm.py -k "swap" ;;
-    fp8-gemm-swap) TAIL=45 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage fp8-gemm-swap "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 1,8,16,32,64,128 --kernels swap --table-out "$OUT/gemm_table.json" ;;
+    fp8-gemm-swap) TAIL=45 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage fp8-gemm-swap "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 1,8,16,32,64,128,256 --kernels swap --table-out "$OUT/gemm_table.json" ;;
     w4-swap) TAIL=16 STAGE_TIMEOUT=${STAGE_TIMEOUT:-580} stage w4-swap bash -c 'for i in $(seq ${ROUNDS:-1}); do for f in "" "--fp8-gemm-table ${TABLE:-$1/gemm_table.json}"; do echo "W4 ${f:-as today}"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process $f | grep "output tok/s\|device:\|GEMM_TABLE"; done; done' "$PY" "$OUT" ;;
     w4-profile) TAIL=40 stage w4-profile "$PY" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
     *) echo "unknown stage $what" | tee -a "$OUT/summary.txt" ;;
