@@ -329,13 +329,14 @@ def w8a8_block_matmul_swap_kernel(
         # (the same result every run, unlike atomic adds) and writes the output, so the GEMM is one
         # kernel: no zeroed fp32 output before it, no copy into the output dtype after it.
         parts = part_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None]
-        tl.store(parts + split.to(tl.int64) * M * N, acc, mask=mask)
+        part_stride = M.to(tl.int64) * N  # a split's [M, N]
+        tl.store(parts + split * part_stride, acc, mask=mask)
         tl.debug_barrier()  # all of the program's sums stored before its split is counted (release)
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for s in tl.static_range(SPLIT_K):  # from L2: the other SMs' stores
-                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(parts + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # for the next GEMM
 
