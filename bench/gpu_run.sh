@@ -111,8 +111,7 @@ for what in "$@"; do
     # The decode tiles at 3 and 5-7 stages (whether two K/V buffers beat one), both caches.
     decode-stages) TAIL=50 STAGE_TIMEOUT=400 stage decode-stages "$PY" bench/attention.py --sweep-stages ;;
     fp8-mixed) TAIL=40 stage fp8-mixed "$PY" bench/attention.py --sweep-mixed-lengths ;;
-    # The fused rotary kernel's K/V store: a program per token against one per token and role, and the
-    # price of the e4m3 V cache's transposed layout (QK_NORM_ROPE_ROLES picks the engine's).
+    # The fused rotary kernel's K/V store, and the price of the e4m3 V cache's transposed layout.
     rope-tests) TAIL=8 stage rope-tests "$PY" -m pytest -q -m gpu tests/test_triton_ops.py -k "qk_norm_rope or rope_without" ;;
     rope-store) TAIL=20 stage rope-store bash -c '"$0" bench/rope_store.py && "$0" bench/rope_store.py --heads 32 8 --layers 36' "$PY" ;;
     # The fp8 decode kernel in programs of one or two warps (then W1 with a winner: w1-fp8-config).
@@ -159,8 +158,6 @@ for what in "$@"; do
     # also normalising and rotating q and K, and that at a step budget of 16,384 tokens, in turn,
     # ROUNDS times (default 2).
     w1-fp8-leads) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage w1-fp8-leads bash -c 'for i in $(seq ${ROUNDS:-2}); do for f in "" "--decode-stores-kv" "--decode-stores-kv --decode-fuses-rope" "--decode-stores-kv --decode-fuses-rope --max-num-batched-tokens 16384"; do echo "W1 fp8 ${f:-as today}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s\|device:"; done; done' "$PY" ;;
-    # W1 fp8 with the rotary kernel a program per token (the default) and per token and role, alternating.
-    w1-fp8-rope) TAIL=16 STAGE_TIMEOUT=580 stage w1-fp8-rope bash -c 'for i in 1 2; do for f in "" --rope-roles; do echo "rotary ${f:-per token}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s"; done; done' "$PY" ;;
     # W1 fp8 with DECODE_CONFIG (JSON) over the decode kernel's default launch configuration.
     w1-fp8-config) TAIL=12 stage w1-fp8-config "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "${DECODE_CONFIG:-{\}}" ;;
     # Each in-process step's host time by phase (prepare, the eager model's modules, the sampler).

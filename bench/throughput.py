@@ -220,12 +220,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         '"split_below": 24, "split_to": 48}\'',
     )
     p.add_argument(
-        "--rope-roles",
-        action="store_true",
-        help="in-process: the fused rotary kernel in a program per token and role "
-        "(layers/triton_ops.QK_NORM_ROPE_ROLES) instead of one per token",
-    )
-    p.add_argument(
         "--decode-stores-kv",
         action="store_true",
         help="in-process, fp8 KV: a decode step's K and V stored by the decode attention kernel "
@@ -257,14 +251,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--decode-fuses-rope needs --decode-stores-kv")
     if (
         args.decode_config is not None
-        or args.rope_roles
         or args.decode_stores_kv
         or args.fp8_gemm_table
         or args.fp8_gemm_swap_below
     ) and args.mode != "in-process":
         p.error(
-            "--decode-config, --rope-roles, --decode-stores-kv and the --fp8-gemm flags change this "
-            "process's kernels: they need --mode in-process"
+            "--decode-config, --decode-stores-kv and the --fp8-gemm flags change this process's "
+            "kernels: they need --mode in-process"
         )
     if args.profile_gpu and not args.device.startswith("cuda"):
         p.error("--profile-gpu profiles CUDA kernels: it needs --device cuda")
@@ -808,11 +801,6 @@ def main(argv: list[str] | None = None) -> int:
         config = triton_kernels.DECODE_CONFIG_FP8 if fp8 else triton_kernels.DECODE_CONFIG
         config.update(json.loads(args.decode_config))
         print(f"decode config ({'fp8' if fp8 else 'bf16'} cache): {config}")
-    if args.rope_roles:
-        from executor_service.layers import triton_ops
-
-        triton_ops.QK_NORM_ROPE_ROLES = True
-        print("the fused rotary kernel: a program per token and role")
     if args.decode_stores_kv:
         from executor_service.attention import triton_kernels
 

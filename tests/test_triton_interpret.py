@@ -126,19 +126,17 @@ from helpers.triton_op_checks import check_qk_norm_rope, check_rms_norm, check_s
 for dtype in (torch.float32, torch.bfloat16, f16):
     check_rms_norm(5, 96, dtype, "cpu")
     check_silu_and_mul(3, 200, dtype, "cpu")
-    for roles in (False, True):  # a program per token, or per token and role (q, k, V)
-        check_qk_norm_rope(4, 4, 2, 32, dtype, "cpu", roles=roles)
-        check_qk_norm_rope(3, 2, 1, 64, dtype, "cpu", roles=roles)
-        check_qk_norm_rope(3, 6, 2, 32, dtype, "cpu", roles=roles)  # head counts no power of 2
-        yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024}
-        check_qk_norm_rope(5, 4, 2, 32, dtype, "cpu", with_norm=False, rope=yarn, roles=roles)
+    check_qk_norm_rope(4, 4, 2, 32, dtype, "cpu")
+    check_qk_norm_rope(3, 2, 1, 64, dtype, "cpu")
+    check_qk_norm_rope(3, 6, 2, 32, dtype, "cpu")  # head counts no power of 2
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024}
+    check_qk_norm_rope(5, 4, 2, 32, dtype, "cpu", with_norm=False, rope=yarn)
 from helpers.triton_op_checks import check_qk_norm_rope_stores_kv
 FP8 = torch.float8_e4m3fn
-for roles in (False, True):
-    for kv_dtype, block_size, scales in ((torch.bfloat16, 16, (1.0, 1.0)), (FP8, 16, (0.02, 3.0)), (FP8, 8, (1.0, 1.0)), (FP8, 12, (1.0, 1.0))):
-        check_qk_norm_rope_stores_kv(2, 32, torch.bfloat16, kv_dtype, block_size, "cpu", scales, roles=roles)
-    check_qk_norm_rope_stores_kv(1, 64, f16, FP8, 16, "cpu", (1.0, 2.5), with_norm=False, roles=roles)
-    check_qk_norm_rope_stores_kv(3, 32, f16, FP8, 8, "cpu", (1.0, 1.0), roles=roles)  # 3 KV heads
+for kv_dtype, block_size, scales in ((torch.bfloat16, 16, (1.0, 1.0)), (FP8, 16, (0.02, 3.0)), (FP8, 8, (1.0, 1.0)), (FP8, 12, (1.0, 1.0))):
+    check_qk_norm_rope_stores_kv(2, 32, torch.bfloat16, kv_dtype, block_size, "cpu", scales)
+check_qk_norm_rope_stores_kv(1, 64, f16, FP8, 16, "cpu", (1.0, 2.5), with_norm=False)
+check_qk_norm_rope_stores_kv(3, 32, f16, FP8, 8, "cpu", (1.0, 1.0))  # 3 KV heads
 from helpers.triton_op_checks import check_fused_quantization
 for dtype in (torch.float32, torch.bfloat16, f16):
     check_fused_quantization(5, 384, dtype, "cpu")  # 3 groups: a partial power-of-2 block

@@ -55,10 +55,9 @@ def test_fused_quantization(num_tokens, size, dtype):
     "num_tokens, num_heads, num_kv_heads, head_dim",
     [(1, 16, 8, 128), (256, 16, 8, 128), (33, 32, 8, 128), (4096, 8, 1, 64), (9, 4, 4, 64)],
 )
-@pytest.mark.parametrize("roles", [False, True])
-def test_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype, roles):
-    """Against the unfused layers; roles: a program per token, or per token and role."""
-    check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype, "cuda", roles=roles)
+def test_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
+    """Against the unfused layers."""
+    check_qk_norm_rope(num_tokens, num_heads, num_kv_heads, head_dim, dtype, "cuda")
 
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
@@ -68,8 +67,7 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_fa
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", [(1, 32, 8, 64), (300, 14, 2, 64)])
-@pytest.mark.parametrize("roles", [False, True])
-def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dtype, roles):
+def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
     """The rotary-only variant (Llama, Qwen2, Mistral), with a scaled cos/sin table."""
     check_qk_norm_rope(
         num_tokens,
@@ -80,7 +78,6 @@ def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dty
         "cuda",
         with_norm=False,
         rope=LLAMA3,
-        roles=roles,
     )
 
 
@@ -96,14 +93,10 @@ def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dty
     ],
 )
 @pytest.mark.parametrize("num_kv_heads, head_dim, with_norm", [(8, 128, True), (2, 64, False)])
-@pytest.mark.parametrize("roles", [False, True])
-def test_qk_norm_rope_stores_kv(
-    dtype, kv_dtype, block_size, scales, num_kv_heads, head_dim, with_norm, roles
-):
+def test_qk_norm_rope_stores_kv(dtype, kv_dtype, block_size, scales, num_kv_heads, head_dim, with_norm):
     """The fused rotary kernel's K/V store: byte for byte the attention backend's (the model
     dtype's cache, and e4m3 with the lone token's rows, a run's zeroing and a block size no power
-    of 2), the q and k it returns unchanged; either kernel (roles)."""
+    of 2), the q and k it returns unchanged."""
     check_qk_norm_rope_stores_kv(
-        num_kv_heads, head_dim, dtype, kv_dtype or dtype, block_size, "cuda", scales, with_norm=with_norm,
-        roles=roles,
-    )  # fmt: skip
+        num_kv_heads, head_dim, dtype, kv_dtype or dtype, block_size, "cuda", scales, with_norm=with_norm
+    )

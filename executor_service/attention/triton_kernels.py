@@ -178,7 +178,7 @@ def store_token_kv(
 
 @triton.jit
 def store_token_k(
-    k,  # [BLOCK_H, BLOCK_D]: one token's K, or columns FIRST_COL.. of it (the fused rotary kernel's halves)
+    k,  # [BLOCK_H, BLOCK_D]: one token's K
     slot,  # the token's slot, >= 0
     k_cache_ptr,
     stride_cb,
@@ -191,13 +191,12 @@ def store_token_k(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
-    FIRST_COL: tl.constexpr = 0,
 ):
-    """A token's K (or a block of its columns) into the paged cache: e4m3(k / k_scale) for an e4m3 cache."""
+    """A token's K into the paged cache: e4m3(k / k_scale) for an e4m3 cache."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     block, offset = slot // block_size, slot % block_size
-    dst = block * stride_cb + offset * stride_cs + h * stride_ch + FIRST_COL + d
+    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
     if KV_FP8:
         k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=(h < NUM_KV_HEADS) & (d < COLS))

@@ -10,10 +10,10 @@ Under CUDA graphs a decode step of Qwen3-0.6B runs about 50 tiny elementwise ker
 the unfused path; these replace them with three launches per layer. With the Triton attention
 backend the rotary kernel also writes the token's K and V into the paged KV cache (the attention
 backend's store, attention/triton_kernels.store_token_kv: the same bytes), one launch fewer a layer.
-It launches a program per token, or with QK_NORM_ROPE_ROLES a program per token and role (query
-heads; key heads and K's store; V's store); either way the cache holds the store's bytes of the k
-returned, which may differ between the two by a rounding step (on the GPU their tiles add the q/k
-RMS statistics in different orders).
+It launches a program per token, which stores K after a barrier and a re-read of the k it returned,
+so that the cache holds the store's bytes of that k. (A program per token and role, query heads,
+key heads with K's store, V's store, was slower on the H200: 9.56 against 8.78 us a launch at
+W1's batch of 256, bench/RESULTS.md 2026-12-05, and was removed.)
 
 Where the next layer is an fp8 linear (CausalLM.fuse_fp8_quantization), RMSNorm and SiLU-and-mul
 quantize their output for its W8A8 GEMM instead of storing it (`quantize_rows_multiple`): per token
@@ -31,9 +31,7 @@ from executor_service.attention.triton_kernels import (
     cache_store_args,
     norm_rope,
     round_to_e4m3,
-    store_token_k,
     store_token_kv,
-    store_token_v,
 )
 from executor_service.layers.fp8_gemm_triton import GROUP, Fp8Input, quantized_buffers
 
@@ -287,140 +285,6 @@ def _qk_norm_rope_kernel(
             )  # fmt: skip
 
 
-# Whether qk_norm_rope launches _qk_norm_rope_roles_kernel (a program per token and role) rather
-# than _qk_norm_rope_kernel (a program per token, K stored after a barrier and a re-read): not
-# timed on the GPU yet (bench/rope_store.py).
-QK_NORM_ROPE_ROLES = False
-
-
-# num_tokens: not specialised, as for _qk_norm_rope_kernel.
-@triton.jit(do_not_specialize=["num_tokens"])
-def _qk_norm_rope_roles_kernel(
-    qkv_ptr,
-    positions_ptr,
-    q_weight_ptr,
-    k_weight_ptr,
-    cos_sin_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    stride_qkv,
-    stride_cs,
-    eps,
-    k_cache_ptr,  # with STORE_KV: the paged KV cache, as attention/triton_kernels.store_kv
-    v_cache_ptr,
-    slot_mapping_ptr,
-    stride_cb,
-    stride_cs_cache,
-    stride_ch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    stride_vcd,
-    block_size,
-    k_scale,
-    v_scale,
-    num_tokens,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_QH: tl.constexpr,  # the query heads rounded up to a power of 2
-    BLOCK_KVH: tl.constexpr,  # the KV heads rounded up to a power of 2
-    HAS_NORM: tl.constexpr,
-    STORE_KV: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
-    BLOCK_S: tl.constexpr = 1,
-    WHOLE_ROWS: tl.constexpr = False,
-):
-    # grid: (num_tokens, 3 with STORE_KV else 2). _qk_norm_rope_kernel's work for one token in a
-    # program per role, so that none waits on another's loads: 0, its query heads; 1, its key heads
-    # (with STORE_KV also K into the cache, from the rotated halves); 2, V into the cache.
-    t = tl.program_id(0).to(tl.int64)
-    role = tl.program_id(1)
-    row = qkv_ptr + t * stride_qkv
-    if role == 2:
-        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-        if slot >= 0:  # (-1: CUDA-graph padding)
-            hv = tl.arange(0, BLOCK_KVH)[:, None]
-            dv = tl.arange(0, HEAD_DIM)[None, :]
-            v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + hv) * HEAD_DIM + dv, mask=hv < NUM_KV_HEADS)
-            store_token_v(
-                v, t, slot, v_cache_ptr, slot_mapping_ptr, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-                block_size, v_scale, num_tokens, NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8, BLOCK_S,
-                WHOLE_ROWS,
-            )  # fmt: skip
-    elif role == 0:
-        _rope_heads(
-            row, t, positions_ptr, q_weight_ptr, cos_sin_ptr, q_out_ptr, stride_cs, eps,
-            k_cache_ptr, slot_mapping_ptr, stride_cb, stride_cs_cache, stride_ch, block_size, k_scale,
-            0, NUM_HEADS, BLOCK_QH, HEAD_DIM, HAS_NORM, False, KV_FP8,
-        )  # fmt: skip
-    else:
-        _rope_heads(
-            row, t, positions_ptr, k_weight_ptr, cos_sin_ptr, k_out_ptr, stride_cs, eps,
-            k_cache_ptr, slot_mapping_ptr, stride_cb, stride_cs_cache, stride_ch, block_size, k_scale,
-            NUM_HEADS, NUM_KV_HEADS, BLOCK_KVH, HEAD_DIM, HAS_NORM, STORE_KV, KV_FP8,
-        )  # fmt: skip
-
-
-@triton.jit
-def _rope_heads(
-    row,  # the token's qkv row
-    t,
-    positions_ptr,
-    weight_ptr,  # the q or k norm's weight
-    cos_sin_ptr,
-    out_ptr,  # q or k out, [num_tokens, NUM, HEAD_DIM]
-    stride_cs,
-    eps,
-    k_cache_ptr,
-    slot_mapping_ptr,
-    stride_cb,
-    stride_cs_cache,
-    stride_ch,
-    block_size,
-    k_scale,
-    FIRST: tl.constexpr,  # the row's first head of these (0 for q, NUM_HEADS for k)
-    NUM: tl.constexpr,
-    BLOCK: tl.constexpr,  # NUM rounded up to a power of 2
-    HEAD_DIM: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    STORE_K: tl.constexpr,  # also store the rotated heads (K) into the cache
-    KV_FP8: tl.constexpr,
-):
-    """_qk_norm_rope_roles_kernel's roles 0 and 1: NUM heads of the token's row from FIRST on,
-    normalised and rotated into out_ptr (and with STORE_K into the paged K cache)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    h = tl.arange(0, BLOCK)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = h < NUM
-    src = row + (FIRST + h) * HEAD_DIM + d
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    pos = tl.load(positions_ptr + t)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM + d)
-    if HAS_NORM:
-        w1, w2 = tl.load(weight_ptr + d), tl.load(weight_ptr + HALF + d)
-    else:
-        w1, w2 = cos, sin  # unused
-    o1, o2 = norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
-    dst = out_ptr + (t * NUM + h) * HEAD_DIM + d
-    tl.store(dst, o1, mask=mask)
-    tl.store(dst + HALF, o2, mask=mask)
-    if STORE_K:
-        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-        if slot >= 0:  # (-1: CUDA-graph padding)
-            # The rotated halves as returned: store_kv's input, so its bytes.
-            store_token_k(
-                o1, slot, k_cache_ptr, stride_cb, stride_cs_cache, stride_ch, block_size, k_scale,
-                NUM, HALF, BLOCK, HALF, KV_FP8,
-            )  # fmt: skip
-            store_token_k(
-                o2, slot, k_cache_ptr, stride_cb, stride_cs_cache, stride_ch, block_size, k_scale,
-                NUM, HALF, BLOCK, HALF, KV_FP8, HALF,
-            )  # fmt: skip
-
-
 def qk_norm_rope(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -432,7 +296,6 @@ def qk_norm_rope(
     num_kv_heads: int,
     head_dim: int,
     kv_cache: tuple | None = None,
-    roles: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] -> rotary(norm(q)) [num_tokens,
     num_heads, head_dim] and rotary(norm(k)) [num_tokens, num_kv_heads, head_dim], new contiguous
@@ -441,11 +304,7 @@ def qk_norm_rope(
 
     kv_cache: (k_cache, v_cache, slot_mapping, k_scale, v_scale): also store each token's K (as
     returned) and V (qkv's last heads) in the paged cache, exactly as
-    attention.triton_kernels.store_kv(k, v, ...) would.
-
-    roles: a program per token and role (its query heads, its key heads, its V: the roles kernel)
-    instead of one per token; None: QK_NORM_ROPE_ROLES. q and k may differ between the two by a
-    rounding step (the norm's sums added in another order); each stores the k it returns."""
+    attention.triton_kernels.store_kv(k, v, ...) would."""
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError("qk_norm_rope needs row-contiguous inputs and a power-of-two head_dim")
     num_tokens = qkv.shape[0]
@@ -461,8 +320,7 @@ def qk_norm_rope(
         store_args, constants = cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens)
         cache_args = [k_cache, v_cache, slot_mapping, *store_args]
         store = {"STORE_KV": True, **constants}
-    # Both kernels' arguments and the constants they share.
-    args = (
+    _qk_norm_rope_kernel[(num_tokens,)](
         qkv,
         positions,
         q_weight if q_weight is not None else qkv,
@@ -474,21 +332,12 @@ def qk_norm_rope(
         cos_sin_cache.stride(0),
         eps,
         *cache_args,
-    )
-    shared = {
-        "NUM_HEADS": num_heads,
-        "HEAD_DIM": head_dim,
-        "BLOCK_KVH": triton.next_power_of_2(num_kv_heads),
-        "HAS_NORM": q_weight is not None,
+        NUM_HEADS=num_heads,
+        NUM_QK_HEADS=qk_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(qk_heads),
+        BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
+        HAS_NORM=q_weight is not None,
         **store,
-    }
-    if QK_NORM_ROPE_ROLES if roles is None else roles:
-        grid = (num_tokens, 3 if kv_cache is not None else 2)
-        _qk_norm_rope_roles_kernel[grid](
-            *args, NUM_KV_HEADS=num_kv_heads, BLOCK_QH=triton.next_power_of_2(num_heads), **shared
-        )
-    else:
-        _qk_norm_rope_kernel[(num_tokens,)](
-            *args, NUM_QK_HEADS=qk_heads, BLOCK_H=triton.next_power_of_2(qk_heads), **shared
-        )
+    )
     return q, k

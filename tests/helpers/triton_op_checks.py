@@ -90,10 +90,8 @@ def check_qk_norm_rope(
     seed: int = 0,
     with_norm: bool = True,
     rope: dict | float = 1_000_000.0,
-    roles: bool | None = None,
 ) -> None:
-    """Without the norm: rotary alone (Llama, Qwen2, Mistral); `rope` may carry a scaling. roles:
-    qk_norm_rope's kernel (None: its default)."""
+    """Without the norm: rotary alone (Llama, Qwen2, Mistral); `rope` may carry a scaling."""
     from executor_service.layers.triton_ops import qk_norm_rope
 
     gen = torch.Generator().manual_seed(seed)
@@ -119,10 +117,9 @@ def check_qk_norm_rope(
         num_heads,
         num_kv_heads,
         head_dim,
-        roles=roles,
     )
     what = (
-        f"qk_norm_rope (norm {with_norm}, roles {roles}) {dtype} {num_tokens} tokens, "
+        f"qk_norm_rope (norm {with_norm}) {dtype} {num_tokens} tokens, "
         f"{num_heads}/{num_kv_heads} heads of {head_dim}"
     )
     assert out_q.is_contiguous() and out_k.is_contiguous(), "the attention backends get dense q and k"
@@ -132,14 +129,13 @@ def check_qk_norm_rope(
 
 def check_qk_norm_rope_stores_kv(
     num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
-    device: str, scales: tuple[float, float] = (1.0, 1.0), with_norm: bool = True, roles: bool | None = None,
+    device: str, scales: tuple[float, float] = (1.0, 1.0), with_norm: bool = True,
 ) -> None:  # fmt: skip
     """qk_norm_rope with the KV cache: the same q and k as without it, and the cache's bytes those of
     the attention backend's store of that k and of qkv's V (torch_ref.store_kv, which the Triton
     store matches byte for byte): a prefill run into a new block (an e4m3 cache zeroes the rest of
     its V slots), decode tokens at a block's first slot and mid-block, a padding row (-1). Every
-    cache slot starts as NaN, so that a slot written or zeroed wrongly shows. roles: qk_norm_rope's
-    kernel (None: its default)."""
+    cache slot starts as NaN, so that a slot written or zeroed wrongly shows."""
     from executor_service.attention import torch_ref
     from executor_service.fp8 import fp8_v_cache
     from executor_service.layers.triton_ops import qk_norm_rope
@@ -165,7 +161,7 @@ def check_qk_norm_rope_stores_kv(
         v_cache = torch.full(shape, float("nan"), dtype=kv_dtype, device=device)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
 
-    q, k = qk_norm_rope(*args, num_heads, num_kv_heads, head_dim, roles=roles)
+    q, k = qk_norm_rope(*args, num_heads, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
     torch_ref.store_kv(k, v, k_ref, v_ref, slot_mapping, *scales)
     q_fused, k_fused = qk_norm_rope(
@@ -174,11 +170,8 @@ def check_qk_norm_rope_stores_kv(
         num_kv_heads,
         head_dim,
         kv_cache=(k_cache, v_cache, slot_mapping, *scales),
-        roles=roles,
     )
-    what = (
-        f"qk_norm_rope storing KV ({dtype} into {kv_dtype}, block size {bs}, scales {scales}, roles {roles})"
-    )
+    what = f"qk_norm_rope storing KV ({dtype} into {kv_dtype}, block size {bs}, scales {scales})"
     assert torch.equal(q_fused, q) and torch.equal(k_fused, k), what + ": q / k changed"
     bits = torch.uint8 if kv_dtype == torch.float8_e4m3fn else torch.int16
     assert torch.equal(k_cache.view(bits), k_ref.view(bits)), what + ": K cache"
