@@ -270,24 +270,8 @@ def fp8_register_grid():
     """The first fp8 decode kernel's tiles under register caps (maxnreg; 0: uncapped, 202 registers
     a thread, so 2 programs of 4 warps fit on an SM: 12.5% occupancy in Nsight Compute)."""
     for block_n, warps, stages, maxnreg in itertools.product((64, 128), (4, 8), (2, 3), (0, 96, 128, 168)):
-        cfg = {"KV_MAJOR": False, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
         yield None, {**cfg, "FP8_DOT_F16": True, "maxnreg": maxnreg}
-
-
-def fp8_kv_major_grid():
-    """paged_decode_kv_major_kernel's tiles (K and V as the MMAs' register operand); maxnreg 0:
-    uncapped."""
-    for block_n, warps, stages, maxnreg in itertools.product((32, 64, 128), (4, 8), (2, 3), (0, 128, 168)):
-        yield (
-            None,
-            {
-                "KV_MAJOR": True,
-                "BLOCK_N": block_n,
-                "num_warps": warps,
-                "num_stages": stages,
-                "maxnreg": maxnreg,
-            },
-        )
 
 
 def fp8_tile_grid(quick: bool = False):
@@ -302,7 +286,6 @@ def fp8_tile_grid(quick: bool = False):
         yield (
             None,
             {
-                "KV_MAJOR": False,
                 "BLOCK_N": block_n,
                 "num_warps": warps,
                 "num_stages": stages,
@@ -321,7 +304,7 @@ def stages_grid(fp8: bool):
     for block_n, warps, stages in itertools.product(block_ns, (4, 8), (3, 5, 6, 7)):
         cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
         if fp8:
-            cfg.update(KV_MAJOR=False, FP8_DOT_F16=True, maxnreg=0)
+            cfg.update(FP8_DOT_F16=True, maxnreg=0)
         yield None, cfg
 
 
@@ -356,8 +339,8 @@ def warps_grid():
         (32, 1, 3, 0), (32, 1, 5, 0), (32, 1, 7, 0), (32, 1, 3, 128), (16, 1, 3, 0), (64, 1, 3, 0),
         (64, 1, 5, 0), (32, 2, 3, 0), (32, 2, 5, 0), (64, 2, 3, 0), (64, 2, 5, 0),
     ):  # fmt: skip
-        cfg = {"KV_MAJOR": False, "FP8_DOT_F16": True, "BLOCK_N": block_n, "num_warps": warps,
-               "num_stages": stages, "maxnreg": maxnreg}  # fmt: skip
+        cfg = {"FP8_DOT_F16": True, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+               "maxnreg": maxnreg}  # fmt: skip
         for splits in (1, 2, 4):
             yield splits, cfg
     for splits in (1, 2):
@@ -439,9 +422,6 @@ def main() -> None:
         help="the fp8 sweeps' block size (default: the engine's for an e4m3 cache)",
     )
     parser.add_argument("--sweep-bf16", action="store_true", help="only the bf16 decode grid (block size 16)")
-    parser.add_argument(
-        "--sweep-fp8-kv-major", action="store_true", help="the transposed fp8 decode kernel's tiles"
-    )
     parser.add_argument(
         "--sweep-fp8-registers",
         action="store_true",
@@ -538,11 +518,9 @@ def main() -> None:
         variants = [
             ("bf16", DTYPE, None),
             ("fp8", FP8, None),
-            ("fp8 kv-major", FP8, {"KV_MAJOR": True, "maxnreg": 168}),
             ("fp8 BLOCK_N 64", FP8, {"BLOCK_N": 64}),
             ("fp8 BLOCK_N 256", FP8, {"BLOCK_N": 256, "num_stages": 2}),
             ("fp8 BLOCK_N 128 8 warps", FP8, {"num_warps": 8}),
-            ("fp8 kv-major BLOCK_N 64", FP8, {"KV_MAJOR": True, "BLOCK_N": 64, "maxnreg": 168}),
         ]
         for (name, kv_dtype, cfg), block_size, sequential in itertools.product(
             variants, (8, 16, 32, 64, 256), (False, True)
@@ -590,12 +568,6 @@ def main() -> None:
     if args.sweep_fp8_registers:
         for tbs, _, cfg in sweep_decode(256, 1024, FP8_BS, FP8, fp8_register_grid())[:12]:
             print(f"sweep fp8 registers b256x1024 bs{FP8_BS}: {tbs:.2f} TB/s of fp8 bytes {cfg}")
-    if args.sweep_fp8_kv_major:
-        for batch, context in shapes:
-            for tbs, used, cfg in sweep_decode(batch, context, FP8_BS, FP8, fp8_kv_major_grid())[:8]:
-                print(
-                    f"sweep fp8 kv-major b{batch}x{context} bs{FP8_BS}: {tbs:.2f} TB/s of fp8 bytes splits {used} {cfg}"
-                )
     if args.sweep_fp8 or args.sweep_fp8_quick:
         for batch, context in shapes[:1] if args.sweep_fp8_quick else shapes:
             for tbs, used, cfg in sweep_decode(

@@ -105,7 +105,6 @@ for what in "$@"; do
     store) TAIL=10 stage store "$PY" bench/attention.py --store ;;
     fp8-sweep) TAIL=20 stage fp8-sweep "$PY" bench/attention.py --sweep-fp8 ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     fp8-registers) TAIL=16 stage fp8-registers "$PY" bench/attention.py --sweep-fp8-registers ;;
-    fp8-kv-major) TAIL=20 stage fp8-kv-major "$PY" bench/attention.py --sweep-fp8-kv-major ;;
     fp8-layout) TAIL=32 stage fp8-layout "$PY" bench/attention.py --sweep-layout ;;
     fp8-context) TAIL=10 stage fp8-context "$PY" bench/attention.py --sweep-context ;;
     # The decode tiles at 3 and 5-7 stages (whether two K/V buffers beat one), both caches.
@@ -122,7 +121,7 @@ for what in "$@"; do
     fp8-engine-tests) TAIL=8 stage fp8-engine-tests "$PY" -m pytest -q -m gpu tests/test_fp8_kv.py tests/test_gpu_engine.py -k fp8 ;;
     # The Gluon fp8 GEMM's GPU tests (against v2 and the dequantized math) and its compiled K loop.
     gluon-tests) TAIL=8 stage gluon-tests "$PY" -m pytest -q tests/test_fp8_gemm.py -k "gluon" ;;
-    fp8-kv-major-tests) TAIL=8 stage fp8-kv-major-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
+    fp8-kernel-tests) TAIL=8 stage fp8-kernel-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "fp8" ;;
     # Nsight Compute on the decode kernel, bf16 and fp8 caches (where the machine's runtime gives
     # ncu the counters; the clocks left alone): what bounds the fp8 kernel.
     attention-ncu) TAIL=80 stage attention-ncu ncu --clock-control none -k regex:paged_ --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats "$PY" bench/attention.py --ncu ;;

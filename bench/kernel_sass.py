@@ -6,7 +6,7 @@ instructions (the fp8 decode kernel: bench/RESULTS.md), not a measurement.
 
     python bench/kernel_sass.py                        # the fp8 cache's default decode config
     python bench/kernel_sass.py --kv bf16 --block-n 64 # the bf16 one
-    python bench/kernel_sass.py --first-kernel --block-n 128 --maxnreg 168 --top 30
+    python bench/kernel_sass.py --block-n 64 --warps 1 --maxnreg 168 --top 30
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ def compile_sm90(
 
 def compile_decode(
     kv: str,
-    kv_major: bool,
     block_n: int,
     warps: int,
     stages: int,
@@ -80,7 +79,7 @@ def compile_decode(
 ):
     """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
     block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows)."""
-    fn = tk.paged_decode_kv_major_kernel if kv_major else tk.paged_attention_kernel
+    fn = tk.paged_attention_kernel
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
     constants = {
         "BLOCK_SIZE": block_size,
@@ -92,14 +91,13 @@ def compile_decode(
         "NUM_SPLITS": 1,
         "ROWS": 0 if block_q == 1 else 2,
         "KV_FP8": kv == "fp8",
+        "BLOCK_Q": block_q,
+        "DOT_PRECISION": "tf32",
+        "FP8_DOT_F16": kv == "fp8" and block_q == 1,
+        "STORE_KV": store_kv or rope,
+        "ROPE": rope,
+        "HAS_NORM": rope,
     }
-    if not kv_major:
-        constants.update(
-            {"BLOCK_Q": block_q, "DOT_PRECISION": "tf32", "FP8_DOT_F16": kv == "fp8" and block_q == 1}
-        )
-        constants["STORE_KV"] = store_kv or rope
-        constants["ROPE"] = rope
-        constants["HAS_NORM"] = rope
     int_ptrs = ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seq_order_ptr")
     types = {name: "*i32" if name in int_ptrs else "*bf16" for name in fn.arg_names if name.endswith("_ptr")}
     types["slot_mapping_ptr"] = "*i64"
@@ -154,11 +152,6 @@ def loop_stats(kernel) -> tuple[list[str], str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv", choices=("fp8", "bf16"), default="fp8", help="the cache's dtype")
-    parser.add_argument(
-        "--first-kernel",
-        action="store_true",
-        help="paged_attention_kernel for an fp8 cache, not the transposed one",
-    )
     parser.add_argument("--block-n", type=int, help="keys per tile (default: the decode config's)")
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
@@ -191,17 +184,14 @@ def main() -> None:
         config = tk.PREFILL_CONFIG
         block_q = max(config["BLOCK_M"] // triton.next_power_of_2(args.group), 1)
         args.warps, args.stages = config["num_warps"], config["num_stages"]
-    kv_major = (
-        args.kv == "fp8" and not args.first_kernel and not args.prefill and bool(config.get("KV_MAJOR"))
-    )
     block_n = args.block_n or config["BLOCK_N"]
     maxnreg = config.get("maxnreg", 0) if args.maxnreg is None else args.maxnreg
     kernel = compile_decode(
-        args.kv, kv_major, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
+        args.kv, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
         args.group, args.head_dim, block_q, args.block_size, args.group_pad, args.store_kv, args.rope,
     )  # fmt: skip
     ops, registers = loop_stats(kernel)
-    name = "paged_decode_kv_major_kernel" if kv_major else "paged_attention_kernel"
+    name = "paged_attention_kernel"
     if args.prefill:
         name += f" (prefill, {block_q} query tokens a tile)"
     tile_bytes = 2 * block_n * args.head_dim * (1 if args.kv == "fp8" else 2)

@@ -61,21 +61,21 @@ for dtype in (torch.bfloat16, f16):
     check_store_fp8(to_fp8(make_batch([13, 2], [13, 30], 4, 2, 32, 12, dtype, "cpu", seed=5), 0.02, 3.0))
 for scales in ((1.0, 1.0), (0.05, 2.5)):
     for splits, f16_dot in itertools.product((1, 3), (False, True)):
-        cfg = {"KV_MAJOR": False, "FP8_DOT_F16": f16_dot, "BLOCK_N": 16}
+        cfg = {"FP8_DOT_F16": f16_dot, "BLOCK_N": 16}
         check_attention_fp8(to_fp8(make_batch([1] * 4, [20, 1, 40, 17], 8, 2, 32, 16, f16, "cpu", num_padding=2), *scales), splits, decode_config=cfg)
-    # The transposed decode kernel (the default for 16-bit queries), alone and beside prefill rows.
+    # GQA groups of 2 and 4 query heads, alone and beside prefill rows.
     for splits, group in itertools.product((1, 3), (2, 4)):
         b = make_batch([1] * 4, [20, 1, 40, 17], 2 * group, 2, 32, 16, f16, "cpu", num_padding=2)
-        check_attention_fp8(to_fp8(b, *scales), splits, decode_config={"KV_MAJOR": True, "BLOCK_N": 16})
+        check_attention_fp8(to_fp8(b, *scales), splits, decode_config={"BLOCK_N": 16})
     b = make_batch([5, 1, 33, 1], [21, 9, 50, 70], 4, 2, 48, 16, f16, "cpu", seed=3, num_padding=1)
-    check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"KV_MAJOR": True, "BLOCK_N": 16})
+    check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"BLOCK_N": 16})
 
     b = make_batch([5, 20, 1, 33, 1], [21, 20, 9, 50, 70], 4, 2, 32, 16, f16, "cpu", seed=1, num_padding=1)
     check_attention_fp8(to_fp8(b, *scales), 2)
-    # Key tiles of several cache blocks (V^T loaded a block at a time), both decode kernels and prefill.
-    for block_size, kv_major in itertools.product((4, 8), (False, True)):
+    # Key tiles of several cache blocks (V^T loaded a block at a time), decode and prefill.
+    for block_size in (4, 8):
         b = make_batch([1, 1, 3, 1], [13, 1, 40, 27], 4, 2, 32, block_size, f16, "cpu", seed=4, num_padding=1)
-        check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"KV_MAJOR": kv_major, "BLOCK_N": 32}, config={"BLOCK_N": 16})
+        check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"BLOCK_N": 32}, config={"BLOCK_N": 16})
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})
 """,
     "fp8_decode_stores_kv": """
@@ -85,16 +85,16 @@ from helpers.attention_fp8_checks import check_decode_stores_kv
 for block_size, block_n in ((16, 16), (8, 32)):
     for splits in (1, 3):
         b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, block_size, f16, "cpu", num_padding=2)
-        check_decode_stores_kv(to_fp8(b, 0.05, 2.5), splits, {"KV_MAJOR": False, "BLOCK_N": block_n})
+        check_decode_stores_kv(to_fp8(b, 0.05, 2.5), splits, {"BLOCK_N": block_n})
 # A cache block of several key tiles (BLOCK_N below the block size), split among up to 8 programs.
 b = make_batch([1] * 4, [65, 100, 129, 7], 4, 2, 32, 64, f16, "cpu", seed=2, num_padding=1)
 for splits in (1, 3, 8):
-    check_decode_stores_kv(to_fp8(b, 1.0, 1.0), splits, {"KV_MAJOR": False, "BLOCK_N": 16})
+    check_decode_stores_kv(to_fp8(b, 1.0, 1.0), splits, {"BLOCK_N": 16})
 from helpers.attention_fp8_checks import check_decode_fuses_rope
 # ... and normalising and rotating q and the new K itself (DECODE_FUSES_ROPE), with and without q/k norms.
 for dtype, with_norm in ((f16, True), (torch.bfloat16, True), (f16, False)):
     b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, 16, dtype, "cpu", seed=5, num_padding=2)
-    check_decode_fuses_rope(to_fp8(b, 0.05, 2.5), 3, {"KV_MAJOR": False, "BLOCK_N": 16}, with_norm=with_norm)
+    check_decode_fuses_rope(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16}, with_norm=with_norm)
 # Through the attention layer: Qwen3 (q/k norms), families without them, YaRN and llama3 rotary tables,
 # GROUP 1 to 4, head_dim 32 and 64, positions up to 4,999.
 from helpers.attention_fp8_checks import check_layer_fuses_rope

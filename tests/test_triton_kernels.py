@@ -207,7 +207,6 @@ def test_store_kv_fp8_is_byte_exact(scales, block_size, dtype, kind):
     "variant",
     [
         {},
-        {"KV_MAJOR": True},
         {"FP8_DOT_F16": False},
         # programs of one and two warps (bench/attention.py --sweep-warps)
         {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3},
@@ -232,7 +231,7 @@ def test_decode_stores_kv_fp8(block_size, num_splits, variant):
     batch = make_batch(
         [1] * 40, ctx_lens, 16, 8, 128, block_size, torch.bfloat16, "cuda", seed=8, num_padding=3
     )
-    check_decode_stores_kv(to_fp8(batch, 0.03, 2.5), num_splits, {"KV_MAJOR": False, **variant})
+    check_decode_stores_kv(to_fp8(batch, 0.03, 2.5), num_splits, variant)
 
 
 @pytest.mark.parametrize("with_norm", [True, False])
@@ -244,15 +243,7 @@ def test_decode_fuses_rope_fp8(with_norm, num_splits):
     ctx_lens = random_lengths(40, 900, seed=9)
     ctx_lens = [c - (c - 1) % 32 if i % 2 else c for i, c in enumerate(ctx_lens)]
     batch = make_batch([1] * 40, ctx_lens, 16, 8, 128, 32, torch.bfloat16, "cuda", seed=10, num_padding=3)
-    check_decode_fuses_rope(to_fp8(batch, 0.03, 2.5), num_splits, {"KV_MAJOR": False}, with_norm, exact=False)
-
-
-@pytest.mark.parametrize("block_n", [32, 64, 128])
-def test_decode_fp8_kv_major_beside_prefill(block_n):
-    ctx_lens = [300, 517, 64, 1000, 33, 129]
-    q_lens = [44, 1, 64, 1, 1, 1]
-    batch = make_batch(q_lens, ctx_lens, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=6, num_padding=2)
-    check_attention_fp8(to_fp8(batch, 0.5, 1.5), 3, decode_config={"KV_MAJOR": True, "BLOCK_N": block_n})
+    check_decode_fuses_rope(to_fp8(batch, 0.03, 2.5), num_splits, {}, with_norm, exact=False)
 
 
 @pytest.mark.parametrize("scales", FP8_SCALES)

@@ -29,14 +29,14 @@ class AttentionBackend:
         compiles while serving."""
         return [min(2, max_num_seqs)]
 
-    def decode_stores_kv(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
+    def decode_stores_kv(self, k_cache: torch.Tensor, context: Context) -> bool:
         """Whether forward stores this step's K/V from its decode kernel (each program its head's
         bytes) rather than with a store before attention: then a caller that would store them
         beforehand (the fused rotary kernel) stores nothing and passes kv_stored=False. The Triton
         backend's decode-only steps over an e4m3 cache, where a separate store is costly."""
         return False
 
-    def decode_fuses_rope(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
+    def decode_fuses_rope(self, k_cache: torch.Tensor, context: Context) -> bool:
         """Whether forward can take this step's q and k straight from the qkv projection, with a
         DecodeRope (attention/triton_kernels.py) to normalise and rotate them in its decode kernel, so
         that the layer runs no rotary kernel: a decode step where decode_stores_kv holds, and the

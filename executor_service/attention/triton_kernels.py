@@ -13,10 +13,9 @@ causal mask, reading the cached prefix and this chunk's keys through the block t
 An e4m3 cache (kv_cache_dtype fp8) is the same kernels with KV_FP8: the store writes
 e4m3(x / scale), rounded in fp32 (round_to_e4m3); attention loads half the bytes, widens K and V to
 fp16 (or q's dtype) in registers (exact), folds k_scale into the softmax scale and multiplies the
-output by v_scale, accumulating in fp32 as for 16-bit caches. Its decode rows of 16-bit queries
-run paged_decode_kv_major_kernel instead, the same computation transposed (K and V as the MMAs'
-first operand), in fp16: a bf16 query must lie within fp16's range (|q| < 65504), as with
-FP8_DOT_F16. Its V cache keeps each block transposed, [num_blocks, num_kv_heads, head_dim,
+output by v_scale, accumulating in fp32 as for 16-bit caches (with FP8_DOT_F16, the decode
+default, in fp16: a bf16 query must lie within fp16's range, |q| < 65504). Its V cache keeps each
+block transposed, [num_blocks, num_kv_heads, head_dim,
 block_size] (fp8.v_cache_slots): P @ V reduces over the keys, and sm90 can only gather 8-bit
 operands along their reduction axis byte by byte from a slot-major tile, while keys that are
 contiguous load as 16-byte vectors. The kernels read a block's V slots past the context (whole
@@ -558,141 +557,6 @@ def paged_attention_kernel(
         tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
 
 
-# The block tables' row stride: not specialised, as for paged_attention_kernel.
-@triton.jit(do_not_specialize=["stride_bt"])
-def paged_decode_kv_major_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    out_ptr,
-    partial_out_ptr,
-    partial_lse_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    cu_seqlens_q_ptr,
-    seq_order_ptr,
-    new_k_ptr,  # (paged_attention_kernel's STORE_KV and ROPE arguments, unused here)
-    new_v_ptr,
-    slot_mapping_ptr,
-    k_scale,
-    cos_sin_ptr,
-    q_norm_ptr,
-    k_norm_ptr,
-    stride_rope,
-    eps,
-    qk_scale,
-    v_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_vb,  # the e4m3 V cache's block, head and dimension strides (its keys are contiguous)
-    stride_vh,
-    stride_vd,
-    stride_bt,
-    stride_nkt,
-    stride_nkh,
-    stride_nvt,
-    stride_nvh,
-    num_heads,
-    BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    ROWS: tl.constexpr,  # 0: every sequence (all of query length 1); 1: only query length 1
-    KV_FP8: tl.constexpr,
-    ORDERED: tl.constexpr = False,
-):
-    """Decode attention computed transposed: s^T = K q^T and o^T = V^T p^T, so that K and V (widened
-    from e4m3 in registers) are the MMAs' first operand, which Hopper's wgmma takes from registers,
-    instead of the second, which it reads from shared memory (paged_attention_kernel's q K^T and
-    p V store the widened tiles there first). Only q^T (once) and p^T (BLOCK_N x GROUP_PAD) go
-    through shared memory. Same grid, scales, splits and partial outputs as paged_attention_kernel
-    with BLOCK_Q = 1; K, V, q and p in fp16 (e4m3 widens to it exactly)."""
-    kv_head = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
-    seq = _program_seq(seq_order_ptr, ORDERED)
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    if ROWS == 1:  # noqa: SIM102 (constexpr branch, pruned at compile time)
-        if tl.load(cu_seqlens_q_ptr + seq + 1) - q_start != 1:
-            return
-    context_len = tl.load(context_lens_ptr + seq)
-
-    g = tl.arange(0, GROUP_PAD)  # the KV head's query heads, as columns
-    head = kv_head * GROUP + g
-    g_valid = g < GROUP
-    d = tl.arange(0, BLOCK_D)
-    if BLOCK_D == HEAD_DIM:
-        d_valid = tl.full([BLOCK_D], 1, tl.int1)
-    else:
-        d_valid = d < HEAD_DIM
-    q_off = q_start.to(tl.int64) * stride_qt + head[None, :] * stride_qh + d[:, None]
-    qt = tl.load(q_ptr + q_off, mask=g_valid[None, :] & d_valid[:, None], other=0.0).to(tl.float16)
-
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_D, GROUP_PAD], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    n = tl.arange(0, BLOCK_N)
-    for tile in range(tile_lo, tile_hi):
-        key = tile * BLOCK_N + n
-        key_valid = key < context_len
-        # (the whole of the last block: V is read by whole blocks)
-        whole_block = (key // BLOCK_SIZE) * BLOCK_SIZE < context_len
-        block = tl.load(bt_row + key // BLOCK_SIZE, mask=whole_block, other=0).to(tl.int64)
-        row = block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
-        if BLOCK_D == HEAD_DIM:
-            k_mask = key_valid[:, None]
-        else:
-            k_mask = key_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=k_mask, other=0.0).to(tl.float16)
-        st = tl.dot(k, qt) * qk_scale  # [BLOCK_N, GROUP_PAD], log2 domain
-        st = tl.where(key_valid[:, None], st, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        pt = tl.exp2(st - m_safe[None, :])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(pt, 0)
-        # V^T [BLOCK_D, BLOCK_N] straight from blocks kept transposed, whole blocks at a time (the
-        # slots past the context are zeros: store_kv_kernel).
-        vt_off = (
-            block[None, :] * stride_vb
-            + kv_head * stride_vh
-            + d[:, None] * stride_vd
-            + (key % BLOCK_SIZE)[None, :]
-        )
-        if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
-            vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
-        vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
-        vt = vt.to(tl.float16)
-        acc = acc * alpha[None, :] + tl.dot(vt, pt.to(tl.float16))  # [BLOCK_D, GROUP_PAD]
-        m_i = m_new
-
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
-    if KV_FP8:
-        o = o * v_scale
-    out_mask = g_valid[None, :] & d_valid[:, None]
-    if NUM_SPLITS == 1:
-        o_off = q_start.to(tl.int64) * stride_ot + head[None, :] * stride_oh + d[:, None]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
-        tl.store(partial_lse_ptr + part, lse, mask=g_valid)
-        tl.store(partial_out_ptr + part[None, :] * HEAD_DIM + d[:, None], o, mask=out_mask)
-
-
 @triton.jit
 def split_kv_reduce_kernel(
     partial_out_ptr,
@@ -741,10 +605,11 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # widened to fp16 too: exact for bf16 values within fp16's range (|q| < 65504, normal above 6e-5).
 # The V cache kept transposed per block, read by whole blocks: the first kernel, uncapped (123
 # registers a thread, 4 programs an SM; its loop compiled for sm90 issues 752 instructions per 128
-# keys against 1,083 for the transposed kernel on the slot-major V cache, bench/kernel_sass.py).
+# keys against 1,083 for a transposed kernel, s^T = K q^T, on the slot-major V cache; that kernel,
+# 2.70 TB/s against 3.54 at block size 32 on the H200, is gone: bench/RESULTS.md, 2026-12-02).
 # On the H200: 2.87 TB/s of fp8 bytes at b256x1024 and block size 16, 3.47 at 32 (an fp8 cache's
 # default block size), 3.65 at 256 (bench/attention.py; the transposed kernel 2.30 at 16).
-DECODE_CONFIG_FP8 = {"KV_MAJOR": False, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True}
+DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
 # Whether a decode step's K and V go into an e4m3 cache from the decode kernel (each program its
@@ -841,12 +706,11 @@ def cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens: int) -> tup
 
 def _launch(
     q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, grid_q, kv_scales,
-    kernel=paged_attention_kernel, seq_order=None, new_kv=None, rope=None, **meta,
+    seq_order=None, new_kv=None, rope=None, **meta,
 ):  # fmt: skip
-    """Launch `kernel` (paged_attention_kernel, or paged_decode_kv_major_kernel, which takes no
-    BLOCK_Q, DOT_PRECISION or FP8_DOT_F16) and the split-KV reduce after it; seq_order: the
-    sequences in the order the programs take them, or None for the batch's order; new_kv: (k, v,
-    slot_mapping) for paged_attention_kernel's STORE_KV, and rope (DecodeRope) for its ROPE."""
+    """Launch paged_attention_kernel and the split-KV reduce after it; seq_order: the sequences
+    in the order the programs take them, or None for the batch's order; new_kv: (k, v,
+    slot_mapping) for its STORE_KV, and rope (DecodeRope) for its ROPE."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
@@ -867,14 +731,13 @@ def _launch(
             num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
         )
         partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    if kernel is paged_attention_kernel:
-        meta["DOT_PRECISION"] = "ieee" if q.dtype == torch.float32 else "tf32"
-        meta["STORE_KV"] = new_kv is not None
-        if rope is not None:
-            meta.update(ROPE=True, HAS_NORM=rope.q_weight is not None)
+    meta["DOT_PRECISION"] = "ieee" if q.dtype == torch.float32 else "tf32"
+    meta["STORE_KV"] = new_kv is not None
+    if rope is not None:
+        meta.update(ROPE=True, HAS_NORM=rope.q_weight is not None)
     k_new, v_new, slot_mapping = new_kv if new_kv is not None else (q, q, context_lens)  # (unused without)
     table, q_norm, k_norm = (q, q, q) if rope is None else (rope.cos_sin_cache, rope.q_weight, rope.k_weight)
-    kernel[grid](
+    paged_attention_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -966,7 +829,7 @@ def paged_decode(
     rope: a DecodeRope, with new_kv: q and new_kv's k are the qkv projection's, not yet normalised
     and rotated; the kernel does it (DECODE_FUSES_ROPE), as layers/triton_ops.qk_norm_rope would."""
     cfg = {**decode_config(k_cache.dtype), **(config or {})}
-    if new_kv is not None and not decode_stores_kv(k_cache, cfg, q.dtype):
+    if new_kv is not None and not decode_stores_kv(k_cache):
         raise ValueError("new_kv: the decode kernel stores K/V only into an e4m3 cache of power-of-2 blocks")
     if rope is not None and (new_kv is None or q.shape[2] & (q.shape[2] - 1)):
         raise ValueError("rope: the decode kernel rotates only with new_kv, at a power-of-2 head_dim")
@@ -974,17 +837,7 @@ def paged_decode(
     f16_query = q.dtype != torch.float32
     # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)
     meta = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and f16_query else {}
-    # KV_MAJOR: paged_decode_kv_major_kernel, for an e4m3 cache and 16-bit q only (it computes in
-    # fp16: FP8_DOT_F16 False keeps q's dtype, in the first kernel)
-    if (
-        cfg.get("KV_MAJOR")
-        and cfg.get("FP8_DOT_F16", True)
-        and k_cache.dtype == torch.float8_e4m3fn
-        and f16_query
-    ):
-        meta["kernel"] = paged_decode_kv_major_kernel
-    else:
-        meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
+    meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, ROWS=rows,
@@ -993,24 +846,17 @@ def paged_decode(
     )  # fmt: skip
 
 
-def decode_fuses_rope(k_cache: torch.Tensor, head_dim: int, q_dtype=torch.bfloat16) -> bool:
+def decode_fuses_rope(k_cache: torch.Tensor, head_dim: int) -> bool:
     """Whether paged_decode normalises and rotates q and the new K itself (rope): DECODE_FUSES_ROPE
     where it stores K/V (decode_stores_kv), at a power-of-2 head_dim."""
-    return DECODE_FUSES_ROPE and decode_stores_kv(k_cache, q_dtype=q_dtype) and head_dim & (head_dim - 1) == 0
+    return DECODE_FUSES_ROPE and decode_stores_kv(k_cache) and head_dim & (head_dim - 1) == 0
 
 
-def decode_stores_kv(k_cache: torch.Tensor, config: dict | None = None, q_dtype=torch.bfloat16) -> bool:
-    """Whether paged_decode stores a decode step's K and V itself (new_kv): DECODE_STORES_KV, an
-    e4m3 cache of power-of-2 blocks, and the first kernel (not KV_MAJOR) for this query dtype."""
-    cfg = {**decode_config(k_cache.dtype), **(config or {})}
+def decode_stores_kv(k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode stores a decode step's K and V itself (new_kv): DECODE_STORES_KV and an
+    e4m3 cache of power-of-2 blocks."""
     block_size = k_cache.shape[1]
-    kv_major = cfg.get("KV_MAJOR") and cfg.get("FP8_DOT_F16", True) and q_dtype != torch.float32
-    return (
-        DECODE_STORES_KV
-        and k_cache.dtype == torch.float8_e4m3fn
-        and block_size & (block_size - 1) == 0
-        and not kv_major
-    )
+    return DECODE_STORES_KV and k_cache.dtype == torch.float8_e4m3fn and block_size & (block_size - 1) == 0
 
 
 def paged_prefill(

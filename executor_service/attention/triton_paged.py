@@ -113,13 +113,11 @@ class TritonPagedBackend(AttentionBackend):
             first.setdefault(kernels.choose_num_splits(n, num_kv_heads, _num_sms(device), config), n)
         return sorted({*first.values(), min(2, max_num_seqs)})
 
-    def decode_stores_kv(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
-        return self.prepared(context).decode_only and kernels.decode_stores_kv(k_cache, q_dtype=q_dtype)
+    def decode_stores_kv(self, k_cache: torch.Tensor, context: Context) -> bool:
+        return self.prepared(context).decode_only and kernels.decode_stores_kv(k_cache)
 
-    def decode_fuses_rope(self, k_cache: torch.Tensor, context: Context, q_dtype: torch.dtype) -> bool:
-        return self.prepared(context).decode_only and kernels.decode_fuses_rope(
-            k_cache, k_cache.shape[-1], q_dtype
-        )
+    def decode_fuses_rope(self, k_cache: torch.Tensor, context: Context) -> bool:
+        return self.prepared(context).decode_only and kernels.decode_fuses_rope(k_cache, k_cache.shape[-1])
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
         kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -142,11 +140,11 @@ class TritonPagedBackend(AttentionBackend):
         """AttentionBackend.forward; rope: a DecodeRope where decode_fuses_rope said so (q and k
         not yet normalised and rotated)."""
         plan = self.prepared(context)
-        if rope is not None and (kv_stored or not self.decode_fuses_rope(k_cache, context, q.dtype)):
+        if rope is not None and (kv_stored or not self.decode_fuses_rope(k_cache, context)):
             raise ValueError("rope: only a decode step whose kernel stores K/V normalises and rotates them")
         new_kv = None  # this step's K/V for the decode kernel to store (decode_stores_kv)
         if k_cache.numel() and not kv_stored:
-            if self.decode_stores_kv(k_cache, context, q.dtype):
+            if self.decode_stores_kv(k_cache, context):
                 new_kv = (k, v, context.slot_mapping)
             else:
                 kernels.store_kv(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)

@@ -72,7 +72,7 @@ class SelfAttention(Fusable, nn.Module):
         # [num_tokens, heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         kv_cache = None
-        if self.fused and (rope := self._decode_rope(qkv.dtype)) is not None:
+        if self.fused and (rope := self._decode_rope()) is not None:
             # The decode kernel normalises, rotates and stores q and k itself: no rotary kernel.
             q = q.view(-1, self.num_heads, self.head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -80,7 +80,7 @@ class SelfAttention(Fusable, nn.Module):
         if self.fused:
             from executor_service.layers import triton_ops
 
-            kv_cache = self._cache_to_store(qkv.dtype)
+            kv_cache = self._cache_to_store()
             q, k = triton_ops.qk_norm_rope(
                 qkv,
                 positions,
@@ -102,13 +102,13 @@ class SelfAttention(Fusable, nn.Module):
         o = self.attn(q, k, v, kv_stored=kv_cache is not None)
         return self.o_proj(o.flatten(1))
 
-    def _decode_rope(self, dtype: torch.dtype):
+    def _decode_rope(self):
         """A DecodeRope when the backend's decode kernel normalises and rotates this step's q and k
         itself (decode_fuses_rope: a decode step, DECODE_FUSES_ROPE), else None."""
         attn = self.attn
         if not attn.k_cache.numel() or recording() is not None:
             return None
-        if not attn.backend.decode_fuses_rope(attn.k_cache, get_context(), dtype):
+        if not attn.backend.decode_fuses_rope(attn.k_cache, get_context()):
             return None
         from executor_service.attention.triton_kernels import DecodeRope
 
@@ -120,7 +120,7 @@ class SelfAttention(Fusable, nn.Module):
             q_norm.eps if q_norm is not None else 0.0,
         )
 
-    def _cache_to_store(self, dtype: torch.dtype) -> tuple | None:
+    def _cache_to_store(self) -> tuple | None:
         """What the fused rotary kernel needs to write this step's K/V into the cache itself: with
         a backend whose store it is (fused_store), the cache bound, and outside a piecewise-graph
         capture (MixedGraphs puts the store in its graphs); None otherwise, and None where the
@@ -130,6 +130,6 @@ class SelfAttention(Fusable, nn.Module):
             return None
         context = get_context()
         slot_mapping = context.slot_mapping
-        if slot_mapping is None or attn.backend.decode_stores_kv(attn.k_cache, context, dtype):
+        if slot_mapping is None or attn.backend.decode_stores_kv(attn.k_cache, context):
             return None
         return attn.k_cache, attn.v_cache, slot_mapping, attn.k_scale, attn.v_scale

@@ -146,9 +146,9 @@ def _decode_storing(batch: dict, q, k, v, num_splits: int, decode_config: dict |
     out = torch.full_like(q, NAN)
     with decode_flags(True, rope is not None):
         if rope is None:
-            assert tk.decode_stores_kv(k_cache, decode_config, q.dtype)
+            assert tk.decode_stores_kv(k_cache)
         else:
-            assert tk.decode_fuses_rope(k_cache, q.shape[2], q.dtype)
+            assert tk.decode_fuses_rope(k_cache, q.shape[2])
         tk.paged_decode(
             q, k_cache, v_cache, out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, batch["scale"],
             num_splits, config=decode_config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
