@@ -108,8 +108,13 @@ class _Choice:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncEngine, api_keys: list[str] | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, api_keys: list[str] | None = None, stream_interval: int = 1
+    ) -> None:
+        """`stream_interval`: the fewest tokens a streamed chunk carries, except a choice's last
+        (--stream-interval, as on the gRPC API)."""
         self.engine = engine
+        self.stream_interval = stream_interval
         self.metrics = engine.metrics
         self._keys = ApiKeys(api_keys) if api_keys else None
         self.app = self._build_app()
@@ -423,14 +428,14 @@ class _RequireApiKey:
 
 
 async def _choice_deltas(
-    engine: AsyncEngine, choice: _Choice
+    engine: AsyncEngine, choice: _Choice, interval: int = 1
 ) -> AsyncIterator[tuple[str, list[TokenLogprob], bool]]:
-    """(text delta, its tokens' logprobs, last) as the engine produces them (none of them for a
-    prompt echoed alone, which ends for its length); the stream's failure is raised as
-    TandemRequestError."""
+    """(text delta, its tokens' logprobs, last) as the engine produces them, `interval` tokens at
+    least a delta but the last (none of them for a prompt echoed alone, which ends for its
+    length); the stream's failure is raised as TandemRequestError."""
     stream, output = choice.stream, choice.output
     while True:
-        await stream.wait(1)
+        await stream.wait(interval)
         if stream.failure is not None:
             raise stream.failure
         finished = stream.finished
@@ -717,7 +722,7 @@ class _ResponseWriter:
                 if choice.prompt_text is not None and self.num_top is not None and choice.stream.index:
                     # An echoed prompt comes with its logprobs, which its first sample scores.
                     await _prompt_scored(self.choices[choice.index - choice.stream.index].stream)
-                async for item in _choice_deltas(self.engine, choice):
+                async for item in _choice_deltas(self.engine, choice, self.server.stream_interval):
                     await queue.put((choice, *item))
             except TandemRequestError as e:
                 await queue.put((choice, e))

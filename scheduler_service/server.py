@@ -114,6 +114,7 @@ class SchedulerServer:
         else:
             self.engine = AsyncEngine(executor, options, self.metrics, tokenizer_for, self._on_health)
         self.servicer = GenerationServicer(self.engine, stream_interval)
+        self.stream_interval = stream_interval
         self.health = health.aio.HealthServicer()
         self.api_keys = list(api_keys or [])
         self.tls_credentials = tls_credentials
@@ -170,7 +171,9 @@ class SchedulerServer:
             sock = self._http_socket or bind_http_socket(self.host, self.http_port)
             self.http_port = sock.getsockname()[1]
             cert, key = self.http_tls or (None, None)
-            self._http = HttpServer(OpenAIServer(self.engine, self.api_keys).app, sock, cert, key)
+            self._http = HttpServer(
+                OpenAIServer(self.engine, self.api_keys, self.stream_interval).app, sock, cert, key
+            )
         await server.start()
         self._server = server
         if self._http is not None:

@@ -843,3 +843,33 @@ def test_tokenize_and_detokenize_as_vllm_s(server, checkpoint):
             ]
 
     assert asyncio.run_coroutine_threadsafe(without_key(), server.engine._loop).result(10) == [401, 401]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_interval_sets_the_tokens_of_an_http_chunk(checkpoint, reference, endpoint):
+    """--stream-interval 4 reaches the HTTP API as it does gRPC: each streamed chunk of a choice
+    carries at least 4 tokens but its last, and the chunks add up to the whole answer."""
+    with serving_http(checkpoint, stream_interval=4) as server:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0)
+        model = api.models.list().data[0].id
+        params = {
+            "model": model,
+            "max_tokens": 14,
+            "temperature": 0,
+            "stream": True,
+            "extra_body": {"ignore_eos": True},
+        }
+        if endpoint == "completions":
+            chunks = list(api.completions.create(prompt=PROMPT, logprobs=0, **params))
+            sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+        else:
+            messages = [{"role": "user", "content": PROMPT}]
+            chunks = list(api.chat.completions.create(messages=messages, logprobs=True, **params))
+            sizes = [
+                len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs
+            ]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert sum(sizes) == 14 and all(n >= 4 for n in sizes[:-1]), sizes
+    if endpoint == "completions":
+        assert text == _offline(reference, max_tokens=14, temperature=0, ignore_eos=True).text

@@ -48,10 +48,10 @@ def wait_http_health(url: str, want: int = 200, **httpx_kwargs) -> None:
 
 
 @contextlib.contextmanager
-def serving_http(path):
-    """make_server(path) with its HTTP front end on a free port, in a thread, answering /health;
-    stopped after the block."""
-    thread = ServerThread(make_server(path, http_port=0))
+def serving_http(path, **kwargs):
+    """make_server(path, **kwargs) with its HTTP front end on a free port, in a thread, answering
+    /health; stopped after the block."""
+    thread = ServerThread(make_server(path, http_port=0, **kwargs))
     server = thread.start()
     try:
         wait_http_health(f"http://127.0.0.1:{server.http_port}")
