@@ -108,7 +108,8 @@ FLAGS = (
         env="KV_CACHE_GB",
         type=float,
         default=1.0,
-        help="KV cache size in GiB when --num-kv-blocks is not given (default 1)",
+        help="KV cache size in GiB off CUDA, when --num-kv-blocks is not given (default 1); on CUDA "
+        "the cache takes what --gpu-memory-utilization leaves",
     ),
     flag(
         "--num-kv-blocks", env="NUM_KV_BLOCKS", type=int, help="number of KV blocks, overrides --kv-cache-gb"
@@ -197,7 +198,7 @@ FLAGS = (
         "--api-key",
         env="EXECUTOR_API_KEY",
         group=SECURITY,
-        help="Describe, Step and Reset need 'authorization: Bearer <key>' (the scheduler's "
+        help="Describe, Step, Reset and Release need 'authorization: Bearer <key>' (the scheduler's "
         "--executor-api-key; health and reflection excepted); prefer --api-key-file or the "
         "environment, which other users cannot read from the process list",
     ),

@@ -34,10 +34,11 @@ def determine_num_kv_blocks(runner: ModelRunner, bytes_per_block: int) -> int:
     if runner.tp_size > 1:  # the scheduler sees one block count: every rank must hold it
         num_blocks = parallel.min_over_ranks(num_blocks, runner.device)
     if num_blocks * runner.block_size < config.max_model_len:
+        knob = "gpu_memory_utilization" if runner.device.type == "cuda" else "kv_cache_gb"
         raise ValueError(
             f"the KV cache holds {num_blocks * runner.block_size} tokens ({num_blocks} blocks of "
             f"{runner.block_size}), fewer than max_model_len ({config.max_model_len}): raise "
-            "num_kv_blocks, kv_cache_gb or gpu_memory_utilization, or lower max_model_len"
+            f"num_kv_blocks or {knob}, or lower max_model_len"
         )
     return num_blocks
 

@@ -199,12 +199,13 @@ class AsyncEngine:
                 raise QueueFullError(f"queue full: {num_waiting} requests waiting (--max-queue {max_queue})")
         max_tokens = self.options.max_queued_tokens
         if max_tokens is not None:
-            if num_tokens > max_tokens:
+            adding = num_tokens * num_samples  # each sample counts its prompt
+            if adding > max_tokens:  # no retry can admit it
+                samples = f" x {num_samples} samples (n)" if num_samples > 1 else ""
                 raise InvalidRequestError(
-                    f"prompt ({num_tokens} tokens) exceeds --max-queued-tokens ({max_tokens})"
+                    f"prompt ({num_tokens} tokens){samples} exceeds --max-queued-tokens ({max_tokens})"
                 )
             queued = self.streams.num_queued_tokens
-            adding = num_tokens * num_samples  # each sample counts its prompt
             if queued + adding > max_tokens:
                 raise QueueFullError(
                     f"queue full: {queued} prompt tokens waiting + {adding} would exceed "

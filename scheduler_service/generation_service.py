@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -63,7 +64,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
-        logprobs=msg.logprobs,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         n=msg.n or 1,
         min_tokens=msg.min_tokens,
         logit_bias=dict(msg.logit_bias),
@@ -137,12 +138,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _admit(
         self, request: pb.GenerateRequest, request_id: str, arrival: float, timeout: float | None
-    ) -> list[tuple[RequestStream, ChatOutputParser | None]]:
-        """One stream per sample (n), with the parser that splits a Chat prompt's answer."""
+    ) -> list[tuple[RequestStream, ChatOutputParser | None, bool]]:
+        """One stream per sample (n), with the parser that splits a Chat prompt's answer and
+        whether its tokens' logprobs go without alternatives (logprobs 0)."""
         verify_request_id(request.request_id)
         params = sampling_params_from_proto(request.sampling_params)
         tokenizer = self.engine.tokenizer
         verify_tokenizer(params, tokenizer, NO_TOKENIZER)
+        # logprobs 0: each token's own logprob, which the engine reports beside one alternative
+        # (its 0 is none); the alternative is dropped from the chunks.
+        own_only = params.logprobs == 0
+        if own_only:
+            params = dataclasses.replace(params, logprobs=1)
         kind = request.WhichOneof("prompt")
         if kind in ("text", "chat"):
             # No work for a prompt that cannot be served: no executor (UNAVAILABLE), no tokenizer,
@@ -167,8 +174,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prompt, template = list(ids), None
         streams = await self.engine.submit(request_id, prompt, params, arrival, timeout, request.user)
         if template is None:
-            return [(stream, None) for stream in streams]
-        return [(stream, ChatOutputParser.for_request(template, text, tools)) for stream in streams]
+            return [(stream, None, own_only) for stream in streams]
+        return [(stream, ChatOutputParser.for_request(template, text, tools), own_only) for stream in streams]
 
     async def Generate(
         self,
@@ -197,7 +204,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except asyncio.CancelledError:  # while it was tokenized or admitted (by a slow engine core)
             self._count_gone(context)
             raise
-        streams = [stream for stream, _ in samples]
+        streams = [stream for stream, _, _ in samples]
         num_finals = 0
         failed = False
         try:
@@ -229,15 +236,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.metrics.requests_failed.labels(code.name).inc()
 
     async def _samples(
-        self, samples: list[tuple[RequestStream, ChatOutputParser | None]]
+        self, samples: list[tuple[RequestStream, ChatOutputParser | None, bool]]
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Every sample's responses, interleaved as they come; a failed sample's TandemRequestError
         is raised."""
         queue: asyncio.Queue = asyncio.Queue(maxsize=len(samples))
 
-        async def pump(stream: RequestStream, parser: ChatOutputParser | None) -> None:
+        async def pump(stream: RequestStream, parser: ChatOutputParser | None, own_only: bool) -> None:
             try:
-                async for response in self._responses(stream, parser):
+                async for response in self._responses(stream, parser, own_only):
                     await queue.put(response)
             except TandemRequestError as e:
                 await queue.put(e)
@@ -260,9 +267,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 task.cancel()
 
     async def _responses(
-        self, stream: RequestStream, parser: ChatOutputParser | None
+        self, stream: RequestStream, parser: ChatOutputParser | None, own_only: bool = False
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """One sample's chunks, then its final message; its failure raised as TandemRequestError."""
+        """One sample's chunks, then its final message; its failure raised as TandemRequestError.
+        own_only: its tokens' logprobs without their alternatives."""
         tokenizer = self.engine.tokenizer
         output = OutputProcessor(tokenizer, stream.params)
         request_id, index = stream.request_id, stream.index
@@ -280,7 +288,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 for part in split_logprobs(entries, self._chunk_token_bytes):
                     chunk = pb.GenerateChunk(prompt_logprobs=part)
                     yield pb.GenerateResponse(request_id=request_id, chunk=chunk, index=index)
-            pieces = list(split_tokens(ids, logprobs_to_proto(logprobs, tokenizer), self._chunk_token_bytes))
+            entries = logprobs_to_proto(logprobs, tokenizer)
+            if own_only:
+                for entry in entries:
+                    del entry.top_logprobs[:]
+            pieces = list(split_tokens(ids, entries, self._chunk_token_bytes))
             for i, (ids, logprobs) in enumerate(pieces):
                 last = finished and i == len(pieces) - 1
                 delta = output.add(ids, last, stream.finish_reason if last else None)

@@ -745,6 +745,11 @@ def test_max_queued_tokens_refuses_with_resource_exhausted(qwen3_tied):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(request([8] * 150, 2)))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # n samples count their prompt n times: 3 x 40 can never fit either, so no retry helps.
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([8] * 40, 2, n=3)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt (40 tokens) x 3 samples (n) exceeds --max-queued-tokens (100)" in e.value.details()
         second = stub.Generate(request([9] * 30, 2))  # 90 tokens: still under the limit
         running.cancel()
         assert len(collect(first)[0]) == 2 and len(collect(second)[0]) == 2

@@ -218,6 +218,11 @@ def test_model_info_and_logprobs(service):
     logprobs = [lp for c in chunks for lp in c.logprobs]
     assert [lp.token_id for lp in logprobs] == ids
     assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+    # logprobs=0, as offline and over HTTP: each token's own logprob, no alternatives; unset: none.
+    own = [lp for r in stub.Generate(request([3, 4, 5], max_tokens=3, logprobs=0)) for lp in r.chunk.logprobs]
+    assert [lp.token_id for lp in own] == ids and not any(lp.top_logprobs for lp in own)
+    assert [lp.logprob for lp in own] == [lp.logprob for lp in logprobs]
+    assert not [lp for r in stub.Generate(request([3, 4, 5], max_tokens=3)) for lp in r.chunk.logprobs]
 
 
 def test_queue_limit_and_stream_interval(qwen3_tied):
