@@ -253,13 +253,17 @@ def run_up(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:  # a Hugging Face id in the local cache: both services get its snapshot directory
-        args.model = resolve_model(args.model)
-        args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else None
+    # A Hugging Face id in the local cache: the executor gets the id itself and resolves it (with
+    # TANDEM_REVISION, which it inherits), so that it serves the model under that name and not
+    # under its snapshot's commit hash; the snapshot found here is checked, and is the scheduler's
+    # tokenizer unless --tokenizer names another.
+    try:
+        checkpoint = resolve_model(args.model, env("REVISION"))
+        args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else checkpoint
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not (Path(args.model) / "config.json").is_file():
+    if not (Path(checkpoint) / "config.json").is_file():
         print(
             f"error: --model {args.model!r} is not a checkpoint directory (no config.json)", file=sys.stderr
         )
@@ -295,7 +299,8 @@ def run_up(args: argparse.Namespace) -> int:
             if failure is not None:
                 _report_failure(failure, service)
                 return 1
-        _print_ready(args, executor, scheduler, executor_address, scheduler_address)
+        name = served_name(args.model, checkpoint)
+        _print_ready(args, name, executor, scheduler, executor_address, scheduler_address)
         if args.prompt:
             _demo(scheduler_address, args.prompt, args.max_tokens)
         while not stop.wait(0.5):
@@ -339,12 +344,20 @@ def _report_failure(reason: str, service: Service) -> None:
         print(f"  | {line}", file=sys.stderr)
 
 
-def _print_ready(args, executor: Service, scheduler: Service, executor_address: str, scheduler_address: str):
+def served_name(model: str, checkpoint: str) -> str:
+    """What the executor calls `--model` once `checkpoint` is what it resolved to (in Describe,
+    /v1/models, the metrics' labels): a hub id as given, a directory by its name."""
+    return model if checkpoint != model else Path(checkpoint).resolve().name
+
+
+def _print_ready(
+    args, name: str, executor: Service, scheduler: Service, executor_address: str, scheduler_address: str
+):
     def metrics(port: int) -> str:
         return f"metrics http://{args.host}:{port}/metrics" if port else "no metrics"
 
     print(
-        f"tandem is up ({Path(args.model).name} on {args.device})\n"
+        f"tandem is up ({name} on {args.device})\n"
         f"  scheduler  {scheduler_address}  {metrics(args.metrics_port)}  pid {scheduler.process.pid}\n"
         f"  executor   {executor_address}  {metrics(args.executor_metrics_port)}  pid {executor.process.pid}\n"
         f"  logs       {executor.log_path.parent}\n"
