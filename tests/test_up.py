@@ -113,3 +113,90 @@ def test_up_banner_names_the_served_model(capsys):
     )
     out = capsys.readouterr().out
     assert "tandem is up (tiny/pydoc on cpu)" in out and COMMIT not in out
+
+
+# --- the services' environment twins ------------------------------------------------------------
+
+TWINS = {
+    "TANDEM_SCHEDULER_PORT": "7101",
+    "TANDEM_EXECUTOR_PORT": "7102",
+    "TANDEM_SCHEDULER_METRICS_PORT": "0",
+    "TANDEM_EXECUTOR_METRICS_PORT": "7104",
+    "TANDEM_HTTP_PORT": "7105",
+    "TANDEM_SCHEDULER_HOST": "127.0.0.2",
+    "TANDEM_EXECUTOR_HOST": "127.0.0.3",
+    "TANDEM_SHUTDOWN_TIMEOUT": "12",
+    "TANDEM_MAX_NUM_SEQS": "8",
+    "TANDEM_DTYPE": "float32",
+}
+
+
+@pytest.fixture
+def no_twins(monkeypatch):
+    for name in (*TWINS, "TANDEM_SCHEDULER_GRACE", "TANDEM_TOKENIZER", "TANDEM_DEVICE", "TANDEM_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _argv(*argv: str) -> tuple[list[str], list[str]]:
+    return up.service_argv(cli.build_parser(["up", *argv]).parse_args(["up", *argv]))
+
+
+def test_up_passes_the_services_environment_twins_on(no_twins, monkeypatch, tmp_path):
+    """TANDEM_SCHEDULER_PORT, TANDEM_SHUTDOWN_TIMEOUT, ... set for the services were overridden by
+    the flags `tandem up` always passed them, its own defaults, without a word."""
+    for name, value in TWINS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TANDEM_TOKENIZER", str(tmp_path))
+    executor, scheduler = _argv()
+    assert _value(executor, "--host") == "127.0.0.3" and _value(executor, "--port") == "7102"
+    assert _value(executor, "--metrics-port") == "7104" and _value(executor, "--max-num-seqs") == "8"
+    assert _value(executor, "--dtype") == "float32"
+    assert _value(scheduler, "--executor") == "127.0.0.3:7102"
+    assert _value(scheduler, "--host") == "127.0.0.2" and _value(scheduler, "--port") == "7101"
+    assert _value(scheduler, "--metrics-port") == "0" and _value(scheduler, "--http-port") == "7105"
+    assert _value(scheduler, "--shutdown-timeout") == "12" and _value(scheduler, "--max-num-seqs") == "8"
+    assert _value(scheduler, "--tokenizer") == str(tmp_path)
+    # The scheduler's older name for its drain time.
+    monkeypatch.delenv("TANDEM_SHUTDOWN_TIMEOUT")
+    monkeypatch.setenv("TANDEM_SCHEDULER_GRACE", "7")
+    assert _value(_argv()[1], "--shutdown-timeout") == "7"
+
+
+def test_up_waits_on_the_addresses_the_twins_give(no_twins, monkeypatch, started, capsys):
+    monkeypatch.setenv("TANDEM_EXECUTOR_PORT", "7102")
+    monkeypatch.setenv("TANDEM_SCHEDULER_PORT", "7101")
+    started()
+    out = capsys.readouterr().out
+    assert "starting the executor on 127.0.0.1:7102" in out
+    assert "starting the scheduler on 127.0.0.1:7101" in out
+
+
+def test_up_flags_win_over_the_twins(no_twins, monkeypatch):
+    for name, value in TWINS.items():
+        monkeypatch.setenv(name, value)
+    executor, scheduler = _argv(
+        "--host", "0.0.0.0", "--port", "8101", "--executor-port", "8102", "--shutdown-timeout", "3"
+    )  # fmt: skip
+    assert _value(executor, "--host") == "0.0.0.0" and _value(executor, "--port") == "8102"
+    assert _value(scheduler, "--host") == "0.0.0.0" and _value(scheduler, "--port") == "8101"
+    assert _value(scheduler, "--executor") == "0.0.0.0:8102"
+    assert _value(scheduler, "--shutdown-timeout") == "3"
+
+
+def test_up_keeps_its_own_defaults_without_twins(no_twins):
+    executor, scheduler = _argv()
+    assert _value(executor, "--host") == "127.0.0.1" and _value(executor, "--port") == "50052"
+    assert _value(executor, "--metrics-port") == "9102" and _value(executor, "--device") == "cpu"
+    assert "--max-num-seqs" not in executor and "--dtype" not in executor
+    assert _value(scheduler, "--host") == "127.0.0.1" and _value(scheduler, "--port") == "50051"
+    assert _value(scheduler, "--metrics-port") == "9101" and _value(scheduler, "--http-port") == "8000"
+    assert _value(scheduler, "--shutdown-timeout") == "5"  # not the scheduler's 30: a terminal session
+    assert _value(scheduler, "--executor") == "127.0.0.1:50052"
+
+
+def test_a_bad_twin_is_a_usage_error_naming_it(no_twins, monkeypatch, capsys):
+    monkeypatch.setenv("TANDEM_SCHEDULER_PORT", "abc")
+    with pytest.raises(SystemExit) as e:
+        _argv()
+    assert e.value.code == 2
+    assert "argument --port: invalid int value: 'abc' (from TANDEM_SCHEDULER_PORT)" in capsys.readouterr().err
