@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 
 from client.defaults import DEFAULT_SERVER, add_connection_flags, env
@@ -179,6 +180,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_in_process(args: argparse.Namespace, prompts) -> int:
+    try:
+        return _print_in_process(args, prompts)
+    except BrokenPipeError:  # stdout's reader is gone (`| head`): stop without a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python flushes it at exit)
+        return 1
+
+
+def _print_in_process(args: argparse.Namespace, prompts) -> int:
     from client.llm import LLM
     from client.messages import logprobs_json, usage_json
     from scheduler_service.sampling_params import SamplingParams
@@ -193,13 +202,21 @@ def _generate_in_process(args: argparse.Namespace, prompts) -> int:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
         )
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        # As with --server: without --json the first prompt's text streams as it is generated
+        # (n samples are printed whole, one after another).
+        streamed = not args.json and params.n == 1 and llm.tokenizer is not None
+        outputs = llm.generate(prompts, params, use_tqdm=False, on_text=_write_now if streamed else None)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for out in outputs:
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        return 130
+    for k, out in enumerate(outputs):
         for sample in out.outputs:
-            if args.json:
+            if streamed and k == 0:
+                print(flush=True)  # its text is out: the end of its line
+            elif args.json:
                 line = {
                     "token_ids": sample.token_ids,
                     "text": sample.text,
@@ -218,6 +235,11 @@ def _generate_in_process(args: argparse.Namespace, prompts) -> int:
             else:
                 print(sample.text if sample.text is not None else " ".join(map(str, sample.token_ids)))
     return 0
+
+
+def _write_now(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _add_service_parsers(sub: argparse._SubParsersAction, command: str | None) -> None:

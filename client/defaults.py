@@ -19,6 +19,7 @@ from protos.defaults import (
     default_model,
     env,
 )
+from protos.flags import add_flags, flag
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -94,11 +95,9 @@ def add_connection_flags(group) -> None:
     group.add_argument(
         "--api-key", default=env("API_KEY"), help="sent as a bearer token (env TANDEM_API_KEY)"
     )
-    group.add_argument(
-        "--tls",
-        action="store_true",
-        help="connect over TLS, trusting the system's CAs (env TANDEM_TLS=1)",
-        default=env("TLS", "") not in ("", "0"),
+    # TANDEM_TLS is on for 1 / true / yes / on, as the services' switches (protos.flags).
+    add_flags(
+        group, [flag("--tls", env="TLS", switch=True, help="connect over TLS, trusting the system's CAs")]
     )
     group.add_argument(
         "--tls-ca", default=env("TLS_CA"), help="connect over TLS, trusting this CA (PEM; env TANDEM_TLS_CA)"

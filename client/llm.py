@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import reprlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +155,14 @@ class LLM:
         prompts: Prompt | dict | Sequence[Prompt | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        on_text: Callable[[str], object] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt at once (continuous batching); outputs in prompt order."""
-        return self._generate(_prompt_list(prompts), sampling_params, use_tqdm)
+        """Generate for every prompt at once (continuous batching); outputs in prompt order.
+        `on_text`, if given, is called with each piece of the first prompt's text (its first
+        sample's) as it is generated, the pieces adding up to that output's `text` (never called for
+        a model without a tokenizer, whose outputs are token ids)."""
+        return self._generate(_prompt_list(prompts), sampling_params, use_tqdm, on_text=on_text)
 
     def chat(
         self,
@@ -202,6 +207,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         add_special_tokens: bool = True,
+        on_text: Callable[[str], object] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -225,6 +231,7 @@ class LLM:
         # n samples of a prompt are n requests: (prompt index, sample index) of each.
         requests: dict[int, tuple[int, int, SamplingParams]] = {}
         streams: dict[int, _TextStream] = {}
+        watched = None  # the request whose text goes to on_text
         for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
             # logprobs=0: the sampled token's own logprob (vLLM's), which the engine reports beside
             # one alternative (its 0 is none); _output drops the alternative.
@@ -232,9 +239,11 @@ class LLM:
             for j, sample in enumerate(submitted.for_samples()):
                 rid = self.engine.add_request(ids, sample)
                 requests[rid] = (i, j, sample)
+                if on_text is not None and self.tokenizer is not None and (i, j) == (0, 0):
+                    watched = rid
                 # Requests with stop strings are detokenized as they go, to end them at the first
-                # one; the others are decoded once, at the end.
-                if sample.stop:
+                # one, and so is the one streamed to on_text; the others are decoded once, at the end.
+                if sample.stop or rid == watched:
                     streams[rid] = _TextStream(self.tokenizer, sample)
         finished: dict[int, CompletionOutput] = {}
         prompt_logprobs: dict[int, list[TokenLogprob]] = {}
@@ -257,7 +266,16 @@ class LLM:
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[requests[rid][0]] = out.prompt_logprobs
                 stream = streams.get(rid)
-                if stream is not None and stream.add(out):
+                stopped = stream is not None and stream.add(out)
+                if rid == watched and stream.text[-1]:
+                    try:
+                        on_text(stream.text[-1])
+                    except BaseException:  # (between steps) none of this call's requests runs on
+                        bar.close()
+                        for unfinished in requests.keys() - finished.keys():
+                            self.engine.abort_request(unfinished)
+                        raise
+                if stopped:
                     self.engine.abort_request(rid)  # a stop string ended it
                 elif not out.finished:
                     continue

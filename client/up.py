@@ -33,10 +33,71 @@ from client.defaults import (
     default_model,
     env,
 )
+from protos.flags import add_flags, flag
 from protos.hub import resolve_model
 from protos.service_main import PARENT_PID_ENV
 
 LOG_TAIL_LINES = 20
+
+
+# The flags whose value `tandem up` passes on to a service, each with that service's own TANDEM_*
+# twin: set in the environment, it reaches the service through up as it would without it. The
+# defaults are up's (--shutdown-timeout: 5 s, not the scheduler's 30).
+FLAGS = (
+    flag("--tokenizer", env="TOKENIZER", help="tokenizer.json or its directory (default: the model's)"),
+    flag("--device", env="DEVICE", default="cpu", help="cpu or cuda"),
+    flag("--dtype", env="DTYPE", help="weights dtype (default: the checkpoint's)"),
+    flag(
+        "--port",
+        env="SCHEDULER_PORT",
+        type=int,
+        default=SCHEDULER_PORT,
+        help=f"scheduler gRPC port (default {SCHEDULER_PORT})",
+    ),
+    flag(
+        "--executor-port",
+        env="EXECUTOR_PORT",
+        type=int,
+        default=EXECUTOR_PORT,
+        help=f"executor gRPC port (default {EXECUTOR_PORT})",
+    ),
+    flag(
+        "--http-port",
+        env="HTTP_PORT",
+        type=int,
+        default=HTTP_PORT,
+        help=f"scheduler's OpenAI-compatible HTTP API port (default {HTTP_PORT}; 0: none)",
+    ),
+    flag(
+        "--metrics-port",
+        env="SCHEDULER_METRICS_PORT",
+        type=int,
+        default=SCHEDULER_METRICS_PORT,
+        help=f"scheduler /metrics port (default {SCHEDULER_METRICS_PORT}; 0: none)",
+    ),
+    flag(
+        "--executor-metrics-port",
+        env="EXECUTOR_METRICS_PORT",
+        type=int,
+        default=EXECUTOR_METRICS_PORT,
+        help=f"executor /metrics port (default {EXECUTOR_METRICS_PORT}; 0: none)",
+    ),
+    flag(
+        "--max-num-seqs",
+        env="MAX_NUM_SEQS",
+        type=int,
+        help="sequences per step at most (both services; default: theirs)",
+    ),
+    flag(
+        "--shutdown-timeout",
+        env="SHUTDOWN_TIMEOUT",
+        env_fallbacks=("SCHEDULER_GRACE",),
+        type=float,
+        default=5.0,
+        help="on Ctrl-C, seconds the scheduler lets requests in flight finish (default 5: this is a "
+        "terminal session; a second Ctrl-C stops at once)",
+    ),
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,50 +105,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "up",
         help="start the executor and the scheduler on this machine, and stop both on Ctrl-C",
         description="Start the executor service, then the scheduler service pointing at it, both on "
-        "localhost; wait until both report SERVING; stop both on Ctrl-C or SIGTERM.",
+        "localhost; wait until both report SERVING; stop both on Ctrl-C or SIGTERM. A flag's "
+        "environment variable (in brackets) is the service's own: set, it is passed on as the flag.",
     )
     p.add_argument(
         "--model",
         default=default_model(),
-        help="checkpoint directory or a Hugging Face id in the local cache (default: the embedded model; "
-        "env TANDEM_MODEL)",
-    )
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory (default: the model's)")
-    p.add_argument("--device", default=env("DEVICE", "cpu"), help="cpu or cuda (env TANDEM_DEVICE)")
-    p.add_argument("--dtype", default=env("DTYPE"), help="weights dtype (default: the checkpoint's)")
-    p.add_argument(
-        "--host", default=DEFAULT_HOST, help=f"address both services listen on (default {DEFAULT_HOST})"
+        help="checkpoint directory or a Hugging Face id in the local cache (default: the embedded model) "
+        "[TANDEM_MODEL]",
     )
     p.add_argument(
-        "--port", type=int, default=SCHEDULER_PORT, help=f"scheduler gRPC port (default {SCHEDULER_PORT})"
+        "--host",
+        default=None,
+        help=f"address both services listen on (default: each service's own TANDEM_SCHEDULER_HOST or "
+        f"TANDEM_EXECUTOR_HOST, else {DEFAULT_HOST})",
     )
-    p.add_argument(
-        "--executor-port",
-        type=int,
-        default=EXECUTOR_PORT,
-        help=f"executor gRPC port (default {EXECUTOR_PORT})",
-    )
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=env("HTTP_PORT") or HTTP_PORT,
-        help=f"scheduler's OpenAI-compatible HTTP API port (default {HTTP_PORT}; 0: none) [TANDEM_HTTP_PORT]",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=SCHEDULER_METRICS_PORT,
-        help=f"scheduler /metrics port (default {SCHEDULER_METRICS_PORT}; 0: none)",
-    )
-    p.add_argument(
-        "--executor-metrics-port",
-        type=int,
-        default=EXECUTOR_METRICS_PORT,
-        help=f"executor /metrics port (default {EXECUTOR_METRICS_PORT}; 0: none)",
-    )
-    p.add_argument(
-        "--max-num-seqs", type=int, default=None, help="sequences per step at most (both services)"
-    )
+    add_flags(p, FLAGS)
     p.add_argument(
         "--executor-arg",
         action="append",
@@ -104,13 +137,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds each service may take to be SERVING"
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=5.0,
-        help="on Ctrl-C, seconds the scheduler lets requests in flight finish (default 5: this is a "
-        "terminal session; a second Ctrl-C stops at once)",
     )
     p.add_argument(
         "--grace",
@@ -180,10 +206,19 @@ class Service:
             self.log_file = None
 
 
+def service_hosts(args: argparse.Namespace) -> tuple[str, str]:
+    """The addresses the executor and the scheduler listen on: --host for both, else each one's
+    TANDEM_EXECUTOR_HOST / TANDEM_SCHEDULER_HOST, else 127.0.0.1."""
+    if args.host is not None:
+        return args.host, args.host
+    return env("EXECUTOR_HOST") or DEFAULT_HOST, env("SCHEDULER_HOST") or DEFAULT_HOST
+
+
 def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The command lines of the executor and of the scheduler."""
+    executor_host, scheduler_host = service_hosts(args)
     executor = [sys.executable, "-m", "executor_service", "--model", args.model]
-    executor += ["--host", args.host, "--port", str(args.executor_port)]
+    executor += ["--host", executor_host, "--port", str(args.executor_port)]
     executor += ["--metrics-port", str(args.executor_metrics_port), "--device", args.device]
     if args.dtype:
         executor += ["--dtype", args.dtype]
@@ -191,8 +226,15 @@ def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         executor += ["--max-num-seqs", str(args.max_num_seqs)]
     executor += args.executor_arg
 
-    scheduler = [sys.executable, "-m", "scheduler_service", "--executor", f"{args.host}:{args.executor_port}"]
-    scheduler += ["--host", args.host, "--port", str(args.port), "--metrics-port", str(args.metrics_port)]
+    scheduler = [
+        sys.executable,
+        "-m",
+        "scheduler_service",
+        "--executor",
+        f"{executor_host}:{args.executor_port}",
+    ]
+    scheduler += ["--host", scheduler_host, "--port", str(args.port)]
+    scheduler += ["--metrics-port", str(args.metrics_port)]
     scheduler += ["--http-port", str(args.http_port)]
     scheduler += ["--tokenizer", args.tokenizer or args.model]
     scheduler += ["--shutdown-timeout", f"{args.shutdown_timeout:g}"]
@@ -235,16 +277,16 @@ def _wait_serving(service: Service, address: str, timeout: float, stop: threadin
 def check_args(args: argparse.Namespace) -> None:
     """ValueError naming the first flag whose value cannot work, before anything starts (the
     services check theirs again)."""
-    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-tokens", args.max_tokens)):
+    for name, value in (("--max-num-seqs", args.max_num_seqs), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 < args.startup_timeout < math.inf:
         raise ValueError(
             f"--startup-timeout must be a positive, finite number of seconds, got {args.startup_timeout}"
         )
-    for flag, value in (("--shutdown-timeout", args.shutdown_timeout), ("--grace", args.grace)):
+    for name, value in (("--shutdown-timeout", args.shutdown_timeout), ("--grace", args.grace)):
         if value is not None and not 0 <= value < math.inf:  # NaN too
-            raise ValueError(f"{flag} must be a finite number of seconds >= 0, got {value}")
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -253,13 +295,17 @@ def run_up(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:  # a Hugging Face id in the local cache: both services get its snapshot directory
-        args.model = resolve_model(args.model)
-        args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else None
+    # A Hugging Face id in the local cache: the executor gets the id itself and resolves it (with
+    # TANDEM_REVISION, which it inherits), so that it serves the model under that name and not
+    # under its snapshot's commit hash; the snapshot found here is checked, and is the scheduler's
+    # tokenizer unless --tokenizer names another.
+    try:
+        checkpoint = resolve_model(args.model, env("REVISION"))
+        args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else checkpoint
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not (Path(args.model) / "config.json").is_file():
+    if not (Path(checkpoint) / "config.json").is_file():
         print(
             f"error: --model {args.model!r} is not a checkpoint directory (no config.json)", file=sys.stderr
         )
@@ -283,8 +329,9 @@ def run_up(args: argparse.Namespace) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    executor_address = f"{args.host}:{args.executor_port}"
-    scheduler_address = f"{args.host}:{args.port}"
+    executor_host, scheduler_host = service_hosts(args)
+    executor_address = f"{executor_host}:{args.executor_port}"
+    scheduler_address = f"{scheduler_host}:{args.port}"
     try:
         for service, address in ((executor, executor_address), (scheduler, scheduler_address)):
             print(f"starting the {service.name} on {address} (log: {service.log_path})", flush=True)
@@ -295,7 +342,8 @@ def run_up(args: argparse.Namespace) -> int:
             if failure is not None:
                 _report_failure(failure, service)
                 return 1
-        _print_ready(args, executor, scheduler, executor_address, scheduler_address)
+        name = served_name(args.model, checkpoint)
+        _print_ready(args, name, executor, scheduler, executor_address, scheduler_address)
         if args.prompt:
             _demo(scheduler_address, args.prompt, args.max_tokens)
         while not stop.wait(0.5):
@@ -339,18 +387,31 @@ def _report_failure(reason: str, service: Service) -> None:
         print(f"  | {line}", file=sys.stderr)
 
 
-def _print_ready(args, executor: Service, scheduler: Service, executor_address: str, scheduler_address: str):
-    def metrics(port: int) -> str:
-        return f"metrics http://{args.host}:{port}/metrics" if port else "no metrics"
+def served_name(model: str, checkpoint: str) -> str:
+    """What the executor calls `--model` once `checkpoint` is what it resolved to (in Describe,
+    /v1/models, the metrics' labels): a hub id as given, a directory by its name."""
+    return model if checkpoint != model else Path(checkpoint).resolve().name
+
+
+def _print_ready(
+    args, name: str, executor: Service, scheduler: Service, executor_address: str, scheduler_address: str
+):
+    executor_host, scheduler_host = service_hosts(args)
+
+    def metrics(host: str, port: int) -> str:
+        return f"metrics http://{host}:{port}/metrics" if port else "no metrics"
 
     print(
-        f"tandem is up ({Path(args.model).name} on {args.device})\n"
-        f"  scheduler  {scheduler_address}  {metrics(args.metrics_port)}  pid {scheduler.process.pid}\n"
-        f"  executor   {executor_address}  {metrics(args.executor_metrics_port)}  pid {executor.process.pid}\n"
+        f"tandem is up ({name} on {args.device})\n"
+        f"  scheduler  {scheduler_address}  {metrics(scheduler_host, args.metrics_port)}  "
+        f"pid {scheduler.process.pid}\n"
+        f"  executor   {executor_address}  {metrics(executor_host, args.executor_metrics_port)}  "
+        f"pid {executor.process.pid}\n"
         f"  logs       {executor.log_path.parent}\n"
         f'try:  tandem generate --server {scheduler_address} "The list type" --max-tokens 64\n'
         + (
-            f"      curl http://{args.host}:{args.http_port}/v1/completions -H 'Content-Type: application/json' "
+            f"      curl http://{scheduler_host}:{args.http_port}/v1/completions "
+            "-H 'Content-Type: application/json' "
             """-d '{"prompt": "The list type", "max_tokens": 64}'\n"""
             if args.http_port
             else ""

@@ -69,7 +69,8 @@ def test_cli_generate_from_the_cache(hub_cache, qwen3_tied):
 
 def test_the_scheduler_and_tandem_up_resolve_hub_ids(hub_cache, monkeypatch, capsys):
     """`--tokenizer ORG/NAME` on the scheduler (the same cache as the executor's --model), and
-    `tandem up --model ORG/NAME` hands both services the snapshot."""
+    `tandem up --model ORG/NAME` hands the executor the id (which it resolves, and serves under
+    that name) and the scheduler the snapshot as its tokenizer."""
     import argparse
 
     from client import up
@@ -89,6 +90,7 @@ def test_the_scheduler_and_tandem_up_resolve_hub_ids(hub_cache, monkeypatch, cap
     up.add_parser(parser.add_subparsers())
     with pytest.raises(Started) as started:
         up.run_up(parser.parse_args(["up", "--model", "tiny/qwen3"]))
-    assert started.value.args[0].model == str(snapshot)
+    assert started.value.args[0].model == "tiny/qwen3"
+    assert started.value.args[0].tokenizer == str(snapshot)
     assert up.run_up(parser.parse_args(["up", "--model", "tiny/absent"])) == 2
     assert "not in the Hugging Face cache" in capsys.readouterr().err
