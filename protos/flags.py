@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 ENV_PREFIX = "TANDEM_"
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,9 @@ class Flag:
 
     `names`: the option strings, the first one canonical ("--port", or "--tensor-parallel-size",
     "-tp"). `env`: the twin without its prefix; `env_fallbacks` are older names read when it is
-    unset. `switch` makes a store_true flag whose twin is on for 1 / true / yes / on. A flag whose
-    `required` is true is required only while its twin is unset."""
+    unset. `switch` makes a store_true flag whose twin is on for 1 / true / yes / on, off for 0 /
+    false / no / off or empty, and refused otherwise (a typo must not turn TLS or a check off
+    unnoticed). A flag whose `required` is true is required only while its twin is unset."""
 
     names: tuple[str, ...]
     env: str
@@ -62,9 +65,18 @@ class Flag:
         return self.default_for(self.environment_twin())
 
     def default_for(self, twin: tuple[str, str] | None) -> Any:
-        """The default given environment_twin()'s answer."""
+        """The default given environment_twin()'s answer; ValueError for a switch's twin that is
+        neither on nor off."""
         if twin is not None:
-            return twin[1].strip().lower() in _TRUE if self.switch else twin[1]
+            if not self.switch:
+                return twin[1]
+            value = twin[1].strip().lower()
+            if value not in _TRUE | _FALSE:
+                raise ValueError(
+                    f"{twin[0]}={twin[1]!r}: a switch is on for 1, true, yes or on and off for 0, "
+                    "false, no, off or empty"
+                )
+            return value in _TRUE
         return bool(self.default) if self.switch else self.default
 
     def full_help(self) -> str:
@@ -90,7 +102,13 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> dict[st
                 groups[f.group] = parser.add_argument_group(f.group.title, f.group.description)
             target = groups[f.group]
         twin = f.environment_twin()
-        default = f.default_for(twin)
+        try:
+            default = f.default_for(twin)
+        except ValueError as e:  # a usage error, as argparse's own (exit status 2)
+            if isinstance(parser, argparse.ArgumentParser):
+                parser.error(str(e))
+            sys.stderr.write(f"error: {e}\n")
+            raise SystemExit(2) from None
         kwargs: dict[str, Any] = {"default": default, "help": f.full_help()}
         if f.switch:
             kwargs["action"] = "store_true"

@@ -76,12 +76,29 @@ def test_a_required_flag_is_optional_once_its_twin_is_set(monkeypatch):
 
 def test_a_switch_twin_is_on_for_true_words(monkeypatch):
     table = [flag("--enforce-eager", env="ENFORCE_EAGER", switch=True, help="never use CUDA graphs")]
-    for value, expected in (("1", True), ("yes", True), ("ON", True), ("0", False), ("", False)):
+    for value, expected in (
+        ("1", True),
+        ("yes", True),
+        ("ON", True),
+        ("0", False),
+        ("", False),
+        ("off", False),
+    ):
         monkeypatch.setenv("TANDEM_ENFORCE_EAGER", value)
         parser = argparse.ArgumentParser()
         (action,) = add_flags(parser, table).values()
         assert parser.parse_args([]).enforce_eager is expected
         assert action.help.endswith("[TANDEM_ENFORCE_EAGER=1]")
+
+
+def test_a_switch_twin_that_is_neither_on_nor_off_is_refused(monkeypatch, capsys):
+    """TANDEM_ENFORCE_EAGER=ture (a typo) was taken for off without a word. A usage error names the
+    twin and the words it takes."""
+    with pytest.raises(SystemExit) as e:
+        _parse("executor", monkeypatch, {"TANDEM_ENFORCE_EAGER": "ture"})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "TANDEM_ENFORCE_EAGER='ture': a switch is on for 1, true, yes or on and off for 0" in err
 
 
 @pytest.mark.parametrize("verb", sorted(CLIS))

@@ -1,5 +1,6 @@
 """TANDEM_TLS for the clients (`tandem generate --server`, `tandem chat`) is read as the services
-read their switches (protos.flags): on for 1 / true / yes / on, whatever the case or spaces."""
+read their switches (protos.flags): on for 1 / true / yes / on, off for 0 / false / no / off or
+empty, whatever the case or spaces, and any other value refused with a usage error naming it."""
 
 from __future__ import annotations
 
@@ -36,9 +37,15 @@ def test_tandem_tls_true_is_on(monkeypatch, argv, value):
 
 @pytest.mark.parametrize("argv", VERBS)
 @pytest.mark.parametrize("value", ["maybe", "2", "enabled", "ture"])
-def test_an_unrecognised_tandem_tls_is_what_the_services_make_of_it(monkeypatch, argv, value):
+def test_an_unrecognised_tandem_tls_is_refused_as_the_services_refuse_it(monkeypatch, capsys, argv, value):
+    """A typo (TANDEM_TLS=ture) must not connect in plaintext unnoticed."""
     monkeypatch.setenv("TANDEM_TLS", value)
-    assert _tls(argv) is SERVICE_SWITCH.environment_default() is False
+    with pytest.raises(SystemExit) as e:
+        _tls(argv)
+    assert e.value.code == 2
+    assert f"TANDEM_TLS={value!r}: a switch is on for 1, true, yes or on" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="TANDEM_TLS"):
+        SERVICE_SWITCH.environment_default()
 
 
 def test_tls_flag_and_unset_twin(monkeypatch):
