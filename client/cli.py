@@ -172,16 +172,12 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.model is not None:
-        return _generate_in_process(args, prompts)
-    from client.generate import generate_remote
-
-    return generate_remote(server_address(args), prompts, args, sampling_kwargs(args))
-
-
-def _generate_in_process(args: argparse.Namespace, prompts) -> int:
     try:
-        return _print_in_process(args, prompts)
+        if args.model is not None:
+            return _print_in_process(args, prompts)
+        from client.generate import generate_remote
+
+        return generate_remote(server_address(args), prompts, args, sampling_kwargs(args))
     except BrokenPipeError:  # stdout's reader is gone (`| head`): stop without a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python flushes it at exit)
         return 1

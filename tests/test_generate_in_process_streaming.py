@@ -92,3 +92,27 @@ def test_a_reader_that_goes_away_stops_it_without_a_traceback():
     proc.stdout.close()
     assert proc.wait(timeout=300) == 1
     assert b"Traceback" not in proc.stderr.read()
+
+
+@pytest.mark.slow  # a process of its own
+def test_a_reader_that_goes_away_stops_the_server_path_without_a_traceback():
+    """`tandem generate --server ... | head -c 5`: the same for text streamed from the services."""
+    from helpers.scheduler_server import ServerThread, make_server
+
+    with ServerThread(make_server(DEFAULT_MODEL)) as server:
+        argv = [
+            sys.executable,
+            "-m",
+            "client.cli",
+            "generate",
+            "--server",
+            f"127.0.0.1:{server.port}",
+            PROMPT,
+        ]
+        argv += ["--max-tokens", "1000", "--ignore-eos"]
+        root = Path(__file__).resolve().parents[1]
+        proc = subprocess.Popen(argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout.read(5)
+        proc.stdout.close()
+        assert proc.wait(timeout=300) == 1
+        assert b"Traceback" not in proc.stderr.read()
