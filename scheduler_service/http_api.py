@@ -74,6 +74,9 @@ class HttpError(Exception):
 
 
 def _error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+    # A message may quote the request, and JSON text may hold a lone surrogate ("\\ud800"), which
+    # UTF-8 cannot encode: written escaped, not as a 500.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse(error_body(message, status, code=code), status_code=status)
 
 

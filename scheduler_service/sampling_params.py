@@ -127,8 +127,9 @@ class SamplingParams:
             _fail(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             _fail(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            _fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < _float32(self.top_p) <= 1:  # as the plan carries it: 1e-46 is 0 there
+            underflow = " (0 as a 32-bit float)" if 0 < self.top_p <= 1 else ""
+            _fail(f"top_p must be in (0, 1], got {self.top_p}{underflow}")
         if self.top_k < 0:
             _fail(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -307,6 +307,9 @@ def test_values_past_the_step_plan_s_range_fail_only_their_own_request(services,
                 {"repetition_penalty": 1e-300},
                 "repetition_penalty must be > 0, got 1e-300 (0 as a 32-bit float)",
             ),
+            # 1e-46 is 0 as the plan's 32-bit float: the executor refused the whole step (500 for
+            # every request in it) where the scheduler took it for valid.
+            ("completions", {"top_p": 1e-46}, "top_p must be in (0, 1], got 1e-46 (0 as a 32-bit float)"),
             ("completions", {"seed": 2**70}, "seed must be in [-2**63, 2**64)"),
             ("chat/completions", {"min_tokens": 2**40}, "+ min_tokens (1099511627776) exceeds max_model_len"),
         ]

@@ -873,3 +873,24 @@ def test_stream_interval_sets_the_tokens_of_an_http_chunk(checkpoint, reference,
     assert sum(sizes) == 14 and all(n >= 4 for n in sizes[:-1]), sizes
     if endpoint == "completions":
         assert text == _offline(reference, max_tokens=14, temperature=0, ignore_eos=True).text
+
+
+def test_a_lone_surrogate_quoted_in_an_error_is_a_400_not_a_500(checkpoint, tmp_path):
+    """JSON may carry a lone surrogate ("\\ud800"), which UTF-8 cannot encode: a chat template's
+    error quoting such a role (as Qwen3's raise_exception does) was a 500 and a traceback; it is a
+    400 with the character escaped, and the server keeps serving."""
+    path = tmp_path / "raising"
+    shutil.copytree(checkpoint, path)
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+        "{{ raise_exception('unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    with serving_http(path) as server:
+        url = f"http://127.0.0.1:{server.http_port}"
+        body = json.dumps({"messages": [{"role": "\ud800", "content": "hi"}], "max_tokens": 3})
+        for endpoint in ("/v1/chat/completions", "/tokenize"):
+            r = httpx.post(url + endpoint, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (endpoint, r.status_code, r.text)
+            assert "unknown role: \\ud800" in r.json()["error"]["message"]
+        ok = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert ok.status_code == 200
