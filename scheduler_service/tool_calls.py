@@ -65,6 +65,12 @@ def _new_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+def _utf8(text: str) -> str:
+    """text with any lone surrogate ("\\ud800" in a model's JSON decodes to one) escaped: UTF-8,
+    and so the HTTP body and the gRPC message, cannot carry it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def parse_tool_call(body: str, index: int) -> ToolCall | None:
     try:
         call = json.loads(body)
@@ -76,8 +82,10 @@ def parse_tool_call(body: str, index: int) -> ToolCall | None:
     return ToolCall(
         index=index,
         id=_new_id(),
-        name=call["name"],
-        arguments=arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+        name=_utf8(call["name"]),
+        arguments=_utf8(
+            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        ),
     )
 
 
@@ -151,7 +159,7 @@ class ToolCallParser:
                     return ""
                 return self._whole_block(self._body, deltas, unclosed)
             try:
-                name = json.loads(f'"{match.group(1)}"')
+                name = _utf8(json.loads(f'"{match.group(1)}"'))
             except ValueError:
                 name = match.group(1)
             call = ToolCall(len(self.calls), _new_id(), name, "")
@@ -180,7 +188,7 @@ class ToolCallParser:
                     value = json.loads(out)
                 except (ValueError, RecursionError):  # as parse_tool_call
                     value = out
-                self._send(value if isinstance(value, str) else out, deltas)
+                self._send(_utf8(value) if isinstance(value, str) else out, deltas)
             return
         if closed:
             out = held.rstrip()

@@ -159,3 +159,22 @@ def test_tool_call_arguments_stream_as_the_model_writes_them():
     assert len(fragments) > 10 and all(d.id is None for d in deltas[1:])
     assert "".join(fragments) == '{"city": "Paris", "unit": "C"}' == parser.calls[0].arguments
     assert deltas[1].to_openai() == {"index": 0, "function": {"arguments": fragments[0]}}
+
+
+@pytest.mark.parametrize("arguments", ['{"a": "\\udc00"}', '"\\ud800 as a string"'])
+@pytest.mark.parametrize("step", [1, 1000])
+def test_a_call_whose_json_decodes_to_a_lone_surrogate_is_sent_escaped(arguments, step):
+    """A model may write "\\ud800" in a call's name or arguments; decoded, it is a lone surrogate,
+    which UTF-8 cannot encode: the HTTP response was a 500 and gRPC's an UNKNOWN. The call's text
+    keeps the escape instead."""
+    text = '<tool_call>\n{"name": "f\\ud800", "arguments": ' + arguments + "}\n</tool_call>"
+    parser = ToolCallParser()
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += parser.add(text[i : i + step])[1]
+    deltas += parser.finish()[1]
+    assert [c.name for c in parser.calls] == ["f\\ud800"]
+    for value in (
+        [c.arguments for c in parser.calls] + [d.name or "" for d in deltas] + [d.arguments for d in deltas]
+    ):
+        value.encode("utf-8")  # raises on a lone surrogate
