@@ -67,6 +67,10 @@ MAX_BODY_ERRORS = 10
 MAX_BODY_BYTES = GENERATION_MAX_MESSAGE_BYTES
 
 
+# The most names of ignored request fields one warning lists.
+MAX_LOGGED_FIELDS = 20
+
+
 class HttpError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
@@ -267,10 +271,15 @@ class OpenAIServer:
         parses_tools = chat and body.parses_tools()  # (refused before any sample is submitted)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if ignored := body.ignored_fields():  # (vLLM's warning)
+            # Quoted (a newline in a name would forge a log line) and cut short (a request may name
+            # thousands).
+            names = ", ".join(repr(name[:64]) for name in ignored[:MAX_LOGGED_FIELDS])
+            more = f" and {len(ignored) - MAX_LOGGED_FIELDS} more" if len(ignored) > MAX_LOGGED_FIELDS else ""
             logger.warning(
-                "request %s: these fields were present in the request but ignored (not supported): %s",
+                "request %s: these fields were present in the request but ignored (not supported): %s%s",
                 request_id,
-                ", ".join(ignored),
+                names,
+                more,
             )
         choices: list[_Choice] = []
         arrival = time.perf_counter()

@@ -633,8 +633,16 @@ def test_fields_it_ignores_are_logged_once_per_request(api, model, caplog):
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert warnings == [
         f"request {got.id}: these fields were present in the request but ignored (not supported): "
-        "continue_final_message, skip_special_tokens"
+        "'continue_final_message', 'skip_special_tokens'"
     ]
+    # A name with a newline cannot forge a log line, and thousands of names are cut short.
+    forged = {"aa\n2026-12-05 09:00:00,000 ERROR scheduler_service.engine: FORGED": 1}
+    many = {f"f{i:05d}": 1 for i in range(5000)}
+    with caplog.at_level(logging.WARNING, logger="scheduler_service"):
+        caplog.clear()
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={**forged, **many})
+    (warning,) = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert "\n" not in warning and "'aa\\n2026-12-05" in warning and warning.endswith(" and 4981 more")
 
 
 def test_a_body_over_the_limit_is_a_413_and_the_server_keeps_serving(server, monkeypatch):
