@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.throughput import SHAPES, apply_fp8_gemm_flags, build_w1_checkpoint
+from bench.throughput import SHAPES, add_fp8_gemm_flags, apply_fp8_gemm_flags, build_w1_checkpoint
 
 GROUPS = (
     ("all-reduce", ("nccl", "allreduce", "all_reduce")),
@@ -148,18 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
-    p.add_argument(
-        "--fp8-gemm-table",
-        metavar="FILE",
-        help="fp8 weights: GEMM_TABLE entries to add (as bench/throughput.py)",
-    )
-    p.add_argument(
-        "--fp8-gemm-swap-below",
-        type=int,
-        default=0,
-        metavar="N",
-        help="fp8 weights: the swap kernel's rule up to N tokens (as bench/throughput.py)",
-    )
+    add_fp8_gemm_flags(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/profile_step.py needs a CUDA device")

@@ -232,20 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --decode-stores-kv: the decode kernel also normalises and rotates q and the new K "
         "(attention/triton_kernels.DECODE_FUSES_ROPE), so a decode step runs no rotary kernel",
     )
-    p.add_argument(
-        "--fp8-gemm-table",
-        metavar="FILE",
-        help="in-process, fp8 weights: GEMM_TABLE entries to add (layers/fp8_gemm_triton; the JSON "
-        "that bench/fp8_gemm.py --sweep-v2 --table-out writes)",
-    )
-    p.add_argument(
-        "--fp8-gemm-swap-below",
-        type=int,
-        default=0,
-        metavar="N",
-        help="in-process, fp8 weights: the swap kernel's rule (fp8_gemm_triton.swap_config) for the "
-        "fp8 GEMMs of up to N tokens (fp8_gemm_triton.SWAP_MAX_TOKENS; 0: off, today's default)",
-    )
+    add_fp8_gemm_flags(p)
     args = p.parse_args(argv)
     if args.decode_fuses_rope and not args.decode_stores_kv:
         p.error("--decode-fuses-rope needs --decode-stores-kv")
@@ -283,6 +270,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.temperature is None:
         args.temperature = 0.0
     return args
+
+
+def add_fp8_gemm_flags(p: argparse.ArgumentParser) -> None:
+    """--fp8-gemm-table and --fp8-gemm-swap-below (apply_fp8_gemm_flags sets them): this process's
+    fp8 GEMMs (in-process runs; fp8 weights)."""
+    p.add_argument(
+        "--fp8-gemm-table",
+        metavar="FILE",
+        help="in-process, fp8 weights: GEMM_TABLE entries to add (layers/fp8_gemm_triton; the JSON "
+        "that bench/fp8_gemm.py --sweep-v2 --table-out writes)",
+    )
+    p.add_argument(
+        "--fp8-gemm-swap-below",
+        type=int,
+        default=0,
+        metavar="N",
+        help="in-process, fp8 weights: the swap kernel's rule (fp8_gemm_triton.swap_config) for the "
+        "fp8 GEMMs of up to N tokens (fp8_gemm_triton.SWAP_MAX_TOKENS; 0: off, today's default)",
+    )
 
 
 def apply_fp8_gemm_flags(args: argparse.Namespace) -> None:

@@ -465,21 +465,33 @@ def tma_applies(a_q: torch.Tensor, weight: torch.Tensor) -> bool:
     return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a_q, weight))
 
 
+def _operands(kernel: str, a_q, weight, block_m: int, block_n: int, tma: bool) -> tuple:
+    """(a, b, TMA) as the v2 and swap kernels take them: TMA descriptors of [block_m, 128] and
+    [block_n, 128] boxes where `tma` and tma_applies, else the tensors themselves (masked pointer
+    loads). ValueError for a BLOCK_N that does not divide the weight's scale block (both kernels
+    take one weight scale a tile)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if GROUP % block_n:
+        raise ValueError(
+            f"the {kernel} kernel takes BLOCK_N dividing {GROUP} (one weight scale a tile), not {block_n}"
+        )
+    if not (tma and tma_applies(a_q, weight)):
+        return a_q, weight, False
+    return (
+        TensorDescriptor.from_tensor(a_q, [block_m, GROUP]),
+        TensorDescriptor.from_tensor(weight, [block_n, GROUP]),
+        True,
+    )
+
+
 def _launch_v2(a_q, a_s, weight, weight_scale_inv, c, cfg, grid) -> None:
     """w8a8_block_matmul_v2_kernel with cfg's tiles; TMA descriptors for the operands where cfg asks
     for them (TMA) and tma_applies, masked pointer loads otherwise."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     m, k = a_q.shape
     n = weight.shape[0]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if GROUP % block_n:
-        raise ValueError(
-            f"the v2 kernel takes BLOCK_N dividing {GROUP} (one weight scale a tile), not {block_n}"
-        )
-    tma = bool(cfg.get("TMA", False)) and tma_applies(a_q, weight)
-    a_arg = TensorDescriptor.from_tensor(a_q, [block_m, GROUP]) if tma else a_q
-    b_arg = TensorDescriptor.from_tensor(weight, [block_n, GROUP]) if tma else weight
+    a_arg, b_arg, tma = _operands("v2", a_q, weight, block_m, block_n, cfg.get("TMA", False))
     w8a8_block_matmul_v2_kernel[grid](
         a_arg, b_arg, c, a_s, weight_scale_inv, m, n, k,
         a_q.stride(0), weight.stride(0), c.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
@@ -509,21 +521,13 @@ def tile_counters(device: torch.device) -> torch.Tensor:
 def _launch_swap(a_q, a_s, weight, weight_scale_inv, out, cfg) -> None:
     """w8a8_block_matmul_swap_kernel into out: cfg's BLOCK_M tokens by BLOCK_N weight rows a tile,
     SPLIT_K programs a tile summing their shares in the kernel (fp32 partial sums in a workspace)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     m, k = a_q.shape
     n = weight.shape[0]
     block_m, block_n, split_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("SPLIT_K", 1)
-    if GROUP % block_n:
-        raise ValueError(
-            f"the swap kernel takes BLOCK_N dividing {GROUP} (one weight scale a tile), not {block_n}"
-        )
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if split_k > 1 and tiles > SWAP_MAX_TILES:
         raise ValueError(f"the swap kernel splits K for at most {SWAP_MAX_TILES} tiles, not {tiles}")
-    tma = bool(cfg.get("TMA", True)) and tma_applies(a_q, weight)
-    a_arg = TensorDescriptor.from_tensor(a_q, [block_m, GROUP]) if tma else a_q
-    b_arg = TensorDescriptor.from_tensor(weight, [block_n, GROUP]) if tma else weight
+    a_arg, b_arg, tma = _operands("swap", a_q, weight, block_m, block_n, cfg.get("TMA", True))
     if split_k > 1:
         parts = torch.empty(split_k, m, n, dtype=torch.float32, device=a_q.device)
         counters = tile_counters(a_q.device)
