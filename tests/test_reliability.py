@@ -111,8 +111,10 @@ def test_executor_killed_mid_decode_all_32_streams_finish_identically(qwen3_tied
 
 
 def test_executor_killed_during_prefill_restarted_smaller(qwen3_tied, reference, cluster_factory):
-    # Long prompts in chunks of 64 tokens: the prefill of the 32 takes over 100 steps.
-    cluster = cluster_factory(qwen3_tied, scheduler_args=["--max-num-batched-tokens", "64"])
+    # Long prompts in chunks of 64 tokens, at most 8 requests at a time: the prefill of the 32
+    # takes over 100 steps, and most requests are still waiting, with no token, well after the
+    # first chunks ran (a slow machine's metrics scrape lags the kill by many steps).
+    cluster = cluster_factory(qwen3_tied, max_num_seqs=8, scheduler_args=["--max-num-batched-tokens", "64"])
     cluster.start()
     prompts = token_prompts(32, seed=12, lo=200, hi=300)
     max_tokens = 24
