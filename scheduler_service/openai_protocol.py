@@ -14,6 +14,11 @@ from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.errors import ErrorCode, InvalidRequestError
 from scheduler_service.sampling_params import SamplingParams, verify_unicode
 
+# The most sequences (prompts x n) one completion may ask for: each is a request of its own in the
+# engine, tokenized and admitted one after another on the event loop (200,000 prompts held it, and
+# every stream and health check with it, for seconds). --max-queue's default: as many as could wait.
+MAX_SEQUENCES_PER_REQUEST = 1024
+
 HTTP_STATUS = {
     ErrorCode.INVALID_ARGUMENT: 400,
     ErrorCode.RESOURCE_EXHAUSTED: 429,
@@ -227,6 +232,12 @@ class CompletionRequest(_Request):
             return [prompt]
         if not prompt:
             raise InvalidRequestError("prompt is empty")
+        if len(prompt) * self.n > MAX_SEQUENCES_PER_REQUEST:  # (before any is tokenized)
+            raise InvalidRequestError(
+                f"prompt is a list of {len(prompt)} prompts, x n ({self.n}) = {len(prompt) * self.n} "
+                f"sequences; a request generates at most {MAX_SEQUENCES_PER_REQUEST}: send fewer prompts "
+                "per request"
+            )
         return list(prompt)
 
     @property

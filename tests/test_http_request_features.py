@@ -21,6 +21,7 @@ from helpers.scheduler_server import NUM_KV_BLOCKS, serving_http
 from client.llm import LLM
 from scheduler_service.errors import TandemRequestError
 from scheduler_service.http_api import OpenAIServer
+from scheduler_service.openai_protocol import MAX_SEQUENCES_PER_REQUEST
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.tokenizer import Tokenizer
 
@@ -319,6 +320,32 @@ def test_a_long_list_of_wrong_items_is_a_short_400(server, endpoint, fields, nam
     assert len(r.content) < 2000, r.text[:500]
     assert named in r.json()["error"]["message"]
     assert httpx.post(url.replace("chat/", ""), json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("num_prompts, n", [(MAX_SEQUENCES_PER_REQUEST + 1, 1), (513, 2)])
+def test_more_sequences_than_a_request_may_have_are_a_400_before_any_work(
+    server, monkeypatch, num_prompts, n
+):
+    """A completion's prompts x n are as many requests in the engine, tokenized and admitted one
+    after another on the event loop: 200,000 prompts held it (every stream, every health check) for
+    seconds, and had no limit. Past MAX_SEQUENCES_PER_REQUEST it is a 400 naming the limit, before a
+    prompt is tokenized; a request of as many sequences is served."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    tokenizer, encoded = server.engine.tokenizer, []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda *args: encoded.append(1) or encode(*args))
+    body = {"prompt": [PROMPT] * num_prompts, "n": n, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["message"] == (
+        f"prompt is a list of {num_prompts} prompts, x n ({n}) = {num_prompts * n} sequences; a request "
+        f"generates at most {MAX_SEQUENCES_PER_REQUEST}: send fewer prompts per request"
+    )
+    assert not encoded and len(server.engine.streams) == 0
+    body["prompt"] = body["prompt"][: MAX_SEQUENCES_PER_REQUEST // n]
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["choices"]) == MAX_SEQUENCES_PER_REQUEST
 
 
 def test_negative_top_logprobs_are_a_400(server):
