@@ -176,16 +176,30 @@ class _Request(BaseModel):
         )
 
 
+# A logit_bias key: a token id in plain decimal ASCII digits. (Python's int() also takes "5_0",
+# " 7 " and other scripts' digits.) A minus sign is read, for SamplingParams to refuse as no id.
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+# More digits than any token id has (and int() takes at most 4,300).
+_MAX_TOKEN_ID_DIGITS = 20
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's logit_bias: JSON object keys are token ids as strings."""
     out = {}
     for key, value in (bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}") from None
-        out[token_id] = value
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidRequestError(
+                f'logit_bias keys must be token ids in decimal digits (as "42"), got {_quoted(key)}'
+            )
+        if len(key.lstrip("-0")) > _MAX_TOKEN_ID_DIGITS:
+            raise InvalidRequestError(f"logit_bias key {_quoted(key)} is outside the vocabulary")
+        out[int(key)] = value
     return out
+
+
+def _quoted(text: str, limit: int = 64) -> str:
+    """`text` as an error message quotes it: repr, cut short."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _calls_for_template(calls: list) -> list:

@@ -177,7 +177,17 @@ def test_max_tokens_and_max_completion_tokens(api, model):
         ({"logit_bias": {"3": 150}}, "logit_bias[3] must be in [-100, 100], got 150"),
         ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias has 301 entries; at most 300"),
         ({"logit_bias": {"99999": 1}}, "logit_bias token id 99999 is outside the vocabulary"),
-        ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids, got 'abc'"),
+        (
+            {"logit_bias": {"abc": 1}},
+            "logit_bias keys must be token ids in decimal digits (as \"42\"), got 'abc'",
+        ),
+        # int() took these for 50, 7, 7 and 3: a key is decimal digits, nothing else.
+        ({"logit_bias": {"5_0": 1}}, "token ids in decimal digits (as \"42\"), got '5_0'"),
+        ({"logit_bias": {" 7 ": 1}}, "token ids in decimal digits (as \"42\"), got ' 7 '"),
+        ({"logit_bias": {"+7": 1}}, "token ids in decimal digits (as \"42\"), got '+7'"),
+        ({"logit_bias": {"\u0663": 1}}, "token ids in decimal digits (as \"42\"), got '\u0663'"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias keys must be token ids (integers >= 0), got -1"),
+        ({"logit_bias": {"9" * 5000: 1}}, "... (5000 characters) is outside the vocabulary"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must be <= max_tokens (10)"),
         ({"prompt_logprobs": 50}, "prompt_logprobs (50) exceeds max_logprobs (20"),
         ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
