@@ -192,12 +192,13 @@ class LLM:
             template = ChatTemplate(chat_template, template.special_tokens)
         prompts: list[Prompt] = []
         for conversation in conversations:
-            request = ChatRequest(
-                messages=conversation,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=chat_template_kwargs,
-            )
+            fields = {
+                "messages": conversation,
+                "tools": tools,
+                "add_generation_prompt": add_generation_prompt,
+                "chat_template_kwargs": chat_template_kwargs,
+            }
+            request = ChatRequest.model_validate(fields, strict=False)  # (Python values: a tuple is a list)
             prompts.append(request.render(template))
         return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 

@@ -61,7 +61,17 @@ _T = TypeVar("_T")
 FailFastList = Annotated[list[_T], Field(fail_fast=True)]
 
 
+# Request bodies are read strictly, as OpenAI's API reads them: a field of the wrong JSON type is a
+# 400 naming it ("max_tokens": "12", 12.0 or true is no integer; "stream": "yes" or 1 no boolean;
+# "temperature": "0.5" no number). An integer is a number (JSON has one kind), and null stays the
+# default where a field allows it. (The offline LLM builds a ChatRequest from Python values: not
+# strict there.)
+_STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
@@ -69,7 +79,7 @@ class _Request(BaseModel):
     """What completions and chat completions share (OpenAI's fields, then vLLM's extras)."""
 
     # Fields not declared here are kept (model_extra) to be named: ignored_fields().
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(_STRICT, extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -403,6 +413,8 @@ class ChatRequest(_Request):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages (with the chat fields that shape the prompt)."""
 
+    model_config = _STRICT
+
     model: str | None = None
     prompt: str | None = None
     messages: FailFastList[dict[str, Any]] | None = None
@@ -426,5 +438,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+
     model: str | None = None
     tokens: FailFastList[int]

@@ -358,6 +358,75 @@ def test_more_sequences_than_a_request_may_have_are_a_400_before_any_work(
     assert len(r.json()["choices"]) == MAX_SEQUENCES_PER_REQUEST
 
 
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields, named",
+    [
+        ("completions", {"max_tokens": "12"}, "max_tokens: Input should be a valid integer"),
+        ("completions", {"max_tokens": 12.0}, "max_tokens: Input should be a valid integer"),
+        ("completions", {"max_tokens": True}, "max_tokens: Input should be a valid integer"),
+        ("completions", {"n": "2"}, "n: Input should be a valid integer"),
+        ("completions", {"seed": 1.5}, "seed: Input should be a valid integer"),
+        ("completions", {"temperature": "0.5"}, "temperature: Input should be a valid number"),
+        ("completions", {"top_p": True}, "top_p: Input should be a valid number"),
+        ("completions", {"stream": "yes"}, "stream: Input should be a valid boolean"),
+        ("completions", {"stream": 1}, "stream: Input should be a valid boolean"),
+        ("completions", {"echo": "true"}, "echo: Input should be a valid boolean"),
+        ("completions", {"logit_bias": {"5": "1"}}, "logit_bias.5: Input should be a valid number"),
+        ("completions", {"stop_token_ids": [5.0]}, "stop_token_ids.0: Input should be a valid integer"),
+        ("completions", {"prompt": [5, 6.0]}, "prompt.list[int].1: Input should be a valid integer"),
+        (
+            "completions",
+            {"stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage: Input should be a valid boolean",
+        ),
+        ("chat/completions", {"logprobs": 1}, "logprobs: Input should be a valid boolean"),
+        (
+            "chat/completions",
+            {"max_completion_tokens": "5"},
+            "max_completion_tokens: Input should be a valid",
+        ),
+        ("tokenize", {"prompt": PROMPT, "add_special_tokens": "no"}, "add_special_tokens: Input should be"),
+        ("detokenize", {"tokens": [5, "6"]}, "tokens.1: Input should be a valid integer"),
+    ],
+)
+def test_a_field_of_the_wrong_json_type_is_a_400_naming_it(server, endpoint, fields, named):
+    """A string, a float or a boolean where an integer goes, a string where a number goes, anything
+    but true or false where a boolean goes: a 400 naming the field, as OpenAI's API answers. They were
+    taken (pydantic's lax mode): "max_tokens": "12", 12.0 or true was 12, 12 or 1 tokens, "stream":
+    "yes" streamed."""
+    base = f"http://127.0.0.1:{server.http_port}"
+    url = f"{base}/{endpoint}" if endpoint.endswith("tokenize") else f"{base}/v1/{endpoint}"
+    body = {"prompt": PROMPT} if endpoint == "completions" else CHAT if endpoint.startswith("chat") else {}
+    r = httpx.post(url, json={"max_tokens": 2, **body, **fields} if body else fields)
+    assert r.status_code == 400, r.text
+    assert named in r.json()["error"]["message"], r.text
+    assert httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_an_integer_is_a_number_where_a_float_goes(server, endpoint):
+    """JSON has one kind of number: 0 and 1 are numbers for temperature, top_p, the penalties and a
+    logit_bias, as 0.0 and 1.0 are."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    numbers = {"temperature": 0, "top_p": 1, "min_p": 0, "repetition_penalty": 1, "presence_penalty": 0}
+    numbers |= {"frequency_penalty": 0, "logit_bias": {"5": 1}}
+    body = {"prompt": PROMPT} if endpoint == "completions" else CHAT
+    as_ints = httpx.post(url, json={**body, "max_tokens": 3, **numbers})
+    as_floats = httpx.post(
+        url,
+        json={
+            **body,
+            "max_tokens": 3,
+            **{k: float(v) if k != "logit_bias" else {"5": 1.0} for k, v in numbers.items()},
+        },
+    )
+    assert as_ints.status_code == as_floats.status_code == 200, as_ints.text
+    assert as_ints.json()["choices"] == as_floats.json()["choices"]
+
+
 def test_negative_top_logprobs_are_a_400(server):
     url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}
