@@ -37,7 +37,9 @@ from scheduler_service.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    body_error_message,
     error_body,
+    unreadable_body_message,
 )
 from scheduler_service.request_handling import (
     RENDER_INLINE_MESSAGES,
@@ -60,8 +62,6 @@ _REQUEST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Endpoints outside /v1 that need the API key too (vLLM's: the tokenizer and the chat template).
 _TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 NO_TOKENIZER = "this server has no tokenizer: send token ids or start the scheduler with --tokenizer"
-# The errors a 400 for a malformed body lists (a list of a million wrong items has a million).
-MAX_BODY_ERRORS = 10
 # The largest request body, the gRPC API's message limit: what one API takes, the other does. FastAPI
 # reads a body whole and parses it on the event loop, which every stream and health check shares.
 MAX_BODY_BYTES = GENERATION_MAX_MESSAGE_BYTES
@@ -138,24 +138,22 @@ class OpenAIServer:
         async def http_error(request: Request, e: HttpError) -> JSONResponse:
             return _error_response(e.status, e.message, e.code)
 
-        @app.exception_handler(StarletteHTTPException)  # an unknown route or method; a body too large
+        # An unknown route or method; a body too large, or that FastAPI could not parse (not UTF-8,
+        # nested too deeply: its own 400 without the reason, which is the exception's cause).
+        @app.exception_handler(StarletteHTTPException)
         async def http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
             if e.status_code == 413:
                 self.count_too_large(request.url.path)
+            if e.status_code == 400 and e.__cause__ is not None:
+                self.count_invalid_body(request.url.path)
+                return _error_response(400, unreadable_body_message(e.__cause__))
             return JSONResponse(error_body(str(e.detail), e.status_code), e.status_code, e.headers)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-            errors = e.errors()
-            # (a long list of wrong items has an error per item: the first few name the problem)
-            details = "; ".join(
-                f"{'.'.join(map(str, err['loc'][1:]))}: {err['msg']}" for err in errors[:MAX_BODY_ERRORS]
-            )
-            if len(errors) > MAX_BODY_ERRORS:
-                details += f"; and {len(errors) - MAX_BODY_ERRORS} more errors"
-            if request.url.path in _REQUEST_PATHS:  # a completion refused for its body (bad JSON, fields)
-                self.metrics.requests_failed.labels(ErrorCode.INVALID_ARGUMENT.name).inc()
-            return _error_response(400, details or "invalid request body")
+            self.count_invalid_body(request.url.path)
+            content_type = request.headers.get("content-type")
+            return _error_response(400, body_error_message(e.errors(), e.body, content_type))
 
         @app.get("/health")
         async def health() -> JSONResponse:
@@ -206,6 +204,12 @@ class OpenAIServer:
             "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
             "invalid_api_key",
         )
+
+    def count_invalid_body(self, path: str) -> None:
+        """A completion refused for its body (not JSON, a bad field) counts as gRPC counts a message
+        it cannot take."""
+        if path in _REQUEST_PATHS:
+            self.metrics.requests_failed.labels(ErrorCode.INVALID_ARGUMENT.name).inc()
 
     def count_too_large(self, path: str) -> None:
         """A completion refused for its body's size counts as gRPC counts an oversized message."""

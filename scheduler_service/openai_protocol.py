@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -40,6 +41,71 @@ _ERROR_TYPES = {
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
+
+
+# The errors a 400 for a malformed body lists (a list of a million wrong items has a million).
+MAX_BODY_ERRORS = 10
+_JSON_TYPES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+    type(None): "null",
+}
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def body_error_message(errors: Sequence[dict], body: Any, content_type: str | None) -> str:
+    """The 400's message for a body that FastAPI could not read as the request: not JSON (where,
+    and why), not sent as JSON (its Content-Type), empty, no JSON object, or its fields' errors,
+    each with its path and, for a wrong type, the JSON type sent. `errors` are pydantic's (their
+    paths start at "body"); `body` is the JSON text where it was not JSON, else what it parsed to."""
+    first = errors[0] if errors else {"type": "missing", "loc": ("body",)}
+    if first["type"] == "json_invalid" and isinstance(body, str):
+        at = first["loc"][1]
+        line = body.count("\n", 0, at) + 1
+        column = at - body.rfind("\n", 0, at)
+        return f"the request body is not valid JSON: {first['ctx']['error']} at line {line} column {column}"
+    if tuple(first["loc"]) == ("body",):
+        if first["type"] == "missing":
+            return "the request body is empty: send a JSON object (Content-Type: application/json)"
+        if isinstance(first.get("input"), bytes):  # (FastAPI reads JSON only when it says so)
+            got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+            return f"the request body must be JSON, sent with Content-Type: application/json; got {got}"
+        return f"the request body must be a JSON object, got {_json_type(first.get('input'))}"
+    # A field of several shapes (a prompt: text, ids, a list of either) fails in each: the shape
+    # whose error lies deepest is the one the client meant.
+    depth: dict[tuple, int] = {}
+    for error in errors:
+        field = tuple(error["loc"][1:2])
+        depth[field] = max(depth.get(field, 0), len(error["loc"]))
+    errors = [error for error in errors if len(error["loc"]) == depth[tuple(error["loc"][1:2])]]
+    messages = []
+    for error in errors[:MAX_BODY_ERRORS]:
+        message = f"{'.'.join(map(str, error['loc'][1:]))}: {error['msg']}"
+        if error["type"].endswith("_type") and "input" in error:  # (a wrong JSON type)
+            message += f", got {_json_type(error['input'])}"
+        messages.append(message)
+    if len(errors) > MAX_BODY_ERRORS:
+        messages.append(f"and {len(errors) - MAX_BODY_ERRORS} more errors")
+    return "; ".join(messages)
+
+
+def unreadable_body_message(cause: BaseException | None) -> str:
+    """The 400's message for a body that is not even JSON text: not UTF-8, nested too deeply for
+    the parser, or a number it refuses (an integer of over 4,300 digits)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not UTF-8 JSON: {cause.reason} at byte {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "the request body is not valid JSON: nested too deeply"
+    if isinstance(cause, ValueError):  # (Python's advice after the ";" is for the server's code)
+        return f"the request body is not valid JSON: {str(cause).split(';')[0]}"
+    return "the request body could not be read as JSON"
 
 
 # vLLM's fields asking for constrained output (structured outputs), which this server cannot honour:

@@ -427,6 +427,56 @@ def test_an_integer_is_a_number_where_a_float_goes(server, endpoint):
     assert as_ints.json()["choices"] == as_floats.json()["choices"]
 
 
+JSON = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize(
+    "content, headers, message",
+    [
+        (b"{not json", JSON, "the request body is not valid JSON: Expecting property name enclosed in "
+         "double quotes at line 1 column 2"),
+        (b'{"prompt": "x",\n "max_tokens": 2,, }', JSON, "the request body is not valid JSON: Expecting "
+         "property name enclosed in double quotes at line 2 column 18"),
+        (b"[1, 2]", JSON, "the request body must be a JSON object, got an array"),
+        (b'"x"', JSON, "the request body must be a JSON object, got a string"),
+        (b"null", JSON, "the request body must be a JSON object, got null"),
+        (b"", JSON, "the request body is empty: send a JSON object (Content-Type: application/json)"),
+        (b'{"prompt": "x"}', {"content-type": "text/plain"}, "the request body must be JSON, sent with "
+         "Content-Type: application/json; got Content-Type 'text/plain'"),
+        (b'{"prompt": "x"}', {}, "the request body must be JSON, sent with Content-Type: "
+         "application/json; got no Content-Type"),
+        (b'{"prompt": "\xff"}', JSON, "the request body is not UTF-8 JSON: invalid start byte at byte 12"),
+        (b"[" * 100_000 + b"]" * 100_000, JSON, "the request body is not valid JSON: nested too deeply"),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", JSON, "the request body is not valid JSON: Exceeds the "
+         "limit (4300 digits) for integer string conversion: value has 5000 digits"),
+        (b'{"max_tokens": 2}', JSON, "prompt: Field required"),
+        (b'{"prompt": "x", "max_tokens": "2"}', JSON, "max_tokens: Input should be a valid integer, got a "
+         "string"),
+        (b'{"prompt": [[5], [6, "7"]]}', JSON, "prompt.list[list[int]].1.1: Input should be a valid "
+         "integer, got a string"),
+    ],
+)  # fmt: skip
+def test_a_body_that_is_no_request_is_a_400_saying_what_is_wrong(server, content, headers, message):
+    """Whatever is wrong with a body is named: where its JSON breaks, the Content-Type it was sent
+    with, that it is empty or no JSON object, the path of a field of the wrong type and the type
+    sent. They were "1: JSON decode error", ": Input should be a valid dictionary or object to
+    extract fields from" (for a list, a string, a body sent as text/plain) and "There was an error
+    parsing the body". Each is counted as a completion refused, and the server keeps serving."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    registry = server.engine.metrics.registry
+
+    def refused() -> float:
+        labels = {"code": "INVALID_ARGUMENT"}
+        return registry.get_sample_value("tandem_scheduler_requests_failed_total", labels) or 0.0
+
+    before = refused()
+    r = httpx.post(url, content=content, headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == message
+    assert refused() - before == 1
+    assert httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
 def test_negative_top_logprobs_are_a_400(server):
     url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}
