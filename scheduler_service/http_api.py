@@ -51,7 +51,7 @@ from scheduler_service.request_handling import (
     verify_tokenizer,
 )
 from scheduler_service.request_stream import RequestStream
-from scheduler_service.sampling_params import SamplingParams, verify_unicode
+from scheduler_service.sampling_params import SamplingParams, verify_token_ids, verify_unicode
 from scheduler_service.sequence import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -354,12 +354,13 @@ class OpenAIServer:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise HttpError(400, NO_TOKENIZER)
-        vocab_size = tokenizer.vocab_size
-        for i, t in enumerate(body.tokens):
-            if not 0 <= t < vocab_size:
-                raise HttpError(
-                    400, f"token id {t} at position {i} is outside the vocabulary (size {vocab_size})"
-                )
+        # The ids a prompt may have and the model may generate: the model's vocabulary, not the
+        # tokenizer's (a model's may be padded past it: those ids' text is empty, here as in an
+        # answer; ids only the tokenizer knows are no prompt's).
+        try:
+            verify_token_ids(body.tokens, engine.limits.vocab_size)
+        except InvalidRequestError as e:
+            raise HttpError(400, e.message) from None
         return JSONResponse({"prompt": await _decoded(tokenizer, body.tokens)})  # (vLLM's: all of them)
 
     async def _serve(self, request: Request, body, chat: bool):

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from protos.plan import StepSamplingParams
 from scheduler_service.errors import InvalidRequestError
 
-__all__ = ["InvalidRequestError", "SamplingParams", "verify_prompt_length", "verify_request"]
+__all__ = [
+    "InvalidRequestError",
+    "SamplingParams",
+    "verify_prompt_length",
+    "verify_request",
+    "verify_token_ids",
+]
 
 # Limits that keep one request's stop-string matching cheap (the detokenizer checks every stop
 # string at every token).
@@ -235,9 +241,7 @@ def verify_request(
         _fail("prompt is empty: at least one token is required")
     # (the length first: a prompt of millions of ids is refused without a pass over them)
     verify_prompt_length(len(prompt_token_ids), params, max_model_len)
-    for i, t in enumerate(prompt_token_ids):
-        if not 0 <= t < vocab_size:
-            _fail(f"token id {t} at position {i} is outside the vocabulary (size {vocab_size})")
+    verify_token_ids(prompt_token_ids, vocab_size)
     if (params.logprobs or 0) > vocab_size:
         _fail(f"logprobs ({params.logprobs}) exceeds the vocabulary size ({vocab_size})")
     if max_logprobs is not None and (params.logprobs or 0) > max_logprobs:
@@ -258,6 +262,14 @@ def verify_request(
                 f"prompt_logprobs ({params.prompt_logprobs}) exceeds max_logprobs ({max_logprobs}; the "
                 "scheduler's --max-logprobs)"
             )
+
+
+def verify_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+    """Raise InvalidRequestError for an id outside [0, vocab_size): the model's vocabulary, which is
+    what the executor embeds and samples from (a tokenizer may know fewer ids, or more)."""
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            _fail(f"token id {t} at position {i} is outside the vocabulary (size {vocab_size})")
 
 
 def verify_prompt_length(

@@ -1009,6 +1009,29 @@ def test_tokenize_and_detokenize_as_vllm_s(server, checkpoint):
     assert asyncio.run_coroutine_threadsafe(without_key(), server.engine._loop).result(10) == [401, 401]
 
 
+def test_detokenize_takes_the_ids_generation_takes(server, checkpoint):
+    """/detokenize checked ids against the tokenizer's vocabulary (400 here) while a prompt's ids,
+    a logit_bias and the model's samples go by the model's (512: its embedding is padded past the
+    tokenizer). Now both go by the model's: an id the model has and the tokenizer does not is text
+    "" (as in an answer that generated it), and one past the model's vocabulary is a 400 naming the
+    id and the size, as a prompt of it is."""
+    url = f"http://127.0.0.1:{server.http_port}"
+    vocab_size = server.engine.engine.limits.vocab_size
+    padded = Tokenizer(checkpoint).vocab_size  # the first id the tokenizer has no text for
+    assert padded < vocab_size
+    r = httpx.post(f"{url}/detokenize", json={"tokens": [5, padded, vocab_size - 1]})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prompt": httpx.post(f"{url}/detokenize", json={"tokens": [5]}).json()["prompt"]}
+    forced = {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {str(padded): 100}}
+    assert httpx.post(f"{url}/v1/completions", json=forced).json()["choices"][0]["text"] == ""
+    for tokens in ([5, vocab_size], [-1]):
+        message = f"token id {tokens[-1]} at position {len(tokens) - 1} is outside the vocabulary (size {vocab_size})"
+        r = httpx.post(f"{url}/detokenize", json={"tokens": tokens})
+        assert r.status_code == 400 and r.json()["error"]["message"] == message, r.text
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": tokens, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"] == message, r.text
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_stream_interval_sets_the_tokens_of_an_http_chunk(checkpoint, reference, endpoint):
     """--stream-interval 4 reaches the HTTP API as it does gRPC: each streamed chunk of a choice
