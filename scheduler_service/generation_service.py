@@ -43,6 +43,10 @@ _FINISH_REASONS = {
 _STATUS_CODES = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
 # The client's own deadline timer fires first and cancels the call, a few ms before ours.
 DEADLINE_SLACK_S = 0.1
+# How long a call whose request stream ended without a message waits for gRPC to cancel it (it
+# does within a millisecond when it refused the message for its size) before it is refused as sent
+# without one.
+NO_REQUEST_WAIT_S = 0.2
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -151,6 +155,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if own_only:
             params = dataclasses.replace(params, logprobs=1)
         kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequestError(
+                "prompt is empty: the GenerateRequest sets none of text, token_ids and chat"
+            )
         if kind in ("text", "chat"):
             # No work for a prompt that cannot be served: no executor (UNAVAILABLE), no tokenizer,
             # or a text too long to fit (a lower bound on its tokens, without tokenizing).
@@ -187,11 +195,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         arrival = time.perf_counter()
         request = await context.read()
         if request is grpc.aio.EOF:
-            await self._fail(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"no GenerateRequest arrived: requests are limited to {self.max_message_bytes} bytes",
-            )
+            await self._no_request(context)
         if isinstance(request, MalformedMessage):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
@@ -226,6 +230,22 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     self.engine.abort(stream)
             if num_finals < len(streams) and not failed:
                 self._count_gone(context)
+
+    async def _no_request(self, context: grpc.aio.ServicerContext) -> None:
+        """The request stream ended without a message: gRPC refused one over the message limit (the
+        client has RESOURCE_EXHAUSTED from gRPC, which cancels this handler a moment later), or the
+        client sent none (INVALID_ARGUMENT). Only the cancellation tells them apart."""
+        try:
+            await asyncio.sleep(NO_REQUEST_WAIT_S)
+        except asyncio.CancelledError:  # (or a client that cancelled before its message: rare)
+            self.metrics.requests_failed.labels(grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
+            raise
+        await self._fail(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "no GenerateRequest arrived: the client closed the request stream before sending one (a "
+            "Generate call sends exactly one GenerateRequest)",
+        )
 
     def _count_gone(self, context: grpc.aio.ServicerContext) -> None:
         """A call that ended before its answer without an error of ours: cancelled, past its

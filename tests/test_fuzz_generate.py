@@ -13,7 +13,7 @@ test model has a vocabulary of 512 and max_model_len 1024):
   case                         expected code        what
   ===========================  ===================  ==============================================
   empty-text                   INVALID_ARGUMENT     text ""
-  no-prompt                    INVALID_ARGUMENT     neither text nor token ids
+  no-prompt                    INVALID_ARGUMENT     neither text nor token ids nor chat
   empty-token-ids              INVALID_ARGUMENT     token_ids {}
   token-id-vocab               INVALID_ARGUMENT     token id 512 (= vocabulary size)
   token-id-negative            INVALID_ARGUMENT     token id -1
@@ -49,6 +49,8 @@ test model has a vocabulary of 512 and max_model_len 1024):
                                                     message
   garbage-bytes                INVALID_ARGUMENT     raw bytes: \\xff\\xff\\xff\\xff
   over-message-limit           RESOURCE_EXHAUSTED   a 17 MiB request (limit 16 MiB)
+  (no message: a request stream closed before its GenerateRequest is INVALID_ARGUMENT, while one
+  refused for its size is RESOURCE_EXHAUSTED: test_a_call_without_its_request_is_invalid_argument)
   unknown-method               UNIMPLEMENTED        /tandem.v1.GenerationService/Nope
   unknown-service              UNIMPLEMENTED        /tandem.v9.Nothing/Generate
   ===========================  ===================  ==============================================
@@ -65,11 +67,12 @@ stream ends, and a good plan on a new stream then runs:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import grpc
 import pytest
-from helpers.scheduler_server import make_server, wait_serving
+from helpers.scheduler_server import make_server, metrics, wait_serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -109,7 +112,7 @@ def _raw_text(text: bytes) -> bytes:
 NAN, INF = float("nan"), float("inf")
 SCHEDULER_CATALOG: list[tuple[str, object, grpc.StatusCode, str]] = [
     ("empty-text", req(""), IA, "prompt is empty"),
-    ("no-prompt", req(), IA, "prompt is empty"),
+    ("no-prompt", req(), IA, "prompt is empty: the GenerateRequest sets none of text, token_ids and chat"),
     ("empty-token-ids", req([]), IA, "prompt is empty"),
     ("token-id-vocab", req([5, 512]), IA, "outside the vocabulary (size 512)"),
     ("token-id-negative", req([-1]), IA, "outside the vocabulary"),
@@ -204,6 +207,38 @@ def test_scheduler_catalog(scheduler, case, bad, code, message):
         list(call)
     assert e.value.code() == code, f"{case}: {e.value.code()} {e.value.details()}"
     assert message in (e.value.details() or ""), e.value.details()
+    good_request_works(channel)
+
+
+def test_a_call_without_its_request_is_invalid_argument(scheduler):
+    """A client that closes its request stream before sending the GenerateRequest (a stream-request
+    call, or a proxy that lost the message) got RESOURCE_EXHAUSTED, "requests are limited to 16777216
+    bytes": the code of a request gRPC refused for its size, which also arrives as no message. Now it
+    is INVALID_ARGUMENT saying the request is missing, counted as such; a request over the size limit
+    is still RESOURCE_EXHAUSTED and counted so, and the service serves the next request."""
+    server, channel = scheduler
+    failed = "tandem_scheduler_requests_failed_total"
+    before = metrics(server)
+    without = channel.stream_stream(
+        GENERATE, request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(without(iter([]), timeout=30))
+    assert e.value.code() == IA, e.value.details()
+    assert e.value.details() == (
+        "no GenerateRequest arrived: the client closed the request stream before sending one (a "
+        "Generate call sends exactly one GenerateRequest)"
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.GenerationServiceStub(channel).Generate(req([300] * (17 * 2**20 // 2)), timeout=30))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    counted = {code: (failed, ("code", code)) for code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")}
+    deadline = time.monotonic() + 5  # (the refusal for size is counted once gRPC cancels its handler)
+    while any(metrics(server).get(k, 0) - before.get(k, 0) != 1 for k in counted.values()):
+        assert time.monotonic() < deadline, {
+            c: metrics(server).get(k, 0) - before.get(k, 0) for c, k in counted.items()
+        }
+        time.sleep(0.05)
     good_request_works(channel)
 
 
