@@ -1,6 +1,8 @@
 """The OpenAI API's request bodies and error objects, as the HTTP front end (http_api.py) reads and
-writes them: requests become tandem's SamplingParams through the same validation as gRPC's, errors
-become `{"error": {"message", "type", "param", "code"}}` with the status OpenAI (and vLLM) use."""
+writes them: bodies are validated strictly (a field of the wrong JSON type is refused, as OpenAI's
+API refuses it), requests become tandem's SamplingParams through the same validation as gRPC's, and
+errors become `{"error": {"message", "type", "param", "code"}}` with the status OpenAI (and vLLM)
+use; a body that is no request gets a message saying what is wrong with it (body_error_message)."""
 
 from __future__ import annotations
 
