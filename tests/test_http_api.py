@@ -344,6 +344,7 @@ def test_http_requests_land_in_the_request_histograms(api, model, services):
         "tandem_scheduler_request_generation_tokens_sum",
     ]
     services.wait_idle()
+    time.sleep(0.3)  # the earlier tests' series relayed by API server processes (every 0.1 s)
     before = services.metrics("scheduler")
     whole = api.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, n=2)
     chunks = list(
@@ -357,10 +358,8 @@ def test_http_requests_land_in_the_request_histograms(api, model, services):
         )
     )
     streamed = chunks[-1].usage
-    after = services.metrics("scheduler")
-    delta = {name: after.get(name, 0) - before.get(name, 0) for name in names}
     prompt = whole.usage.prompt_tokens
-    assert delta == {
+    want = {
         "tandem_scheduler_requests_finished_total": 3,
         "tandem_scheduler_e2e_request_latency_seconds_count": 3,
         "tandem_scheduler_request_prompt_tokens_count": 3,
@@ -369,6 +368,15 @@ def test_http_requests_land_in_the_request_histograms(api, model, services):
         "tandem_scheduler_request_generation_tokens_sum": whole.usage.completion_tokens
         + streamed.completion_tokens,
     }
+    # API server processes (--api-server-count) relay their series to the core every 0.1 s.
+    deadline = time.monotonic() + 5
+    while True:
+        after = services.metrics("scheduler")
+        delta = {name: after.get(name, 0) - before.get(name, 0) for name in names}
+        if delta == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert delta == want
 
 
 def test_http_requests_the_client_abandons_are_counted_as_cancelled(services, model):
@@ -409,6 +417,8 @@ def test_http_requests_refused_before_admission_are_counted(services, model):
     def failed() -> dict:
         return scrape_samples(url).get("tandem_scheduler_requests_failed_total", {})
 
+    services.wait_idle()
+    time.sleep(0.3)  # the earlier tests' series relayed by API server processes (every 0.1 s)
     before = failed()
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(base_url=services.http_url, headers=headers) as http:
@@ -423,10 +433,16 @@ def test_http_requests_refused_before_admission_are_counted(services, model):
             http.post("/v1/completions", json={"model": "not-this-one", "prompt": PROMPT}),
         ):
             assert response.status_code in (400, 404), response.text
-    after = failed()
 
     def delta(code: str) -> float:
         return after.get((("code", code),), 0) - before.get((("code", code),), 0)
 
+    # API server processes (--api-server-count) relay their series to the core every 0.1 s.
+    deadline = time.monotonic() + 5
+    while True:
+        after = failed()
+        if (delta("INVALID_ARGUMENT"), delta("NOT_FOUND")) == (3, 1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert delta("INVALID_ARGUMENT") == 3
     assert delta("NOT_FOUND") == 1
