@@ -171,7 +171,7 @@ for what in "$@"; do
     # Triton cache; the winners to $OUT/gemm_table.json), then W4 as today and with that table (or
     # TABLE=<a committed copy>), alternating, ROUNDS times (default 1).
     swap-tests) TAIL=8 stage swap-tests "$PY" -m pytest -q -m gpu tests/test_fp8_gemm.py -k "swap" ;;
-    fp8-gemm-swap) TAIL=45 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage fp8-gemm-swap "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 1,8,16,32,64,128,256 --kernels swap --table-out "$OUT/gemm_table.json" ;;
+    fp8-gemm-swap) TAIL=45 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage fp8-gemm-swap "$PY" bench/fp8_gemm.py --sweep-v2 --tokens ${SWAP_TOKENS:-1,2,4,8,16,32,64,128,256} --kernels swap --table-out "$OUT/gemm_table.json" ;;
     w4-swap) TAIL=16 STAGE_TIMEOUT=${STAGE_TIMEOUT:-580} stage w4-swap bash -c 'for i in $(seq ${ROUNDS:-1}); do for f in "" "--fp8-gemm-table ${TABLE:-$1/gemm_table.json}"; do echo "W4 ${f:-as today}"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process $f | grep "output tok/s\|device:\|GEMM_TABLE"; done; done' "$PY" "$OUT" ;;
     # W4's decode step by kernel group at batches of 16, 64 and 128 (after a w4 stage built the
     # checkpoint), with TABLE=<GEMM_TABLE entries> if given: where the smaller steps' time goes.
