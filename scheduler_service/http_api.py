@@ -30,6 +30,7 @@ from protos.api_keys import AUTHORIZATION, ApiKeys
 from protos.defaults import GENERATION_MAX_MESSAGE_BYTES
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.chat_output import ChatDelta, ChatOutputParser
+from scheduler_service.config import SchedulerLimits
 from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemRequestError
 from scheduler_service.openai_protocol import (
     HTTP_STATUS,
@@ -51,7 +52,12 @@ from scheduler_service.request_handling import (
     verify_tokenizer,
 )
 from scheduler_service.request_stream import RequestStream
-from scheduler_service.sampling_params import SamplingParams, verify_token_ids, verify_unicode
+from scheduler_service.sampling_params import (
+    SamplingParams,
+    verify_prompt_length,
+    verify_token_ids,
+    verify_unicode,
+)
 from scheduler_service.sequence import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -294,7 +300,7 @@ class OpenAIServer:
                 )
                 name = request_id if len(prompts) == 1 else f"{request_id}-{p}"
                 # (decoded before it is submitted: if cut short, it leaves nothing running)
-                text = await self._prompt_text(prompt) if echo else None
+                text = await self._prompt_text(prompt, params, engine.limits) if echo else None
                 for stream in await self.engine.submit(name, ids, params, arrival, timeout, body.user):
                     choice = _Choice(
                         len(choices), stream, OutputProcessor(self.engine.tokenizer, stream.params)
@@ -311,11 +317,15 @@ class OpenAIServer:
             raise
         return choices, request_id
 
-    async def _prompt_text(self, prompt: str | list[int]) -> str:
+    async def _prompt_text(
+        self, prompt: str | list[int], params: SamplingParams, limits: SchedulerLimits
+    ) -> str:
         """An echoed prompt's text: as sent, or its token ids' text (special tokens included, as
-        /detokenize writes them)."""
+        /detokenize writes them). Ids are checked first: the decoder raises for a negative one."""
         if isinstance(prompt, str):
             return prompt
+        verify_prompt_length(len(prompt), params, limits.max_model_len)
+        verify_token_ids(prompt, limits.vocab_size)
         return await _decoded(self.engine.tokenizer, prompt)
 
     # -- vLLM's tokenizer endpoints ---------------------------------------------------------

@@ -261,3 +261,16 @@ def test_a_prompt_echoed_alone_needs_room_for_the_token_it_samples(url, api):
         f"returned) exceeds max_model_len ({max_model_len})"
     )
     assert _post(url, **{**body, "prompt": [5] * (max_model_len - 1)})["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("bad_id", [-1, 2**40, 4096])
+def test_an_echoed_token_id_outside_the_vocabulary_is_a_400(server, url, bad_id):
+    """The prompt's text is decoded for the echo: an id the tokenizer cannot take (negative, or past
+    32 bits) was a 500 from the decoder, before the check that refuses it for every other prompt."""
+    for max_tokens in (2, 0):
+        r = httpx.post(url, json={"prompt": [5, bad_id], "max_tokens": max_tokens, "echo": True})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(
+            f"token id {bad_id} at position 1 is outside the vocabulary"
+        )
+    assert len(server.engine.streams) == 0
