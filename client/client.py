@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,12 +99,25 @@ def channel_options(tls_server_name: str | None, retries: int = DEFAULT_RETRIES)
     return options
 
 
+def check_address(address: str) -> None:
+    """ValueError for a HOST:PORT whose port is outside [1, 65535]: gRPC would take it modulo 2**16
+    and report a failure to connect to another port. (Other gRPC targets are taken as given.)"""
+    host, _, port = address.rpartition(":")
+    if (
+        host
+        and re.fullmatch(r"-?[0-9]+", port)
+        and not (len(port.lstrip("0")) <= 5 and 1 <= int(port) <= 65535)
+    ):
+        raise ValueError(f"the server address {address!r}: its port must be in [1, 65535], got {port}")
+
+
 def open_channel(
     grpc_module, address: str, tls: bool, tls_ca, tls_server_name: str | None, retries: int = DEFAULT_RETRIES
 ):
     """A channel to `address` from `grpc` (sync) or `grpc.aio`: plaintext, or TLS as
     channel_credentials() says; GenerationService calls refused UNAVAILABLE before their first
     response are retried `retries` times."""
+    check_address(address)
     credentials = channel_credentials(tls, tls_ca)
     options = channel_options(tls_server_name, retries)
     if credentials is None:

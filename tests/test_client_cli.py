@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -200,8 +201,24 @@ def test_a_timeout_that_is_no_positive_number_of_seconds_is_refused(timeout, cap
     assert "timeout must be a positive, finite number of seconds" in err and "no tandem server" not in err
 
 
-async def _async_client(**kwargs) -> None:
-    AsyncTandemClient("127.0.0.1:1", **kwargs)
+@pytest.mark.parametrize("port", ["0", "-5", "65536", "99999"])
+def test_a_server_port_outside_1_65535_is_refused(port, capsys):
+    """gRPC takes a port modulo 2**16: `--server 127.0.0.1:99999` was "no tandem server at
+    127.0.0.1:99999 (... ipv4:127.0.0.1:34463: Failed to connect ...)", naming a port never given."""
+    message = f"port must be in [1, 65535], got {port}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TandemClient(f"127.0.0.1:{port}")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        asyncio.run(_async_client(address=f"[::1]:{port}"))
+    assert cli.main(["generate", "--server", f"127.0.0.1:{port}", "--retries", "0", "x"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "no tandem server" not in err
+    for target in ("dns:///127.0.0.1:50051", "[::1]:50051", "unix:/tmp/tandem.sock", "localhost"):
+        TandemClient(target).close()
+
+
+async def _async_client(address: str = "127.0.0.1:1", **kwargs) -> None:
+    AsyncTandemClient(address, **kwargs)
 
 
 def test_sampling_flags_become_kwargs():
