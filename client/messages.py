@@ -236,6 +236,8 @@ def sampling_params(**kwargs) -> pb.SamplingParams:
                 value %= 2**64
             else:
                 raise ValueError(f"seed must be in [-2**63, 2**64), got {value}")
+            if name == "n" and value < 1:  # (the proto's 0 is unset: one sample)
+                raise ValueError(f"n must be >= 1, got {value}")
         else:
             value = float(value)
         values[name] = value

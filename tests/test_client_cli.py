@@ -107,6 +107,18 @@ def test_integers_past_the_protos_fields_are_refused_naming_the_argument(kwargs,
         sampling_params(**kwargs)
 
 
+def test_n_0_is_refused_rather_than_sent_as_one_sample(capsys):
+    """The proto's n = 0 means unset (one sample): `n=0` (`tandem generate --n 0`) ran one sample,
+    where the offline LLM and the HTTP API refuse it."""
+    with pytest.raises(ValueError, match=r"n must be >= 1, got 0"):
+        sampling_params(n=0)
+    assert sampling_params(n=1).n == 1
+    argv = ["generate", "--server", f"127.0.0.1:{free_port()}", "--retries", "0", "--n", "0", "x"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "n must be >= 1, got 0" in err and "no tandem server" not in err
+
+
 def test_a_negative_seed_travels_modulo_2_64_as_offline():
     assert sampling_params(seed=-1).seed == 2**64 - 1
     assert sampling_params(seed=-(2**63)).seed == 2**63
