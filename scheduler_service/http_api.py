@@ -40,6 +40,7 @@ from scheduler_service.openai_protocol import (
     TokenizeRequest,
     body_error_message,
     error_body,
+    quoted,
     unreadable_body_message,
 )
 from scheduler_service.request_handling import (
@@ -234,7 +235,9 @@ class OpenAIServer:
         The executor names a local checkpoint by its directory: its path names it too."""
         if name and name != served and Path(name).name != served:
             return HttpError(
-                404, f"the model {name!r} does not exist: this server serves {served!r}", "model_not_found"
+                404,
+                f"the model {quoted(name)} does not exist: this server serves {served!r}",
+                "model_not_found",
             )
         return None
 

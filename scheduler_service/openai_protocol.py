@@ -267,15 +267,15 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     for key, value in (bias or {}).items():
         if not _TOKEN_ID_KEY.fullmatch(key):
             raise InvalidRequestError(
-                f'logit_bias keys must be token ids in decimal digits (as "42"), got {_quoted(key)}'
+                f'logit_bias keys must be token ids in decimal digits (as "42"), got {quoted(key)}'
             )
         if len(key.lstrip("-0")) > _MAX_TOKEN_ID_DIGITS:
-            raise InvalidRequestError(f"logit_bias key {_quoted(key)} is outside the vocabulary")
+            raise InvalidRequestError(f"logit_bias key {quoted(key)} is outside the vocabulary")
         out[int(key)] = value
     return out
 
 
-def _quoted(text: str, limit: int = 64) -> str:
+def quoted(text: str, limit: int = 64) -> str:
     """`text` as an error message quotes it: repr, cut short."""
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 

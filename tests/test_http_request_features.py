@@ -1009,6 +1009,20 @@ def test_tokenize_and_detokenize_as_vllm_s(server, checkpoint):
     assert asyncio.run_coroutine_threadsafe(without_key(), server.engine._loop).result(10) == [401, 401]
 
 
+def test_an_unknown_model_s_404_quotes_its_name_cut_short(server):
+    """The 404 quoted the name whole: a model name of 100,000 characters came back in a message of
+    100 KB."""
+    url = f"http://127.0.0.1:{server.http_port}"
+    for endpoint, body in (("/v1/completions", {"prompt": PROMPT}), ("/tokenize", {"prompt": PROMPT})):
+        r = httpx.post(url + endpoint, json={**body, "model": "m" * 100_000})
+        assert r.status_code == 404, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(
+            f"the model {'m' * 64!r}... (100000 characters) does not exist: this server"
+        )
+        assert len(message) < 200
+
+
 def test_detokenize_takes_the_ids_generation_takes(server, checkpoint):
     """/detokenize checked ids against the tokenizer's vocabulary (400 here) while a prompt's ids,
     a logit_bias and the model's samples go by the model's (512: its embedding is padded past the
