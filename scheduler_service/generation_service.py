@@ -28,6 +28,7 @@ from scheduler_service.request_handling import (
     encode_text,
     verify_request_id,
     verify_tokenizer,
+    verify_tools,
 )
 from scheduler_service.request_stream import RequestStream
 from scheduler_service.response_chunks import logprobs_to_proto, split_logprobs, split_text, split_tokens
@@ -100,6 +101,7 @@ def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate, bool]:
         raise InvalidRequestError(
             f"chat.tools_json must be a JSON array of tool objects (OpenAI's tools), got {chat.tools_json[:100]}"
         )
+    verify_tools(tools, "chat.tools_json")
     messages = []
     for i, m in enumerate(chat.messages):
         if not m.role:  # (proto3: unset is empty; HTTP's messages need one too)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.errors import ErrorCode, InvalidRequestError
+from scheduler_service.request_handling import verify_tools
 from scheduler_service.sampling_params import SamplingParams, verify_unicode
 
 # The most sequences (prompts x n) one completion may ask for: each is a request of its own in the
@@ -398,6 +399,7 @@ class ChatRequest(_Request):
 
     def render(self, template: ChatTemplate) -> str:
         """The prompt `template` writes for these messages, tools, documents and template kwargs."""
+        verify_tools(self.tools, "tools")
         return template.render(
             self.template_messages(),
             tools=self.tools,

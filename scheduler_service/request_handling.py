@@ -53,6 +53,30 @@ def verify_request_id(request_id: str) -> None:
         )
 
 
+def verify_tools(tools: list | None, name: str) -> None:
+    """OpenAI's function tools, as vLLM takes them: `{"type": "function", "function": {"name": ...,
+    "parameters": {...}}}` (type may be left out). A chat template writes whatever it is given, so a
+    tool of another shape would reach the model as a definition of nothing."""
+    for i, tool in enumerate(tools or ()):
+        if (kind := tool.get("type", "function")) != "function":
+            raise InvalidRequestError(f'{name}[{i}].type must be "function", got {kind!r:.64}')
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise InvalidRequestError(
+                f'{name}[{i}].function must be an object: {{"name": ..., "parameters": {{...}}}}, got '
+                f"{type(function).__name__}"
+            )
+        if not isinstance(function.get("name"), str):
+            raise InvalidRequestError(
+                f"{name}[{i}].function.name must be a string, got {type(function.get('name')).__name__}"
+            )
+        if not isinstance(function.get("parameters", {}), (dict, type(None))):
+            raise InvalidRequestError(
+                f"{name}[{i}].function.parameters must be an object, got "
+                f"{type(function['parameters']).__name__}"
+            )
+
+
 def verify_tokenizer(params: SamplingParams, tokenizer: Tokenizer | None, no_tokenizer: str) -> None:
     """Stop strings are matched on the text: they need a tokenizer."""
     if params.stop and tokenizer is None:

@@ -236,6 +236,40 @@ def test_grpc_chat_tools_not_an_array_of_objects_is_invalid_argument(server, too
     assert "chat.tools_json must be a JSON array of tool objects" in e.value.details()
 
 
+@pytest.mark.parametrize(
+    "tool, named",
+    [
+        ({}, "[1].function must be an object"),
+        ({"type": "function"}, "[1].function must be an object"),
+        # (the Responses API's flat shape, sent to chat completions)
+        ({"type": "function", "name": "get_time", "parameters": {}}, "[1].function must be an object"),
+        ({"type": "function", "function": {"parameters": {}}}, "[1].function.name must be a string"),
+        ({"type": "function", "function": {"name": 5}}, "[1].function.name must be a string, got int"),
+        (
+            {"type": "web_search", "function": {"name": "f"}},
+            "[1].type must be \"function\", got 'web_search'",
+        ),
+        (
+            {"function": {"name": "f", "parameters": "{}"}},
+            "[1].function.parameters must be an object, got str",
+        ),
+    ],
+)
+def test_a_tool_that_is_no_openai_function_tool_is_refused(api, server, tool, named):
+    """vLLM refuses these with a 400; they reached the chat template as sent, and the model a
+    definition of nothing. Over gRPC, tools_json is checked the same way."""
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="fake", messages=MESSAGES, tools=[TOOLS[0], tool], max_tokens=2)
+    assert e.value.body["message"].startswith("tools" + named), e.value.body
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_chat(server, json.dumps([TOOLS[0], tool]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("chat.tools_json" + named), e.value.details()
+    ok = {"function": {"name": "get_time"}}  # (type may be left out, as vLLM's default)
+    got = api.chat.completions.create(model="fake", messages=MESSAGES, tools=[ok], max_tokens=2)
+    assert got.choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("field", ["tools_json", "chat_template_kwargs_json"])
 def test_grpc_chat_json_with_an_integer_python_cannot_read_is_invalid_argument(server, field):
     """An integer of more than 4,300 digits is JSON Python refuses (a ValueError that is no
