@@ -287,6 +287,17 @@ def check_args(args: argparse.Namespace) -> None:
     for name, value in (("--shutdown-timeout", args.shutdown_timeout), ("--grace", args.grace)):
         if value is not None and not 0 <= value < math.inf:  # NaN too
             raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
+    # The gRPC ports are waited on for SERVING: 0 (any free port) would never be found.
+    for name, value in (("--port", args.port), ("--executor-port", args.executor_port)):
+        if not 1 <= value <= 65535:
+            raise ValueError(f"{name} must be in [1, 65535], got {value}")
+    for name, value in (
+        ("--http-port", args.http_port),
+        ("--metrics-port", args.metrics_port),
+        ("--executor-metrics-port", args.executor_metrics_port),
+    ):
+        if not 0 <= value <= 65535:
+            raise ValueError(f"{name} must be in [0, 65535] (0: none), got {value}")
 
 
 def run_up(args: argparse.Namespace) -> int:

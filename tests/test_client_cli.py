@@ -322,11 +322,20 @@ def test_up_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
         ),
         (["--grace", "-1"], "--grace must be a finite number of seconds >= 0, got -1.0"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["--port", "99999"], "--port must be in [1, 65535], got 99999"),
+        (["--port", "0"], "--port must be in [1, 65535], got 0"),
+        (["--executor-port", "-1"], "--executor-port must be in [1, 65535], got -1"),
+        (["--http-port", "65536"], "--http-port must be in [0, 65535] (0: none), got 65536"),
+        (
+            ["--executor-metrics-port", "-1"],
+            "--executor-metrics-port must be in [0, 65535] (0: none), got -1",
+        ),
     ],
 )
 def test_up_refuses_bad_values_before_starting_anything(tmp_path, capsys, flags, message):
     """--max-num-seqs 0 was dropped (both services ran with 256); a NaN startup timeout or grace
-    never ran out (a service that hung was waited for for ever)."""
+    never ran out (a service that hung was waited for for ever); a scheduler port out of range
+    failed the scheduler once the executor had loaded the model."""
     assert cli.main(["up", "--model", str(tmp_path), *flags]) == 2
     assert f"error: {message}" in capsys.readouterr().err
 
