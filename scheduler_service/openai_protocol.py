@@ -281,6 +281,29 @@ def quoted(text: str, limit: int = 64) -> str:
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant's past tool calls as OpenAI's: a list of {"function": {"name", "arguments"}},
+    arguments JSON text (or an object, as transformers takes them); InvalidRequestError naming the
+    first that is not (a template failed on it naming neither, or wrote it as Python does)."""
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{where} must be a list of tool calls, got {type(calls).__name__}")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise InvalidRequestError(
+                f'{where}[{j}] must be a tool call: {{"function": {{"name": ..., "arguments": ...}}}}'
+            )
+        if not isinstance(name := function.get("name"), str):
+            raise InvalidRequestError(
+                f"{where}[{j}].function.name must be a string, got {type(name).__name__}"
+            )
+        if not isinstance(arguments := function.get("arguments"), (str, dict, type(None))):
+            raise InvalidRequestError(
+                f"{where}[{j}].function.arguments must be a string (JSON) or an object, got "
+                f"{type(arguments).__name__}"
+            )
+
+
 def _calls_for_template(calls: list) -> list:
     """An assistant's past tool calls as chat templates take them (transformers' convention, and
     vLLM's): each call's `arguments` an object, not OpenAI's JSON string of it ({} for none).
@@ -438,7 +461,8 @@ class ChatRequest(_Request):
                         )
                     texts.append(text)
                 message = {**message, "content": "\n".join(texts)}
-            if message["role"] == "assistant" and isinstance(calls := message.get("tool_calls"), list):
+            if message["role"] == "assistant" and (calls := message.get("tool_calls")) is not None:
+                _check_tool_calls(calls, f"messages[{i}].tool_calls")
                 message = {**message, "tool_calls": _calls_for_template(calls)}
                 if not calls:  # (a template asking `'tool_calls' in message` takes it for calls)
                     del message["tool_calls"]

@@ -288,6 +288,37 @@ def test_a_message_whose_content_or_role_is_of_another_type_is_a_400(server, mes
     assert httpx.post(url, json=body).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "calls, named",
+    [
+        ("get_weather", "messages[1].tool_calls must be a list of tool calls, got str"),
+        ({"function": {"name": "f"}}, "messages[1].tool_calls must be a list of tool calls, got dict"),
+        ([1], "messages[1].tool_calls[0] must be a tool call: "),
+        ([{"name": "f", "arguments": "{}"}], "messages[1].tool_calls[0] must be a tool call: "),
+        (
+            [{"function": {"arguments": "{}"}}],
+            "messages[1].tool_calls[0].function.name must be a string, got",
+        ),
+        ([{"function": {"name": 5}}], "messages[1].tool_calls[0].function.name must be a string, got int"),
+        (
+            [{"function": {"name": "f", "arguments": [1]}}],
+            "messages[1].tool_calls[0].function.arguments must be a string (JSON) or an object, got list",
+        ),
+    ],
+)
+def test_an_assistant_s_tool_calls_of_another_shape_are_a_400_naming_them(server, calls, named):
+    """OpenAI's tool calls are a list of {"function": {"name", "arguments"}}: other shapes reached
+    the template, which failed with a message naming neither the message nor the field ("'str
+    object' has no attribute 'name'"), or wrote them as Python writes them."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    r = httpx.post(url, json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(named), r.text
+    messages[1]["tool_calls"] = [{"function": {"name": "f", "arguments": '{"a": 1}'}}]
+    assert httpx.post(url, json={"messages": messages, "max_tokens": 2}).status_code == 200
+
+
 def test_a_grpc_chat_message_without_a_role_is_invalid_argument(server):
     """As HTTP's "messages[1] has no role": an unset (empty) role was rendered as one by a template
     that takes any role (`: and now?`), a prompt the client never meant."""
