@@ -461,10 +461,12 @@ class ChatRequest(_Request):
                         )
                     texts.append(text)
                 message = {**message, "content": "\n".join(texts)}
-            if message["role"] == "assistant" and (calls := message.get("tool_calls")) is not None:
-                _check_tool_calls(calls, f"messages[{i}].tool_calls")
-                message = {**message, "tool_calls": _calls_for_template(calls)}
-                if not calls:  # (a template asking `'tool_calls' in message` takes it for calls)
+            if message["role"] == "assistant" and "tool_calls" in message:
+                calls = message["tool_calls"]
+                if calls is not None:
+                    _check_tool_calls(calls, f"messages[{i}].tool_calls")
+                message = {**message, "tool_calls": _calls_for_template(calls or [])}
+                if not calls:  # (a template asking `'tool_calls' in message` takes null or [] for calls)
                     del message["tool_calls"]
             messages.append(message)
         if not messages:

@@ -319,6 +319,24 @@ def test_an_assistant_s_tool_calls_of_another_shape_are_a_400_naming_them(server
     assert httpx.post(url, json={"messages": messages, "max_tokens": 2}).status_code == 200
 
 
+def test_an_assistant_s_null_tool_calls_are_none(api, model, checkpoint):
+    """The openai SDK writes a reply's message back with `"tool_calls": null` when it made no calls
+    (`messages.append(reply.choices[0].message)`): vLLM drops it, as it drops an empty list, and
+    so does this server. A template asking `'tool_calls' in message` (Llama 3.1's) took it for
+    calls and failed on it."""
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "tool_calls": None},
+        {"role": "user", "content": "Again"},
+    ]
+    got = api.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    expected = "user: Hi\nassistant: Hello\nuser: Again\nassistant:"
+    ids = [int(next(iter(entry))) for entry in got.model_extra["prompt_logprobs"][1:]]
+    assert ids == Tokenizer(checkpoint).encode(expected, add_special_tokens=False)[1:]
+
+
 def test_a_grpc_chat_message_without_a_role_is_invalid_argument(server):
     """As HTTP's "messages[1] has no role": an unset (empty) role was rendered as one by a template
     that takes any role (`: and now?`), a prompt the client never meant."""
