@@ -124,6 +124,8 @@ class SamplingParams:
         for i, stop in enumerate(self.stop):
             if not isinstance(stop, str):
                 _fail(f"stop[{i}] must be a string, got {stop!r}")
+            if not stop:
+                _fail(f"stop[{i}] is an empty string: a stop string needs at least one character")
             if len(stop) > MAX_STOP_STRING_CHARS:
                 _fail(f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_STRING_CHARS}")
             verify_unicode(stop, f"stop[{i}]")

@@ -71,6 +71,8 @@ def test_stop_strings_need_a_tokenizer_and_are_bounded(llm):
         SamplingParams(stop=["x"] * 65)
     with pytest.raises(ValueError, match=r"stop\[0\] is 1025 characters long"):
         SamplingParams(stop=["x" * 1025])
+    with pytest.raises(ValueError, match=r"stop\[1\] is an empty string"):  # vLLM refuses it too
+        SamplingParams(stop=["x", ""])
     tokenizer, llm.tokenizer = llm.tokenizer, None
     try:
         with pytest.raises(ValueError, match="stop strings need a tokenizer"):
