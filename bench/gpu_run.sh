@@ -173,6 +173,9 @@ for what in "$@"; do
     swap-tests) TAIL=8 stage swap-tests "$PY" -m pytest -q -m gpu tests/test_fp8_gemm.py -k "swap" ;;
     fp8-gemm-swap) TAIL=45 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage fp8-gemm-swap "$PY" bench/fp8_gemm.py --sweep-v2 --tokens ${SWAP_TOKENS:-1,2,4,8,16,32,64,128,256} --kernels swap --table-out "$OUT/gemm_table.json" ;;
     w4-swap) TAIL=16 STAGE_TIMEOUT=${STAGE_TIMEOUT:-580} stage w4-swap bash -c 'for i in $(seq ${ROUNDS:-1}); do for f in "" "--fp8-gemm-table ${TABLE:-$1/gemm_table.json}"; do echo "W4 ${f:-as today}"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process $f | grep "output tok/s\|device:\|GEMM_TABLE"; done; done' "$PY" "$OUT" ;;
+    # W4 as today, then with the swap kernel's first rule (fp8_gemm_triton.swap_config) for the GEMMs of
+    # up to SWAP_BELOW tokens (default 128), alternating ROUNDS times: no sweep needed first.
+    w4-swap-rule) TAIL=16 STAGE_TIMEOUT=${STAGE_TIMEOUT:-580} stage w4-swap-rule bash -c 'for i in $(seq ${ROUNDS:-1}); do for f in "" "--fp8-gemm-swap-below ${SWAP_BELOW:-128}"; do echo "W4 ${f:-as today}"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process $f | grep "output tok/s\|device:\|swap"; done; done' "$PY" ;;
     # W4's decode step by kernel group at batches of 16, 64 and 128 (after a w4 stage built the
     # checkpoint), with TABLE=<GEMM_TABLE entries> if given: where the smaller steps' time goes.
     w4-profile-batches) TAIL=60 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w4-profile-batches bash -c 'for b in 16 64 128; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --batch $b --steps 16 --top 8 --fused-ops on --kv-cache-dtype fp8 ${TABLE:+--fp8-gemm-table $TABLE}; done' "$PY" ;;
