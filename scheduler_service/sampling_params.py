@@ -280,7 +280,9 @@ def verify_prompt_length(
     """Raise InvalidRequestError when a prompt of `num_tokens` leaves no room to generate;
     `lower_bound`: the prompt has at least that many (counted from a text's size, before it is
     tokenized)."""
-    n = f"at least {num_tokens} tokens, from its size" if lower_bound else f"{num_tokens} tokens"
+    n = f"{num_tokens} token{'s' if num_tokens != 1 else ''}"
+    if lower_bound:
+        n = f"at least {n}, from its size"
     if params.max_tokens is None:
         if num_tokens >= max_model_len:
             _fail(f"prompt ({n}) leaves no room to generate within max_model_len ({max_model_len})")

@@ -64,6 +64,11 @@ def test_good_sampling_params_and_step_params():
             "prompt (900 tokens) + max_tokens (200) exceeds max_model_len (1024)",
         ),
         (
+            [1],
+            SamplingParams(max_tokens=1024),
+            "prompt (1 token) + max_tokens (1024) exceeds max_model_len (1024)",
+        ),
+        (
             [1] * 1024,
             SamplingParams(max_tokens=None),
             "prompt (1024 tokens) leaves no room to generate within max_model_len (1024)",
