@@ -55,6 +55,7 @@ from scheduler_service.request_handling import (
 from scheduler_service.request_stream import RequestStream
 from scheduler_service.sampling_params import (
     SamplingParams,
+    escape_surrogates,
     verify_prompt_length,
     verify_token_ids,
     verify_unicode,
@@ -85,10 +86,9 @@ class HttpError(Exception):
 
 
 def _error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-    # A message may quote the request, and JSON text may hold a lone surrogate ("\\ud800"), which
-    # UTF-8 cannot encode: written escaped, not as a 500.
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return JSONResponse(error_body(message, status, code=code), status_code=status)
+    # A message may quote the request, and JSON text may hold a lone surrogate ("\\ud800"): written
+    # escaped, not as a 500.
+    return JSONResponse(error_body(escape_surrogates(message), status, code=code), status_code=status)
 
 
 @dataclass

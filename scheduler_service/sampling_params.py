@@ -302,6 +302,12 @@ def verify_unicode(text: str, name: str) -> None:
             _fail(f"{name} is not valid Unicode ({e.reason}) at character {e.start}")
 
 
+def escape_surrogates(text: str) -> str:
+    """text with any lone surrogate written as its escape ("\\ud800"): UTF-8, and so an HTTP body,
+    a gRPC message or msgpack, cannot carry one (verify_unicode refuses it where it is input)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _float32(x: float) -> float:
     """x as the step plan carries it: rounded to a 32-bit float (infinite past its range)."""
     try:

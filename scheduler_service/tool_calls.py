@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from scheduler_service.reasoning import held_back
+from scheduler_service.sampling_params import escape_surrogates
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -65,12 +66,6 @@ def _new_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _utf8(text: str) -> str:
-    """text with any lone surrogate ("\\ud800" in a model's JSON decodes to one) escaped: UTF-8,
-    and so the HTTP body and the gRPC message, cannot carry it."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def parse_tool_call(body: str, index: int) -> ToolCall | None:
     try:
         call = json.loads(body)
@@ -82,8 +77,8 @@ def parse_tool_call(body: str, index: int) -> ToolCall | None:
     return ToolCall(
         index=index,
         id=_new_id(),
-        name=_utf8(call["name"]),
-        arguments=_utf8(
+        name=escape_surrogates(call["name"]),
+        arguments=escape_surrogates(
             arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         ),
     )
@@ -159,7 +154,7 @@ class ToolCallParser:
                     return ""
                 return self._whole_block(self._body, deltas, unclosed)
             try:
-                name = _utf8(json.loads(f'"{match.group(1)}"'))
+                name = escape_surrogates(json.loads(f'"{match.group(1)}"'))
             except ValueError:
                 name = match.group(1)
             call = ToolCall(len(self.calls), _new_id(), name, "")
@@ -188,7 +183,7 @@ class ToolCallParser:
                     value = json.loads(out)
                 except (ValueError, RecursionError):  # as parse_tool_call
                     value = out
-                self._send(_utf8(value) if isinstance(value, str) else out, deltas)
+                self._send(escape_surrogates(value) if isinstance(value, str) else out, deltas)
             return
         if closed:
             out = held.rstrip()
