@@ -380,8 +380,8 @@ class OpenAIServer:
         timeout = request.headers.get(TIMEOUT_HEADER)
         seconds = None
         if timeout is not None:
-            try:
-                seconds = float(timeout)
+            try:  # (float() takes "1_0" as 10: a digit separator is no part of a header's number)
+                seconds = math.nan if "_" in timeout else float(timeout)
             except ValueError:
                 seconds = math.nan
             # (a NaN or infinite deadline would never pass; a negative one passed before the start)

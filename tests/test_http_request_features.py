@@ -750,7 +750,7 @@ def test_a_long_grpc_chat_is_rendered_without_holding_up_the_event_loop(server):
     assert max(latencies) < took / 2, f"health took up to {max(latencies):.2f} s of the {took:.2f} s"
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "-1", "0"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "-1", "0", "1_0"])
 def test_a_request_timeout_that_cannot_expire_is_a_400(server, value):
     """X-Request-Timeout: a NaN or infinite deadline never passed (and a NaN broke the order of the
     others'), a negative or zero one had passed before the request began: a 400 naming the header."""
