@@ -162,7 +162,8 @@ class OpenAIServer:
             content_type = request.headers.get("content-type")
             return _error_response(400, body_error_message(e.errors(), e.body, content_type))
 
-        @app.get("/health")
+        # HEAD as well as GET, as load balancers' probes send (FastAPI's get() answers HEAD 405)
+        @app.api_route("/health", methods=["GET", "HEAD"])
         async def health() -> JSONResponse:
             try:
                 self.engine.check_admitting()
@@ -170,7 +171,7 @@ class OpenAIServer:
                 return _error_response(503, e.message)
             return JSONResponse({"status": "ok"})
 
-        @app.get("/v1/models")
+        @app.api_route("/v1/models", methods=["GET", "HEAD"])
         async def models() -> JSONResponse:
             engine = self._engine()
             card = {

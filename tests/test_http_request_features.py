@@ -911,6 +911,17 @@ def test_the_served_body_limit_is_the_grpc_message_limit(server):
     assert httpx.get(url + "/health").status_code == 200
 
 
+def test_health_and_models_answer_head(server):
+    """A load balancer's HEAD probe gets GET's status and headers without a body (FastAPI's get()
+    routes answered it 405), and a method neither takes is still a 405."""
+    url = f"http://127.0.0.1:{server.http_port}"
+    for path in ("/health", "/v1/models"):
+        got, head = httpx.get(url + path), httpx.head(url + path)
+        assert head.status_code == got.status_code == 200, (path, head.text)
+        assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+    assert httpx.delete(url + "/health").status_code == 405
+
+
 @pytest.mark.parametrize(
     "endpoint, field",
     [
