@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 
 from executor_service.attention import BACKENDS
+from executor_service.kv_cache import block_bytes, num_blocks_for_bytes
 from executor_service.loader import SAFETENSORS_INDEX
 from executor_service.model_config import MissingConfigKeys, ModelConfig, load_model_config
 from executor_service.models import get_model_class
-from executor_service.parallel import check_tp_layout, rank_device
+from executor_service.parallel import check_tp_layout, num_kv_heads_per_rank, rank_device
 from executor_service.quantization import AT_LOAD_METHODS, BlockFP8Config
 from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from protos.hub import resolve_model
@@ -44,6 +45,8 @@ _STR_FIELDS = ("device", "revision", "dtype", "attention_backend", "kv_cache_dty
                "fused_ops", "tp_master_addr")  # fmt: skip
 _FLOAT_FIELDS = ("kv_cache_gb", "gpu_memory_utilization")
 _OPTIONAL_FIELDS = ("block_size", "num_kv_blocks", "max_model_len", "revision", "dtype", "quantization")
+# Describe carries the executor's limits as int32 (executor.proto).
+INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -125,6 +128,11 @@ class ExecutorConfig:
             raise ValueError(
                 f"num_kv_blocks ({self.num_kv_blocks}) must be positive, or None to use kv_cache_gb"
             )
+        # Past int32 Describe failed ("Value out of range"): the executor served, but no scheduler
+        # could ever connect to it.
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if (value := getattr(self, name)) is not None and value > INT32_MAX:
+                raise ValueError(f"{name} ({value}) must be at most {INT32_MAX} (Describe's int32)")
         if self.num_kv_blocks is None and not 0 < self.kv_cache_gb < math.inf:  # NaN too
             raise ValueError(f"kv_cache_gb ({self.kv_cache_gb}) must be a positive, finite number")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -156,6 +164,31 @@ class ExecutorConfig:
         self._check_backend()
         self._check_fused_ops()
         self._check_tensor_parallel()
+        self._check_kv_cache_gb()
+
+    def _check_kv_cache_gb(self) -> None:
+        """Off CUDA kv_cache_gb gives the block count before the load (kv_cache_sizing): a cache too
+        small for max_model_len, or of more blocks than Describe carries, was a traceback once the
+        weights were loaded."""
+        if self.num_kv_blocks is not None or self.device.startswith("cuda"):
+            return
+        mc = self.model_config
+        heads = num_kv_heads_per_rank(mc.num_key_value_heads, self.tensor_parallel_size)
+        per_block = block_bytes(
+            mc.num_hidden_layers, self.block_size, heads, mc.head_dim, self.kv_torch_dtype
+        )
+        num_blocks = num_blocks_for_bytes(self.kv_cache_gb * 2**30, per_block)
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of "
+                f"{self.block_size} in kv_cache_gb {self.kv_cache_gb:g}), fewer than max_model_len "
+                f"({self.max_model_len}): raise kv_cache_gb, or lower max_model_len"
+            )
+        if num_blocks > INT32_MAX:
+            raise ValueError(
+                f"kv_cache_gb ({self.kv_cache_gb:g}) makes {num_blocks} KV blocks of {self.block_size}, "
+                f"more than Describe carries ({INT32_MAX}): lower kv_cache_gb"
+            )
 
     def _check_types(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):

@@ -159,3 +159,34 @@ def test_an_executor_address_that_can_never_connect_is_refused(address, monkeypa
     assert "--executor must be HOST:PORT with a port in [1, 65535]" in capsys.readouterr().err
     for target in ("executor:50052", "[::1]:50052", "dns:///executor:50052", "unix:/run/executor.sock"):
         assert scheduler_cli.check_executor_address(target) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--max-num-batched-tokens", "1000000000000"],
+            "max_num_batched_tokens (1000000000000) must be at most 2147483647",
+        ),
+        (["--num-kv-blocks", "1000000000000"], "num_kv_blocks (1000000000000) must be at most 2147483647"),
+        (["--block-size", "1000000000000"], "block_size (1000000000000) must be at most 2147483647"),
+        (
+            ["--kv-cache-gb", "1000000000000"],
+            "kv_cache_gb (1e+12) makes 21845333333333332 KV blocks of 16, more than",
+        ),
+        (
+            ["--kv-cache-gb", "1e-7"],
+            "the KV cache holds 0 tokens (0 blocks of 16 in kv_cache_gb 1e-07), fewer",
+        ),
+    ],
+)
+def test_an_executor_that_could_not_serve_what_it_loaded_is_refused_before_the_load(
+    flags, message, monkeypatch, capsys
+):
+    """--max-num-batched-tokens 10**12 served, but Describe failed ("Value out of range") and no
+    scheduler ever connected; a --kv-cache-gb too small for max_model_len, or of more blocks than
+    Describe carries, was a traceback once the weights were loaded."""
+    _, args = _parse("executor", monkeypatch, argv=["--port", "0", "--metrics-port", "0", *flags])
+    assert executor_cli.run(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: {message}" in err and "Traceback" not in err
