@@ -35,6 +35,10 @@ DESCRIPTION = (
     "the environment variable in brackets."
 )
 
+# Each API server is a process of its own (tens of MB); --api-server-count 10**12 spawned them
+# until the machine ran out of memory.
+MAX_API_SERVER_COUNT = 64
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `scheduler` verb; its `func` takes the parsed Namespace and returns an exit code."""
@@ -147,7 +151,8 @@ FLAGS = (
         default=None,
         help="API server processes for the client-facing work (gRPC, HTTP, tokenization, "
         "streaming) beside the engine core's process, all on one client port; 0 = everything in one "
-        "process (default: from the cores, 0 below 8 and a quarter of them from 8 on, at most 4)",
+        f"process (default: from the cores, 0 below 8 and a quarter of them from 8 on, at most 4; "
+        f"{MAX_API_SERVER_COUNT} at most)",
     ),
     flag(
         "--stream-interval",
@@ -304,9 +309,10 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag} must be in [0, 65535] (0 = {zero}), got {value}")
         if args.api_server_count is None:
             args.api_server_count = default_api_server_count()
-        if args.api_server_count < 0:
+        if not 0 <= args.api_server_count <= MAX_API_SERVER_COUNT:
             raise ValueError(
-                f"--api-server-count must be >= 0 (0 = one process), got {args.api_server_count}"
+                f"--api-server-count must be in [0, {MAX_API_SERVER_COUNT}] (0 = one process), "
+                f"got {args.api_server_count}"
             )
         for flag, value, zero in (
             ("--shutdown-timeout", args.shutdown_timeout, ""),
@@ -315,8 +321,15 @@ def run(args: argparse.Namespace) -> int:
         ):
             if not 0 <= value < math.inf:  # NaN too
                 raise ValueError(f"{flag} must be a finite number of seconds >= 0{zero}, got {value}")
-        if (args.tls_cert is None) != (args.tls_key is None):
-            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        for cert, key in (("tls_cert", "tls_key"), ("executor_tls_cert", "executor_tls_key")):
+            if (getattr(args, cert) is None) != (getattr(args, key) is None):
+                cert, key = (f"--{name.replace('_', '-')}" for name in (cert, key))
+                raise ValueError(f"{cert} and {key} go together: give both or neither")
+        if args.executor_tls_server_name and not args.executor_tls_ca:
+            raise ValueError(
+                "--executor-tls-server-name is the name in the executor's TLS certificate: it needs "
+                "--executor-tls-ca (TLS to the executor)"
+            )
         config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -190,3 +190,24 @@ def test_an_executor_that_could_not_serve_what_it_loaded_is_refused_before_the_l
     assert executor_cli.run(args) == 2
     err = capsys.readouterr().err
     assert f"error: {message}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # Each one a process: 10**12 of them were spawned until the machine ran out of memory.
+        (["--api-server-count", "1000000000000"], "--api-server-count must be in [0, 64] (0 = one process)"),
+        (["--api-server-count", "-1"], "--api-server-count must be in [0, 64] (0 = one process), got -1"),
+        # Half a client certificate was "the executor TLS client certificate and key go together".
+        (["--executor-tls-cert", "c.pem"], "--executor-tls-cert and --executor-tls-key go together"),
+        (["--executor-tls-key", "k.pem"], "--executor-tls-cert and --executor-tls-key go together"),
+        # A server name without TLS to the executor was ignored without a word.
+        (["--executor-tls-server-name", "executor"], "--executor-tls-server-name is the name in the"),
+    ],
+)
+def test_scheduler_flags_that_cannot_work_are_refused_naming_them(flags, message, monkeypatch, capsys):
+    _, args = _parse(
+        "scheduler", monkeypatch, argv=["--port", "0", "--metrics-port", "0", "--http-port", "0", *flags]
+    )
+    assert scheduler_cli.run(args) == 2
+    assert f"error: {message}" in capsys.readouterr().err
