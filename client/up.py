@@ -33,6 +33,7 @@ from client.defaults import (
     default_model,
     env,
 )
+from client.messages import INT32_MAX
 from protos.flags import add_flags, flag
 from protos.hub import resolve_model
 from protos.service_main import PARENT_PID_ENV
@@ -280,6 +281,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name, value in (("--max-num-seqs", args.max_num_seqs), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+        if value is not None and value > INT32_MAX:  # the protos' int32, once both had started
+            raise ValueError(f"{name} must be at most {INT32_MAX}, got {value}")
     if not 0 < args.startup_timeout < math.inf:
         raise ValueError(
             f"--startup-timeout must be a positive, finite number of seconds, got {args.startup_timeout}"
@@ -298,6 +301,21 @@ def check_args(args: argparse.Namespace) -> None:
     ):
         if not 0 <= value <= 65535:
             raise ValueError(f"{name} must be in [0, 65535] (0: none), got {value}")
+    # The second service to bind a port taken by the first failed once the first had loaded.
+    executor_host, scheduler_host = service_hosts(args)
+    taken: dict[tuple[str, int], str] = {}
+    for host, name, value in (
+        (executor_host, "--executor-port", args.executor_port),
+        (executor_host, "--executor-metrics-port", args.executor_metrics_port),
+        (scheduler_host, "--port", args.port),
+        (scheduler_host, "--http-port", args.http_port),
+        (scheduler_host, "--metrics-port", args.metrics_port),
+    ):
+        if value and (host, value) in taken:
+            raise ValueError(
+                f"{taken[host, value]} and {name} are both {value}: each needs a port of its own"
+            )
+        taken[host, value] = name
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -322,7 +340,11 @@ def run_up(args: argparse.Namespace) -> int:
         )
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file there, a read-only place
+        print(f"error: --log-dir {args.log_dir}: {e.strerror}", file=sys.stderr)
+        return 2
     executor_argv, scheduler_argv = service_argv(args)
     executor = Service("executor", executor_argv, log_dir / "executor.log", env=child_env())
     scheduler = Service("scheduler", scheduler_argv, log_dir / "scheduler.log", env=child_env())

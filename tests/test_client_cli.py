@@ -330,6 +330,17 @@ def test_up_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
             ["--executor-metrics-port", "-1"],
             "--executor-metrics-port must be in [0, 65535] (0: none), got -1",
         ),
+        # A traceback of the client's int32 check once both services had started.
+        (["--max-tokens", "1000000000000"], "--max-tokens must be at most 2147483647, got 1000000000000"),
+        # The scheduler failed to bind its port once the executor had loaded the model.
+        (
+            ["--port", "7100", "--executor-port", "7100"],
+            "--executor-port and --port are both 7100: each needs a port of its own",
+        ),
+        (
+            ["--http-port", "7101", "--executor-metrics-port", "7101"],
+            "--executor-metrics-port and --http-port are both 7101: each needs a port of its own",
+        ),
     ],
 )
 def test_up_refuses_bad_values_before_starting_anything(tmp_path, capsys, flags, message):
@@ -338,6 +349,17 @@ def test_up_refuses_bad_values_before_starting_anything(tmp_path, capsys, flags,
     failed the scheduler once the executor had loaded the model."""
     assert cli.main(["up", "--model", str(tmp_path), *flags]) == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_up_refuses_a_log_dir_it_cannot_make(tmp_path, capsys):
+    """A --log-dir that is a file was a FileExistsError traceback."""
+    (tmp_path / "file").write_text("")
+    assert (
+        cli.main(["up", "--log-dir", str(tmp_path / "file"), "--port", "7102", "--executor-port", "7103"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert f"error: --log-dir {tmp_path / 'file'}: File exists" in err and "Traceback" not in err
 
 
 def test_generate_server_path_needs_no_torch():
