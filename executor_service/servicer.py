@@ -164,7 +164,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         # Closed first: a plan that arrives while the running step finishes is refused, even if
         # its stream takes the lock before this thread does (a lock is not fair).
         self._closed = True
-        acquired = self._lock.acquire(timeout=timeout)
+        # threading's longest wait (~292 years): past it acquire() raised OverflowError (--grace 1e10).
+        acquired = self._lock.acquire(timeout=min(timeout, threading.TIMEOUT_MAX))
         if acquired:
             self._lock.release()
         else:

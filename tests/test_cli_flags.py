@@ -211,3 +211,14 @@ def test_scheduler_flags_that_cannot_work_are_refused_naming_them(flags, message
     )
     assert scheduler_cli.run(args) == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_an_executor_grace_past_what_threading_waits_is_waited_as_long_as_it_can(monkeypatch):
+    """--grace 1e10 passed the finite-number check, then SIGTERM was an OverflowError traceback
+    ("timestamp out of range for platform time_t") and exit code 1 in place of a shutdown."""
+    from executor_service.metrics import ExecutorMetrics
+    from executor_service.servicer import ExecutorServicer
+
+    _, args = _parse("executor", monkeypatch, argv=["--grace", "1e10"])
+    servicer = ExecutorServicer(ExecutorMetrics())
+    servicer.close(timeout=args.grace)  # no step runs: returns at once
