@@ -111,6 +111,9 @@ class LLM:
         from executor_service.config import ExecutorConfig
         from executor_service.executor import LocalExecutor
 
+        # A tokenizer asked for is read first: one that is not there is an error before the model
+        # loads (and before an executor is left running behind it).
+        self.tokenizer = Tokenizer(tokenizer) if tokenizer is not None else None
         self.executor = LocalExecutor(
             ExecutorConfig(
                 model=model,
@@ -132,11 +135,9 @@ class LLM:
                 max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
             ),
         )
-        # The executor resolved a hub id to its cached snapshot. A tokenizer asked for must be there;
-        # without one, a checkpoint without tokenizer.json takes token ids only.
-        if tokenizer is not None:
-            self.tokenizer = Tokenizer(tokenizer)
-        else:
+        # The executor resolved a hub id to its cached snapshot. Without a tokenizer asked for, a
+        # checkpoint without tokenizer.json takes token ids only.
+        if tokenizer is None:
             model = self.executor.config.model
             self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
 

@@ -623,3 +623,19 @@ def test_ctrl_c_at_the_chat_prompt_ends_the_conversation_with_130():
         pytest.fail("Ctrl-C at the prompt escaped run_chat (a traceback for the user)")
     assert code == 130
     assert out.getvalue() == "> \n"
+
+
+def test_generate_in_process_refuses_a_missing_tokenizer_before_loading_the_model(
+    tmp_path, monkeypatch, capsys
+):
+    """--tokenizer naming nothing was found only once the model had loaded (and its executor was
+    left running in the library)."""
+    import executor_service.executor
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(executor_service.executor, "LocalExecutor", load)
+    argv = ["generate", "--model", str(DEFAULT_MODEL), "--tokenizer", str(tmp_path / "none"), "x"]
+    assert cli.main(argv) == 2
+    assert f"error: no tokenizer.json in {tmp_path / 'none'}" in capsys.readouterr().err
