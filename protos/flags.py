@@ -114,8 +114,8 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> dict[st
             kwargs["action"] = "store_true"
         else:
             kwargs.update(type=f.type, choices=f.choices, metavar=f.metavar)
-            if f.type is not None and twin is not None:
-                kwargs["type"] = _naming_twin(f.type, *twin)
+            if twin is not None and (f.type is not None or f.choices is not None):
+                kwargs["type"] = _naming_twin(f.type or str, *twin, f.choices)
         if f.dest is not None:
             kwargs["dest"] = f.dest
         if f.required:
@@ -124,19 +124,27 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> dict[st
     return actions
 
 
-def _naming_twin(convert: Callable[[str], Any], name: str, text: str) -> Callable[[str], Any]:
+def _naming_twin(
+    convert: Callable[[str], Any], name: str, text: str, choices: Sequence[Any] | None = None
+) -> Callable[[str], Any]:
     """`convert` (a flag's type), whose error for the twin's own value names the twin: argparse
-    converts the twin as the flag's default, and would name only the flag."""
+    converts the twin as the flag's default, and would name only the flag. It checks a default
+    against no `choices` either: the twin's value is checked here."""
 
     def parse(value: str) -> Any:
         try:
-            return convert(value)
+            result = convert(value)
         except (TypeError, ValueError):
             if value != text:
                 raise
             raise argparse.ArgumentTypeError(
                 f"invalid {parse.__name__} value: {value!r} (from {name})"
             ) from None
+        if choices is not None and value == text and result not in choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {result!r} (from {name}) (choose from {', '.join(map(repr, choices))})"
+            )
+        return result
 
     parse.__name__ = getattr(convert, "__name__", repr(convert))  # argparse's "invalid int value"
     return parse

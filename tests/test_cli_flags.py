@@ -222,3 +222,26 @@ def test_an_executor_grace_past_what_threading_waits_is_waited_as_long_as_it_can
     _, args = _parse("executor", monkeypatch, argv=["--grace", "1e10"])
     servicer = ExecutorServicer(ExecutorMetrics())
     servicer.close(timeout=args.grace)  # no step runs: returns at once
+
+
+@pytest.mark.parametrize(
+    ("verb", "twin", "value", "flag", "choices"),
+    [
+        ("scheduler", "TANDEM_MAX_PLANS_IN_FLIGHT", "9", "--max-plans-in-flight", "1, 2, 3"),
+        ("executor", "TANDEM_KV_CACHE_DTYPE", "'int8'", "--kv-cache-dtype", "'auto', 'bfloat16'"),
+        ("executor", "TANDEM_FUSED_OPS", "'maybe'", "--fused-ops", "'auto', 'on', 'off'"),
+    ],
+)
+def test_a_twin_outside_its_flags_choices_is_a_usage_error_naming_it(
+    verb, twin, value, flag, choices, monkeypatch, capsys
+):
+    """argparse checks the choices of a flag's value but not of its default, which the twin is:
+    TANDEM_MAX_PLANS_IN_FLIGHT=9 was "max_plans_in_flight must be 1, 2 or 3, got 9" (neither the
+    flag nor the variable named), and TANDEM_KV_CACHE_DTYPE=int8 was refused only by the config."""
+    with pytest.raises(SystemExit) as e:
+        _parse(verb, monkeypatch, {twin: value.strip("'")})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: invalid choice: {value} (from {twin}) (choose from {choices}" in err
+    _, args = _parse(verb, monkeypatch, {twin: value.strip("'")}, [flag, "auto" if "'" in value else "2"])
+    assert getattr(args, flag[2:].replace("-", "_")) in ("auto", 2)  # the flag beats its twin
