@@ -156,7 +156,7 @@ for what in "$@"; do
     # Issue 17's W1 leads in one stage: W1 fp8 as today, with the decode kernel storing K/V, with it
     # also normalising and rotating q and K, and that at a step budget of 16,384 tokens, in turn,
     # ROUNDS times (default 2).
-    w1-fp8-leads) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage w1-fp8-leads bash -c 'for i in $(seq ${ROUNDS:-2}); do for f in "" "--decode-stores-kv" "--decode-stores-kv --decode-fuses-rope" "--decode-stores-kv --decode-fuses-rope --max-num-batched-tokens 16384"; do echo "W1 fp8 ${f:-as today}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s\|device:"; done; done' "$PY" ;;
+    w1-fp8-leads) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage w1-fp8-leads bash -c 'for i in $(seq ${ROUNDS:-2}); do for f in "--decode-stores-kv off" "" "--decode-fuses-rope" "--decode-fuses-rope --max-num-batched-tokens 16384"; do echo "W1 fp8 ${f:-as today}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 $f | grep "output tok/s\|device:"; done; done' "$PY" ;;
     # W1 fp8 with DECODE_CONFIG (JSON) over the decode kernel's default launch configuration.
     w1-fp8-config) TAIL=12 stage w1-fp8-config "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "${DECODE_CONFIG:-{\}}" ;;
     # Each in-process step's host time by phase (prepare, the eager model's modules, the sampler).

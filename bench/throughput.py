@@ -221,29 +221,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--decode-stores-kv",
-        action="store_true",
-        help="in-process, fp8 KV: a decode step's K and V stored by the decode attention kernel "
-        "(attention/triton_kernels.DECODE_STORES_KV) instead of the fused rotary kernel; rank 0 only "
-        "under tensor parallelism (its other ranks are processes of their own)",
+        choices=["on", "off"],
+        default=None,
+        help="in-process, fp8 KV: whether a decode step's K and V are stored by the decode attention "
+        "kernel (attention/triton_kernels.DECODE_STORES_KV, on by default) or by the fused rotary "
+        "kernel; rank 0 only under tensor parallelism (its other ranks are processes of their own)",
     )
     p.add_argument(
         "--decode-fuses-rope",
         action="store_true",
-        help="with --decode-stores-kv: the decode kernel also normalises and rotates q and the new K "
+        help="with the decode kernel storing K/V: it also normalises and rotates q and the new K "
         "(attention/triton_kernels.DECODE_FUSES_ROPE), so a decode step runs no rotary kernel",
     )
     add_fp8_gemm_flags(p)
     args = p.parse_args(argv)
-    if args.decode_fuses_rope and not args.decode_stores_kv:
-        p.error("--decode-fuses-rope needs --decode-stores-kv")
+    if args.decode_fuses_rope and args.decode_stores_kv == "off":
+        p.error("--decode-fuses-rope needs the decode kernel to store K/V (not --decode-stores-kv off)")
     if (
         args.decode_config is not None
-        or args.decode_stores_kv
+        or args.decode_stores_kv is not None
+        or args.decode_fuses_rope
         or args.fp8_gemm_table
         or args.fp8_gemm_swap_below
     ) and args.mode != "in-process":
         p.error(
-            "--decode-config, --decode-stores-kv and the --fp8-gemm flags change this process's "
+            "--decode-config, --decode-stores-kv, --decode-fuses-rope and the --fp8-gemm flags change this process's "
             "kernels: they need --mode in-process"
         )
     if args.profile_gpu and not args.device.startswith("cuda"):
@@ -807,13 +809,19 @@ def main(argv: list[str] | None = None) -> int:
         config = triton_kernels.DECODE_CONFIG_FP8 if fp8 else triton_kernels.DECODE_CONFIG
         config.update(json.loads(args.decode_config))
         print(f"decode config ({'fp8' if fp8 else 'bf16'} cache): {config}")
-    if args.decode_stores_kv:
+    if args.decode_stores_kv is not None or args.decode_fuses_rope:
         from executor_service.attention import triton_kernels
 
-        triton_kernels.DECODE_STORES_KV = True
+        if args.decode_stores_kv is not None:
+            triton_kernels.DECODE_STORES_KV = args.decode_stores_kv == "on"
         triton_kernels.DECODE_FUSES_ROPE = args.decode_fuses_rope
         print(
-            "a decode step's K and V: stored by the decode attention kernel"
+            "a decode step's K and V: stored by "
+            + (
+                "the decode attention kernel"
+                if triton_kernels.DECODE_STORES_KV
+                else "the fused rotary kernel"
+            )
             + (", which also normalises and rotates q and K" if args.decode_fuses_rope else "")
         )
     apply_fp8_gemm_flags(args)

@@ -22,7 +22,7 @@ contiguous load as 16-byte vectors. The kernels read a block's V slots past the 
 blocks keep the vectors): the store kernel keeps them zero (a block's first slot written zeroes
 the slots after it that the same launch does not write), so no per-key masking is needed.
 
-With DECODE_STORES_KV (off until timed) a decode step over an e4m3 cache runs no store kernel:
+With DECODE_STORES_KV (on: 0.6-0.7% of W1's device time on an H100) a decode step over an e4m3 cache runs no store kernel:
 each decode program first stores its head's K and V of the step's token (store_decode_kv, the
 same bytes), then a barrier, then its loop, which reads them back. With DECODE_FUSES_ROPE too, the
 program takes q and K straight from the qkv projection and normalises and rotates them itself
@@ -615,12 +615,15 @@ MAX_SPLITS = 32
 # Whether a decode step's K and V go into an e4m3 cache from the decode kernel (each program its
 # head's bytes, before its loop reads them) rather than from a store before attention (the fused
 # rotary kernel's: a barrier, K read back, and V^T written one byte into each of head_dim rows of its
-# block, ~9 us a layer at W1's batch 256 against ~5 us with a slot-major V; bench/rope_store.py).
-# Off until timed on a GPU.
-DECODE_STORES_KV = False
+# block, ~9 us a layer at W1's batch 256 against ~5 us with a slot-major V; bench/rope_store.py). W1
+# with an fp8 cache on an H100 (2026-12-05, bench/RESULTS.md): 4.72 s in steps against 4.75, and 4.70
+# against 4.73-4.74 at a 16,384-token budget.
+DECODE_STORES_KV = True
 # With DECODE_STORES_KV: the decode kernel also takes q and the new K straight from the qkv
 # projection and normalises and rotates them itself (norm_rope), so a decode step's layer runs no
-# rotary kernel at all (its ~9 us at W1's batch 256 and a kernel boundary). Off until timed.
+# rotary kernel at all (its ~9 us at W1's batch 256 and a kernel boundary). Off: 4.68 s in steps
+# against 4.72 on an H100 (under 1%), and without q/k norms 1.84% of its K codes differ from the
+# fused rotary kernel's there (test_decode_fuses_rope_fp8).
 DECODE_FUSES_ROPE = False
 
 
