@@ -40,9 +40,18 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.block_bytes = block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        self.tensor = torch.zeros(
-            2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+        try:
+            self.tensor = torch.zeros(
+                2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            )
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # (the CPU allocator raises RuntimeError)
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            total = num_blocks * self.block_bytes
+            raise MemoryError(
+                f"the KV cache does not fit on {device}: {num_blocks} blocks of {block_size} tokens, "
+                f"{total / 2**30:,.1f} GiB; lower num_kv_blocks or kv_cache_gb"
+            ) from e
 
     def bind(self, model: nn.Module) -> None:
         """Give each attention layer, in order, its K and V slices."""

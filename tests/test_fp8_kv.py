@@ -241,3 +241,18 @@ def test_decode_kernel_storing_kv_gives_the_same_tokens_and_logprobs(qwen3_tied,
         for a, b in zip(got[0], want[0], strict=False)
     )
     assert same >= 0.95 * sum(len(want[0]) for want in runs[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE])
+def test_a_kv_cache_too_large_for_the_device_is_an_error_naming_its_size(dtype):
+    """A cache past what the device can hold (here 2**44 blocks, past any address space) fails at
+    once with its size and the two flags that set it, not the allocator's own message alone."""
+    from executor_service.kv_cache import KVCache
+
+    with pytest.raises(MemoryError) as e:
+        KVCache(1, 2**44, 16, 8, 128, dtype, torch.device("cpu"))
+    gib = 2**44 * 2 * 16 * 8 * 128 * dtype.itemsize / 2**30
+    assert str(e.value) == (
+        f"the KV cache does not fit on cpu: {2**44} blocks of 16 tokens, {gib:,.1f} GiB; "
+        "lower num_kv_blocks or kv_cache_gb"
+    )
