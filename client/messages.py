@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from protos.defaults import INT32_MAX
 from protos.tandem.v1 import generation_pb2 as pb
 
 FINISH_REASONS = {
@@ -42,7 +43,7 @@ SAMPLING_FIELDS = {
 
 # The proto's integers: int32, but the seed's uint64, which takes a negative seed (vLLM's int64) as
 # the offline SamplingParams does, modulo 2**64.
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT32_MIN = -(2**31)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 

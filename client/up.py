@@ -33,7 +33,7 @@ from client.defaults import (
     default_model,
     env,
 )
-from client.messages import INT32_MAX
+from protos.defaults import INT32_MAX
 from protos.flags import add_flags, flag
 from protos.hub import resolve_model
 from protos.service_main import PARENT_PID_ENV

@@ -17,7 +17,7 @@ from executor_service.model_config import MissingConfigKeys, ModelConfig, load_m
 from executor_service.models import get_model_class
 from executor_service.parallel import check_tp_layout, num_kv_heads_per_rank, rank_device
 from executor_service.quantization import AT_LOAD_METHODS, BlockFP8Config
-from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from protos.defaults import INT32_MAX, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from protos.hub import resolve_model
 
 DTYPES = {
@@ -45,8 +45,6 @@ _STR_FIELDS = ("device", "revision", "dtype", "attention_backend", "kv_cache_dty
                "fused_ops", "tp_master_addr")  # fmt: skip
 _FLOAT_FIELDS = ("kv_cache_gb", "gpu_memory_utilization")
 _OPTIONAL_FIELDS = ("block_size", "num_kv_blocks", "max_model_len", "revision", "dtype", "quantization")
-# Describe carries the executor's limits as int32 (executor.proto).
-INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -166,18 +164,23 @@ class ExecutorConfig:
         self._check_tensor_parallel()
         self._check_kv_cache_gb()
 
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block on one rank: every layer's K and V of its KV heads."""
+        mc = self.model_config
+        heads = num_kv_heads_per_rank(mc.num_key_value_heads, self.tensor_parallel_size)
+        return block_bytes(mc.num_hidden_layers, self.block_size, heads, mc.head_dim, self.kv_torch_dtype)
+
+    def kv_cache_gb_blocks(self) -> int:
+        """The blocks kv_cache_gb holds on one rank (the cache's size off CUDA)."""
+        return num_blocks_for_bytes(self.kv_cache_gb * 2**30, self.kv_block_bytes())
+
     def _check_kv_cache_gb(self) -> None:
         """Off CUDA kv_cache_gb gives the block count before the load (kv_cache_sizing): a cache too
         small for max_model_len, or of more blocks than Describe carries, was a traceback once the
         weights were loaded."""
         if self.num_kv_blocks is not None or self.device.startswith("cuda"):
             return
-        mc = self.model_config
-        heads = num_kv_heads_per_rank(mc.num_key_value_heads, self.tensor_parallel_size)
-        per_block = block_bytes(
-            mc.num_hidden_layers, self.block_size, heads, mc.head_dim, self.kv_torch_dtype
-        )
-        num_blocks = num_blocks_for_bytes(self.kv_cache_gb * 2**30, per_block)
+        num_blocks = self.kv_cache_gb_blocks()
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of "

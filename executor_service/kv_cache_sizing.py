@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor_service import parallel
-from executor_service.kv_cache import KVCache, num_blocks_for_bytes
+from executor_service.kv_cache import KVCache
 from executor_service.layers.attention import Attention
 from executor_service.sampling_metadata import SamplingMetadata
 from executor_service.sequence import SequenceState
@@ -30,7 +30,7 @@ def determine_num_kv_blocks(runner: ModelRunner, bytes_per_block: int) -> int:
     elif runner.device.type == "cuda":
         num_blocks = num_blocks_from_free_memory(runner, bytes_per_block)
     else:
-        num_blocks = num_blocks_for_bytes(config.kv_cache_gb * 2**30, bytes_per_block)
+        num_blocks = config.kv_cache_gb_blocks()
     if runner.tp_size > 1:  # the scheduler sees one block count: every rank must hold it
         num_blocks = parallel.min_over_ranks(num_blocks, runner.device)
     if num_blocks * runner.block_size < config.max_model_len:

@@ -20,7 +20,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.context import reset_context, set_context
 from executor_service.cuda_graph import MAX_MIXED_GRAPH_TOKENS, DecodeGraphs, MixedGraphs
 from executor_service.device_timeline import DeviceTimeline
-from executor_service.kv_cache import KVCache, block_bytes
+from executor_service.kv_cache import KVCache
 from executor_service.layers.attention import Attention
 from executor_service.layers.fp8_layers import convert_to_fp8
 from executor_service.layers.fusable import Fusable
@@ -126,9 +126,7 @@ class ModelRunner:
         )
         self.model.eval()
 
-        self.bytes_per_block = block_bytes(
-            mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, config.kv_torch_dtype
-        )
+        self.bytes_per_block = config.kv_block_bytes()
         backend = get_backend(config.attention_backend)
         for module in self.model.modules():
             if isinstance(module, Attention):

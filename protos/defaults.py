@@ -17,6 +17,9 @@ EXECUTOR_METRICS_PORT = 9102
 HTTP_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
 
+# The protos' int32 fields' largest value (limits in Describe, sampling integers in the plans).
+INT32_MAX = 2**31 - 1
+
 # max_num_seqs and max_num_batched_tokens of both services (vLLM's defaults).
 MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 8192

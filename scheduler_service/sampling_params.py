@@ -8,6 +8,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from protos.defaults import INT32_MAX
 from protos.plan import StepSamplingParams
 from scheduler_service.errors import InvalidRequestError
 
@@ -37,7 +38,6 @@ MAX_N = 128
 # in 64 bits (executor.proto): a seed in [-2**63, 2**64) travels modulo 2**64 (a negative one is
 # vLLM's int64 seed), a top_k past the vocabulary is off.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
-INT32_MAX = 2**31 - 1
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "n", "min_tokens", "prompt_logprobs")
 # Those that may be None.
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
