@@ -77,6 +77,9 @@ for scales in ((1.0, 1.0), (0.05, 2.5)):
         b = make_batch([1, 1, 3, 1], [13, 1, 40, 27], 4, 2, 32, block_size, f16, "cpu", seed=4, num_padding=1)
         check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"BLOCK_N": 32}, config={"BLOCK_N": 16})
     check_attention_fp8(to_fp8(make_batch([7, 40], [30, 48], 4, 2, 32, 16, f16, "cpu", seed=2), *scales), config={"BLOCK_M": 16})
+    # Blocks of 64 slots, V^T read in runs of 16: contexts ending inside a run, at its end, past it.
+    b = make_batch([1] * 5, [20, 1, 40, 100, 48], 4, 2, 32, 64, f16, "cpu", seed=6, num_padding=1)
+    check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"BLOCK_N": 32})
 """,
     "fp8_decode_stores_kv": """
 from helpers.attention_fp8_checks import check_decode_stores_kv

@@ -24,6 +24,7 @@ from helpers.attention_fp8_checks import (
     check_decode_fuses_rope,
     check_decode_stores_kv,
     check_store_fp8,
+    nan_past_runs,
     to_fp8,
 )
 
@@ -220,6 +221,19 @@ def test_decode_fp8(scales, group, num_splits, variant):
     check_attention_fp8(to_fp8(batch, *scales), num_splits, decode_config=variant)
 
 
+@pytest.mark.parametrize("block_size", [64, 256])
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_fp8_reads_v_in_runs_of_16(block_size, num_splits):
+    """An e4m3 V cache is read up to the end of the context's last run of 16 slots, not to its
+    block's end: NaN in the slots past it (0x7F, which the GPU widens to NaN) leaves every output
+    finite and exact, so a sequence in a large block pays for at most 15 slots past its context."""
+    ctx_lens = random_lengths(40, 900, seed=11)
+    batch = make_batch(
+        [1] * 40, ctx_lens, 16, 8, 128, block_size, torch.bfloat16, "cuda", seed=12, num_padding=3
+    )
+    check_attention_fp8(nan_past_runs(to_fp8(batch, 0.03, 2.5)), num_splits)
+
+
 @pytest.mark.parametrize("block_size", [16, 32, 256])
 @pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize("variant", [{}, {"BLOCK_N": 64, "num_warps": 1, "num_stages": 3}])
@@ -238,12 +252,13 @@ def test_decode_stores_kv_fp8(block_size, num_splits, variant):
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_fuses_rope_fp8(with_norm, num_splits):
     """The decode kernel normalising and rotating q and the new K itself (DECODE_FUSES_ROPE) against
-    the fused rotary kernel, the store and the decode kernel: within a rounding step of the norm's
-    sum (each kernel sums in its own order), every other token at its block's first slot."""
+    the fused rotary kernel, the store and the decode kernel, every other token at its block's
+    first slot: without q/k norms bit for bit (both kernels round each product and sum as written),
+    with them within a rounding step of the norm's sum (each kernel sums in its own order)."""
     ctx_lens = random_lengths(40, 900, seed=9)
     ctx_lens = [c - (c - 1) % 32 if i % 2 else c for i, c in enumerate(ctx_lens)]
     batch = make_batch([1] * 40, ctx_lens, 16, 8, 128, 32, torch.bfloat16, "cuda", seed=10, num_padding=3)
-    check_decode_fuses_rope(to_fp8(batch, 0.03, 2.5), num_splits, {}, with_norm, exact=False)
+    check_decode_fuses_rope(to_fp8(batch, 0.03, 2.5), num_splits, {}, with_norm, exact=not with_norm)
 
 
 @pytest.mark.parametrize("scales", FP8_SCALES)

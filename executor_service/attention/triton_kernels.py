@@ -66,7 +66,9 @@ def norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: t
     """The two halves (x1, x2: [heads, HEAD_DIM // 2] in the model dtype) of each head's q or k,
     RMS-normalised with the weight's halves w1, w2 (HAS_NORM), then rotated by the position's cos
     and sin ([1, HEAD_DIM // 2] rows of the table): the halves of the result, in the model dtype.
-    The fused rotary kernel (layers/triton_ops.py) and the decode kernel's ROPE share it."""
+    The fused rotary kernel (layers/triton_ops.py) and the decode kernel's ROPE share it; both are
+    launched with enable_fp_fusion=False, since a product fused into the sum after it (an FMA,
+    which each kernel's compile pairs its own way) rounds once where the layers round twice."""
     dtype = x1.dtype
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
@@ -498,11 +500,13 @@ def paged_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + d[None, :]
     n = tl.arange(0, BLOCK_N)
+    # An e4m3 V^T is read in runs of 16 slots (16-byte vectors) where blocks hold whole runs.
+    V_RUN: tl.constexpr = 16 if BLOCK_SIZE % 16 == 0 else BLOCK_SIZE
     for tile in range(tile_lo, tile_hi):
         key = tile * BLOCK_N + n
         key_valid = key < kv_end
         # Gather the cache block of every key: BLOCK_N keys may span several blocks. (An e4m3 V
-        # cache is read by whole blocks: the last block's keys past the end need its id too.)
+        # cache is read in runs of V_RUN slots: the last block's keys past the end need its id too.)
         whole_block = (key // BLOCK_SIZE) * BLOCK_SIZE < kv_end
         block = tl.load(bt_row + key // BLOCK_SIZE, mask=whole_block if KV_FP8 else key_valid, other=0)
         block = block.to(tl.int64)
@@ -514,16 +518,18 @@ def paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:
             # V^T [BLOCK_D, BLOCK_N] from blocks kept [num_kv_heads, head_dim, block_size]: each
-            # block's keys contiguous. Loaded by whole blocks (a mask constant over a block's keys
-            # keeps the 16-byte vectors); the slots past the context are zeros, so the keys past
-            # it (probability 0) add nothing.
+            # block's keys contiguous. Loaded in runs of V_RUN slots (a mask constant over a run
+            # keeps the 16-byte vectors), so at most V_RUN - 1 slots past the context are read
+            # whatever the block size; those slots are zeros, so the keys there (probability 0)
+            # add nothing.
             vt_off = (
                 block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
                 + (key % BLOCK_SIZE)[None, :]
             )  # fmt: skip
             if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
                 vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
-            vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & whole_block[None, :], other=0.0)
+            v_valid = (key // V_RUN) * V_RUN < kv_end
+            vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & v_valid[None, :], other=0.0)
             v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -784,6 +790,9 @@ def _launch(
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_FP8=fp8,
         ORDERED=seq_order is not None,
+        # With ROPE, norm_rope's products and sums rounded as written, as the fused rotary kernel's
+        # (an FMA would round once where the layers round twice).
+        enable_fp_fusion=rope is None,
         **meta,
     )
     if num_splits > 1:

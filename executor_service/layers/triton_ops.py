@@ -338,6 +338,9 @@ def qk_norm_rope(
         BLOCK_H=triton.next_power_of_2(qk_heads),
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         HAS_NORM=q_weight is not None,
+        # Each product and sum rounded as written (norm_rope): without this, ptxas fuses one
+        # product into its sum (an FMA), and the result is no longer layers/rotary.py's.
+        enable_fp_fusion=False,
         **store,
     )
     return q, k

@@ -32,6 +32,23 @@ def to_fp8(batch: dict, k_scale: float, v_scale: float) -> dict:
     return fp8
 
 
+def nan_past_runs(batch: dict, run: int = 16) -> dict:
+    """The batch (from to_fp8) with NaN in the V slots of each last block past the context's last
+    run of `run` slots: the kernels read an e4m3 V cache in such runs (16-byte vectors), never
+    further, so these slots cannot reach the output (the store's zeros are needed only within the
+    run). Prefill rows read their chunk's later keys too: use decode-only batches."""
+    from executor_service.fp8 import v_cache_slots
+
+    ctx = batch["context"]
+    v_slots = v_cache_slots(batch["v_cache"])
+    block_size = v_slots.shape[1]
+    for table, context_len in zip(ctx.block_tables.tolist(), ctx.context_lens_host, strict=True):
+        end = -(-(context_len % block_size) // run) * run
+        if context_len % block_size and end < block_size:
+            v_slots[table[(context_len - 1) // block_size], end:] = NAN
+    return batch
+
+
 def check_store_fp8(batch: dict) -> None:
     """The store kernel writes exactly fp8.quantize_kv's bytes (round to nearest even, saturated),
     and zeroes the V slots after a block's first slot that the launch does not write (over NaN:

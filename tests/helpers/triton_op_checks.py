@@ -123,6 +123,11 @@ def check_qk_norm_rope(
         f"{num_heads}/{num_kv_heads} heads of {head_dim}"
     )
     assert out_q.is_contiguous() and out_k.is_contiguous(), "the attention backends get dense q and k"
+    if not with_norm and device == "cuda":
+        # Rotary alone is elementwise: each product and sum rounded as layers/rotary.py rounds it.
+        # (The interpreter's 16-bit casts are its own, so only the GPU is held to the bit.)
+        assert torch.equal(out_q, ref_q), what + " (q): not bit for bit the rotary layer's"
+        assert torch.equal(out_k, ref_k), what + " (k): not bit for bit the rotary layer's"
     _close_rotated(out_q, ref_q, what + " (q)")
     _close_rotated(out_k, ref_k, what + " (k)")
 
