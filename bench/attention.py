@@ -181,6 +181,22 @@ def mixed_lengths(batch: int, generated: int, order: str, seed: int = 0) -> list
     return contexts
 
 
+def sweep_fp8_block_sizes(block_sizes=(32, 64, 128, 256)) -> None:
+    """The fp8 decode kernel (today's config) at each block size: b256x1024 and W1's mixed contexts
+    (+32 and +256 generated, longest first, no splits), in TB/s of the bytes the contexts hold. The
+    kernel reads V^T in runs of 16 slots, so a larger block no longer costs its unused slots."""
+    for block_size in block_sizes:
+        _, tbs, _ = bench_decode(256, 1024, block_size, splits=1, kv_dtype=FP8)
+        row = [f"b256x1024 {tbs:.2f}"]
+        for generated in (32, 256):
+            contexts = mixed_lengths(256, generated, "longest first")
+            _, tbs, _ = bench_decode(
+                256, max(contexts), block_size, splits=1, kv_dtype=FP8, contexts=contexts
+            )
+            row.append(f"mixed +{generated} {tbs:.2f}")
+        print(f"fp8 block size {block_size}: " + ", ".join(row) + " TB/s", flush=True)
+
+
 def sweep_mixed_lengths() -> None:
     """Decode at batch 256 over W1's mixed contexts against one context of the same mean: what the
     programs of the longest sequences, run last, cost (grid order, splits)."""
@@ -443,6 +459,11 @@ def main() -> None:
         help="decode at b256 over W1's mixed contexts: grid orders and splits against one context",
     )
     parser.add_argument(
+        "--sweep-fp8-block-sizes",
+        action="store_true",
+        help="the fp8 decode kernel at block sizes 32-256: b256x1024 and W1's mixed contexts",
+    )
+    parser.add_argument(
         "--sweep-context",
         action="store_true",
         help="bf16 and fp8 decode over the same bytes as b256x1024 in fewer, longer contexts (no splits)",
@@ -507,6 +528,9 @@ def main() -> None:
         return
     if args.sweep_context:
         sweep_context()
+        return
+    if args.sweep_fp8_block_sizes:
+        sweep_fp8_block_sizes()
         return
     if args.sweep_stages:
         sweep_stages()

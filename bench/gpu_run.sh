@@ -109,6 +109,10 @@ for what in "$@"; do
     fp8-context) TAIL=10 stage fp8-context "$PY" bench/attention.py --sweep-context ;;
     # The decode tiles at 3 and 5-7 stages (whether two K/V buffers beat one), both caches.
     decode-stages) TAIL=50 STAGE_TIMEOUT=400 stage decode-stages "$PY" bench/attention.py --sweep-stages ;;
+    # The fp8 decode kernel at block sizes 32-256 (V^T read in runs of 16 slots), then W1 fp8 at
+    # BLOCK_SIZES (default 32 64 128) in turn, ROUNDS times (default 1).
+    fp8-block-sizes) TAIL=8 stage fp8-block-sizes "$PY" bench/attention.py --sweep-fp8-block-sizes ;;
+    w1-fp8-blocks) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage w1-fp8-blocks bash -c 'for i in $(seq ${ROUNDS:-1}); do for b in ${BLOCK_SIZES:-32 64 128}; do echo "W1 fp8 block size $b ${W1_FLAGS:-}"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --block-size $b ${W1_FLAGS:-} | grep "output tok/s\|device:"; done; done' "$PY" ;;
     fp8-mixed) TAIL=40 stage fp8-mixed "$PY" bench/attention.py --sweep-mixed-lengths ;;
     # The fused rotary kernel's K/V store, and the price of the e4m3 V cache's transposed layout.
     rope-tests) TAIL=8 stage rope-tests "$PY" -m pytest -q -m gpu tests/test_triton_ops.py -k "qk_norm_rope or rope_without" ;;
