@@ -37,7 +37,7 @@ _ALIGNED_STRIDES = (
 
 def compile_sm90(
     fn, constants: dict, types: dict[str, str], aligned, num_warps: int, num_stages: int | None = None,
-    maxnreg: int = 0, source_cls=ASTSource,
+    maxnreg: int = 0, source_cls=ASTSource, fp_fusion: bool = True,
 ):  # fmt: skip
     """fn compiled for sm90 without a GPU. `constants`: its constexprs (and any argument made one);
     `types`: the Triton type of each other argument by name (i32 where not named); pointers and
@@ -55,7 +55,7 @@ def compile_sm90(
         constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
         attrs=attrs,
     )
-    options = {"num_warps": num_warps}
+    options = {"num_warps": num_warps, "enable_fp_fusion": fp_fusion}
     if num_stages is not None:
         options["num_stages"] = num_stages
     if maxnreg:
@@ -103,7 +103,9 @@ def compile_decode(
     types["slot_mapping_ptr"] = "*i64"
     types["cos_sin_ptr"] = "*fp32"
     types.update(k_cache_ptr=cache, v_cache_ptr=cache, **_SCALARS)
-    return compile_sm90(fn, constants, types, _ALIGNED_STRIDES, warps, stages, maxnreg)
+    # paged_decode compiles the fp8 decode kernel without FMA fusion (triton_kernels.py).
+    fp_fusion = not (kv == "fp8" and block_q == 1)
+    return compile_sm90(fn, constants, types, _ALIGNED_STRIDES, warps, stages, maxnreg, fp_fusion=fp_fusion)
 
 
 def cuobjdump(*args: str) -> str:

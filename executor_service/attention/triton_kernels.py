@@ -790,9 +790,6 @@ def _launch(
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_FP8=fp8,
         ORDERED=seq_order is not None,
-        # With ROPE, norm_rope's products and sums rounded as written, as the fused rotary kernel's
-        # (an FMA would round once where the layers round twice).
-        enable_fp_fusion=rope is None,
         **meta,
     )
     if num_splits > 1:
@@ -850,6 +847,10 @@ def paged_decode(
     # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)
     meta = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and f16_query else {}
     meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
+    # Over an e4m3 cache, compiled without FMA fusion: with ROPE, norm_rope rounds each product and
+    # sum as the fused rotary kernel does, and the kernel's own math (two FFMAs a 128-key tile)
+    # rounds the same with ROPE or without, so DECODE_FUSES_ROPE changes no output bit.
+    meta["enable_fp_fusion"] = k_cache.dtype != torch.float8_e4m3fn
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, ROWS=rows,
