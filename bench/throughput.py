@@ -89,7 +89,13 @@ def add_service_flags(p: argparse.ArgumentParser, stream_interval: int) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="the executor's TP size")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the step budget (default: each mode's own, the LLM class's in-process: 16,384 on a GPU of "
+        "70 GiB or more other than an A100, else 8,192; the services' 8,192 in the split)",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the executor's (kv-cache-gb)")
     p.add_argument(
         "--max-prefill-tokens-while-decoding",
@@ -229,18 +235,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--decode-fuses-rope",
-        action="store_true",
-        help="with the decode kernel storing K/V: it also normalises and rotates q and the new K "
-        "(attention/triton_kernels.DECODE_FUSES_ROPE), so a decode step runs no rotary kernel",
+        choices=["on", "off"],
+        default=None,
+        help="with the decode kernel storing K/V: whether it also normalises and rotates q and the new "
+        "K (attention/triton_kernels.DECODE_FUSES_ROPE, on by default), so a decode step runs no "
+        "rotary kernel",
     )
     add_fp8_gemm_flags(p)
     args = p.parse_args(argv)
-    if args.decode_fuses_rope and args.decode_stores_kv == "off":
-        p.error("--decode-fuses-rope needs the decode kernel to store K/V (not --decode-stores-kv off)")
+    if args.decode_fuses_rope == "on" and args.decode_stores_kv == "off":
+        p.error("--decode-fuses-rope on needs the decode kernel to store K/V (not --decode-stores-kv off)")
     if (
         args.decode_config is not None
         or args.decode_stores_kv is not None
-        or args.decode_fuses_rope
+        or args.decode_fuses_rope is not None
         or args.fp8_gemm_table
         or args.fp8_gemm_swap_below
     ) and args.mode != "in-process":
@@ -382,6 +390,7 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         **options,
     )
+    print(f"in-process step budget: {llm.engine.scheduler.config.max_num_batched_tokens} tokens", flush=True)
     warm = [r.prompt_token_ids for r in workload[:4]]
     llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = [
@@ -559,7 +568,8 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
         os.sched_setaffinity(0, os.sched_getaffinity(0) - cpus)  # inherited by the scheduler and clients
     executor_argv += ["--port", str(executor_port), "--metrics-port", str(executor_metrics)]
     executor_argv += ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
-    executor_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.max_num_batched_tokens is not None:
+        executor_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     executor_argv += ["--fused-ops", args.fused_ops, "--kv-cache-dtype", args.kv_cache_dtype]
     executor_argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.dtype:
@@ -581,7 +591,8 @@ def start_services(args: argparse.Namespace, model: str, log_dir: Path):
         "0",
     ]
     scheduler_argv += ["--max-num-seqs", str(args.max_num_seqs)]
-    scheduler_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.max_num_batched_tokens is not None:
+        scheduler_argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     scheduler_argv += ["--stream-interval", str(args.stream_interval)]
     if args.api_server_count is not None:
         scheduler_argv += ["--api-server-count", str(args.api_server_count)]
@@ -809,12 +820,14 @@ def main(argv: list[str] | None = None) -> int:
         config = triton_kernels.DECODE_CONFIG_FP8 if fp8 else triton_kernels.DECODE_CONFIG
         config.update(json.loads(args.decode_config))
         print(f"decode config ({'fp8' if fp8 else 'bf16'} cache): {config}")
-    if args.decode_stores_kv is not None or args.decode_fuses_rope:
+    if args.decode_stores_kv is not None or args.decode_fuses_rope is not None:
         from executor_service.attention import triton_kernels
 
         if args.decode_stores_kv is not None:
             triton_kernels.DECODE_STORES_KV = args.decode_stores_kv == "on"
-        triton_kernels.DECODE_FUSES_ROPE = args.decode_fuses_rope
+        if args.decode_fuses_rope is not None:
+            triton_kernels.DECODE_FUSES_ROPE = args.decode_fuses_rope == "on"
+        fuses_rope = triton_kernels.DECODE_STORES_KV and triton_kernels.DECODE_FUSES_ROPE
         print(
             "a decode step's K and V: stored by "
             + (
@@ -822,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
                 if triton_kernels.DECODE_STORES_KV
                 else "the fused rotary kernel"
             )
-            + (", which also normalises and rotates q and K" if args.decode_fuses_rope else "")
+            + (", which also normalises and rotates q and K" if fuses_rope else "")
         )
     apply_fp8_gemm_flags(args)
     if args.mode in ("both", "in-process"):

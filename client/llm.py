@@ -15,7 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from protos.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from protos.defaults import MAX_NUM_SEQS, offline_max_num_batched_tokens
 from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
 from scheduler_service.engine import LLMEngine
@@ -89,9 +89,24 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
+def _offline_budget(device: object) -> int:
+    """The default step budget for the executor's device (its first rank's GPU on CUDA)."""
+    import torch
+
+    device = str(device)
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return offline_max_num_batched_tokens(None)
+    try:
+        props = torch.cuda.get_device_properties(torch.device(device))
+    except (RuntimeError, ValueError, AssertionError):  # a device torch does not have: the config says so
+        return offline_max_num_batched_tokens(None)
+    return offline_max_num_batched_tokens(props.total_memory, props.name)
+
+
 class LLM:
     """A checkpoint directory (or a hub id in the local cache) served in-process. Executor options
-    are `ExecutorConfig` fields."""
+    are `ExecutorConfig` fields. max_num_batched_tokens None: 16,384 on a CUDA GPU of 70 GiB or more
+    other than an A100, else 8,192, as vLLM's LLM class (protos.defaults.offline_max_num_batched_tokens)."""
 
     def __init__(
         self,
@@ -99,7 +114,7 @@ class LLM:
         *,
         tokenizer: str | None = None,
         max_num_seqs: int = MAX_NUM_SEQS,
-        max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         max_plans_in_flight: int | None = None,
@@ -114,6 +129,8 @@ class LLM:
         # A tokenizer asked for is read first: one that is not there is an error before the model
         # loads (and before an executor is left running behind it).
         self.tokenizer = Tokenizer(tokenizer) if tokenizer is not None else None
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = _offline_budget(executor_options.get("device", "cpu"))
         self.executor = LocalExecutor(
             ExecutorConfig(
                 model=model,

@@ -23,6 +23,25 @@ INT32_MAX = 2**31 - 1
 # max_num_seqs and max_num_batched_tokens of both services (vLLM's defaults).
 MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 8192
+# The offline LLM class's step budget on a GPU of 70 GiB or more other than an A100 (vLLM's offline
+# default there): a batch's prompts prefill in half the steps. Elsewhere, and for the services, the
+# servers' MAX_NUM_BATCHED_TOKENS (a longer step stretches the streams' inter-token latency).
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 16384
+OFFLINE_BUDGET_MIN_GPU_BYTES = 70 * 2**30
+
+
+def offline_max_num_batched_tokens(gpu_total_bytes: int | None, gpu_name: str = "") -> int:
+    """The LLM class's default max_num_batched_tokens: OFFLINE_MAX_NUM_BATCHED_TOKENS on a GPU of at
+    least 70 GiB that is not an A100 (where vLLM measured the larger budget slower), else
+    MAX_NUM_BATCHED_TOKENS (gpu_total_bytes None: no GPU)."""
+    if (
+        gpu_total_bytes is not None
+        and gpu_total_bytes >= OFFLINE_BUDGET_MIN_GPU_BYTES
+        and "a100" not in gpu_name.lower()
+    ):
+        return OFFLINE_MAX_NUM_BATCHED_TOKENS
+    return MAX_NUM_BATCHED_TOKENS
+
 
 # Explicit on both ends: gRPC's default receive limit is 4 MiB, and a long prompt as token ids,
 # a plan of many sequences or a response with top-k logprobs can come near it. Between the

@@ -161,3 +161,29 @@ def test_logprobs_0_returns_the_sampled_tokens_own(llm):
     assert out.cumulative_logprob == with_one.cumulative_logprob
     assert _generate(llm, PROMPT, max_tokens=4, logprobs=None).outputs[0].logprobs is None
     assert _generate(llm, PROMPT, max_tokens=4).outputs[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    "gpu_bytes, name, budget",
+    [
+        (None, "", 8192),  # no GPU
+        (24 * 2**30, "NVIDIA L4", 8192),
+        (80 * 2**30, "NVIDIA H100 80GB HBM3", 16384),
+        (141 * 2**30, "NVIDIA H200", 16384),
+        (80 * 2**30, "NVIDIA A100-SXM4-80GB", 8192),  # where vLLM measured the larger budget slower
+    ],
+)
+def test_offline_step_budget_follows_the_gpu(gpu_bytes, name, budget):
+    """The LLM class's default step budget, as vLLM's LLM class: 16,384 tokens on a GPU of 70 GiB or
+    more other than an A100 (a batch's prompts prefill in half the steps), else the servers' 8,192."""
+    from protos.defaults import offline_max_num_batched_tokens
+
+    assert offline_max_num_batched_tokens(gpu_bytes, name) == budget
+
+
+def test_llm_on_the_cpu_keeps_the_servers_step_budget(qwen3_tied):
+    """Without max_num_batched_tokens an LLM on the CPU schedules at most 8,192 tokens a step, and
+    the executor was built for the same budget."""
+    llm = LLM(str(qwen3_tied), block_size=4, num_kv_blocks=256, max_num_seqs=8)
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 8192
+    assert llm.executor.config.max_num_batched_tokens == 8192

@@ -26,7 +26,8 @@ With DECODE_STORES_KV (on: 0.6-0.7% of W1's device time on an H100) a decode ste
 each decode program first stores its head's K and V of the step's token (store_decode_kv, the
 same bytes), then a barrier, then its loop, which reads them back. With DECODE_FUSES_ROPE too, the
 program takes q and K straight from the qkv projection and normalises and rotates them itself
-(norm_rope, as the fused rotary kernel does), so a decode step's layer runs no rotary kernel.
+(norm_rope, as the fused rotary kernel does; on: another ~0.5%), so a decode step's layer runs no
+rotary kernel.
 """
 
 from __future__ import annotations
@@ -627,10 +628,12 @@ MAX_SPLITS = 32
 DECODE_STORES_KV = True
 # With DECODE_STORES_KV: the decode kernel also takes q and the new K straight from the qkv
 # projection and normalises and rotates them itself (norm_rope), so a decode step's layer runs no
-# rotary kernel at all (its ~9 us at W1's batch 256 and a kernel boundary). Off: 4.68 s in steps
-# against 4.72 on an H100 (under 1%), and without q/k norms 1.84% of its K codes differ from the
-# fused rotary kernel's there (test_decode_fuses_rope_fp8).
-DECODE_FUSES_ROPE = False
+# rotary kernel at all (its ~9 us at W1's batch 256 and a kernel boundary). W1 with an fp8 cache on
+# an H100 (2026-12-05, three rounds, bench/RESULTS.md): 4.737 s in steps on average against 4.763.
+# Both kernels compiled without FMA fusion, its K codes and output are the fused rotary kernel's
+# and the decode kernel's bit for bit without q/k norms (test_decode_fuses_rope_fp8), and within
+# one rounding step of the norm's sum with them.
+DECODE_FUSES_ROPE = True
 
 
 @dataclass(frozen=True)
