@@ -47,6 +47,18 @@ _FLOAT_FIELDS = ("kv_cache_gb", "gpu_memory_utilization")
 _OPTIONAL_FIELDS = ("block_size", "num_kv_blocks", "max_model_len", "revision", "dtype", "quantization")
 
 
+def check_kv_blocks_hold(
+    num_blocks: int, block_size: int, max_model_len: int, raise_what: str, where: str = ""
+) -> None:
+    """ValueError unless num_blocks KV blocks hold max_model_len tokens, naming the count, `where`
+    it comes from (e.g. " in kv_cache_gb 2") and what to raise (`raise_what`) to make it larger."""
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of {block_size}{where}), "
+            f"fewer than max_model_len ({max_model_len}): raise {raise_what}, or lower max_model_len"
+        )
+
+
 @dataclass
 class ExecutorConfig:
     # A checkpoint directory, or a Hugging Face hub id already in the local cache (hub.py).
@@ -151,13 +163,8 @@ class ExecutorConfig:
                 + ("context with its rope scaling" if limit > self.model_config.max_position_embeddings
                    else "max_position_embeddings")
             )  # fmt: skip
-        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
-            # As kv_cache_sizing says it of a computed count; a fixed one is known before the load.
-            raise ValueError(
-                f"the KV cache holds {self.num_kv_blocks * self.block_size} tokens ({self.num_kv_blocks} "
-                f"blocks of {self.block_size}), fewer than max_model_len ({self.max_model_len}): raise "
-                "num_kv_blocks, or lower max_model_len"
-            )
+        if self.num_kv_blocks is not None:  # (kv_cache_sizing checks a computed count after the load)
+            check_kv_blocks_hold(self.num_kv_blocks, self.block_size, self.max_model_len, "num_kv_blocks")
         self.model_class.check_serving(self.model_config, self.max_model_len)
         self._check_backend()
         self._check_fused_ops()
@@ -181,12 +188,8 @@ class ExecutorConfig:
         if self.num_kv_blocks is not None or self.device.startswith("cuda"):
             return
         num_blocks = self.kv_cache_gb_blocks()
-        if num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of "
-                f"{self.block_size} in kv_cache_gb {self.kv_cache_gb:g}), fewer than max_model_len "
-                f"({self.max_model_len}): raise kv_cache_gb, or lower max_model_len"
-            )
+        where = f" in kv_cache_gb {self.kv_cache_gb:g}"
+        check_kv_blocks_hold(num_blocks, self.block_size, self.max_model_len, "kv_cache_gb", where)
         if num_blocks > INT32_MAX:
             raise ValueError(
                 f"kv_cache_gb ({self.kv_cache_gb:g}) makes {num_blocks} KV blocks of {self.block_size}, "

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor_service import parallel
+from executor_service.config import check_kv_blocks_hold
 from executor_service.kv_cache import KVCache
 from executor_service.layers.attention import Attention
 from executor_service.sampling_metadata import SamplingMetadata
@@ -33,13 +34,8 @@ def determine_num_kv_blocks(runner: ModelRunner, bytes_per_block: int) -> int:
         num_blocks = config.kv_cache_gb_blocks()
     if runner.tp_size > 1:  # the scheduler sees one block count: every rank must hold it
         num_blocks = parallel.min_over_ranks(num_blocks, runner.device)
-    if num_blocks * runner.block_size < config.max_model_len:
-        knob = "gpu_memory_utilization" if runner.device.type == "cuda" else "kv_cache_gb"
-        raise ValueError(
-            f"the KV cache holds {num_blocks * runner.block_size} tokens ({num_blocks} blocks of "
-            f"{runner.block_size}), fewer than max_model_len ({config.max_model_len}): raise "
-            f"num_kv_blocks or {knob}, or lower max_model_len"
-        )
+    knob = "gpu_memory_utilization" if runner.device.type == "cuda" else "kv_cache_gb"
+    check_kv_blocks_hold(num_blocks, runner.block_size, config.max_model_len, f"num_kv_blocks or {knob}")
     return num_blocks
 
 
