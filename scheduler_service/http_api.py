@@ -171,17 +171,27 @@ class OpenAIServer:
                 return _error_response(503, e.message)
             return JSONResponse({"status": "ok"})
 
-        @app.api_route("/v1/models", methods=["GET", "HEAD"])
-        async def models() -> JSONResponse:
-            engine = self._engine()
-            card = {
+        def model_card(engine) -> dict:
+            return {
                 "id": engine.info.model,
                 "object": "model",
                 "created": int(time.time()),
                 "owned_by": "tandem",
                 "max_model_len": engine.limits.max_model_len,
             }
-            return JSONResponse({"object": "list", "data": [card]})
+
+        @app.api_route("/v1/models", methods=["GET", "HEAD"])
+        async def models() -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [model_card(self._engine())]})
+
+        # OpenAI's retrieve (client.models.retrieve): the served model's card, else a 404. Hub ids
+        # have a slash, so the id is the rest of the path.
+        @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+        async def model(model_id: str) -> JSONResponse:
+            engine = self._engine()
+            if (unknown := self._unknown_model(model_id or "''", engine.info.model)) is not None:
+                raise unknown
+            return JSONResponse(model_card(engine))
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):

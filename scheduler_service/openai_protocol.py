@@ -419,6 +419,16 @@ class ChatRequest(_Request):
                 "prompt_logprobs are not available when stream=true in a chat completion: they come "
                 "in the whole response (or stream a completion: its first chunk carries them)"
             )
+        # A template sent with the request would run the caller's Jinja on the server: refused, as
+        # vLLM refuses it by default, rather than ignored (the prompt would not be the one asked for).
+        if (self.model_extra or {}).get("chat_template") is not None or (
+            isinstance(self.chat_template_kwargs, dict)
+            and self.chat_template_kwargs.get("chat_template") is not None
+        ):
+            raise InvalidRequestError(
+                "chat_template in a request is not supported: this server renders every chat with the "
+                "model's own template (its tokenizer_config.json or chat_template.jinja)"
+            )
 
     def render(self, template: ChatTemplate) -> str:
         """The prompt `template` writes for these messages, tools, documents and template kwargs."""

@@ -61,6 +61,33 @@ def test_models_lists_the_served_model(api, services):
         assert models[0].id == client.model_info().model
 
 
+def test_models_retrieve_gives_the_served_model_else_a_404(api, model, services):
+    """OpenAI's client.models.retrieve: the served model's card by its id; another id is a 404
+    (model_not_found, naming it) and the server goes on serving."""
+    card = api.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        api.models.retrieve("Qwen/Qwen3-8B")
+    assert e.value.status_code == 404 and "Qwen/Qwen3-8B" in str(e.value)
+    assert e.value.body["code"] == "model_not_found"
+    assert api.models.list().data[0].id == model
+
+
+def test_a_chat_template_sent_with_the_request_is_refused(api, model):
+    """A chat template in the request (or in chat_template_kwargs) is a 400 naming it, as vLLM's
+    default: it was ignored with a warning, and the prompt rendered with another template."""
+    messages = [{"role": "user", "content": "hi"}]
+    for extra in (
+        {"chat_template": "{{ messages[0].content }}"},
+        {"chat_template_kwargs": {"chat_template": "x"}},
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            api.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body=extra)
+        assert "chat_template" in str(e.value)
+    ok = api.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
 def test_completions_equal_the_grpc_greedy_text(api, model, services):
     with TandemClient(services.address, api_key=KEY) as client:
         expected = client.complete(PROMPT, max_tokens=24, temperature=0.0)
