@@ -190,13 +190,16 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to a list of them, each
         rendered with the checkpoint's chat template (or `chat_template`, a Jinja source) as the
         HTTP API's chat completions render theirs; the text is tokenized without special tokens (the
-        template writes its own). InvalidRequestError for messages the template refuses."""
+        template writes its own). With continue_final_message (and add_generation_prompt off) the
+        prompt ends inside the final message, which the model continues. InvalidRequestError for
+        messages the template refuses."""
         from scheduler_service.openai_protocol import ChatRequest  # (pydantic: only for chat)
 
         one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
@@ -214,6 +217,7 @@ class LLM:
                 "messages": conversation,
                 "tools": tools,
                 "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message,
                 "chat_template_kwargs": chat_template_kwargs,
             }
             request = ChatRequest.model_validate(fields, strict=False)  # (Python values: a tuple is a list)

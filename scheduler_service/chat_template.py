@@ -119,18 +119,49 @@ class ChatTemplate:
         documents: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text; raises InvalidRequestError for what the template refuses
         (raise_exception) or cannot render. `chat_template_kwargs` (the request's) override the
-        special tokens, tools, documents and add_generation_prompt, as in vLLM; not messages."""
+        special tokens, tools, documents and add_generation_prompt, as in vLLM; not messages.
+        continue_final_message: the prompt ends inside the final message, right after its text (no
+        end of turn), so that the model continues it, as transformers' apply_chat_template cuts it."""
         kwargs = chat_template_kwargs or {}
         if "messages" in kwargs:
             raise InvalidRequestError("chat_template_kwargs may not set 'messages': send them as messages")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: the prompt either "
+                "continues the final message or opens a new one (send add_generation_prompt: false)"
+            )
         variables = {"tools": tools, "documents": documents, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(messages=messages, **{**variables, **self.special_tokens, **kwargs})
+            rendered = self._template.render(
+                messages=messages, **{**variables, **self.special_tokens, **kwargs}
+            )
         except jinja2.exceptions.TemplateError as e:
             raise InvalidRequestError(f"the chat template refused the messages: {e}") from None
         # (RecursionError: a value nested too deeply for the template's tojson)
         except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
             raise InvalidRequestError(f"the chat template could not render the messages: {e}") from None
+        return _cut_after_final_message(rendered, messages) if continue_final_message else rendered
+
+
+def _cut_after_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """`rendered` up to the end of the final message's text (its last occurrence), so that what the
+    template writes after it (the end of the turn) is left out; a template that strips the text's
+    surrounding whitespace is cut after the stripped text."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise InvalidRequestError("continue_final_message needs a final message with text to continue")
+    stripped = final.strip()
+    if stripped not in rendered:
+        raise InvalidRequestError(
+            "continue_final_message: the final message's text does not appear in the rendered chat "
+            "(the chat template changes it), so there is nothing to continue"
+        )
+    start = rendered.rindex(stripped)
+    kept = final.lstrip()
+    if rendered[start : start + len(kept)] == kept:  # the template kept its trailing whitespace
+        return rendered[: start + len(kept)]
+    return rendered[: start + len(stripped)]

@@ -404,6 +404,8 @@ class ChatRequest(_Request):
     tool_choice: Literal["none", "auto"] | dict[str, Any] | str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the final message (an assistant's start), which the model continues.
+    continue_final_message: bool = False
     documents: FailFastList[dict[str, Any]] | None = None
 
     NULL_IS_DEFAULT = _Request.NULL_IS_DEFAULT | {"logprobs"}
@@ -439,6 +441,7 @@ class ChatRequest(_Request):
             documents=self.documents,
             add_generation_prompt=self.add_generation_prompt,
             chat_template_kwargs=self.chat_template_kwargs,
+            continue_final_message=self.continue_final_message,
         )
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -528,6 +531,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: FailFastList[dict[str, Any]] | None = None
     documents: FailFastList[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -539,7 +543,10 @@ class TokenizeRequest(BaseModel):
             raise InvalidRequestError("send a prompt or messages (one of them)")
         if self.messages is None:
             return None
-        fields = ("messages", "add_generation_prompt", "tools", "documents", "chat_template_kwargs")
+        fields = (
+            "messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
+            "chat_template_kwargs",
+        )  # fmt: skip
         return ChatRequest(**{name: getattr(self, name) for name in fields})
 
 

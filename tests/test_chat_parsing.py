@@ -37,6 +37,40 @@ def test_template_renders_as_transformers(tmp_path, kwargs):
     assert template.render(MESSAGES, add_generation_prompt=True, chat_template_kwargs=kwargs) == expected
 
 
+@pytest.mark.parametrize(
+    "final",
+    [
+        "The weather in Paris is",  # no surrounding whitespace
+        "  Sunny, with a chance of\n",  # whitespace the template strips
+        '{"city": "Paris", "sky": ',  # JSON started for the model
+    ],
+)
+def test_continue_final_message_renders_as_transformers(tmp_path, final):
+    """continue_final_message (vLLM's, transformers' apply_chat_template's): the prompt ends right
+    after the final message's text, with no end of turn, whatever whitespace the template strips."""
+    transformers = pytest.importorskip("transformers")
+    checkpoint = chat_checkpoint(tmp_path / "ckpt")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": final}]
+    expected = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    template = ChatTemplate.load(checkpoint)
+    got = template.render(messages, add_generation_prompt=False, continue_final_message=True)
+    assert got == expected
+    assert got.rstrip().endswith(final.strip()) and "<|im_end|>" not in got[got.rindex("assistant") :]
+
+
+def test_continue_final_message_refusals_name_the_reason():
+    template = ChatTemplate(QWEN3_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt cannot both be true"):
+        template.render(messages, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="needs a final message with text"):
+        template.render([*messages[:1], {"role": "assistant", "content": " "}], add_generation_prompt=False,
+                        continue_final_message=True)  # fmt: skip
+
+
 def test_raise_exception_is_a_400():
     with pytest.raises(InvalidRequestError, match="unknown role"):
         ChatTemplate(QWEN3_TEMPLATE).render([{"role": "robot", "content": "x"}])

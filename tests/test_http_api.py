@@ -149,6 +149,42 @@ def test_chat_prompt_tokens_equal_transformers_apply_chat_template(api, model, c
         assert got.usage.prompt_tokens == len(expected), kwargs
 
 
+def test_continue_final_message_prompt_equals_transformers(api, model, checkpoint, services):
+    """vLLM's continue_final_message: the prompt ends inside the final (assistant) message, as
+    transformers' apply_chat_template(continue_final_message=True) cuts it, through /tokenize and a
+    chat completion; with add_generation_prompt left on it is a 400 naming both (it was ignored)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    messages = [
+        {"role": "user", "content": "Name a sorting algorithm."},
+        {"role": "assistant", "content": "One fast sorting algorithm is"},
+    ]
+    expected = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=True
+    )
+    if isinstance(expected, dict) or hasattr(expected, "input_ids"):
+        expected = expected["input_ids"]
+    body = {
+        "model": model,
+        "messages": messages,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    tokens = httpx.post(
+        f"{services.http_url}/tokenize", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert tokens.status_code == 200 and tokens.json()["tokens"] == expected
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    got = api.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0, extra_body=extra
+    )
+    assert got.usage.prompt_tokens == len(expected)
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        api.chat.completions.create(
+            model=model, messages=messages, max_tokens=4, extra_body={"continue_final_message": True}
+        )
+
+
 def test_streamed_chat_equals_the_whole_answer(api, model):
     messages = [{"role": "user", "content": "Write a function."}]
     whole = api.chat.completions.create(

@@ -136,6 +136,22 @@ def test_chat_renders_the_template_and_generates(chat_llm):
     assert own[0].prompt == "Exceptions!"
 
 
+def test_chat_continues_the_final_message(chat_llm):
+    """vLLM's LLM.chat(continue_final_message=True): the prompt ends right after the final
+    (assistant) message's text, no end of turn, and the model continues it; with
+    add_generation_prompt left on it is an error naming both."""
+    from scheduler_service.errors import InvalidRequestError
+
+    started = [*CONVERSATION, {"role": "assistant", "content": "Lists are"}]
+    params = SamplingParams(max_tokens=4)
+    out = chat_llm.chat(
+        started, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert out[0].prompt.endswith("<|im_start|>assistant\nLists are")
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt"):
+        chat_llm.chat(started, params, use_tqdm=False, continue_final_message=True)
+
+
 def test_chat_errors_are_clear_and_the_llm_keeps_serving(chat_llm, llm):
     from scheduler_service.errors import InvalidRequestError
 
