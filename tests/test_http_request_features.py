@@ -833,12 +833,12 @@ def test_fields_it_ignores_are_logged_once_per_request(api, model, caplog):
             model=model,
             messages=messages,
             max_tokens=2,
-            extra_body={"continue_final_message": True, "skip_special_tokens": False},
+            extra_body={"mm_processor_kwargs": {"x": 1}, "skip_special_tokens": False},
         )
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert warnings == [
         f"request {got.id}: these fields were present in the request but ignored (not supported): "
-        "'continue_final_message', 'skip_special_tokens'"
+        "'mm_processor_kwargs', 'skip_special_tokens'"
     ]
     # A name with a newline cannot forge a log line, and thousands of names are cut short.
     forged = {"aa\n2026-12-05 09:00:00,000 ERROR scheduler_service.engine: FORGED": 1}
