@@ -44,6 +44,9 @@ class IncrementalDetokenizer:
         self._num_chars = 0
         # Decoded text not yet released: a possible start of a stop string.
         self._held = ""
+        # How many of _held's first characters the first min_tokens tokens completed: a stop string
+        # must end past them (one may begin in them, and is then held back like any other).
+        self._before_min = 0
         self.stopped: str | None = None
 
     def add(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
@@ -64,8 +67,10 @@ class IncrementalDetokenizer:
                 self._num_chars += len(text)
                 self._held += text
             if len(self.token_ids) <= self.min_tokens:
-                out.append(self._held)
-                self._held = ""
+                # No stop string yet, but a possible start of one is still held back: a token past
+                # min_tokens may complete it.
+                self._before_min = len(self._held)
+                self._release(out)
                 continue
             hit = self._find_stop()
             if hit is not None:
@@ -74,11 +79,16 @@ class IncrementalDetokenizer:
                 self._held = ""
                 self.stopped = stop
                 return DetokenizerUpdate("".join(out), i + 1, stop)
-            release = len(self._held) - self._held_back_length()
-            if release > 0:
-                out.append(self._held[:release])
-                self._held = self._held[release:]
+            self._release(out)
         return DetokenizerUpdate("".join(out), len(token_ids))
+
+    def _release(self, out: list[str]) -> None:
+        """Move the held text that cannot begin a stop string to `out`."""
+        release = len(self._held) - self._held_back_length()
+        if release > 0:
+            out.append(self._held[:release])
+            self._held = self._held[release:]
+            self._before_min = max(0, self._before_min - release)
 
     def flush(self) -> str:
         """Everything still held back, once the request has finished without a stop string."""
@@ -93,7 +103,7 @@ class IncrementalDetokenizer:
     def _find_stop(self) -> tuple[int, str] | None:
         best = None
         for stop in self.stop:
-            index = self._held.find(stop)
+            index = self._held.find(stop, max(0, self._before_min - len(stop) + 1))
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)
         return best
