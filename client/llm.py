@@ -268,40 +268,42 @@ class LLM:
         prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         cached: dict[int, int] = {}
         bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        stats = self.engine.scheduler.stats
-        while self.engine.has_unfinished_requests():
-            prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
-            t0 = time.perf_counter()
-            outputs = self.engine.step()
-            dt = max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(
-                prefill=f"{(stats.num_prompt_tokens - prompt_before) / dt:.0f}tok/s",
-                decode=f"{(stats.num_generation_tokens - gen_before) / dt:.0f}tok/s",
-            )
-            for out in outputs:
-                rid = out.request_id
-                if rid not in requests or rid in finished:
-                    continue
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[requests[rid][0]] = out.prompt_logprobs
-                stream = streams.get(rid)
-                stopped = stream is not None and stream.add(out)
-                if rid == watched and stream.text[-1]:
-                    try:
+        try:
+            stats = self.engine.scheduler.stats
+            while self.engine.has_unfinished_requests():
+                prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
+                t0 = time.perf_counter()
+                outputs = self.engine.step()
+                dt = max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix(
+                    prefill=f"{(stats.num_prompt_tokens - prompt_before) / dt:.0f}tok/s",
+                    decode=f"{(stats.num_generation_tokens - gen_before) / dt:.0f}tok/s",
+                )
+                for out in outputs:
+                    rid = out.request_id
+                    if rid not in requests or rid in finished:
+                        continue
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[requests[rid][0]] = out.prompt_logprobs
+                    stream = streams.get(rid)
+                    stopped = stream is not None and stream.add(out)
+                    if rid == watched and stream.text[-1]:
                         on_text(stream.text[-1])
-                    except BaseException:  # (between steps) none of this call's requests runs on
-                        bar.close()
-                        for unfinished in requests.keys() - finished.keys():
-                            self.engine.abort_request(unfinished)
-                        raise
-                if stopped:
-                    self.engine.abort_request(rid)  # a stop string ended it
-                elif not out.finished:
-                    continue
-                i, j, sample = requests[rid]
-                finished[rid] = self._output(out, stream, j, sample, sampling_params[i].logprobs == 0)
-                cached.setdefault(i, out.num_cached_tokens)
-                bar.update(1)
+                    if stopped:
+                        self.engine.abort_request(rid)  # a stop string ended it
+                    elif not out.finished:
+                        continue
+                    i, j, sample = requests[rid]
+                    finished[rid] = self._output(out, stream, j, sample, sampling_params[i].logprobs == 0)
+                    cached.setdefault(i, out.num_cached_tokens)
+                    bar.update(1)
+        except BaseException:
+            # An interrupt (Ctrl-C), on_text's error or the executor's: none of this call's requests
+            # runs on into the next call, which would step them to their end before its own.
+            bar.close()
+            for unfinished in requests.keys() - finished.keys():
+                self.engine.abort_request(unfinished)
+            raise
         bar.close()
 
         results = [

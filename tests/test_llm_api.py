@@ -187,3 +187,28 @@ def test_llm_on_the_cpu_keeps_the_servers_step_budget(qwen3_tied):
     llm = LLM(str(qwen3_tied), block_size=4, num_kv_blocks=256, max_num_seqs=8)
     assert llm.engine.scheduler.config.max_num_batched_tokens == 8192
     assert llm.executor.config.max_num_batched_tokens == 8192
+
+
+def test_an_interrupted_generate_leaves_nothing_running_into_the_next(llm, monkeypatch):
+    """Ctrl-C during generate() (here: in the executor's third step) left the call's requests in
+    the engine, and the next generate() stepped them to their end (max_model_len with ignore_eos)
+    before it returned its own few tokens."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = llm.generate(PROMPT, params, use_tqdm=False)[0].token_ids
+    receive, calls = llm.executor.receive, []
+
+    def interrupted(plan):
+        calls.append(plan)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return receive(plan)
+
+    monkeypatch.setattr(llm.executor, "receive", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT] * 3, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    stats = llm.engine.scheduler.stats
+    before = stats.num_generation_tokens
+    assert llm.generate(PROMPT, params, use_tqdm=False)[0].token_ids == expected
+    assert stats.num_generation_tokens - before == len(expected)
