@@ -251,24 +251,27 @@ class LLM:
         requests: dict[int, tuple[int, int, SamplingParams]] = {}
         streams: dict[int, _TextStream] = {}
         watched = None  # the request whose text goes to on_text
-        for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
-            # logprobs=0: the sampled token's own logprob (vLLM's), which the engine reports beside
-            # one alternative (its 0 is none); _output drops the alternative.
-            submitted = dataclasses.replace(sp, logprobs=1) if sp.logprobs == 0 else sp
-            for j, sample in enumerate(submitted.for_samples()):
-                rid = self.engine.add_request(ids, sample)
-                requests[rid] = (i, j, sample)
-                if on_text is not None and self.tokenizer is not None and (i, j) == (0, 0):
-                    watched = rid
-                # Requests with stop strings are detokenized as they go, to end them at the first
-                # one, and so is the one streamed to on_text; the others are decoded once, at the end.
-                if sample.stop or rid == watched:
-                    streams[rid] = _TextStream(self.tokenizer, sample)
         finished: dict[int, CompletionOutput] = {}
         prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         cached: dict[int, int] = {}
-        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        total = sum(sp.n for sp in sampling_params)
+        bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
+            for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
+                # logprobs=0: the sampled token's own logprob (vLLM's), which the engine reports
+                # beside one alternative (its 0 is none); _output drops the alternative. Checked as
+                # asked for above (max_logprobs 0 allows it), each sample is admitted unchecked.
+                submitted = dataclasses.replace(sp, logprobs=1) if sp.logprobs == 0 else sp
+                for j, sample in enumerate(submitted.for_samples()):
+                    rid = self.engine.add_request(ids, sample, validated=True)
+                    requests[rid] = (i, j, sample)
+                    if on_text is not None and self.tokenizer is not None and (i, j) == (0, 0):
+                        watched = rid
+                    # Requests with stop strings are detokenized as they go, to end them at the
+                    # first one, and so is the one streamed to on_text; the others are decoded once,
+                    # at the end.
+                    if sample.stop or rid == watched:
+                        streams[rid] = _TextStream(self.tokenizer, sample)
             stats = self.engine.scheduler.stats
             while self.engine.has_unfinished_requests():
                 prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
@@ -299,7 +302,8 @@ class LLM:
                     bar.update(1)
         except BaseException:
             # An interrupt (Ctrl-C), on_text's error or the executor's: none of this call's requests
-            # runs on into the next call, which would step them to their end before its own.
+            # (those admitted so far) runs on into the next call, which would step them to their
+            # end before its own.
             bar.close()
             for unfinished in requests.keys() - finished.keys():
                 self.engine.abort_request(unfinished)

@@ -163,6 +163,25 @@ def test_logprobs_0_returns_the_sampled_tokens_own(llm):
     assert _generate(llm, PROMPT, max_tokens=4).outputs[0].logprobs is None
 
 
+def test_logprobs_0_is_allowed_by_max_logprobs_0(qwen3_tied):
+    """max_logprobs bounds the alternatives asked for, so 0 allows logprobs=0 (each token's own);
+    the LLM refused it, naming logprobs (1) the user never asked for, and left the batch's earlier
+    prompts running into the next call."""
+    from scheduler_service.errors import InvalidRequestError
+
+    llm = LLM(str(qwen3_tied), block_size=4, num_kv_blocks=256, max_num_seqs=8, max_logprobs=0)
+    plain, own = llm.generate(
+        [PROMPT, PROMPT],
+        [SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, logprobs=0)],
+        use_tqdm=False,
+    )
+    assert [lp.token_id for lp in own.logprobs] == own.token_ids == plain.token_ids
+    assert all(lp.top_logprobs == [] for lp in own.logprobs)
+    with pytest.raises(InvalidRequestError, match="logprobs \\(1\\) exceeds max_logprobs \\(0"):
+        llm.generate([PROMPT, PROMPT], [SamplingParams(), SamplingParams(logprobs=1)], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize(
     "gpu_bytes, name, budget",
     [
