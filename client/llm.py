@@ -18,6 +18,7 @@ from tqdm import tqdm
 from protos.defaults import MAX_NUM_SEQS, offline_max_num_batched_tokens
 from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
+from scheduler_service.detokenizer import decode_after, prompt_context
 from scheduler_service.engine import LLMEngine
 from scheduler_service.engine import RequestOutput as EngineOutput
 from scheduler_service.request_handling import (
@@ -271,7 +272,7 @@ class LLM:
                     # first one, and so is the one streamed to on_text; the others are decoded once,
                     # at the end.
                     if sample.stop or rid == watched:
-                        streams[rid] = _TextStream(self.tokenizer, sample)
+                        streams[rid] = _TextStream(self.tokenizer, sample, ids)
             stats = self.engine.scheduler.stats
             while self.engine.has_unfinished_requests():
                 prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
@@ -297,7 +298,8 @@ class LLM:
                     elif not out.finished:
                         continue
                     i, j, sample = requests[rid]
-                    finished[rid] = self._output(out, stream, j, sample, sampling_params[i].logprobs == 0)
+                    own_only = sampling_params[i].logprobs == 0
+                    finished[rid] = self._output(out, stream, j, sample, own_only, encoded[i])
                     cached.setdefault(i, out.num_cached_tokens)
                     bar.update(1)
         except BaseException:
@@ -330,6 +332,7 @@ class LLM:
         index: int,
         params: SamplingParams,
         own_logprobs_only: bool,
+        prompt_token_ids: list[int],
     ) -> CompletionOutput:
         token_ids = list(out.token_ids)
         logprobs = out.logprobs
@@ -338,7 +341,10 @@ class LLM:
             # A stop token's text is left out, as OutputProcessor leaves it out of a stream.
             drop = out.finish_reason == "stop" and not params.include_stop_str_in_output
             text_ids = token_ids[:-1] if drop else token_ids
-            text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else None
+            text = None
+            if self.tokenizer is not None:  # (as the prompt's continuation, as a stream decodes it)
+                context = prompt_context(self.tokenizer, prompt_token_ids)
+                text = decode_after(self.tokenizer, context, text_ids)
             reason, stop_string = out.finish_reason or "abort", None
         else:
             n = stream.processor.num_tokens
@@ -415,8 +421,8 @@ GenerationOutput = RequestOutput
 class _TextStream:
     """The text of a request with stop strings, as it is generated."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
-        self.processor = OutputProcessor(tokenizer, params)
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        self.processor = OutputProcessor(tokenizer, params, prompt_token_ids)
         self.text: list[str] = []
 
     def add(self, out: EngineOutput) -> bool:

@@ -6,6 +6,10 @@ prefix_offset / read_offset technique; it gives the text the hand-written versio
 token for token), and never characters that may still turn out to begin a stop string (the
 library has no stop strings: that hold-back is ours). At the end, flush() releases what is held,
 a broken tail included as U+FFFD, as decode() of all the tokens would (DecodeStream has no flush).
+
+The generated text is decoded after the prompt's last tokens (`prompt_context`), as the text that
+continues the prompt: a SentencePiece-style decoder (Llama 2's, Mistral's) drops the space that
+begins a text, so the first generated word decoded alone lost its own (" Paris" came out "Paris").
 """
 
 from __future__ import annotations
@@ -14,6 +18,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler_service.tokenizer import Tokenizer
+
+# The prompt tokens a request's text is decoded after: at least a few (a word's), and at most
+# this many to find a suffix that begins on a character (byte-level tokens may split one).
+MIN_CONTEXT_TOKENS, MAX_CONTEXT_TOKENS = 4, 24
+
+
+def prompt_context(tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> list[int]:
+    """The prompt's last tokens that its generated text is decoded after: a suffix whose text is
+    whole characters (none when the prompt ends inside one: its text is then decoded alone)."""
+    num = len(prompt_token_ids)
+    for n in range(min(MIN_CONTEXT_TOKENS, num), min(MAX_CONTEXT_TOKENS, num) + 1):
+        context = list(prompt_token_ids[num - n :])
+        if "\ufffd" not in tokenizer.decode(context):
+            return context
+    return []
+
+
+def decode_after(tokenizer: Tokenizer, context: Sequence[int], token_ids: Sequence[int]) -> str:
+    """The text of token_ids following the tokens of `context` (prompt_context)."""
+    if not context:
+        return tokenizer.decode(list(token_ids))
+    return tokenizer.decode([*context, *token_ids])[len(tokenizer.decode(list(context))) :]
 
 
 @dataclass(slots=True)
@@ -28,10 +54,16 @@ class DetokenizerUpdate:
 class IncrementalDetokenizer:
     """Feed generated token ids with add(); call flush() when the request finishes.
     `include_stop`: the output keeps the stop string that ends it; `min_tokens`: stop strings
-    count only in text that tokens after the first min_tokens complete (vLLM's rule)."""
+    count only in text that tokens after the first min_tokens complete (vLLM's rule); `context`: the
+    prompt tokens the text follows (prompt_context)."""
 
     def __init__(
-        self, tokenizer: Tokenizer, stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
+        min_tokens: int = 0,
+        context: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
@@ -40,6 +72,9 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = []
         self._step = tokenizer.decode_stream()
+        self._context = list(context)
+        for tok in self._context:  # (whole characters: their text comes out, and is not ours)
+            self._step(tok)
         # Characters of text the stream has produced (released or held).
         self._num_chars = 0
         # Decoded text not yet released: a possible start of a stop string.
@@ -94,7 +129,7 @@ class IncrementalDetokenizer:
         """Everything still held back, once the request has finished without a stop string."""
         if self.stopped is not None:
             return ""
-        tail = self.tokenizer.decode(self.token_ids)[self._num_chars :]
+        tail = decode_after(self.tokenizer, self._context, self.token_ids)[self._num_chars :]
         self._num_chars += len(tail)
         text = self._held + tail
         self._held = ""

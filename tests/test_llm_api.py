@@ -231,3 +231,23 @@ def test_an_interrupted_generate_leaves_nothing_running_into_the_next(llm, monke
     before = stats.num_generation_tokens
     assert llm.generate(PROMPT, params, use_tqdm=False)[0].token_ids == expected
     assert stats.num_generation_tokens - before == len(expected)
+
+
+def test_text_continues_the_prompt_with_a_sentencepiece_style_tokenizer(qwen3_tied, tmp_path):
+    """With a tokenizer that writes a word's space as a "▁" its token begins with (Llama 2's,
+    Mistral's), the generated text lost its first space: decoded alone, a text's leading "▁" is
+    dropped, so prompt + text ran two words together where vLLM's text continues the prompt."""
+    from checkpoints import train_tokenizer
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tied, directory)
+    train_tokenizer(directory, metaspace=True)
+    llm = LLM(str(directory), block_size=4, num_kv_blocks=256, max_num_seqs=4)
+    word = llm.get_tokenizer().token_to_id("▁object")
+    prompt = "The list type is"
+    for stop in ([], ["zzz"]):  # decoded at the end, and as it goes (for stop strings)
+        pieces = []
+        params = SamplingParams(max_tokens=2, logit_bias={word: 100}, stop=stop)
+        out = llm.generate(prompt, params, use_tqdm=False, on_text=pieces.append)[0]
+        assert out.token_ids == [word, word]
+        assert out.text == "".join(pieces) == " object object"
