@@ -18,6 +18,7 @@ from tqdm import tqdm
 from protos.defaults import MAX_NUM_SEQS, offline_max_num_batched_tokens
 from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
+from scheduler_service.detokenizer import decode_after, prompt_context
 from scheduler_service.engine import LLMEngine
 from scheduler_service.engine import RequestOutput as EngineOutput
 from scheduler_service.request_handling import (
@@ -255,57 +256,64 @@ class LLM:
         requests: dict[int, tuple[int, int, SamplingParams]] = {}
         streams: dict[int, _TextStream] = {}
         watched = None  # the request whose text goes to on_text
-        for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
-            # logprobs=0: the sampled token's own logprob (vLLM's), which the engine reports beside
-            # one alternative (its 0 is none); _output drops the alternative.
-            submitted = dataclasses.replace(sp, logprobs=1) if sp.logprobs == 0 else sp
-            for j, sample in enumerate(submitted.for_samples()):
-                rid = self.engine.add_request(ids, sample)
-                requests[rid] = (i, j, sample)
-                if on_text is not None and self.tokenizer is not None and (i, j) == (0, 0):
-                    watched = rid
-                # Requests with stop strings are detokenized as they go, to end them at the first
-                # one, and so is the one streamed to on_text; the others are decoded once, at the end.
-                if sample.stop or rid == watched:
-                    streams[rid] = _TextStream(self.tokenizer, sample)
         finished: dict[int, CompletionOutput] = {}
         prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         cached: dict[int, int] = {}
-        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        stats = self.engine.scheduler.stats
-        while self.engine.has_unfinished_requests():
-            prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
-            t0 = time.perf_counter()
-            outputs = self.engine.step()
-            dt = max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(
-                prefill=f"{(stats.num_prompt_tokens - prompt_before) / dt:.0f}tok/s",
-                decode=f"{(stats.num_generation_tokens - gen_before) / dt:.0f}tok/s",
-            )
-            for out in outputs:
-                rid = out.request_id
-                if rid not in requests or rid in finished:
-                    continue
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[requests[rid][0]] = out.prompt_logprobs
-                stream = streams.get(rid)
-                stopped = stream is not None and stream.add(out)
-                if rid == watched and stream.text[-1]:
-                    try:
+        total = sum(sp.n for sp in sampling_params)
+        bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
+                # logprobs=0: the sampled token's own logprob (vLLM's), which the engine reports
+                # beside one alternative (its 0 is none); _output drops the alternative. Checked as
+                # asked for above (max_logprobs 0 allows it), each sample is admitted unchecked.
+                submitted = dataclasses.replace(sp, logprobs=1) if sp.logprobs == 0 else sp
+                for j, sample in enumerate(submitted.for_samples()):
+                    rid = self.engine.add_request(ids, sample, validated=True)
+                    requests[rid] = (i, j, sample)
+                    if on_text is not None and self.tokenizer is not None and (i, j) == (0, 0):
+                        watched = rid
+                    # Requests with stop strings are detokenized as they go, to end them at the
+                    # first one, and so is the one streamed to on_text; the others are decoded once,
+                    # at the end.
+                    if sample.stop or rid == watched:
+                        streams[rid] = _TextStream(self.tokenizer, sample, ids)
+            stats = self.engine.scheduler.stats
+            while self.engine.has_unfinished_requests():
+                prompt_before, gen_before = stats.num_prompt_tokens, stats.num_generation_tokens
+                t0 = time.perf_counter()
+                outputs = self.engine.step()
+                dt = max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix(
+                    prefill=f"{(stats.num_prompt_tokens - prompt_before) / dt:.0f}tok/s",
+                    decode=f"{(stats.num_generation_tokens - gen_before) / dt:.0f}tok/s",
+                )
+                for out in outputs:
+                    rid = out.request_id
+                    if rid not in requests or rid in finished:
+                        continue
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[requests[rid][0]] = out.prompt_logprobs
+                    stream = streams.get(rid)
+                    stopped = stream is not None and stream.add(out)
+                    if rid == watched and stream.text[-1]:
                         on_text(stream.text[-1])
-                    except BaseException:  # (between steps) none of this call's requests runs on
-                        bar.close()
-                        for unfinished in requests.keys() - finished.keys():
-                            self.engine.abort_request(unfinished)
-                        raise
-                if stopped:
-                    self.engine.abort_request(rid)  # a stop string ended it
-                elif not out.finished:
-                    continue
-                i, j, sample = requests[rid]
-                finished[rid] = self._output(out, stream, j, sample, sampling_params[i].logprobs == 0)
-                cached.setdefault(i, out.num_cached_tokens)
-                bar.update(1)
+                    if stopped:
+                        self.engine.abort_request(rid)  # a stop string ended it
+                    elif not out.finished:
+                        continue
+                    i, j, sample = requests[rid]
+                    own_only = sampling_params[i].logprobs == 0
+                    finished[rid] = self._output(out, stream, j, sample, own_only, encoded[i])
+                    cached.setdefault(i, out.num_cached_tokens)
+                    bar.update(1)
+        except BaseException:
+            # An interrupt (Ctrl-C), on_text's error or the executor's: none of this call's requests
+            # (those admitted so far) runs on into the next call, which would step them to their
+            # end before its own.
+            bar.close()
+            for unfinished in requests.keys() - finished.keys():
+                self.engine.abort_request(unfinished)
+            raise
         bar.close()
 
         results = [
@@ -328,6 +336,7 @@ class LLM:
         index: int,
         params: SamplingParams,
         own_logprobs_only: bool,
+        prompt_token_ids: list[int],
     ) -> CompletionOutput:
         token_ids = list(out.token_ids)
         logprobs = out.logprobs
@@ -336,7 +345,10 @@ class LLM:
             # A stop token's text is left out, as OutputProcessor leaves it out of a stream.
             drop = out.finish_reason == "stop" and not params.include_stop_str_in_output
             text_ids = token_ids[:-1] if drop else token_ids
-            text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else None
+            text = None
+            if self.tokenizer is not None:  # (as the prompt's continuation, as a stream decodes it)
+                context = prompt_context(self.tokenizer, prompt_token_ids)
+                text = decode_after(self.tokenizer, context, text_ids)
             reason, stop_string = out.finish_reason or "abort", None
         else:
             n = stream.processor.num_tokens
@@ -413,8 +425,8 @@ GenerationOutput = RequestOutput
 class _TextStream:
     """The text of a request with stop strings, as it is generated."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
-        self.processor = OutputProcessor(tokenizer, params)
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        self.processor = OutputProcessor(tokenizer, params, prompt_token_ids)
         self.text: list[str] = []
 
     def add(self, out: EngineOutput) -> bool:

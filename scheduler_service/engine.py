@@ -99,12 +99,16 @@ class LLMEngine:
         request_id: int | None = None,
         name: str | None = None,
         client: object | None = None,
+        validated: bool = False,
     ) -> int:
         """Queue a request; raises InvalidRequestError if it can never run. `name`: its id in the
         logs, the one its client knows (default: the engine's request id); `client`: see
-        Sequence.client."""
+        Sequence.client; `validated`: the caller checked it with validate_request (the offline LLM
+        checks logprobs=0 as asked for, then asks for the one alternative the engine reports it
+        beside, which max_logprobs 0 would refuse)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        self.validate_request(prompt_token_ids, params)
+        if not validated:
+            self.validate_request(prompt_token_ids, params)
         if request_id is None:
             while self._next_request_id in self.scheduler.seqs:
                 self._next_request_id += 1

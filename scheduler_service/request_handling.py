@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler_service.chat_template import ChatTemplate
-from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.detokenizer import IncrementalDetokenizer, prompt_context
 from scheduler_service.errors import InvalidRequestError
 from scheduler_service.sampling_params import SamplingParams, verify_prompt_length, verify_unicode
 from scheduler_service.sequence import TokenLogprob
@@ -163,13 +163,20 @@ class OutputProcessor:
     abort the request in the engine and send nothing more.
 
     A stop token's text (an end-of-sequence token, or one of stop_token_ids) is left out of the
-    text, as vLLM does, unless include_stop_str_in_output; its id stays in the output."""
+    text, as vLLM does, unless include_stop_str_in_output; its id stays in the output. The text is
+    decoded as the prompt's continuation (`prompt_token_ids`: prompt_context)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, params: SamplingParams, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
         self.params = params
         self._detokenizer = (
             IncrementalDetokenizer(
-                tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens
+                tokenizer,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.min_tokens,
+                prompt_context(tokenizer, prompt_token_ids),
             )
             if tokenizer is not None
             else None

@@ -138,7 +138,7 @@ class SamplingParams:
         if not 0 < _float32(self.top_p) <= 1:  # as the plan carries it: 1e-46 is 0 there
             underflow = " (0 as a 32-bit float)" if 0 < self.top_p <= 1 else ""
             _fail(f"top_p must be in (0, 1], got {self.top_p}{underflow}")
-        if self.top_k < 0:
+        if self.top_k < -1:  # (-1 too where it was set after construction)
             _fail(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):
             if abs(getattr(self, name)) > MAX_ABS_PENALTY:
@@ -214,7 +214,7 @@ class SamplingParams:
     def to_step_params(self, num_prompt_tokens: int) -> StepSamplingParams:
         return StepSamplingParams(
             temperature=self.temperature,
-            top_k=min(self.top_k, INT32_MAX),
+            top_k=min(max(self.top_k, 0), INT32_MAX),
             top_p=self.top_p,
             min_p=self.min_p,
             seed=None if self.seed is None else self.seed % 2**64,

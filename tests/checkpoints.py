@@ -12,19 +12,27 @@ from pathlib import Path
 EOS_TEXT = "<|endoftext|>"
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = 400) -> Path:
-    """A byte-level BPE trained on CPython's bundled documentation; saves tokenizer.json."""
+def train_tokenizer(out_dir: Path, vocab_size: int = 400, metaspace: bool = False) -> Path:
+    """A byte-level BPE trained on CPython's bundled documentation; saves tokenizer.json.
+    `metaspace`: SentencePiece's way instead (Llama 2's, Mistral's): a word's space is a "▁" that
+    begins its token, and decoding drops the one that begins the text."""
     from pydoc_data.topics import topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    if metaspace:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+        alphabet = []
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOS_TEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=alphabet,
         show_progress=False,
     )
     texts = list(topics.values())

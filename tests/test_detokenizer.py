@@ -7,7 +7,7 @@ from checkpoints import EOS_TEXT, train_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.detokenizer import IncrementalDetokenizer, decode_after, prompt_context
 from scheduler_service.tokenizer import Tokenizer
 
 MIXED = "héllo 😀 中文 🎉 def x"
@@ -116,3 +116,53 @@ def test_single_stop_string_cuts_at_its_first_occurrence(tokenizer, text, stop):
         assert (out, hit) == (text, None)
     else:
         assert (out, hit) == (text[:index], stop)
+
+
+@pytest.mark.parametrize("batch", [1, 100])
+def test_a_stop_string_begun_within_min_tokens_ends_the_output_when_a_later_token_completes_it(
+    tokenizer, batch
+):
+    """min_tokens keeps stop strings that its tokens complete from counting, not one that begins
+    among them and ends after: the text of the first min_tokens tokens was released whole, so
+    "\\n\\nclass" completed by the token right after them never stopped the request."""
+    text = "def foo():\n    return 1\n\nclass Bar:\n    pass"
+    stop = "\n\nclass"
+    ids = tokenizer.encode(text)
+    completes = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+    assert len(tokenizer.decode(ids[: completes - 1])) > text.index(stop)  # it begins before
+    for min_tokens, expected in (
+        (completes - 1, ("def foo():\n    return 1", stop)),
+        (completes, (text, None)),
+    ):
+        detok = IncrementalDetokenizer(tokenizer, [stop], min_tokens=min_tokens)
+        out, consumed, hit = "", 0, None
+        for i in range(0, len(ids), batch):
+            update = detok.add(ids[i : i + batch])
+            out, consumed, hit = out + update.text, consumed + update.num_tokens, update.stop_string
+            if hit is not None:
+                break
+        assert (out + detok.flush(), hit) == expected
+        assert consumed == (completes if hit else len(ids))
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer(train_tokenizer(tmp_path_factory.mktemp("metaspace"), metaspace=True))
+
+
+@pytest.mark.parametrize("stop", [(), ("zzz",)])
+@pytest.mark.parametrize("batch", [1, 100])
+def test_text_decoded_after_the_prompt_keeps_its_first_space(metaspace_tokenizer, stop, batch):
+    """A SentencePiece-style decoder drops the space that begins a text: decoded alone, the first
+    generated word lost its own (" the object" came out "the object", so prompt + text ran two
+    words together), where the prompt's continuation has it."""
+    tok = metaspace_tokenizer
+    prompt, ids = tok.encode("The list type is"), tok.encode("The list type is the object")
+    generated = ids[len(prompt) :]
+    assert prompt == ids[: len(prompt)] and tok.decode(ids) == "The list type is the object"
+    assert tok.decode(generated) == "the object"  # (decoded alone)
+    context = prompt_context(tok, prompt)
+    assert decode_after(tok, context, generated) == " the object"
+    detok = IncrementalDetokenizer(tok, stop, context=context)
+    deltas = [detok.add(generated[i : i + batch]).text for i in range(0, len(generated), batch)]
+    assert "".join(deltas) + detok.flush() == " the object"

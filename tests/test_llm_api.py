@@ -179,6 +179,25 @@ def test_logprobs_0_returns_the_sampled_tokens_own(llm):
     assert _generate(llm, PROMPT, max_tokens=4).outputs[0].logprobs is None
 
 
+def test_logprobs_0_is_allowed_by_max_logprobs_0(qwen3_tied):
+    """max_logprobs bounds the alternatives asked for, so 0 allows logprobs=0 (each token's own);
+    the LLM refused it, naming logprobs (1) the user never asked for, and left the batch's earlier
+    prompts running into the next call."""
+    from scheduler_service.errors import InvalidRequestError
+
+    llm = LLM(str(qwen3_tied), block_size=4, num_kv_blocks=256, max_num_seqs=8, max_logprobs=0)
+    plain, own = llm.generate(
+        [PROMPT, PROMPT],
+        [SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, logprobs=0)],
+        use_tqdm=False,
+    )
+    assert [lp.token_id for lp in own.logprobs] == own.token_ids == plain.token_ids
+    assert all(lp.top_logprobs == [] for lp in own.logprobs)
+    with pytest.raises(InvalidRequestError, match="logprobs \\(1\\) exceeds max_logprobs \\(0"):
+        llm.generate([PROMPT, PROMPT], [SamplingParams(), SamplingParams(logprobs=1)], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize(
     "gpu_bytes, name, budget",
     [
@@ -203,3 +222,48 @@ def test_llm_on_the_cpu_keeps_the_servers_step_budget(qwen3_tied):
     llm = LLM(str(qwen3_tied), block_size=4, num_kv_blocks=256, max_num_seqs=8)
     assert llm.engine.scheduler.config.max_num_batched_tokens == 8192
     assert llm.executor.config.max_num_batched_tokens == 8192
+
+
+def test_an_interrupted_generate_leaves_nothing_running_into_the_next(llm, monkeypatch):
+    """Ctrl-C during generate() (here: in the executor's third step) left the call's requests in
+    the engine, and the next generate() stepped them to their end (max_model_len with ignore_eos)
+    before it returned its own few tokens."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = llm.generate(PROMPT, params, use_tqdm=False)[0].token_ids
+    receive, calls = llm.executor.receive, []
+
+    def interrupted(plan):
+        calls.append(plan)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return receive(plan)
+
+    monkeypatch.setattr(llm.executor, "receive", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT] * 3, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    stats = llm.engine.scheduler.stats
+    before = stats.num_generation_tokens
+    assert llm.generate(PROMPT, params, use_tqdm=False)[0].token_ids == expected
+    assert stats.num_generation_tokens - before == len(expected)
+
+
+def test_text_continues_the_prompt_with_a_sentencepiece_style_tokenizer(qwen3_tied, tmp_path):
+    """With a tokenizer that writes a word's space as a "▁" its token begins with (Llama 2's,
+    Mistral's), the generated text lost its first space: decoded alone, a text's leading "▁" is
+    dropped, so prompt + text ran two words together where vLLM's text continues the prompt."""
+    from checkpoints import train_tokenizer
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tied, directory)
+    train_tokenizer(directory, metaspace=True)
+    llm = LLM(str(directory), block_size=4, num_kv_blocks=256, max_num_seqs=4)
+    word = llm.get_tokenizer().token_to_id("▁object")
+    prompt = "The list type is"
+    for stop in ([], ["zzz"]):  # decoded at the end, and as it goes (for stop strings)
+        pieces = []
+        params = SamplingParams(max_tokens=2, logit_bias={word: 100}, stop=stop)
+        out = llm.generate(prompt, params, use_tqdm=False, on_text=pieces.append)[0]
+        assert out.token_ids == [word, word]
+        assert out.text == "".join(pieces) == " object object"

@@ -144,6 +144,18 @@ def test_top_k_minus_one_is_off_and_penalties_at_the_limit_are_accepted():
     assert params.to_step_params(1).top_k == 0
 
 
+def test_top_k_set_to_minus_one_after_construction_is_off():
+    """`params.top_k = -1` on a made SamplingParams was refused when the request was checked, by a
+    message that says -1 disables it ("top_k must be >= 0 (0 or -1 disables it), got -1")."""
+    params = SamplingParams(temperature=1.0, top_k=5)
+    params.top_k = -1
+    params.verify()
+    assert params.to_step_params(1).top_k == 0  # (the executor takes 0 for off)
+    params.top_k = -2
+    with pytest.raises(InvalidRequestError, match="top_k must be >= 0 \\(0 or -1 disables it\\), got -2"):
+        params.verify()
+
+
 def test_samples_and_the_plan_fields_of_the_features():
     params = SamplingParams(n=3, seed=2**64 - 1, prompt_logprobs=1, logit_bias={7: 100}, min_tokens=2)
     samples = params.for_samples()
