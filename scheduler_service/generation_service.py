@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -144,9 +144,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _admit(
         self, request: pb.GenerateRequest, request_id: str, arrival: float, timeout: float | None
-    ) -> list[tuple[RequestStream, ChatOutputParser | None, bool]]:
-        """One stream per sample (n), with the parser that splits a Chat prompt's answer and
-        whether its tokens' logprobs go without alternatives (logprobs 0)."""
+    ) -> list[tuple[RequestStream, ChatOutputParser | None, bool, list[int]]]:
+        """One stream per sample (n), with the parser that splits a Chat prompt's answer, whether
+        its tokens' logprobs go without alternatives (logprobs 0), and the prompt's ids (whose
+        continuation its text is decoded as)."""
         verify_request_id(request.request_id)
         params = sampling_params_from_proto(request.sampling_params)
         tokenizer = self.engine.tokenizer
@@ -184,8 +185,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prompt, template = list(ids), None
         streams = await self.engine.submit(request_id, prompt, params, arrival, timeout, request.user)
         if template is None:
-            return [(stream, None, own_only) for stream in streams]
-        return [(stream, ChatOutputParser.for_request(template, text, tools), own_only) for stream in streams]
+            return [(stream, None, own_only, prompt) for stream in streams]
+        return [
+            (stream, ChatOutputParser.for_request(template, text, tools), own_only, prompt)
+            for stream in streams
+        ]
 
     async def Generate(
         self,
@@ -210,7 +214,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except asyncio.CancelledError:  # while it was tokenized or admitted (by a slow engine core)
             self._count_gone(context)
             raise
-        streams = [stream for stream, _, _ in samples]
+        streams = [stream for stream, *_ in samples]
         num_finals = 0
         failed = False
         try:
@@ -258,15 +262,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.metrics.requests_failed.labels(code.name).inc()
 
     async def _samples(
-        self, samples: list[tuple[RequestStream, ChatOutputParser | None, bool]]
+        self, samples: list[tuple[RequestStream, ChatOutputParser | None, bool, list[int]]]
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Every sample's responses, interleaved as they come; a failed sample's TandemRequestError
         is raised."""
         queue: asyncio.Queue = asyncio.Queue(maxsize=len(samples))
 
-        async def pump(stream: RequestStream, parser: ChatOutputParser | None, own_only: bool) -> None:
+        async def pump(
+            stream: RequestStream, parser: ChatOutputParser | None, own_only: bool, prompt: list[int]
+        ) -> None:
             try:
-                async for response in self._responses(stream, parser, own_only):
+                async for response in self._responses(stream, parser, own_only, prompt):
                     await queue.put(response)
             except TandemRequestError as e:
                 await queue.put(e)
@@ -289,12 +295,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 task.cancel()
 
     async def _responses(
-        self, stream: RequestStream, parser: ChatOutputParser | None, own_only: bool = False
+        self,
+        stream: RequestStream,
+        parser: ChatOutputParser | None,
+        own_only: bool = False,
+        prompt: Sequence[int] = (),
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One sample's chunks, then its final message; its failure raised as TandemRequestError.
-        own_only: its tokens' logprobs without their alternatives."""
+        own_only: its tokens' logprobs without their alternatives; prompt: its prompt's ids (the
+        text is decoded as their continuation, so that a first word keeps its leading space)."""
         tokenizer = self.engine.tokenizer
-        output = OutputProcessor(tokenizer, stream.params)
+        output = OutputProcessor(tokenizer, stream.params, prompt)
         request_id, index = stream.request_id, stream.index
         prompt_logprobs_sent = stream.params.prompt_logprobs is None
         while True:

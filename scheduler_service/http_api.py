@@ -316,9 +316,9 @@ class OpenAIServer:
                 # (decoded before it is submitted: if cut short, it leaves nothing running)
                 text = await self._prompt_text(prompt, params, engine.limits) if echo else None
                 for stream in await self.engine.submit(name, ids, params, arrival, timeout, body.user):
-                    choice = _Choice(
-                        len(choices), stream, OutputProcessor(self.engine.tokenizer, stream.params)
-                    )
+                    # (the text decoded as the prompt's continuation: a word's leading space kept)
+                    output = OutputProcessor(self.engine.tokenizer, stream.params, ids)
+                    choice = _Choice(len(choices), stream, output)
                     if echo:
                         choice.prompt_text, choice.first_prompt_token = text, ids[0]
                         choice.prompt_only = body.prompt_only

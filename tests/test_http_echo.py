@@ -274,3 +274,31 @@ def test_an_echoed_token_id_outside_the_vocabulary_is_a_400(server, url, bad_id)
             f"token id {bad_id} at position 1 is outside the vocabulary"
         )
     assert len(server.engine.streams) == 0
+
+
+def test_servers_text_continues_the_prompt_with_a_sentencepiece_style_tokenizer(qwen3_tied, tmp_path):
+    """With a tokenizer that writes a word's space as the "▁" its token begins with (Llama 2's,
+    Mistral's), a completion's text decoded alone lost its first space, so prompt + text ran two
+    words together; decoded as the prompt's continuation (as vLLM's) it keeps it: HTTP whole and
+    streamed, and gRPC, as the offline LLM."""
+    import shutil
+
+    from checkpoints import train_tokenizer
+
+    from client import TandemClient
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tied, directory)
+    train_tokenizer(directory, metaspace=True)
+    word = Tokenizer(directory).token_to_id("▁object")
+    with serving_http(directory) as server:
+        body = {"prompt": "The list type is", "max_tokens": 2, "logit_bias": {str(word): 100}}
+        url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+        assert httpx.post(url, json=body).json()["choices"][0]["text"] == " object object"
+        with httpx.stream("POST", url, json={**body, "stream": True}) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        pieces = [json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]"]
+        assert "".join(pieces) == " object object"
+        with TandemClient(f"127.0.0.1:{server.port}") as client:
+            got = client.complete("The list type is", max_tokens=2, logit_bias={word: 100})
+        assert got.text == " object object"
