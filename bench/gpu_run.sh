@@ -44,8 +44,8 @@ tp_debug() {
         PYTHONPATH=$PWD/bench/hangdump${PYTHONPATH:+:$PYTHONPATH} "$@"
 }
 
-for what in "$@"; do
-    case $what in
+run() {
+    case $1 in
     tests) stage tests "$PY" -m pytest -q tests/test_triton_ops.py tests/test_sampling_kernel.py tests/test_gpu_engine.py ;;
     # Every GPU test of the engine, the sampler and the fp8 GEMM (issue 18's request features with the fused sampler among them).
     gpu-tests) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage gpu-tests "$PY" -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_sampling_kernel.py tests/test_fp8_gemm.py tests/test_triton_ops.py ;;
@@ -147,6 +147,10 @@ for what in "$@"; do
     fp8-gemm-gluon) TAIL=40 stage fp8-gemm-gluon "$PY" bench/fp8_gemm_gluon.py --gpu ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;
+    # Issue 17's three H200 target figures in one call (~6 min warm): the decode kernel at
+    # b256x1024, W1 fp8 in-process twice and split once; W4 (fp8 weights and KV) then bf16 in a
+    # second call: `bash bench/gpu_run.sh w4 w4-bf16`.
+    h200-targets) for s in fp8-attention w1-fp8 w1-fp8 w1-fp8-split; do run "$s"; done ;;
     w1-fp8) TAIL=12 stage w1-fp8 "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 ;;
     # W1 fp8 at prefill chunks of 8,192, 4,096 and 2,048 tokens (4,096 and under: piecewise CUDA
     # graphs), alternating, twice each.
@@ -185,6 +189,10 @@ for what in "$@"; do
     # checkpoint), with TABLE=<GEMM_TABLE entries> if given: where the smaller steps' time goes.
     w4-profile-batches) TAIL=60 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w4-profile-batches bash -c 'for b in 16 64 128; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --batch $b --steps 16 --top 8 --fused-ops on --kv-cache-dtype fp8 ${TABLE:+--fp8-gemm-table $TABLE}; done' "$PY" ;;
     w4-profile) TAIL=40 stage w4-profile "$PY" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
-    *) echo "unknown stage $what" | tee -a "$OUT/summary.txt" ;;
+    *) echo "unknown stage $1" | tee -a "$OUT/summary.txt" ;;
     esac
+}
+
+for what in "$@"; do
+    run "$what"
 done
