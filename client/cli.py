@@ -96,6 +96,20 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="keep the stop string (or stop token's text) at the end of the text",
     )
+    p.add_argument(
+        "--no-skip-special-tokens",
+        dest="skip_special_tokens",
+        action="store_false",
+        default=None,
+        help="write special tokens (end-of-sequence, ...) in the text",
+    )
+    p.add_argument(
+        "--truncate-prompt-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="keep only the prompt's last K tokens (-1: max_model_len)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, when it is done")
     server = p.add_argument_group("with --server")
     add_connection_flags(server)
@@ -132,6 +146,8 @@ SAMPLING_ARGS = (
     "logit_bias",
     "prompt_logprobs",
     "include_stop_str_in_output",
+    "skip_special_tokens",
+    "truncate_prompt_tokens",
 )
 
 

@@ -28,7 +28,7 @@ from scheduler_service.request_handling import (
     verify_tokenizer,
 )
 from scheduler_service.request_handling import chat_template as request_chat_template
-from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.sampling_params import SamplingParams, truncate_prompt
 from scheduler_service.sequence import TokenLogprob
 from scheduler_service.tokenizer import Tokenizer
 
@@ -164,10 +164,14 @@ class LLM:
         return self.tokenizer
 
     def _encode(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool) -> list[int]:
+        """The prompt's token ids, cut to its last truncate_prompt_tokens (RequestOutput's
+        prompt_token_ids are these, as vLLM's)."""
+        max_model_len = self.engine.limits.max_model_len
         if isinstance(prompt, str):
-            max_model_len = self.engine.limits.max_model_len
-            return tokenize(self.tokenizer, prompt, params, max_model_len, NO_TOKENIZER, add_special_tokens)
-        return list(prompt)
+            ids = tokenize(self.tokenizer, prompt, params, max_model_len, NO_TOKENIZER, add_special_tokens)
+        else:
+            ids = list(prompt)
+        return truncate_prompt(ids, params, max_model_len)
 
     def generate(
         self,
@@ -347,8 +351,9 @@ class LLM:
             text_ids = token_ids[:-1] if drop else token_ids
             text = None
             if self.tokenizer is not None:  # (as the prompt's continuation, as a stream decodes it)
-                context = prompt_context(self.tokenizer, prompt_token_ids)
-                text = decode_after(self.tokenizer, context, text_ids)
+                skip = params.skip_special_tokens
+                context = prompt_context(self.tokenizer, prompt_token_ids, skip)
+                text = decode_after(self.tokenizer, context, text_ids, skip)
             reason, stop_string = out.finish_reason or "abort", None
         else:
             n = stream.processor.num_tokens

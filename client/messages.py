@@ -39,6 +39,9 @@ SAMPLING_FIELDS = {
     "logit_bias": dict,
     "prompt_logprobs": int,
     "include_stop_str_in_output": bool,
+    "skip_special_tokens": bool,
+    "spaces_between_special_tokens": bool,
+    "truncate_prompt_tokens": int,
 }
 
 # The proto's integers: int32, but the seed's uint64, which takes a negative seed (vLLM's int64) as

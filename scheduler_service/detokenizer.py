@@ -10,6 +10,9 @@ a broken tail included as U+FFFD, as decode() of all the tokens would (DecodeStr
 The generated text is decoded after the prompt's last tokens (`prompt_context`), as the text that
 continues the prompt: a SentencePiece-style decoder (Llama 2's, Mistral's) drops the space that
 begins a text, so the first generated word decoded alone lost its own (" Paris" came out "Paris").
+
+`skip_special_tokens` (the request's) is passed to every decode of a request, the prompt's context
+included: a special token's text counted in one and not the other would shift the cut.
 """
 
 from __future__ import annotations
@@ -24,22 +27,27 @@ from scheduler_service.tokenizer import Tokenizer
 MIN_CONTEXT_TOKENS, MAX_CONTEXT_TOKENS = 4, 24
 
 
-def prompt_context(tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> list[int]:
+def prompt_context(
+    tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+) -> list[int]:
     """The prompt's last tokens that its generated text is decoded after: a suffix whose text is
     whole characters (none when the prompt ends inside one: its text is then decoded alone)."""
     num = len(prompt_token_ids)
     for n in range(min(MIN_CONTEXT_TOKENS, num), min(MAX_CONTEXT_TOKENS, num) + 1):
         context = list(prompt_token_ids[num - n :])
-        if "\ufffd" not in tokenizer.decode(context):
+        if "\ufffd" not in tokenizer.decode(context, skip_special_tokens):
             return context
     return []
 
 
-def decode_after(tokenizer: Tokenizer, context: Sequence[int], token_ids: Sequence[int]) -> str:
+def decode_after(
+    tokenizer: Tokenizer, context: Sequence[int], token_ids: Sequence[int], skip_special_tokens: bool = True
+) -> str:
     """The text of token_ids following the tokens of `context` (prompt_context)."""
     if not context:
-        return tokenizer.decode(list(token_ids))
-    return tokenizer.decode([*context, *token_ids])[len(tokenizer.decode(list(context))) :]
+        return tokenizer.decode(list(token_ids), skip_special_tokens)
+    whole = tokenizer.decode([*context, *token_ids], skip_special_tokens)
+    return whole[len(tokenizer.decode(list(context), skip_special_tokens)) :]
 
 
 @dataclass(slots=True)
@@ -55,7 +63,9 @@ class IncrementalDetokenizer:
     """Feed generated token ids with add(); call flush() when the request finishes.
     `include_stop`: the output keeps the stop string that ends it; `min_tokens`: stop strings
     count only in text that tokens after the first min_tokens complete (vLLM's rule); `context`: the
-    prompt tokens the text follows (prompt_context)."""
+    prompt tokens the text follows (prompt_context, with the same `skip_special_tokens`);
+    `skip_special_tokens` off: special tokens are written in the text (and stop strings may match
+    them)."""
 
     def __init__(
         self,
@@ -64,6 +74,7 @@ class IncrementalDetokenizer:
         include_stop: bool = False,
         min_tokens: int = 0,
         context: Sequence[int] = (),
+        skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
@@ -71,7 +82,8 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = []
-        self._step = tokenizer.decode_stream()
+        self.skip_special_tokens = skip_special_tokens
+        self._step = tokenizer.decode_stream(skip_special_tokens)
         self._context = list(context)
         for tok in self._context:  # (whole characters: their text comes out, and is not ours)
             self._step(tok)
@@ -129,7 +141,8 @@ class IncrementalDetokenizer:
         """Everything still held back, once the request has finished without a stop string."""
         if self.stopped is not None:
             return ""
-        tail = decode_after(self.tokenizer, self._context, self.token_ids)[self._num_chars :]
+        tail = decode_after(self.tokenizer, self._context, self.token_ids, self.skip_special_tokens)
+        tail = tail[self._num_chars :]
         self._num_chars += len(tail)
         text = self._held + tail
         self._held = ""

@@ -32,7 +32,12 @@ from scheduler_service.request_handling import (
 )
 from scheduler_service.request_stream import RequestStream
 from scheduler_service.response_chunks import logprobs_to_proto, split_logprobs, split_text, split_tokens
-from scheduler_service.sampling_params import SamplingParams, verify_prompt_length
+from scheduler_service.sampling_params import (
+    SamplingParams,
+    truncate_prompt,
+    truncated_length,
+    verify_prompt_length,
+)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _FINISH_REASONS = {
@@ -75,6 +80,13 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias),
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(
+            msg.spaces_between_special_tokens if msg.HasField("spaces_between_special_tokens") else True
+        ),
+        truncate_prompt_tokens=(
+            msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None
+        ),
     )
 
 
@@ -174,14 +186,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 text, template, tools = await asyncio.to_thread(render_chat, tokenizer, request.chat)
             else:
                 text, template, tools = render_chat(tokenizer, request.chat)
-            tokenizer = check_text_prompt(tokenizer, text, params, engine.limits.max_model_len)
+            max_model_len = engine.limits.max_model_len
+            tokenizer = check_text_prompt(tokenizer, text, params, max_model_len)
             # (a chat template writes its own special tokens)
             prompt = await encode_text(tokenizer, text, add_special_tokens=kind == "text")
+            prompt = truncate_prompt(prompt, params, max_model_len)
         else:
             # Its length checked before its ids become a list: a 14 MiB message of 15M ids held the
             # event loop (health, other streams) for ~0.5 s on its way to the same refusal.
             ids = request.token_ids.ids
-            verify_prompt_length(len(ids), params, self.engine.check_admitting().limits.max_model_len)
+            max_model_len = self.engine.check_admitting().limits.max_model_len
+            keep = truncated_length(params, max_model_len)
+            if keep is not None and len(ids) > keep:
+                ids = ids[len(ids) - keep :]  # (truncate_prompt_tokens: its last tokens)
+            verify_prompt_length(len(ids), params, max_model_len)
             prompt, template = list(ids), None
         streams = await self.engine.submit(request_id, prompt, params, arrival, timeout, request.user)
         if template is None:

@@ -56,6 +56,7 @@ from scheduler_service.request_stream import RequestStream
 from scheduler_service.sampling_params import (
     SamplingParams,
     escape_surrogates,
+    truncate_prompt,
     verify_prompt_length,
     verify_token_ids,
     verify_unicode,
@@ -312,9 +313,16 @@ class OpenAIServer:
                 ids = (
                     await self._encode(prompt, params, not chat) if isinstance(prompt, str) else list(prompt)
                 )
+                kept = truncate_prompt(ids, params, engine.limits.max_model_len)
                 name = request_id if len(prompts) == 1 else f"{request_id}-{p}"
-                # (decoded before it is submitted: if cut short, it leaves nothing running)
-                text = await self._prompt_text(prompt, params, engine.limits) if echo else None
+                # (decoded before it is submitted: if cut short, it leaves nothing running; a
+                # truncated prompt echoes the text of the tokens kept, which its logprobs are for)
+                text = (
+                    await self._prompt_text(prompt if kept is ids else kept, params, engine.limits)
+                    if echo
+                    else None
+                )
+                ids = kept
                 for stream in await self.engine.submit(name, ids, params, arrival, timeout, body.user):
                     # (the text decoded as the prompt's continuation: a word's leading space kept)
                     output = OutputProcessor(self.engine.tokenizer, stream.params, ids)

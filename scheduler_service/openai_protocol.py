@@ -170,6 +170,9 @@ class _Request(BaseModel):
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     response_format: dict[str, Any] | None = None
 
     # The fields a client may send as null for their default: OpenAI's nullable ones and vLLM's
@@ -183,6 +186,8 @@ class _Request(BaseModel):
             "min_p",
             "repetition_penalty",
             "stop_token_ids",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
         }
     )
 
@@ -252,6 +257,9 @@ class _Request(BaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             prompt_logprobs=self.prompt_logprobs_of(),
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.detokenizer import IncrementalDetokenizer, prompt_context
 from scheduler_service.errors import InvalidRequestError
-from scheduler_service.sampling_params import SamplingParams, verify_prompt_length, verify_unicode
+from scheduler_service.sampling_params import (
+    SamplingParams,
+    truncated_length,
+    verify_prompt_length,
+    verify_unicode,
+)
 from scheduler_service.sequence import TokenLogprob
 from scheduler_service.tokenizer import Tokenizer
 
@@ -92,10 +97,13 @@ def check_text_prompt(
 ) -> Tokenizer:
     """The tokenizer to encode `text` with; raises InvalidRequestError without one, for a text that
     is not Unicode, or when the text is too long to fit even at the most bytes a token can hold
-    (checked without tokenizing)."""
+    (checked without tokenizing; with truncate_prompt_tokens, what it keeps of that)."""
     if tokenizer is None:
         raise InvalidRequestError(no_tokenizer)
-    verify_prompt_length(tokenizer.min_num_tokens(text), params, max_model_len, lower_bound=True)
+    at_least = tokenizer.min_num_tokens(text)
+    if (keep := truncated_length(params, max_model_len)) is not None:
+        at_least = min(at_least, keep)
+    verify_prompt_length(at_least, params, max_model_len, lower_bound=True)
     verify_unicode(text, "the prompt")
     return tokenizer
 
@@ -176,7 +184,8 @@ class OutputProcessor:
                 params.stop,
                 params.include_stop_str_in_output,
                 params.min_tokens,
-                prompt_context(tokenizer, prompt_token_ids),
+                prompt_context(tokenizer, prompt_token_ids, params.skip_special_tokens),
+                params.skip_special_tokens,
             )
             if tokenizer is not None
             else None

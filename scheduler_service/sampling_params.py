@@ -15,6 +15,7 @@ from scheduler_service.errors import InvalidRequestError
 __all__ = [
     "InvalidRequestError",
     "SamplingParams",
+    "truncate_prompt",
     "verify_prompt_length",
     "verify_request",
     "verify_token_ids",
@@ -38,9 +39,20 @@ MAX_N = 128
 # in 64 bits (executor.proto): a seed in [-2**63, 2**64) travels modulo 2**64 (a negative one is
 # vLLM's int64 seed), a top_k past the vocabulary is off.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
-_INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "n", "min_tokens", "prompt_logprobs")
+_INT_FIELDS = (
+    "max_tokens",
+    "top_k",
+    "seed",
+    "logprobs",
+    "n",
+    "min_tokens",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+)
+# (a string "false" would pass as true)
+_BOOL_FIELDS = ("skip_special_tokens", "spaces_between_special_tokens")
 # Those that may be None.
-_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _FLOAT_FIELDS = (
     "temperature",
     "min_p",
@@ -80,6 +92,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Keep the stop string, or the stop token's text, at the end of the output (vLLM's option).
     include_stop_str_in_output: bool = False
+    # Leave special tokens (end-of-sequence, <|im_end|>, ...) out of the text; off, the text writes
+    # them as the tokenizer's decode(ids, skip_special_tokens=False) does. Logprobs name every token
+    # by its own text either way.
+    skip_special_tokens: bool = True
+    # vLLM's option for its slow (Python) tokenizers, whose decode puts a space on each side of a
+    # special token when it is on. The `tokenizers` decoder this server uses (as vLLM's fast
+    # tokenizers) adds no spaces whatever its value: both are taken, and the text is the same.
+    spaces_between_special_tokens: bool = True
+    # Keep only the prompt's last k tokens (left truncation); -1: max_model_len; None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # -1 is vLLM's "off", the same as 0.
@@ -113,6 +135,9 @@ class SamplingParams:
                     f"{name} must be a finite number (a 32-bit float: at most 3.4e38 in magnitude), "
                     f"got {getattr(self, name)}"
                 )
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                _fail(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.stop, (list, tuple)):
             _fail(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)):
@@ -167,6 +192,13 @@ class SamplingParams:
             _fail(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             _fail(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        if self.truncate_prompt_tokens is not None and not (
+            self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1
+        ):
+            _fail(
+                "truncate_prompt_tokens must be >= 1 (keep the prompt's last N tokens) or -1 "
+                f"(max_model_len), got {self.truncate_prompt_tokens}"
+            )
         self._verify_logit_bias()
 
     def _verify_logit_bias(self) -> None:
@@ -264,6 +296,19 @@ def verify_request(
                 f"prompt_logprobs ({params.prompt_logprobs}) exceeds max_logprobs ({max_logprobs}; the "
                 "scheduler's --max-logprobs)"
             )
+
+
+def truncated_length(params: SamplingParams, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens truncate_prompt_tokens keeps (None: all of them)."""
+    k = params.truncate_prompt_tokens
+    return max_model_len if k == -1 else k
+
+
+def truncate_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last truncate_prompt_tokens tokens (vLLM's left truncation: the end of a prompt,
+    nearest what is generated, is what the model needs most); all of them when it is None."""
+    k = truncated_length(params, max_model_len)
+    return token_ids[-k:] if k is not None and len(token_ids) > k else token_ids
 
 
 def verify_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:

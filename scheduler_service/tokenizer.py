@@ -82,11 +82,11 @@ class Tokenizer:
             text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
 
-    def decode_stream(self) -> Callable[[int], str | None]:
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
         """An incremental decoder of one token stream (tokenizers' DecodeStream, special tokens
-        skipped): each call takes the next id and returns the new text, or None while the text
-        ends inside a character."""
-        return functools.partial(DecodeStream(skip_special_tokens=True).step, self._tok)
+        skipped unless `skip_special_tokens` is off): each call takes the next id and returns the
+        new text, or None while the text ends inside a character."""
+        return functools.partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tok)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -60,6 +60,26 @@ def test_every_sampling_kwarg_maps_to_its_proto_field():
     assert list(sp.stop) == ["\n\n", "."] and list(sp.stop_token_ids) == [5, 6] and sp.ignore_eos
 
 
+def test_special_token_and_truncation_kwargs_map_to_their_proto_fields():
+    """skip_special_tokens, spaces_between_special_tokens and truncate_prompt_tokens are keyword
+    arguments of the client as of SamplingParams; unset, the server applies its defaults (true,
+    true, no truncation); false and 0 are sent as set (0 for the server to refuse, naming it)."""
+    sp = sampling_params(
+        skip_special_tokens=False, spaces_between_special_tokens=False, truncate_prompt_tokens=-1
+    )
+    assert sp.HasField("skip_special_tokens") and not sp.skip_special_tokens
+    assert sp.HasField("spaces_between_special_tokens") and not sp.spaces_between_special_tokens
+    assert sp.HasField("truncate_prompt_tokens") and sp.truncate_prompt_tokens == -1
+    assert sampling_params(truncate_prompt_tokens=0).HasField("truncate_prompt_tokens")
+    unset = sampling_params()
+    assert not any(
+        unset.HasField(f)
+        for f in ("skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens")
+    )
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be in"):
+        sampling_params(truncate_prompt_tokens=2**31)
+
+
 def test_unset_kwargs_leave_the_server_defaults():
     sp = sampling_params(top_p=None, seed=None, max_tokens=4)
     # Optional fields stay unset, so the server applies "1 = disabled" and "no seed".
@@ -250,6 +270,13 @@ def test_sampling_flags_become_kwargs():
     }
     # Unset flags are left to the server (or to SamplingParams in-process).
     assert cli.sampling_kwargs(parse("generate", "x")) == {"max_tokens": 16, "temperature": 0.0}
+    args = parse("generate", "x", "--no-skip-special-tokens", "--truncate-prompt-tokens", "-1")
+    assert cli.sampling_kwargs(args) == {
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "skip_special_tokens": False,
+        "truncate_prompt_tokens": -1,
+    }
 
 
 def test_a_bad_client_twin_is_a_usage_error_of_its_own_command(monkeypatch, capsys):

@@ -166,3 +166,87 @@ def test_text_decoded_after_the_prompt_keeps_its_first_space(metaspace_tokenizer
     detok = IncrementalDetokenizer(tok, stop, context=context)
     deltas = [detok.add(generated[i : i + batch]).text for i in range(0, len(generated), batch)]
     assert "".join(deltas) + detok.flush() == " the object"
+
+
+SPECIALS = ("<|im_start|>", "<|im_end|>")
+
+
+def with_special_tokens(path) -> Tokenizer:
+    """The tokenizer at `path` with SPECIALS added as special tokens (ids 400 and 401, after the
+    trained vocabulary and <|endoftext|>, id 0)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    raw = HFTokenizer.from_file(str(path))
+    raw.add_special_tokens(list(SPECIALS))
+    raw.save(str(path))
+    return Tokenizer(path)
+
+
+@pytest.fixture(scope="module", params=["byte-level", "metaspace"])
+def special_tokenizer(request, tmp_path_factory) -> tuple[Tokenizer, object]:
+    """A tokenizer with special tokens beside the ordinary ones, and transformers' fast tokenizer
+    of the same file (what `tokenizer.decode(ids, skip_special_tokens=False)` means to a user)."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = train_tokenizer(tmp_path_factory.mktemp(request.param), metaspace=request.param == "metaspace")
+    tok = with_special_tokens(path)
+    assert [tok.token_to_id(s) for s in SPECIALS] == [400, 401]
+    return tok, PreTrainedTokenizerFast(tokenizer_file=str(path))
+
+
+def hf_after(hf, context: list[int], ids: list[int]) -> str:
+    """transformers' text of `ids` following `context`, special tokens written."""
+    return hf.decode(context + ids, skip_special_tokens=False)[
+        len(hf.decode(context, skip_special_tokens=False)) :
+    ]
+
+
+SPECIAL_IDS = st.lists(st.one_of(st.integers(1, 399), st.sampled_from([0, 400, 401])), max_size=30)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=SPECIAL_IDS, ids=SPECIAL_IDS, batch=st.integers(1, 5))
+def test_skip_special_tokens_off_writes_them_as_transformers_decode_does(
+    special_tokenizer, prompt, ids, batch
+):
+    """With skip_special_tokens off the streamed pieces add up to transformers' decode(ids,
+    skip_special_tokens=False), as the prompt's continuation (the decode of the whole, cut after the
+    prompt's context) and, after a prompt that ends on whole characters, decoded alone too; the
+    default leaves the special tokens out, as it did."""
+    tok, hf = special_tokenizer
+    context = prompt_context(tok, prompt, skip_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, context=context, skip_special_tokens=False)
+    deltas = [detok.add(ids[i : i + batch]).text for i in range(0, len(ids), batch)]
+    text = "".join(deltas) + detok.flush()
+    assert text == decode_after(tok, context, ids, skip_special_tokens=False) == hf_after(hf, context, ids)
+    if not context:
+        assert text == hf.decode(ids, skip_special_tokens=False)
+    assert all(not d.endswith("\ufffd") for d in deltas)
+    skipped = IncrementalDetokenizer(tok, context=prompt_context(tok, prompt))
+    assert skipped.add(ids).text + skipped.flush() == decode_after(tok, prompt_context(tok, prompt), ids)
+
+
+@pytest.mark.parametrize("batch", [1, 100])
+@pytest.mark.parametrize("min_tokens", [0, 3])
+def test_a_stop_string_may_be_a_special_tokens_text_when_they_are_written(
+    special_tokenizer, batch, min_tokens
+):
+    """Special tokens written into the text are text like any other: a stop string that is one's
+    text ends the output there (and can not match while they are skipped); min_tokens holds as ever."""
+    tok, hf = special_tokenizer
+    ids = tok.encode("def x") + [400] + tok.encode(" return") + [401] + tok.encode(" y") + [401]
+    for skip, expected in (
+        (False, hf.decode(ids[: ids.index(401)], skip_special_tokens=False)),
+        (True, None),
+    ):
+        detok = IncrementalDetokenizer(tok, ["<|im_end|>"], min_tokens=min_tokens, skip_special_tokens=skip)
+        out, hit = "", None
+        for i in range(0, len(ids), batch):
+            update = detok.add(ids[i : i + batch])
+            out, hit = out + update.text, update.stop_string
+            if hit:
+                break
+        if expected is None:
+            assert (out + detok.flush(), hit) == (tok.decode(ids), None)
+        else:
+            assert (out, hit) == (expected, "<|im_end|>") and "<|im_start|>" in out

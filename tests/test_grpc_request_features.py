@@ -192,3 +192,52 @@ def test_tandem_generate_json_with_samples_usage_and_logprobs(server, qwen3_tied
         cli.main(["generate", "--server", f"127.0.0.1:{server.port}", "--logit-bias", "x", "--prompt", "a"])
     assert e.value.code == 2
     assert "--logit-bias takes ID=BIAS (e.g. 42=100), got 'x'" in capsys.readouterr().err
+
+
+def test_skip_special_tokens_false_writes_them_in_the_text(client, reference, qwen3_tied):
+    """skip_special_tokens=False over gRPC: the chunks' text adds up to transformers'
+    decode(ids, skip_special_tokens=False) of the generated ids, as the offline LLM's; unset, they
+    are left out; spaces_between_special_tokens is taken either way (the same text)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(qwen3_tied / "tokenizer.json"))
+    # Ordinary tokens, then the end-of-sequence token forced after min_tokens, its text kept.
+    params = {"max_tokens": 10, "min_tokens": 6, "logit_bias": {0: 100.0}, "include_stop_str_in_output": True}
+    for stop in (None, ["no such text"]):
+        got = client.complete(PROMPT, **params, stop=stop, skip_special_tokens=False)
+        assert got.token_ids[-1] == 0 and got.text.endswith("<|endoftext|>")
+        assert got.text == hf.decode(got.token_ids, skip_special_tokens=False)
+        offline = reference.generate(
+            PROMPT, SamplingParams(**params, skip_special_tokens=False), use_tqdm=False
+        )[0]
+        assert got.text == offline.text
+        plain = client.complete(PROMPT, **params, stop=stop)
+        assert (
+            plain.text
+            == hf.decode(got.token_ids, skip_special_tokens=True)
+            == got.text.removesuffix("<|endoftext|>")
+        )
+        spaced = client.complete(
+            PROMPT, **params, stop=stop, skip_special_tokens=False, spaces_between_special_tokens=False
+        )
+        assert spaced.text == got.text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, reference):
+    """truncate_prompt_tokens over gRPC: the final's prompt_tokens counts the tokens kept and the
+    output is theirs, for text and token id prompts; 0 or -2 is INVALID_ARGUMENT naming it."""
+    ids = reference.get_tokenizer().encode(PROMPT * 10)
+    expected = reference.generate(ids[-6:], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    for prompt in (PROMPT * 10, ids):
+        got = client.complete(prompt, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=6)
+        assert (got.prompt_tokens, got.token_ids) == (6, expected.token_ids)
+    whole = client.complete(ids, max_tokens=1, truncate_prompt_tokens=-1)
+    assert whole.prompt_tokens == len(ids)
+    for bad in (0, -2):
+        with pytest.raises(TandemError) as e:
+            client.complete(PROMPT, truncate_prompt_tokens=bad)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            f"truncate_prompt_tokens must be >= 1 (keep the prompt's last N tokens) or -1 (max_model_len), got {bad}"
+            in e.value.message
+        )

@@ -833,12 +833,12 @@ def test_fields_it_ignores_are_logged_once_per_request(api, model, caplog):
             model=model,
             messages=messages,
             max_tokens=2,
-            extra_body={"mm_processor_kwargs": {"x": 1}, "skip_special_tokens": False},
+            extra_body={"mm_processor_kwargs": {"x": 1}, "length_penalty": 1.0},
         )
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert warnings == [
         f"request {got.id}: these fields were present in the request but ignored (not supported): "
-        "'mm_processor_kwargs', 'skip_special_tokens'"
+        "'length_penalty', 'mm_processor_kwargs'"
     ]
     # A name with a newline cannot forge a log line, and thousands of names are cut short.
     forged = {"aa\n2026-12-05 09:00:00,000 ERROR scheduler_service.engine: FORGED": 1}
@@ -1155,3 +1155,103 @@ def test_a_lone_surrogate_quoted_in_an_error_is_a_400_not_a_500(checkpoint, tmp_
             assert "unknown role: \\ud800" in r.json()["error"]["message"]
         ok = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert ok.status_code == 200
+
+
+# Ordinary tokens, then the end-of-sequence token (<|endoftext|>, a special token) whatever the
+# model: min_tokens bans it for 6 tokens, then the bias forces it; its text is kept.
+SPECIAL_LAST = {
+    "max_tokens": 10,
+    "temperature": 0,
+    "min_tokens": 6,
+    "logit_bias": {"0": 100},
+    "include_stop_str_in_output": True,
+}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_skip_special_tokens_false_writes_them_whole_and_streamed(server, reference, checkpoint, endpoint):
+    """vLLM's skip_special_tokens: false puts the special tokens in the text as transformers'
+    decode(ids, skip_special_tokens=False) writes them, the streamed pieces adding up to the same
+    text (it was ignored with a warning); true, the default, leaves them out."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    chat = endpoint != "completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": PROMPT}
+
+    def text_of(choice):
+        return choice["message"]["content"] if chat else choice["text"]
+
+    def streamed(**extra):
+        pieces = []
+        with httpx.stream("POST", url, json={**body, **SPECIAL_LAST, **extra, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        pieces.append(choice["delta"].get("content") or "" if chat else choice["text"])
+        return "".join(pieces)
+
+    written = httpx.post(url, json={**body, **SPECIAL_LAST, "skip_special_tokens": False}).json()
+    skipped = httpx.post(url, json={**body, **SPECIAL_LAST}).json()
+    text = text_of(written["choices"][0])
+    assert text.endswith("<|endoftext|>") and text_of(skipped["choices"][0]) == text.removesuffix(
+        "<|endoftext|>"
+    )
+    assert streamed(skip_special_tokens=False, spaces_between_special_tokens=True) == text
+    assert streamed() == text_of(skipped["choices"][0])
+    if not chat:  # the same ids as offline: their text as transformers writes it
+        params = {**SPECIAL_LAST, "logit_bias": {0: 100}, "skip_special_tokens": False}
+        offline = reference.generate(PROMPT, SamplingParams(**params), use_tqdm=False)[0]
+        assert text == offline.text == hf.decode(offline.token_ids, skip_special_tokens=False)
+    # A slow tokenizer's spaces_between_special_tokens is taken either way (the same text).
+    same = httpx.post(
+        url,
+        json={**body, **SPECIAL_LAST, "skip_special_tokens": False, "spaces_between_special_tokens": False},
+    )
+    assert text_of(same.json()["choices"][0]) == text
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, reference, endpoint):
+    """vLLM's truncate_prompt_tokens on both endpoints: the prompt's last k tokens are the prompt
+    (usage.prompt_tokens counts them; the answer is the one they give); 0 or below -1 is a 400
+    naming the field, and a prompt still too long after it the usual one."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    chat = endpoint != "completions"
+    body = {"messages": [{"role": "user", "content": PROMPT * 10}]} if chat else {"prompt": PROMPT * 10}
+    body |= {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(url, json=body).json()
+    assert whole["usage"]["prompt_tokens"] > 6
+    got = httpx.post(url, json={**body, "truncate_prompt_tokens": 6}).json()
+    assert got["usage"]["prompt_tokens"] == 6
+    chunks = []
+    stream = {**body, "truncate_prompt_tokens": 6, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=stream) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens"] == 6
+    if not chat:
+        ids = reference.get_tokenizer().encode(PROMPT * 10)
+        offline = reference.generate(ids[-6:], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[
+            0
+        ]
+        assert got["choices"][0]["text"] == offline.text
+        # Echoed, the prompt is the text of the tokens kept (which echoed logprobs are for).
+        echoed = httpx.post(url, json={**body, "truncate_prompt_tokens": 6, "echo": True}).json()
+        kept = reference.get_tokenizer().decode(ids[-6:], skip_special_tokens=False)
+        assert echoed["choices"][0]["text"] == kept + offline.text
+    for bad in (0, -2):
+        r = httpx.post(url, json={**body, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (
+            f"truncate_prompt_tokens must be >= 1 (keep the prompt's last N tokens) or -1 (max_model_len), got {bad}"
+        )
+    if not chat:
+        max_model_len = server.engine.engine.limits.max_model_len
+        r = httpx.post(url, json={**body, "prompt": [5] * (max_model_len + 5), "truncate_prompt_tokens": -1})
+        assert r.status_code == 400
+        assert (
+            f"prompt ({max_model_len} tokens) + max_tokens (4) exceeds max_model_len"
+            in r.json()["error"]["message"]
+        )
+    assert len(server.engine.streams) == 0

@@ -267,3 +267,79 @@ def test_text_continues_the_prompt_with_a_sentencepiece_style_tokenizer(qwen3_ti
         out = llm.generate(prompt, params, use_tqdm=False, on_text=pieces.append)[0]
         assert out.token_ids == [word, word]
         assert out.text == "".join(pieces) == " object object"
+
+
+def _hf_tokenizer(llm):
+    """transformers' fast tokenizer of the model's tokenizer.json (what a user decodes with)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(llm.get_tokenizer().path / "tokenizer.json"))
+
+
+# Ordinary tokens, then the end-of-sequence token (<|endoftext|>, a special token), whatever the
+# model: min_tokens bans it for 6 tokens, then the bias forces it; its text is kept.
+SPECIAL_LAST = {"max_tokens": 10, "min_tokens": 6, "logit_bias": {0: 100}, "include_stop_str_in_output": True}
+
+
+@pytest.mark.parametrize("stop", [[], ["no such text"]])
+def test_skip_special_tokens_off_writes_them_as_transformers_decode_does(llm, stop):
+    """vLLM's skip_special_tokens=False: the text has the special tokens, written as transformers'
+    tokenizer.decode(ids, skip_special_tokens=False) writes them, whether decoded at the end, matched
+    for stop strings as it goes, or streamed to on_text (its pieces add up to the text). It was a
+    TypeError; the default still leaves them out."""
+    hf = _hf_tokenizer(llm)
+    pieces = []
+    params = SamplingParams(**SPECIAL_LAST, stop=stop, skip_special_tokens=False)
+    out = llm.generate(PROMPT, params, use_tqdm=False, on_text=pieces.append)[0]
+    assert len(out.token_ids) == 7 and out.token_ids[-1] == 0 and out.finish_reason == "stop"
+    assert out.text == hf.decode(out.token_ids, skip_special_tokens=False)
+    assert out.text.endswith("<|endoftext|>") and len(out.text) > len("<|endoftext|>")
+    assert "".join(pieces) == out.text
+    plain = _generate(llm, PROMPT, **SPECIAL_LAST, stop=stop)
+    assert plain.token_ids == out.token_ids
+    assert (
+        plain.text
+        == hf.decode(out.token_ids, skip_special_tokens=True)
+        == out.text.removesuffix("<|endoftext|>")
+    )
+    # Without include_stop_str_in_output the stop token's text is left out (vLLM's rule); its id stays.
+    dropped = _generate(
+        llm, PROMPT, **{**SPECIAL_LAST, "include_stop_str_in_output": False}, skip_special_tokens=False
+    )
+    assert (dropped.token_ids, dropped.text) == (out.token_ids, plain.text)
+    # vLLM's spaces_between_special_tokens (a slow tokenizer's option) is taken either way: the same text.
+    spaced = _generate(
+        llm, PROMPT, **SPECIAL_LAST, stop=stop, skip_special_tokens=False, spaces_between_special_tokens=False
+    )
+    assert spaced.text == out.text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are the prompt (RequestOutput's
+    prompt_token_ids are those, and the output is the one they give), for token ids and text alike;
+    -1 keeps max_model_len of them. It was a TypeError."""
+    ids = list(range(1, 21))
+    out = _generate(llm, ids, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=5)
+    assert out.prompt_token_ids == ids[-5:]
+    assert out.token_ids == _generate(llm, ids[-5:], max_tokens=4, ignore_eos=True).token_ids
+    text = "The list type is a mutable sequence"
+    encoded = llm.get_tokenizer().encode(text)
+    assert len(encoded) > 3
+    assert _generate(llm, text, max_tokens=2, truncate_prompt_tokens=3).prompt_token_ids == encoded[-3:]
+    assert _generate(llm, ids, max_tokens=2, truncate_prompt_tokens=-1).prompt_token_ids == ids
+    assert _generate(llm, ids, max_tokens=2, truncate_prompt_tokens=50).prompt_token_ids == ids
+
+
+def test_a_prompt_still_too_long_after_truncation_or_a_bad_truncation_is_refused(llm):
+    from scheduler_service.errors import InvalidRequestError
+
+    max_model_len = llm.engine.limits.max_model_len
+    long = [5] * (max_model_len + 10)
+    with pytest.raises(
+        InvalidRequestError, match=f"prompt \\({max_model_len} tokens\\) \\+ max_tokens \\(4\\)"
+    ):
+        _generate(llm, long, max_tokens=4, truncate_prompt_tokens=-1)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=f"truncate_prompt_tokens must be >= 1 .* or -1 .*got {bad}"):
+            _generate(llm, PROMPT, truncate_prompt_tokens=bad)
+    assert _generate(llm, long, max_tokens=4, truncate_prompt_tokens=8).prompt_token_ids == [5] * 8

@@ -214,3 +214,54 @@ def test_logprobs_none_is_none():
     (a TypeError too)."""
     assert SamplingParams(logprobs=None).to_step_params(1).logprobs == 0
     assert SamplingParams(logit_bias=None).logit_bias == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"truncate_prompt_tokens": 0},
+            "truncate_prompt_tokens must be >= 1 (keep the prompt's last N tokens) or -1 (max_model_len), got 0",
+        ),
+        (
+            {"truncate_prompt_tokens": -2},
+            "truncate_prompt_tokens must be >= 1 (keep the prompt's last N tokens) or -1 (max_model_len), got -2",
+        ),
+        ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens must be an integer, got 2.0"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens must be an integer, got True"),
+        ({"skip_special_tokens": "false"}, "skip_special_tokens must be a boolean, got 'false'"),
+        ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens must be a boolean, got 0"),
+    ],
+)
+def test_bad_special_token_and_truncation_options_are_refused_naming_the_field(kwargs, message):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert str(e.value) == message
+
+
+def test_truncate_prompt_keeps_the_last_tokens():
+    """vLLM's left truncation: the prompt's last k tokens, -1 for max_model_len, None for all."""
+    from scheduler_service.sampling_params import truncate_prompt
+
+    ids = list(range(10))
+    assert truncate_prompt(ids, SamplingParams(truncate_prompt_tokens=3), 8) == [7, 8, 9]
+    assert truncate_prompt(ids, SamplingParams(truncate_prompt_tokens=-1), 8) == list(range(2, 10))
+    assert truncate_prompt(ids, SamplingParams(truncate_prompt_tokens=20), 8) == ids
+    assert truncate_prompt(ids, SamplingParams(), 8) == ids
+    # Both of vLLM's values of spaces_between_special_tokens are taken (the text is the same).
+    assert not SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens
+
+
+def test_a_text_too_long_to_fit_is_not_refused_from_its_size_when_it_is_truncated(tmp_path):
+    """The size check before tokenizing counts what truncate_prompt_tokens keeps of a text."""
+    from checkpoints import train_tokenizer
+
+    from scheduler_service.request_handling import check_text_prompt
+    from scheduler_service.tokenizer import Tokenizer
+
+    tok = Tokenizer(train_tokenizer(tmp_path))
+    text = "word " * 5000
+    assert tok.min_num_tokens(text) > 100
+    with pytest.raises(InvalidRequestError, match="from its size"):
+        check_text_prompt(tok, text, SamplingParams(max_tokens=4), 100)
+    assert check_text_prompt(tok, text, SamplingParams(max_tokens=4, truncate_prompt_tokens=50), 100) is tok
