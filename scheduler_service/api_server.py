@@ -325,6 +325,7 @@ async def _serve(spec: dict) -> int:
         http_socket=http_socket,
         http_tls=(args["tls_cert"], args["tls_key"]) if args.get("tls_cert") else None,
         reuse_port=True,
+        allowed_origins=args.get("allowed_origins"),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

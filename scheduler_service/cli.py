@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -202,6 +204,15 @@ FLAGS = (
         "prefer --api-key-file or the environment, which other users cannot read from the process list",
     ),
     flag("--api-key-file", env="API_KEY_FILE", group=SECURITY, help="file of accepted API keys, one a line"),
+    flag(
+        "--allowed-origins",
+        env="ALLOWED_ORIGINS",
+        group=SECURITY,
+        default="",
+        help="browser origins the HTTP API answers cross-origin requests from (CORS), comma-separated "
+        "or a JSON list as vLLM's, e.g. https://app.example.com; * for any (any web page a user opens "
+        "could then call this server); default none",
+    ),
     flag("--tls-cert", env="TLS_CERT", group=SECURITY, help="serve TLS: certificate chain, PEM"),
     flag("--tls-key", env="TLS_KEY", group=SECURITY, help="its private key, PEM"),
     flag(
@@ -284,6 +295,29 @@ def check_executor_address(address: str) -> None:
         )
 
 
+def parse_origins(value: str | list[str]) -> list[str]:
+    """--allowed-origins: comma-separated origins, or a JSON list of them (vLLM's form); each `*`
+    or scheme://host[:port], without a path (what a browser sends as Origin)."""
+    if isinstance(value, list):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            origins = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--allowed-origins: not a JSON list ({e}): {value!r}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError(f"--allowed-origins: a JSON list must hold strings, got {value!r}")
+    else:
+        origins = [o for o in (part.strip() for part in text.split(",")) if o]
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+            raise ValueError(
+                f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path; or *)"
+            )
+    return origins
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the flags, then serve until SIGTERM / SIGINT."""
     from scheduler_service.config import EngineOptions, SchedulerConfig
@@ -300,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag} must be >= 0 (0 = no limit), got {value}")
         if args.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+        args.allowed_origins = parse_origins(args.allowed_origins)
         for flag, value, zero in (
             ("--port", args.port, "any free port"),
             ("--http-port", args.http_port, "off"),
@@ -395,6 +430,7 @@ def run(args: argparse.Namespace) -> int:
         tls_credentials=tls,
         http_port=args.http_port or None,
         http_tls=(args.tls_cert, args.tls_key) if args.tls_cert else None,
+        allowed_origins=args.allowed_origins,
     )
     try:
         asyncio.run(serve_until_signal(server, args.shutdown_timeout))

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from protos.api_keys import AUTHORIZATION, ApiKeys
 from protos.defaults import GENERATION_MAX_MESSAGE_BYTES
@@ -124,12 +125,18 @@ class _Choice:
 
 class OpenAIServer:
     def __init__(
-        self, engine: AsyncEngine, api_keys: list[str] | None = None, stream_interval: int = 1
+        self,
+        engine: AsyncEngine,
+        api_keys: list[str] | None = None,
+        stream_interval: int = 1,
+        allowed_origins: list[str] | None = None,
     ) -> None:
         """`stream_interval`: the fewest tokens a streamed chunk carries, except a choice's last
-        (--stream-interval, as on the gRPC API)."""
+        (--stream-interval, as on the gRPC API); `allowed_origins`: browser origins answered
+        cross-origin (CORS, --allowed-origins; none: no CORS headers, browsers refuse other pages)."""
         self.engine = engine
         self.stream_interval = stream_interval
+        self.allowed_origins = list(allowed_origins or [])
         self.metrics = engine.metrics
         self._keys = ApiKeys(api_keys) if api_keys else None
         self.app = self._build_app()
@@ -141,6 +148,13 @@ class OpenAIServer:
         app.add_middleware(_LimitBody, server=self, limit=MAX_BODY_BYTES)
         if self._keys is not None:  # (outermost: a caller without a key learns nothing of its body)
             app.add_middleware(_RequireApiKey, server=self)
+        if self.allowed_origins:
+            # Outside the key check: a browser's preflight (OPTIONS) carries no key, and a refusal
+            # (401) still needs the headers for the page to read it. No credentials (cookies): the
+            # API's key is a header.
+            app.add_middleware(
+                CORSMiddleware, allow_origins=self.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+            )
 
         @app.exception_handler(HttpError)
         async def http_error(request: Request, e: HttpError) -> JSONResponse:

@@ -95,11 +95,13 @@ class SchedulerServer:
         http_tls: tuple[str, str] | None = None,
         http_socket=None,
         reuse_port: bool = False,
+        allowed_origins: list[str] | None = None,
     ) -> None:
         """`api_keys`: callers must send one as a bearer token (health checks excepted);
         `tls_credentials`: serve TLS (scheduler_service.security.server_credentials);
         `http_port`: also serve the OpenAI-compatible HTTP API there (None: not; 0: any free port),
-        with TLS when `http_tls` (certificate chain file, key file), or on `http_socket`, bound.
+        with TLS when `http_tls` (certificate chain file, key file), or on `http_socket`, bound;
+        `allowed_origins`: the browser origins it answers cross-origin (CORS; none: no CORS headers).
 
         The engine is an AsyncEngine over `executor`, or in an API server process
         `engine_factory(metrics, on_health)` (api_server.RemoteEngine), with `metrics` its relay
@@ -123,6 +125,7 @@ class SchedulerServer:
         self.http_tls = http_tls
         self._http_socket = http_socket
         self.reuse_port = reuse_port
+        self.allowed_origins = list(allowed_origins or [])
         self._http = None
         self._health_tasks: set[asyncio.Task] = set()
 
@@ -172,7 +175,10 @@ class SchedulerServer:
             self.http_port = sock.getsockname()[1]
             cert, key = self.http_tls or (None, None)
             self._http = HttpServer(
-                OpenAIServer(self.engine, self.api_keys, self.stream_interval).app, sock, cert, key
+                OpenAIServer(self.engine, self.api_keys, self.stream_interval, self.allowed_origins).app,
+                sock,
+                cert,
+                key,
             )
         await server.start()
         self._server = server

@@ -1255,3 +1255,47 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, reference,
             in r.json()["error"]["message"]
         )
     assert len(server.engine.streams) == 0
+
+
+def test_allowed_origins_answer_browsers_cross_origin_and_others_get_no_cors(checkpoint):
+    """--allowed-origins (vLLM's flag; CORS): a browser page of an allowed origin gets its preflight
+    answered (without the API key it cannot send there) and can read answers, a refusal for a
+    missing key included; another origin gets no CORS header (the browser keeps the answer from
+    it). Without the flag no response carries one."""
+    key, allowed = "sk-cors", "https://app.example.com"
+    preflight = {"Origin": allowed, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    body = {"prompt": "The list type", "max_tokens": 2}
+    with serving_http(checkpoint, api_keys=[key], allowed_origins=[allowed]) as server:
+        url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+        answer = httpx.options(url, headers=preflight)
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == allowed
+        assert "authorization" in answer.headers["access-control-allow-headers"].lower()
+        ok = httpx.post(url, json=body, headers={"Origin": allowed, "Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == allowed
+        refused = httpx.post(url, json=body, headers={"Origin": allowed})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == allowed
+        other = httpx.post(
+            url, json=body, headers={"Origin": "https://evil.example", "Authorization": f"Bearer {key}"}
+        )
+        assert "access-control-allow-origin" not in other.headers
+    with serving_http(checkpoint) as server:
+        url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+        plain = httpx.post(url, json=body, headers={"Origin": allowed})
+        assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+        assert httpx.options(url, headers=preflight).status_code == 405
+
+
+def test_allowed_origins_flag_takes_a_list_and_refuses_what_is_no_origin():
+    from scheduler_service.cli import parse_origins
+
+    assert parse_origins("") == []
+    assert parse_origins("https://a.example, http://localhost:3000") == [
+        "https://a.example",
+        "http://localhost:3000",
+    ]
+    assert parse_origins('["*"]') == ["*"]
+    for bad in ("https://a.example/app", "a.example", '["x", 1]', "[nope"):
+        with pytest.raises(ValueError, match="--allowed-origins"):
+            parse_origins(bad)
