@@ -48,6 +48,29 @@ def checkpoint_tensor_files(model_dir: str | Path) -> dict[str, Path]:
     return names
 
 
+def head_is_tied(files: dict[str, Path], tie_word_embeddings: bool) -> bool:
+    """Whether the LM head is the input embedding. A checkpoint without `lm_head.weight` has none of
+    its own. One that stores it under a config.json that ties them is tied only where the stored
+    head equals the embeddings: transformers unties a head whose stored values differ (with a
+    warning) and serves the stored head, so tying it here would generate other tokens."""
+    head, embed = files.get("lm_head.weight"), files.get("model.embed_tokens.weight")
+    if head is None:
+        return True
+    if not tie_word_embeddings or embed is None:
+        return False
+    with safe_open(head, "pt") as f:
+        head_tensor = f.get_tensor("lm_head.weight")
+    with safe_open(embed, "pt") as f:
+        embed_tensor = f.get_tensor("model.embed_tokens.weight")
+    if head_tensor.dtype == embed_tensor.dtype and torch.equal(head_tensor, embed_tensor):
+        return True
+    logger.warning(
+        "config.json sets tie_word_embeddings, but the checkpoint's lm_head.weight differs from "
+        "model.embed_tokens.weight: serving the stored head untied (as transformers does)"
+    )
+    return False
+
+
 class CheckpointSlice:
     """A checkpoint tensor not read yet (safetensors `get_slice`): `narrow` reads only the part
     asked for, so a tensor-parallel rank never reads the whole model; `read()` reads it all."""

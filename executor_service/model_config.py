@@ -111,10 +111,12 @@ def rope_parameters_of(cfg: dict, where: str) -> dict[str, Any]:
             f"rope_type {rope['rope_type']!r} in {where} is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
     if rope["rope_type"] in ("llama3", "yarn"):
-        rope.setdefault(
-            "original_max_position_embeddings",
-            cfg.get("original_max_position_embeddings", cfg["max_position_embeddings"]),
-        )
+        # A top-level original_max_position_embeddings wins over the rope block's own: transformers
+        # re-standardises the parameters when it builds the rotary table and overwrites the block's
+        # value with the top-level one (a file carrying both, different, would rotate differently).
+        if cfg.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
     needed = {"linear": ["factor"], "dynamic": ["factor"], "yarn": ["factor"]}.get(rope["rope_type"], [])
     if rope["rope_type"] == "llama3":
         needed = ["factor", "low_freq_factor", "high_freq_factor"]

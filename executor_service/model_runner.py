@@ -24,7 +24,7 @@ from executor_service.kv_cache import KVCache
 from executor_service.layers.attention import Attention
 from executor_service.layers.fp8_layers import convert_to_fp8
 from executor_service.layers.fusable import Fusable
-from executor_service.loader import checkpoint_tensor_files, load_weights
+from executor_service.loader import checkpoint_tensor_files, head_is_tied, load_weights
 from executor_service.prompt_logprobs import (
     PromptLogprobsOutput,
     compute_prompt_logprobs,
@@ -104,7 +104,7 @@ class ModelRunner:
                 self.tp_size // mc.num_key_value_heads,
             )
         names = checkpoint_tensor_files(config.model)
-        tied = mc.tie_word_embeddings or "lm_head.weight" not in names
+        tied = head_is_tied(names, mc.tie_word_embeddings)
         with _default_dtype(config.torch_dtype), torch.device(self.device):
             self.model = config.model_class(
                 mc, tie_word_embeddings=tied, tp_rank=tp_rank, tp_size=self.tp_size

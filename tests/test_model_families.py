@@ -97,6 +97,32 @@ def _edited_copy(src, dst, **changes):
     return dst
 
 
+def test_a_tied_config_with_a_different_stored_head_is_served_untied(family_checkpoint, tmp_path):
+    """config.json ties the head, but the checkpoint stores an lm_head.weight unlike the embeddings:
+    transformers serves the stored head (untied, with a warning), and so does tandem. A stored
+    head equal to the embeddings stays tied (one tensor in memory)."""
+    from safetensors.torch import load_file, save_file
+
+    from executor_service.loader import checkpoint_tensor_files, head_is_tied
+
+    path = _edited_copy(family_checkpoint("qwen2"), tmp_path, tie_word_embeddings=True)
+    assert not head_is_tied(checkpoint_tensor_files(path), tie_word_embeddings=True)
+    prompts = make_prompts([5, 17, 40], seed=PROMPT_SEEDS["qwen2"])
+    options = dict(
+        block_size=16, num_kv_blocks=32, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128
+    )
+    llm = LLM(str(path), **options)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert_matches_hf(path, prompts, outputs)
+    same = tmp_path / "same"
+    same.mkdir()
+    weights = load_file(path / "model.safetensors")
+    save_file(
+        {**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}, same / "x.safetensors"
+    )
+    assert head_is_tied(checkpoint_tensor_files(same), tie_word_embeddings=True)
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [

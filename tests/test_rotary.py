@@ -85,3 +85,26 @@ def test_unknown_rope_type_is_one_clear_error():
         rope_parameters_of(
             {"max_position_embeddings": 8, "rope_parameters": {"rope_type": "llama3", "factor": 8}}, "x"
         )
+
+
+@pytest.mark.parametrize("case", ["yarn", "llama3"])
+def test_top_level_original_max_position_embeddings_wins_as_in_transformers(tmp_path, case):
+    """A config.json with `original_max_position_embeddings` both at the top level and in the rope
+    block (different): transformers' rotary table uses the top-level one, and so does ours."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from executor_service.model_config import load_model_config
+
+    rope = {**CASES[case], "original_max_position_embeddings": 256}
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, max_position_embeddings=1024,
+                         rope_parameters=rope).to_dict()  # fmt: skip
+    config.update(architectures=["LlamaForCausalLM"], original_max_position_embeddings=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mc = load_model_config(tmp_path)
+    assert mc.rope_parameters["original_max_position_embeddings"] == 64
+    table = RotaryEmbedding(32, mc.max_context_len, mc.rope_parameters).cos_sin_cache
+    positions = torch.tensor([[0, 1, 63, 64, 200, 1023]])
+    hf = LlamaRotaryEmbedding(AutoConfig.from_pretrained(tmp_path))
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), positions)
+    torch.testing.assert_close(table[positions[0]], torch.cat([cos[0], sin[0]], -1), rtol=1e-5, atol=1e-6)
