@@ -146,8 +146,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if missing := [key for key in REQUIRED_KEYS if key not in cfg]:
         raise MissingConfigKeys(f"{where} has no {', '.join(missing)}", architecture)
     activation = cfg.get("hidden_act", "silu")
-    if activation != "silu":
-        raise ValueError(f"hidden_act {activation!r} in {where} is not supported; supported: silu")
+    if activation not in ("silu", "swish"):  # (transformers' "swish" is SiLU by another name)
+        raise ValueError(f"hidden_act {activation!r} in {where} is not supported; supported: silu, swish")
     rope = rope_parameters_of(cfg, where)
     max_positions = cfg["max_position_embeddings"]
     max_context_len = max_positions

@@ -97,6 +97,16 @@ def _edited_copy(src, dst, **changes):
     return dst
 
 
+def test_hidden_act_swish_is_served_as_silu(family_checkpoint, tmp_path):
+    """transformers' "swish" is SiLU under another name (some Llama-family configs say it): served,
+    and the same tokens as transformers'; it was refused."""
+    path = _edited_copy(family_checkpoint("llama_tied"), tmp_path, hidden_act="swish")
+    prompts = make_prompts([5, 17], seed=PROMPT_SEEDS["llama_tied"])
+    llm = LLM(str(path), block_size=16, num_kv_blocks=32, max_num_seqs=4, max_model_len=128)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+    assert_matches_hf(path, prompts, outputs)
+
+
 def test_a_tied_config_with_a_different_stored_head_is_served_untied(family_checkpoint, tmp_path):
     """config.json ties the head, but the checkpoint stores an lm_head.weight unlike the embeddings:
     transformers serves the stored head (untied, with a warning), and so does tandem. A stored
