@@ -200,6 +200,8 @@ class TandemClient:
     ):
         self.address = address
         self.timeout = call_timeout(timeout)
+        # Whether it connects over TLS (the CLI's errors tell a TLS mismatch from no server).
+        self.tls = tls or tls_ca is not None
         self._metadata = call_metadata(api_key)
         self._channel = open_channel(grpc, address, tls, tls_ca, tls_server_name, retries)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
