@@ -121,8 +121,8 @@ class Final:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    # The stop string or stop token id that ended the request; None otherwise.
-    stop_reason: str | None
+    # The stop string (str) or stop token id (int) that ended the request; None otherwise.
+    stop_reason: str | int | None
     request_id: str = ""
     index: int = 0
 
@@ -137,7 +137,7 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     index: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -362,7 +362,8 @@ def final_from_proto(final: pb.GenerateFinal, request_id: str = "", index: int =
         prompt_tokens=final.prompt_tokens,
         completion_tokens=final.completion_tokens,
         cached_tokens=final.cached_tokens,
-        stop_reason=final.stop_reason or None,
+        # A stop token id as an int, as the offline LLM and the HTTP API give it.
+        stop_reason=final.stop_token_id if final.HasField("stop_token_id") else final.stop_reason or None,
         request_id=request_id,
         index=index,
     )

@@ -407,13 +407,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         metrics.e2e.observe(time.perf_counter() - stream.arrival)
         metrics.request_prompt_tokens.observe(stream.num_prompt_tokens)
         metrics.request_generation_tokens.observe(output.num_tokens)
-        return pb.GenerateFinal(
+        final = pb.GenerateFinal(
             finish_reason=_FINISH_REASONS[reason],
             prompt_tokens=stream.num_prompt_tokens,
             completion_tokens=output.num_tokens,
             cached_tokens=stream.num_cached_tokens,
             stop_reason=stop_reason,
         )
+        if stop_reason and output.stop_string is None:  # a stop token id, told apart from a string
+            final.stop_token_id = int(stop_reason)
+        return final
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest | MalformedMessage, context: grpc.aio.ServicerContext
