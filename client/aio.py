@@ -150,7 +150,8 @@ class AsyncTandemClient:
         tools: list[dict] | None = None,
         **sampling,
     ) -> AsyncGenerationStream:
-        """Stream the assistant's reply to `messages` ({"role", "content"} dicts), rendered by the
+        """Stream the assistant's reply to `messages` (OpenAI's message dicts: role, content as text
+        or text parts, an assistant's tool_calls, a tool's tool_call_id, name), rendered by the
         server with the model's chat template (`chat_template_kwargs`: e.g. enable_thinking)."""
         request = chat_request(
             messages, request_id, chat_template_kwargs=chat_template_kwargs, tools=tools, **sampling

@@ -200,6 +200,8 @@ class TandemClient:
     ):
         self.address = address
         self.timeout = call_timeout(timeout)
+        # Whether it connects over TLS (the CLI's errors tell a TLS mismatch from no server).
+        self.tls = tls or tls_ca is not None
         self._metadata = call_metadata(api_key)
         self._channel = open_channel(grpc, address, tls, tls_ca, tls_server_name, retries)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
@@ -224,7 +226,8 @@ class TandemClient:
         tools: list[dict] | None = None,
         **sampling,
     ) -> GenerationStream:
-        """Stream the assistant's reply to `messages` ({"role", "content"} dicts), rendered by the
+        """Stream the assistant's reply to `messages` (OpenAI's message dicts: role, content as text
+        or text parts, an assistant's tool_calls, a tool's tool_call_id, name), rendered by the
         server with the model's chat template (`chat_template_kwargs`: e.g. enable_thinking)."""
         request = chat_request(
             messages, request_id, chat_template_kwargs=chat_template_kwargs, tools=tools, **sampling

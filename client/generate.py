@@ -14,6 +14,25 @@ from client.messages import Chunk, Completion, CompletionBuilder, SamplesBuilder
 
 def _error(e: TandemError, address: str, client: TandemClient) -> int:
     unreachable = e.code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in e.message
+    # A server that is there but whose TLS does not match the client's: "no tandem server ... start
+    # one" would send the user to start a second server on a port in use. gRPC reports a failed
+    # handshake (an untrusted certificate, or TLS to a plaintext port) as "Tls handshake failed",
+    # and a TLS server closes a plaintext client's connection: "Socket closed".
+    if unreachable and "handshake failed" in e.message.lower():
+        print(
+            f"error: the TLS handshake with {address} failed ({e}): --tls-ca must be the CA that "
+            "signed the server's certificate (--tls-server-name a name it carries), and the server "
+            "must serve TLS (--tls-cert)",
+            file=sys.stderr,
+        )
+        return 1
+    if unreachable and "socket closed" in e.message.lower() and not client.tls:
+        print(
+            f"error: {address} closed the connection ({e}): a server that serves TLS (--tls-cert) "
+            "takes only TLS clients: connect with --tls-ca (or --tls)",
+            file=sys.stderr,
+        )
+        return 1
     # A --timeout shorter than the retries ends DEADLINE_EXCEEDED, whatever the attempts met.
     if unreachable or (e.code == grpc.StatusCode.DEADLINE_EXCEEDED and not client.reachable(0.5)):
         print(f"error: no tandem server at {address} ({e}); start one with `tandem up`", file=sys.stderr)

@@ -121,8 +121,8 @@ class Final:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    # The stop string or stop token id that ended the request; None otherwise.
-    stop_reason: str | None
+    # The stop string (str) or stop token id (int) that ended the request; None otherwise.
+    stop_reason: str | int | None
     request_id: str = ""
     index: int = 0
 
@@ -137,7 +137,7 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     index: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -266,6 +266,49 @@ def generate_request(
     return request
 
 
+# The keys of an OpenAI chat message that a ChatMessage carries.
+CHAT_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+
+
+def _chat_message(message: dict, i: int) -> dict:
+    """An OpenAI-style message as ChatMessage fields: content as text (a list of text parts joined
+    by newlines, as the HTTP API joins them), an assistant's tool calls as JSON. A key it cannot
+    carry is refused rather than dropped, which would change the prompt unseen (a None is nothing)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise TypeError(f'messages[{i}] must be a dict with a "role" string, got {message!r:.100}')
+    unknown = [k for k, v in message.items() if k not in CHAT_MESSAGE_KEYS and v is not None]
+    if unknown:
+        raise ValueError(
+            f"messages[{i}] has {', '.join(map(repr, unknown))}, which a gRPC chat message cannot "
+            f"carry (it takes {', '.join(CHAT_MESSAGE_KEYS)})"
+        )
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise TypeError(
+                    f'messages[{i}].content[{j}] must be a text part {{"type": "text", "text": ...}}'
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise TypeError(
+            f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}"
+        )
+    fields = {"role": message["role"], "content": content or ""}
+    if message.get("tool_calls"):
+        fields["tool_calls_json"] = json.dumps(message["tool_calls"])
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            if not isinstance(message[key], str):
+                raise TypeError(f"messages[{i}].{key} must be a string, got {type(message[key]).__name__}")
+            fields[key] = message[key]
+    return fields
+
+
 def chat_request(
     messages: list[dict],
     request_id: str = "",
@@ -279,8 +322,8 @@ def chat_request(
     request = pb.GenerateRequest(
         sampling_params=sampling_params(**sampling), request_id=request_id, user=user
     )
-    for message in messages:
-        request.chat.messages.add(role=message["role"], content=message.get("content") or "")
+    for i, message in enumerate(messages):
+        request.chat.messages.add(**_chat_message(message, i))
     if chat_template_kwargs:
         request.chat.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
     if tools:
@@ -319,7 +362,8 @@ def final_from_proto(final: pb.GenerateFinal, request_id: str = "", index: int =
         prompt_tokens=final.prompt_tokens,
         completion_tokens=final.completion_tokens,
         cached_tokens=final.cached_tokens,
-        stop_reason=final.stop_reason or None,
+        # A stop token id as an int, as the offline LLM and the HTTP API give it.
+        stop_reason=final.stop_token_id if final.HasField("stop_token_id") else final.stop_reason or None,
         request_id=request_id,
         index=index,
     )

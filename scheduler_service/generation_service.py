@@ -19,6 +19,7 @@ from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.chat_output import ChatDelta, ChatOutputParser
 from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.errors import ErrorCode, InvalidRequestError, TandemRequestError
+from scheduler_service.openai_protocol import calls_for_template, check_tool_calls
 from scheduler_service.request_handling import (
     NO_TOKENIZER,
     RENDER_INLINE_MESSAGES,
@@ -90,6 +91,16 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+def _json_field(where: str, raw: str):
+    """A JSON field of a Chat message, or InvalidRequestError naming it."""
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # (not JSON, or an integer past Python's 4,300 digits)
+        raise InvalidRequestError(f"{where} is not JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError(f"{where} is nested too deeply") from None
+
+
 def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate, bool]:
     """The prompt text of a Chat message, its template and whether it has tools (whose calls the
     answer is parsed for); InvalidRequestError for bad JSON or what the template refuses."""
@@ -98,12 +109,7 @@ def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate, bool]:
         ("chat_template_kwargs_json", chat.chat_template_kwargs_json),
         ("tools_json", chat.tools_json),
     ):
-        try:
-            fields[name] = json.loads(raw) if raw else None
-        except ValueError as e:  # (not JSON, or an integer past Python's 4,300 digits)
-            raise InvalidRequestError(f"chat.{name} is not JSON: {e}") from None
-        except RecursionError:
-            raise InvalidRequestError(f"chat.{name} is nested too deeply") from None
+        fields[name] = _json_field(f"chat.{name}", raw) if raw else None
     kwargs = fields["chat_template_kwargs_json"] or {}
     if not isinstance(kwargs, dict):
         raise InvalidRequestError("chat.chat_template_kwargs_json must be a JSON object")
@@ -118,7 +124,19 @@ def render_chat(tokenizer, chat: pb.Chat) -> tuple[str, ChatTemplate, bool]:
     for i, m in enumerate(chat.messages):
         if not m.role:  # (proto3: unset is empty; HTTP's messages need one too)
             raise InvalidRequestError(f"chat.messages[{i}] has no role")
-        messages.append({"role": m.role, "content": m.content})
+        message = {"role": m.role, "content": m.content}
+        # An assistant's past tool calls, as the HTTP API takes them: without them a conversation
+        # that goes on after a tool call renders the call's turn empty, its result answering nothing.
+        if m.tool_calls_json:
+            where = f"chat.messages[{i}].tool_calls_json"
+            calls = _json_field(where, m.tool_calls_json)
+            check_tool_calls(calls, where)
+            message["tool_calls"] = calls_for_template(calls)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
     if not messages:
         raise InvalidRequestError("chat.messages is empty")
     template = chat_template(tokenizer)
@@ -389,13 +407,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         metrics.e2e.observe(time.perf_counter() - stream.arrival)
         metrics.request_prompt_tokens.observe(stream.num_prompt_tokens)
         metrics.request_generation_tokens.observe(output.num_tokens)
-        return pb.GenerateFinal(
+        final = pb.GenerateFinal(
             finish_reason=_FINISH_REASONS[reason],
             prompt_tokens=stream.num_prompt_tokens,
             completion_tokens=output.num_tokens,
             cached_tokens=stream.num_cached_tokens,
             stop_reason=stop_reason,
         )
+        if stop_reason and output.stop_string is None:  # a stop token id, told apart from a string
+            final.stop_token_id = int(stop_reason)
+        return final
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest | MalformedMessage, context: grpc.aio.ServicerContext

@@ -289,7 +289,7 @@ def quoted(text: str, limit: int = 64) -> str:
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
-def _check_tool_calls(calls: Any, where: str) -> None:
+def check_tool_calls(calls: Any, where: str) -> None:
     """An assistant's past tool calls as OpenAI's: a list of {"function": {"name", "arguments"}},
     arguments JSON text (or an object, as transformers takes them); InvalidRequestError naming the
     first that is not (a template failed on it naming neither, or wrote it as Python does)."""
@@ -312,7 +312,7 @@ def _check_tool_calls(calls: Any, where: str) -> None:
             )
 
 
-def _calls_for_template(calls: list) -> list:
+def calls_for_template(calls: list) -> list:
     """An assistant's past tool calls as chat templates take them (transformers' convention, and
     vLLM's): each call's `arguments` an object, not OpenAI's JSON string of it ({} for none).
     Arguments that are no JSON object stay as sent: the model's own text, which a template that
@@ -485,8 +485,8 @@ class ChatRequest(_Request):
             if message["role"] == "assistant" and "tool_calls" in message:
                 calls = message["tool_calls"]
                 if calls is not None:
-                    _check_tool_calls(calls, f"messages[{i}].tool_calls")
-                message = {**message, "tool_calls": _calls_for_template(calls or [])}
+                    check_tool_calls(calls, f"messages[{i}].tool_calls")
+                message = {**message, "tool_calls": calls_for_template(calls or [])}
                 if not calls:  # (a template asking `'tool_calls' in message` takes null or [] for calls)
                     del message["tool_calls"]
             messages.append(message)

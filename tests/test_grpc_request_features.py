@@ -137,6 +137,22 @@ def test_include_stop_str_in_output(client):
     assert kept.stop_reason == stop
 
 
+def test_a_stop_token_ids_stop_reason_is_an_int_as_offline(client, reference):
+    """The offline LLM and the HTTP API give a stop token id as an int; the client gave "358", so
+    `stop_reason == token_id` never held. A stop string that looks like an id stays a string."""
+    token = client.complete(PROMPT, max_tokens=16, ignore_eos=True).token_ids[1]
+    params = {"max_tokens": 16, "stop_token_ids": [token]}
+    got = client.complete(PROMPT, **params)
+    expected = reference.generate(PROMPT, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert (got.finish_reason, got.stop_reason) == ("stop", expected.stop_reason) == ("stop", token)
+    assert isinstance(got.stop_reason, int)
+    stream = list(client.generate(PROMPT, **params))
+    assert stream[-1].stop_reason == token
+    text = client.complete(PROMPT, max_tokens=16, ignore_eos=True).text
+    as_str = client.complete(PROMPT, max_tokens=16, ignore_eos=True, stop=[text[2:4]])
+    assert as_str.stop_reason == text[2:4] and isinstance(as_str.stop_reason, str)
+
+
 @pytest.mark.parametrize(
     "params, message",
     [

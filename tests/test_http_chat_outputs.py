@@ -174,6 +174,53 @@ def test_grpc_chat_splits_reasoning_and_tool_calls_as_http_does(api, server):
     assert plain.text.startswith("<think>") and plain.reasoning_content is None and not plain.tool_calls
 
 
+# A conversation that goes on after the answer's tool calls: the calls, then their results.
+TOOL_TURNS = [
+    *MESSAGES,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+]
+
+
+def test_grpc_chat_renders_tool_turns_and_text_parts_as_http_does(api, server):
+    """The assistant's tool calls reached the template over HTTP but were dropped over gRPC (the
+    call's turn rendered empty, its result answering nothing), and OpenAI's list of text parts
+    failed in the client with "bad argument type for built-in operation"."""
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]
+    with TandemClient(f"127.0.0.1:{server.port}", retries=0) as client:
+        for messages in (TOOL_TURNS, parts):
+            http = api.chat.completions.create(
+                model="fake", messages=messages, tools=TOOLS, max_tokens=1, temperature=0
+            )
+            final = list(client.chat(messages, tools=TOOLS, max_tokens=1))[-1]
+            assert final.prompt_tokens == http.usage.prompt_tokens
+        # What a gRPC message cannot carry is refused, not dropped.
+        with pytest.raises(ValueError, match="reasoning_content"):
+            client.chat([{**MESSAGES[0], "reasoning_content": "x"}])
+        with pytest.raises(TypeError, match=r"messages\[0\].content\[0\]"):
+            client.chat([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+@pytest.mark.parametrize("tool_calls_json", ["[{", '[{"id": "x"}]', '{"function": {}}'])
+def test_grpc_chat_bad_tool_calls_are_invalid_argument_naming_the_message(server, tool_calls_json):
+    request = chat_request(TOOL_TURNS, max_tokens=1)
+    request.chat.messages[1].tool_calls_json = tool_calls_json  # as grpcurl may send it
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.messages[1].tool_calls_json" in e.value.details()
+
+
 def test_the_async_client_chats_as_the_sync_one(server):
     """AsyncTandemClient, "the asyncio twin", has chat() too (a Chat prompt with tools)."""
     address = f"127.0.0.1:{server.port}"

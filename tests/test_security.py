@@ -115,6 +115,23 @@ def test_plaintext_or_an_untrusted_certificate_does_not_connect(secured, pki):
         assert err.value.code == grpc.StatusCode.UNAVAILABLE, kwargs
 
 
+def test_the_cli_names_a_tls_mismatch_rather_than_a_missing_server(secured, pki, tmp_path, capsys):
+    """`tandem generate` against a server that is there but whose TLS does not match said "no
+    tandem server at ...; start one with `tandem up`" (whose port is then in use): it names TLS."""
+    from client import cli
+
+    (tmp_path / "other.pem").write_bytes(pki["other_ca"])
+    base = ["generate", "x", "--max-tokens", "1", "--server", secured, "--retries", "0", "--api-key", KEY]
+    for flags, hint in (
+        ([], "connect with --tls-ca"),
+        (["--tls-ca", str(tmp_path / "other.pem")], "--tls-ca must be"),
+    ):
+        assert cli.main([*base, *flags]) == 1
+        err = capsys.readouterr().err
+        assert "no tandem server" not in err and "tandem up" not in err, flags
+        assert "TLS" in err and hint in err, err
+
+
 def test_a_server_certificate_from_another_ca_is_refused_by_the_client(qwen3_tied, pki):
     cert, key = pki["other_server"]
     server = _scheduler(qwen3_tied, tls_credentials=server_credentials(cert, key))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\x9d\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x04\x88\x01\x01\x12\t\n\x01n\x18\x0e \x01(\x05\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x05\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x06\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\x07\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x15 \x01(\x05H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x19\n\x17_truncate_prompt_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"g\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12!\n\x19\x63hat_template_kwargs_json\x18\x02 \x01(\t\x12\x12\n\ntools_json\x18\x03 \x01(\t\"\xcc\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\tB\x08\n\x06prompt\";\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"x\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12(\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x12.tandem.v1.Logprob\x12\r\n\x05token\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"\xd6\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11reasoning_content\x18\x05 \x01(\t\x12,\n\ntool_calls\x18\x06 \x03(\x0b\x32\x18.tandem.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x9d\x01\n\rGenerateFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\"\x96\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.tandem.v1.GenerateChunkH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.tandem.v1.GenerateFinalH\x00\x12\r\n\x05index\x18\x04 \x01(\x05\x42\t\n\x07payload\"\x15\n\x13GetModelInfoRequest\"\xe5\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x14\n\x0cmax_logprobs\x18\n \x01(\x05*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xab\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\x9d\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x04\x88\x01\x01\x12\t\n\x01n\x18\x0e \x01(\x05\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x05\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x06\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\x07\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x15 \x01(\x05H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x19\n\x17_truncate_prompt_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"g\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12!\n\x19\x63hat_template_kwargs_json\x18\x02 \x01(\t\x12\x12\n\ntools_json\x18\x03 \x01(\t\"\xcc\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\tB\x08\n\x06prompt\";\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"x\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12(\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x12.tandem.v1.Logprob\x12\r\n\x05token\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"\xd6\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11reasoning_content\x18\x05 \x01(\t\x12,\n\ntool_calls\x18\x06 \x03(\x0b\x32\x18.tandem.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xcb\x01\n\rGenerateFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\x96\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.tandem.v1.GenerateChunkH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.tandem.v1.GenerateFinalH\x00\x12\r\n\x05index\x18\x04 \x01(\x05\x42\t\n\x07payload\"\x15\n\x13GetModelInfoRequest\"\xe5\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x14\n\x0cmax_logprobs\x18\n \x01(\x05*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xab\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2270
-  _globals['_FINISHREASON']._serialized_end=2420
+  _globals['_FINISHREASON']._serialized_start=2377
+  _globals['_FINISHREASON']._serialized_end=2527
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=839
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=616
@@ -42,27 +42,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=841
   _globals['_TOKENIDS']._serialized_end=864
   _globals['_CHATMESSAGE']._serialized_start=866
-  _globals['_CHATMESSAGE']._serialized_end=910
-  _globals['_CHAT']._serialized_start=912
-  _globals['_CHAT']._serialized_end=1015
-  _globals['_GENERATEREQUEST']._serialized_start=1018
-  _globals['_GENERATEREQUEST']._serialized_end=1222
-  _globals['_LOGPROB']._serialized_start=1224
-  _globals['_LOGPROB']._serialized_end=1283
-  _globals['_TOKENLOGPROB']._serialized_start=1285
-  _globals['_TOKENLOGPROB']._serialized_end=1405
-  _globals['_GENERATECHUNK']._serialized_start=1408
-  _globals['_GENERATECHUNK']._serialized_end=1622
-  _globals['_TOOLCALLDELTA']._serialized_start=1624
-  _globals['_TOOLCALLDELTA']._serialized_end=1699
-  _globals['_GENERATEFINAL']._serialized_start=1702
-  _globals['_GENERATEFINAL']._serialized_end=1859
-  _globals['_GENERATERESPONSE']._serialized_start=1862
-  _globals['_GENERATERESPONSE']._serialized_end=2012
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2014
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2035
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2038
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2267
-  _globals['_GENERATIONSERVICE']._serialized_start=2423
-  _globals['_GENERATIONSERVICE']._serialized_end=2594
+  _globals['_CHATMESSAGE']._serialized_end=971
+  _globals['_CHAT']._serialized_start=973
+  _globals['_CHAT']._serialized_end=1076
+  _globals['_GENERATEREQUEST']._serialized_start=1079
+  _globals['_GENERATEREQUEST']._serialized_end=1283
+  _globals['_LOGPROB']._serialized_start=1285
+  _globals['_LOGPROB']._serialized_end=1344
+  _globals['_TOKENLOGPROB']._serialized_start=1346
+  _globals['_TOKENLOGPROB']._serialized_end=1466
+  _globals['_GENERATECHUNK']._serialized_start=1469
+  _globals['_GENERATECHUNK']._serialized_end=1683
+  _globals['_TOOLCALLDELTA']._serialized_start=1685
+  _globals['_TOOLCALLDELTA']._serialized_end=1760
+  _globals['_GENERATEFINAL']._serialized_start=1763
+  _globals['_GENERATEFINAL']._serialized_end=1966
+  _globals['_GENERATERESPONSE']._serialized_start=1969
+  _globals['_GENERATERESPONSE']._serialized_end=2119
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2121
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2142
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2145
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2374
+  _globals['_GENERATIONSERVICE']._serialized_start=2530
+  _globals['_GENERATIONSERVICE']._serialized_end=2701
 # @@protoc_insertion_point(module_scope)
