@@ -1,9 +1,14 @@
 """The forward context: attention metadata for the current step, read by every attention layer, and
 the piecewise CUDA-graph capture in progress, if any (cuda_graph.MixedGraphs), to which attention
-layers hand their q/k/v instead of attending."""
+layers hand their q/k/v instead of attending.
+
+Both are per thread: a model runs its step in the thread that set them, so two executors stepping in
+one process (two offline LLMs in two threads, or one beside an in-process server) each read their
+own. As module globals they were shared, and one's step read the other's metadata."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -27,31 +32,31 @@ class Context:
     context_lens_host: list[int] = field(default_factory=list)
 
 
-_CONTEXT = Context()
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.context = Context()
+        self.recording = None
+
+
+_STATE = _ThreadState()
 
 
 def get_context() -> Context:
-    return _CONTEXT
+    return _STATE.context
 
 
 def set_context(context: Context) -> None:
-    global _CONTEXT
-    _CONTEXT = context
+    _STATE.context = context
 
 
 def reset_context() -> None:
-    global _CONTEXT
-    _CONTEXT = Context()
-
-
-_RECORDING = None
+    _STATE.context = Context()
 
 
 def recording():
     """The MixedGraphs recording in progress (cuda_graph._Recording), or None."""
-    return _RECORDING
+    return _STATE.recording
 
 
 def set_recording(recording) -> None:
-    global _RECORDING
-    _RECORDING = recording
+    _STATE.recording = recording
