@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import grpc
+
 from client.defaults import DEFAULT_SERVER, add_connection_flags, env
 from client.generate import _error, client_from_args
 from client.messages import Chunk, CompletionBuilder, TandemError
@@ -31,6 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_chat)
 
 
+# What a server answers a message it will not take; at a terminal the conversation goes on without
+# it (piped, the command fails, as a script expects). Anything else (no server, a wrong key) ends it.
+_MESSAGE_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
 def run_chat(args: argparse.Namespace, stdin=None, out=None) -> int:
     stdin, out = stdin or sys.stdin, out or sys.stdout
     address = args.server or env("SERVER") or DEFAULT_SERVER
@@ -54,6 +61,8 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None) -> int:
                 out.write("\n")
                 return 130
             if not line.strip():
+                if interactive and not line:  # Ctrl-D: the shell's prompt on a line of its own
+                    out.write("\n")
                 return 0
             messages.append({"role": "user", "content": line.rstrip("\n")})
             try:
@@ -64,6 +73,12 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None) -> int:
             try:
                 reply = _print_reply(stream, out)
             except TandemError as e:
+                if interactive and e.code in _MESSAGE_REFUSED:
+                    # This message was refused (too long, the queue full): the conversation goes on
+                    # without it, as typed so far.
+                    print(f"error: {e}", file=sys.stderr)
+                    messages.pop()
+                    continue
                 return _error(e, address, client)
             except KeyboardInterrupt:
                 stream.cancel()

@@ -427,6 +427,8 @@ class FakeGeneration(pb_grpc.GenerationServiceServicer):
         sp = request.sampling_params
         if sp.temperature == 99:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature 99 is too hot")
+        if request.WhichOneof("prompt") == "chat" and request.chat.messages[-1].content == "TOO LONG":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is longer than max_model_len")
         n_prompt = len(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" else 3
         if sp.max_tokens == 0:
             context.add_callback(self.cancelled.set)
@@ -666,3 +668,32 @@ def test_generate_in_process_refuses_a_missing_tokenizer_before_loading_the_mode
     argv = ["generate", "--model", str(DEFAULT_MODEL), "--tokenizer", str(tmp_path / "none"), "x"]
     assert cli.main(argv) == 2
     assert f"error: no tokenizer.json in {tmp_path / 'none'}" in capsys.readouterr().err
+
+
+def test_chat_at_a_terminal_goes_on_after_a_refused_message(fake_server, capsys):
+    """At a terminal, a message the server refuses (INVALID_ARGUMENT: too long) is reported and left
+    out, and the conversation goes on (it ended the whole session); Ctrl-D then ends it on a line of
+    its own. Piped, the refusal still ends the command with its code, as a script expects."""
+    import io
+
+    from client.chat import run_chat
+    from client.cli import build_parser
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    address, servicer = fake_server
+    argv = ["chat", "--server", address, "--max-tokens", "2"]
+    args = build_parser(argv).parse_args(argv)
+    out = io.StringIO()
+    assert run_chat(args, stdin=Terminal("hello\nTOO LONG\nagain\n"), out=out) == 0
+    assert "INVALID_ARGUMENT: the prompt is longer than max_model_len" in capsys.readouterr().err
+    last = servicer.requests[-1].chat.messages
+    assert [(m.role, m.content) for m in last] == [
+        ("user", "hello"),
+        ("assistant", "t1 t2 "),
+        ("user", "again"),
+    ]
+    assert out.getvalue().endswith("> \n")
+    assert run_chat(args, stdin=io.StringIO("hello\nTOO LONG\nagain\n"), out=io.StringIO()) == 2
