@@ -116,7 +116,9 @@ class SchedulerMetrics:
             p + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
         self.preemptions = Counter(p + "preemptions", "Sequences preempted (recomputed later)", registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens of admitted requests (prefix-cache hits included)", registry=r
+        )
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.requests_finished = Counter(
             p + "requests_finished", "Requests finished, by finish reason", ["reason"], registry=r
