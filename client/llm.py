@@ -308,7 +308,8 @@ class LLM:
                     i, j, sample = requests[rid]
                     own_only = sampling_params[i].logprobs == 0
                     finished[rid] = self._output(out, stream, j, sample, own_only, encoded[i])
-                    cached.setdefault(i, out.num_cached_tokens)
+                    if j == 0:  # the prompt's, as its first sample found it (as the servers' usage)
+                        cached[i] = out.num_cached_tokens
                     bar.update(1)
         except BaseException:
             # An interrupt (Ctrl-C), on_text's error or the executor's: none of this call's requests

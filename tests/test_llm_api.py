@@ -249,6 +249,32 @@ def test_an_interrupted_generate_leaves_nothing_running_into_the_next(llm, monke
     assert stats.num_generation_tokens - before == len(expected)
 
 
+def test_num_cached_tokens_of_n_samples_is_the_first_samples(qwen3_tied):
+    """A prompt's num_cached_tokens is its first sample's, as the servers' usage counts it: it was
+    the first finished sample's, so a new prompt of n samples (the first computes it, the others
+    read its blocks) reported 0 or 12 by which sample happened to stop first."""
+    llm = LLM(
+        str(qwen3_tied),
+        block_size=4,
+        num_kv_blocks=64,
+        max_model_len=48,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
+    later_first = 0
+    for seed in range(6):
+        prompt = [20 + 13 * seed + i for i in range(13)]  # new each time: nothing cached before it
+        params = SamplingParams(
+            n=2, max_tokens=8, temperature=1.0, seed=seed, stop_token_ids=list(range(0, 512, 5))
+        )
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        first, second = (len(c.token_ids) for c in out.outputs)
+        later_first += second < first
+        assert out.num_cached_tokens == 0, (seed, first, second)
+    assert later_first  # (some seed's second sample stops first: the case that went wrong)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 12
+
+
 def test_text_continues_the_prompt_with_a_sentencepiece_style_tokenizer(qwen3_tied, tmp_path):
     """With a tokenizer that writes a word's space as a "▁" its token begins with (Llama 2's,
     Mistral's), the generated text lost its first space: decoded alone, a text's leading "▁" is
