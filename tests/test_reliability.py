@@ -438,12 +438,18 @@ def test_a_restart_with_other_capacity_is_recomputed_identically(qwen3_tied, ref
     with ServerThread(server):
         channel = _channel(server)
         stub = pb_grpc.GenerationServiceStub(channel)
-        executor.die_at_step = executor.steps + 12
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [
                 pool.submit(lambda p=p: collect(stub.Generate(request(p, 40, ignore_eos=True))))
                 for p in prompts
             ]
+            # The executor dies once every request is in (one arriving while it is away is refused
+            # UNAVAILABLE, by design: on a loaded machine the last ones came after 12 steps).
+            deadline = time.monotonic() + 30
+            while len(server.engine.streams) < len(prompts):
+                assert time.monotonic() < deadline, "the requests never all arrived"
+                time.sleep(0.002)
+            executor.die_at_step = executor.steps + 12
             wait_serving(channel, want=NOT_SERVING)
             executor.replace(qwen3_tied, num_kv_blocks=96)
             executor.up.set()
