@@ -355,18 +355,15 @@ class LLM:
                 skip = params.skip_special_tokens
                 context = prompt_context(self.tokenizer, prompt_token_ids, skip)
                 text = decode_after(self.tokenizer, context, text_ids, skip)
-            reason, stop_string = out.finish_reason or "abort", None
+            # vLLM's stop_reason: the stop token id as an int (None for an end-of-sequence token).
+            reason = out.finish_reason or "abort"
+            stop_reason = last if reason == "stop" and last in params.stop_token_ids else None
         else:
             n = stream.processor.num_tokens
             token_ids, text = token_ids[:n], "".join(stream.text)
-            reason, _ = stream.processor.finish(out.finish_reason, last)
-            stop_string = stream.processor.stop_string
+            # (the stop string or the stop token id, as OutputProcessor.finish gives it)
+            reason, stop_reason = stream.processor.finish(out.finish_reason, last)
             logprobs = logprobs[:n] if logprobs is not None else None
-        # vLLM's stop_reason: the stop string, or the stop token id as an int (None for an
-        # end-of-sequence token).
-        stop_reason = stop_string
-        if stop_string is None and reason == "stop" and last in params.stop_token_ids:
-            stop_reason = last
         cumulative = None
         if logprobs is not None:
             if own_logprobs_only:

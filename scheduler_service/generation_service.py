@@ -36,7 +36,6 @@ from scheduler_service.response_chunks import logprobs_to_proto, split_logprobs,
 from scheduler_service.sampling_params import (
     SamplingParams,
     truncate_prompt,
-    truncated_length,
     verify_prompt_length,
 )
 
@@ -214,9 +213,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             # event loop (health, other streams) for ~0.5 s on its way to the same refusal.
             ids = request.token_ids.ids
             max_model_len = self.engine.check_admitting().limits.max_model_len
-            keep = truncated_length(params, max_model_len)
-            if keep is not None and len(ids) > keep:
-                ids = ids[len(ids) - keep :]  # (truncate_prompt_tokens: its last tokens)
+            ids = truncate_prompt(ids, params, max_model_len)
             verify_prompt_length(len(ids), params, max_model_len)
             prompt, template = list(ids), None
         streams = await self.engine.submit(request_id, prompt, params, arrival, timeout, request.user)
@@ -402,7 +399,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return chunks
 
     def _final(self, stream: RequestStream, output: OutputProcessor) -> pb.GenerateFinal:
-        reason, stop_reason = output.finish(stream.finish_reason, stream.last_token_id)
+        reason, stop = output.finish(stream.finish_reason, stream.last_token_id)
         metrics = self.metrics
         metrics.e2e.observe(time.perf_counter() - stream.arrival)
         metrics.request_prompt_tokens.observe(stream.num_prompt_tokens)
@@ -412,10 +409,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prompt_tokens=stream.num_prompt_tokens,
             completion_tokens=output.num_tokens,
             cached_tokens=stream.num_cached_tokens,
-            stop_reason=stop_reason,
+            stop_reason="" if stop is None else str(stop),  # (its text too, for older clients)
         )
-        if stop_reason and output.stop_string is None:  # a stop token id, told apart from a string
-            final.stop_token_id = int(stop_reason)
+        if isinstance(stop, int):  # a stop token id, told apart from a string
+            final.stop_token_id = stop
         return final
 
     async def GetModelInfo(

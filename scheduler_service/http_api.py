@@ -204,6 +204,7 @@ class OpenAIServer:
         @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
         async def model(model_id: str) -> JSONResponse:
             engine = self._engine()
+            # (an empty id names no model: a 404 too, where a body without `model` means the served one)
             if (unknown := self._unknown_model(model_id or "''", engine.info.model)) is not None:
                 raise unknown
             return JSONResponse(model_card(engine))
@@ -509,8 +510,9 @@ async def _choice_deltas(
             engine.abort(stream)
             stream.finished = finished = True
         if finished:
-            choice.finish_reason, stop = output.finish(stream.finish_reason, stream.last_token_id)
-            choice.stop_reason = stop if output.stop_string is not None else int(stop) if stop else None
+            choice.finish_reason, choice.stop_reason = output.finish(
+                stream.finish_reason, stream.last_token_id
+            )
             if choice.prompt_only:
                 choice.finish_reason, choice.stop_reason = "length", None
         if choice.prompt_only:

@@ -217,12 +217,13 @@ class OutputProcessor:
         self.num_tokens += num_tokens
         return OutputDelta(text, num_tokens, update.stop_string is not None)
 
-    def finish(self, engine_reason: str | None, last_token_id: int | None) -> tuple[str, str]:
-        """(finish reason, stop reason): "stop" with the stop string or the stop token id that
-        ended it, "length", or "abort" (also for a request that ended without a reason)."""
+    def finish(self, engine_reason: str | None, last_token_id: int | None) -> tuple[str, str | int | None]:
+        """(finish reason, stop reason): "stop" with the stop string (a str) or the stop token id
+        (an int) that ended it, as vLLM's stop_reason, else None; "length", or "abort" (also for a
+        request that ended without a reason)."""
         if self.stop_string is not None:
             return "stop", self.stop_string
         reason = engine_reason or "abort"
         if reason == "stop" and last_token_id in self.params.stop_token_ids:
-            return reason, str(last_token_id)
-        return reason, ""
+            return reason, last_token_id
+        return reason, None

@@ -304,9 +304,10 @@ def truncated_length(params: SamplingParams, max_model_len: int) -> int | None:
     return max_model_len if k == -1 else k
 
 
-def truncate_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+def truncate_prompt(token_ids: Sequence[int], params: SamplingParams, max_model_len: int) -> Sequence[int]:
     """The prompt's last truncate_prompt_tokens tokens (vLLM's left truncation: the end of a prompt,
-    nearest what is generated, is what the model needs most); all of them when it is None."""
+    nearest what is generated, is what the model needs most); all of them (`token_ids` itself) when
+    it is None or the prompt is no longer."""
     k = truncated_length(params, max_model_len)
     return token_ids[-k:] if k is not None and len(token_ids) > k else token_ids
 
