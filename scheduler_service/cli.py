@@ -295,11 +295,9 @@ def check_executor_address(address: str) -> None:
         )
 
 
-def parse_origins(value: str | list[str]) -> list[str]:
+def parse_origins(value: str) -> list[str]:
     """--allowed-origins: comma-separated origins, or a JSON list of them (vLLM's form); each `*`
     or scheme://host[:port], without a path (what a browser sends as Origin)."""
-    if isinstance(value, list):
-        return value
     text = value.strip()
     if text.startswith("["):
         try:
