@@ -282,12 +282,21 @@ def tile_grid(batch: int):
         yield splits, {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
-def fp8_register_grid():
-    """The first fp8 decode kernel's tiles under register caps (maxnreg; 0: uncapped, 202 registers
-    a thread, so 2 programs of 4 warps fit on an SM: 12.5% occupancy in Nsight Compute)."""
-    for block_n, warps, stages, maxnreg in itertools.product((64, 128), (4, 8), (2, 3), (0, 96, 128, 168)):
-        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-        yield None, {**cfg, "FP8_DOT_F16": True, "maxnreg": maxnreg}
+def sweep_fp8_registers(caps=(0, 96, 104, 128), rounds: int = 2) -> None:
+    """Today's fp8 decode config under register caps (maxnreg; 0: uncapped, ~124 registers a thread,
+    so 4 programs of 4 warps an SM; 96 fits 5), at b256x1024 and W1's mixed contexts (+32 and +256
+    generated, longest first), the caps in turn, rounds times."""
+    cases = [("b256x1024", None)] + [
+        (f"W1 +{generated}", mixed_lengths(256, generated, "longest first")) for generated in (32, 256)
+    ]
+    for _, cap in itertools.product(range(rounds), caps):
+        cfg = {**tk.DECODE_CONFIG_FP8, "maxnreg": cap}
+        row = []
+        for what, contexts in cases:
+            context = 1024 if contexts is None else max(contexts)
+            _, tbs, _ = bench_decode(256, context, FP8_BS, cfg, splits=1, kv_dtype=FP8, contexts=contexts)
+            row.append(f"{what} {tbs:.2f}")
+        print(f"fp8 registers maxnreg {cap}: " + ", ".join(row) + " TB/s", flush=True)
 
 
 def fp8_tile_grid(quick: bool = False):
@@ -441,7 +450,7 @@ def main() -> None:
     parser.add_argument(
         "--sweep-fp8-registers",
         action="store_true",
-        help="fp8 decode tiles at b256x1024 under register caps (maxnreg)",
+        help="today's fp8 decode config under register caps (maxnreg), b256x1024 and W1's contexts",
     )
     parser.add_argument(
         "--sweep-fp8-quick",
@@ -590,8 +599,8 @@ def main() -> None:
                 print(f"sweep bf16 b{batch}x{context} bs16: {tbs:.2f} TB/s splits {used} {cfg}")
         return
     if args.sweep_fp8_registers:
-        for tbs, _, cfg in sweep_decode(256, 1024, FP8_BS, FP8, fp8_register_grid())[:12]:
-            print(f"sweep fp8 registers b256x1024 bs{FP8_BS}: {tbs:.2f} TB/s of fp8 bytes {cfg}")
+        sweep_fp8_registers()
+        return
     if args.sweep_fp8 or args.sweep_fp8_quick:
         for batch, context in shapes[:1] if args.sweep_fp8_quick else shapes:
             for tbs, used, cfg in sweep_decode(
