@@ -171,7 +171,7 @@ run() {
     # Each in-process step's host time by phase (prepare, the eager model's modules, the sampler).
     host-phases) TAIL=30 stage host-phases "$PY" bench/host_phases.py --workload w1 --device cuda --mode in-process --kv-cache-dtype ${KV_DTYPE:-fp8} ;;
     w1-gpu) TAIL=8 stage w1-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --profile-gpu ;;
-    w1-fp8-gpu) TAIL=8 stage w1-fp8-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --profile-gpu ;;
+    w1-fp8-gpu) TAIL=${TAIL:-8} stage w1-fp8-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --profile-gpu ;;
     # W1 fp8 as today and with the decode kernel's registers capped at MAXNREG (default 96: five
     # programs of 4 warps an SM instead of four), alternating, ROUNDS times (default 2).
     w1-fp8-maxnreg) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w1-fp8-maxnreg bash -c 'for i in $(seq ${ROUNDS:-2}); do for c in "{}" "{\"maxnreg\": ${MAXNREG:-96}}"; do echo "W1 fp8 decode config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;

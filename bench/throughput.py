@@ -532,7 +532,18 @@ def print_gpu_time(profiler, elapsed: float, steps: int) -> None:
         + " ".join(f"{idle.get(i, 0.0) * 1e3:.0f}" for i in range(int(elapsed / window) + 1))
         + " ms"
     )
-    for name, (seconds, n) in sorted(by_kernel.items(), key=lambda x: -x[1][0])[:16]:
+    # Kernel time by group in each half second of the run: the first windows hold W1's prefill
+    # chunks (eager steps of thousands of tokens), the later ones its decode steps.
+    windows = defaultdict(lambda: defaultdict(float))
+    for start, end, name in spans:
+        windows[int((start - first) / 1e6 / 0.5)][group_of(name)] += (end - start) / 1e6
+    for i in sorted(windows)[:4]:
+        row = sorted(windows[i].items(), key=lambda x: -x[1])
+        print(
+            f"  kernels in {i * 0.5:.1f}-{i * 0.5 + 0.5:.1f} s: {sum(windows[i].values()) * 1e3:.0f} ms; "
+            + ", ".join(f"{g} {t * 1e3:.0f}" for g, t in row)
+        )
+    for name, (seconds, n) in sorted(by_kernel.items(), key=lambda x: -x[1][0])[:24]:
         print(f"  {seconds:6.3f} s {seconds / n * 1e6:8.1f} us x {n:6d}  {name[:90]}")
     early = [g for g in gaps if g[0] >= 1e-3 and g[1] < 1e6]
     print(
