@@ -169,7 +169,7 @@ run() {
     # W1 fp8 with DECODE_CONFIG (JSON) over the decode kernel's default launch configuration.
     w1-fp8-config) TAIL=12 stage w1-fp8-config "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "${DECODE_CONFIG:-{\}}" ;;
     # Each in-process step's host time by phase (prepare, the eager model's modules, the sampler).
-    host-phases) TAIL=30 stage host-phases "$PY" bench/host_phases.py --workload w1 --device cuda --mode in-process --kv-cache-dtype ${KV_DTYPE:-fp8} ;;
+    host-phases) TAIL=${TAIL:-30} stage host-phases "$PY" bench/host_phases.py --workload w1 --device cuda --mode in-process --kv-cache-dtype ${KV_DTYPE:-fp8} ;;
     w1-gpu) TAIL=8 stage w1-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --profile-gpu ;;
     w1-fp8-gpu) TAIL=${TAIL:-8} stage w1-fp8-gpu "$PY" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --profile-gpu ;;
     # W1 fp8 as today and with the decode kernel's registers capped at MAXNREG (default 96: five

@@ -27,8 +27,19 @@ import throughput  # bench/throughput.py: the workload and the in-process run
 from client.llm import LLM
 from executor_service import executor as executor_module
 from executor_service import model_runner, sampler
-from executor_service.layers import attention, mlp, self_attention
+from executor_service.attention import triton_kernels, triton_paged
+from executor_service.layers import (
+    activation,
+    attention,
+    embed_head,
+    linear,
+    mlp,
+    norm,
+    self_attention,
+    triton_ops,
+)
 from executor_service.models import base
+from scheduler_service import scheduler
 
 PHASES = (
     "apply_plan",
@@ -40,7 +51,18 @@ PHASES = (
     "attention",
     "mlp",
     "sampler",
+    # inside the layers: the GEMMs' launches, the norms, SiLU-and-mul, the fused rotary kernel,
+    # the attention backend and its prefill kernel's launch, the LM head
+    "linear",
+    "norm",
+    "act",
+    "rope",
+    "backend",
+    "prefill",
+    "lm_head",
 )
+# The host's work between two sends (the engine's receive, the scheduler's update and schedule).
+BETWEEN = ("between", "schedule", "update")
 # (what, its phase): the methods timed inside each send.
 TIMED = (
     (model_runner.ModelRunner, "prepare", "prepare"),
@@ -51,6 +73,15 @@ TIMED = (
     (attention.Attention, "forward", "attention"),
     (mlp.DenseMLP, "forward", "mlp"),
     (sampler.Sampler, "__call__", "sampler"),
+    (linear.LinearBase, "matmul", "linear"),
+    (norm.RMSNorm, "forward", "norm"),
+    (activation.SiluAndMul, "forward", "act"),
+    (triton_ops, "qk_norm_rope", "rope"),
+    (triton_paged.TritonPagedBackend, "forward", "backend"),
+    (triton_kernels, "paged_prefill", "prefill"),
+    (embed_head.ParallelLMHead, "forward", "lm_head"),
+    (scheduler.Scheduler, "schedule", "schedule"),
+    (scheduler.Scheduler, "update", "update"),
 )
 
 
@@ -59,8 +90,10 @@ class StepPhases:
 
     def __init__(self) -> None:
         self.current: collections.defaultdict[str, float] = collections.defaultdict(float)
-        # (tokens, new sequences, sequences, send seconds, seconds by phase)
+        # (tokens, new sequences, sequences, send seconds, seconds by phase); a send's phases also
+        # hold the host's time since the send before ended ("between") and the scheduler's in it
         self.steps: list[tuple[int, int, int, float, dict[str, float]]] = []
+        self.last_end: float | None = None
         self.runs: list[int] = []  # where each LLM.generate call's steps begin
 
     def timer(self, fn, phase: str):
@@ -83,12 +116,19 @@ class StepPhases:
         send = executor_module.LocalExecutor.send
 
         def timed_send(executor, plan):
-            self.current.clear()
             start = time.perf_counter()
+            between = {p: self.current.pop(p, 0.0) for p in BETWEEN[1:]}
+            self.current.clear()
+            if self.last_end is not None:
+                between["between"] = start - self.last_end
             send(executor, plan)
-            seconds = time.perf_counter() - start
+            self.last_end = time.perf_counter()
+            seconds = self.last_end - start
+            self.current.update(between)
             tokens = sum(plan.num_scheduled_tokens)
-            self.steps.append((tokens, len(plan.new_seqs), len(plan.seq_ids), seconds, dict(self.current)))
+            phases = dict(self.current)
+            self.current.clear()
+            self.steps.append((tokens, len(plan.new_seqs), len(plan.seq_ids), seconds, phases))
 
         executor_module.LocalExecutor.send = timed_send
         generate = LLM.generate
@@ -119,16 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         f"in-process: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.0f} output tok/s (timed by phase)"
     )
     timed = phases.steps[phases.runs[-1] :]  # the timed run's (after the warm-up's generate)
-    print("ms: tokens  new  seqs     send | " + " ".join(f"{p:>13s}" for p in PHASES))
+    columns = PHASES + BETWEEN
+    print("ms: tokens  new  seqs     send | " + " ".join(f"{p[:8]:>8s}" for p in columns))
     for n, new, seqs, seconds, by_phase in timed[:45]:
-        row = " ".join(f"{by_phase.get(p, 0.0) * 1e3:13.2f}" for p in PHASES)
+        row = " ".join(f"{by_phase.get(p, 0.0) * 1e3:8.2f}" for p in columns)
         print(f"    {n:6d} {new:4d} {seqs:5d} {seconds * 1e3:8.2f} | {row}")
     for label, group in (
         ("eager (prefill / mixed)", [s for s in timed if s[0] > s[2]]),
         ("decode", [s for s in timed if 0 < s[0] == s[2]]),
     ):
         if group:
-            sums = ", ".join(f"{p} {sum(s[4].get(p, 0.0) for s in group):.3f}" for p in PHASES)
+            sums = ", ".join(f"{p} {sum(s[4].get(p, 0.0) for s in group):.3f}" for p in columns)
             print(f"{label}: {len(group)} steps, send {sum(s[3] for s in group):.3f} s; {sums} (s)")
     return 0
 
