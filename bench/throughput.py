@@ -417,11 +417,18 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
     timeline = llm.executor.device_timeline
     device0 = timeline.totals() if timeline is not None else None
     gc_times = GCTimes()
+    memory0 = cuda_allocator_counts(args.device)
     t0, cpu0 = time.perf_counter(), time.process_time()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     gc_times.stop()
     print(f"garbage collections in the timed in-process run: {gc_times}")
+    if memory0:
+        counts = cuda_allocator_counts(args.device)
+        print(
+            "CUDA caching allocator in the timed run (each cudaMalloc / cudaFree waits for the device): "
+            + ", ".join(f"{k} {counts[k] - memory0[k]}" for k in counts)
+        )
     if device0 is not None:
         busy, gaps, count = (now - before for now, before in zip(timeline.totals(), device0, strict=True))
         print(f"in-process device: {device_line(busy, gaps, count, elapsed)}")
@@ -469,6 +476,24 @@ def record_host_steps(executor, log: list[tuple]) -> None:
         return call
 
     executor.send, executor.receive = timed(send, "send"), timed(receive, "receive")
+
+
+def cuda_allocator_counts(device: str) -> dict[str, int]:
+    """torch's caching allocator: segments taken from and given back to the driver, and the retries
+    after a failed cudaMalloc (which free the cache first); empty off CUDA."""
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    keys = (
+        "segment.all.allocated",
+        "segment.all.freed",
+        "num_alloc_retries",
+        "num_device_alloc",
+        "num_device_free",
+    )
+    return {k: int(stats.get(k, 0)) for k in keys}
 
 
 def print_host_steps(log: list[tuple], t0: float, first_s: float = 1.0) -> None:
