@@ -393,6 +393,11 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
     print(f"in-process step budget: {llm.engine.scheduler.config.max_num_batched_tokens} tokens", flush=True)
     warm = [r.prompt_token_ids for r in workload[:4]]
     llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    if args.allocator_reserve_mb:  # a block taken and given back: the caching allocator keeps it
+        import torch
+
+        torch.empty(args.allocator_reserve_mb << 20, dtype=torch.uint8, device=args.device)
+    segments0 = cuda_segments(args.device)
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=args.temperature, ignore_eos=True)
         for r in workload
@@ -425,9 +430,13 @@ def run_in_process(args: argparse.Namespace, model: str, workload: list[Request]
     print(f"garbage collections in the timed in-process run: {gc_times}")
     if memory0:
         counts = cuda_allocator_counts(args.device)
+        new = sorted(
+            size >> 20 for address, size in cuda_segments(args.device).items() if address not in segments0
+        )
         print(
             "CUDA caching allocator in the timed run (each cudaMalloc / cudaFree waits for the device): "
             + ", ".join(f"{k} {counts[k] - memory0[k]}" for k in counts)
+            + f"; new segments (MiB): {new}"
         )
     if device0 is not None:
         busy, gaps, count = (now - before for now, before in zip(timeline.totals(), device0, strict=True))
@@ -494,6 +503,15 @@ def cuda_allocator_counts(device: str) -> dict[str, int]:
         "num_device_free",
     )
     return {k: int(stats.get(k, 0)) for k in keys}
+
+
+def cuda_segments(device: str) -> dict[int, int]:
+    """The caching allocator's segments: address -> bytes (empty off CUDA)."""
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+
+    return {seg["address"]: seg["total_size"] for seg in torch.cuda.memory_snapshot()}
 
 
 def print_host_steps(log: list[tuple], t0: float, first_s: float = 1.0) -> None:
