@@ -218,6 +218,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fp8: the built checkpoint is a random FP8 block-scaled one (--shape qwen3-8b)",
     )
     p.add_argument(
+        "--allocator-reserve-mb",
+        type=int,
+        default=0,
+        help="in-process, after the warm-up: take a block of this many MiB and give it back to torch's "
+        "caching allocator (an experiment: whether the timed run then needs no new segment)",
+    )
+    p.add_argument(
         "--decode-config",
         default=None,
         metavar="JSON",
