@@ -256,3 +256,26 @@ def test_a_kv_cache_too_large_for_the_device_is_an_error_naming_its_size(dtype):
         f"the KV cache does not fit on cpu: {2**44} blocks of 16 tokens, {gib:,.1f} GiB; "
         "lower num_kv_blocks or kv_cache_gb"
     )
+
+
+def test_v_tile_store_writes_runs_of_a_rows_bytes_on_sm90():
+    """store_v_tiles_kernel compiled for sm90 without a GPU: its store's lanes run along the launch
+    rows (a warp writes consecutive slots' bytes of one row of V^T), the layout it exists for. Were
+    Triton to lay the lanes along head_dim, each lane would write one byte 32 bytes from the next,
+    as the per-token store does."""
+    pytest.importorskip("triton")
+    import re
+
+    from bench.kernel_sass import compile_sm90
+    from executor_service.attention import triton_kernels as tk
+
+    types = {"v_ptr": "*bf16", "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64", "v_scale": "fp32"}
+    aligned = ("stride_vt", "stride_vh", "stride_vcb", "stride_vch", "stride_vcd")
+    constants = {"HEAD_DIM": 128, "BLOCK_D": 128, "TILE": tk.V_TILE}
+    ttgir = compile_sm90(tk.store_v_tiles_kernel, constants, types, aligned, num_warps=4).asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", ttgir, re.M))
+    stores = re.findall(r"tt\.store .* : tensor<(\d+)x(\d+)x!tt\.ptr<f8E4M3FN>, (#\w+)>", ttgir)
+    assert len(stores) == 1, ttgir
+    rows, cols, layout = stores[0]
+    assert (int(rows), int(cols)) == (tk.V_TILE, 128)
+    assert "threadsPerWarp = [32, 1]" in layouts[layout] and "order = [0, 1]" in layouts[layout], layouts[layout]

@@ -145,6 +145,22 @@ for dtype in (torch.float32, torch.bfloat16, f16):
     check_fused_quantization(5, 384, dtype, "cpu")  # 3 groups: a partial power-of-2 block
 check_fused_quantization(3, 1536, torch.bfloat16, "cpu")  # silu_and_mul in two programs of 1024
 """,
+    "fp8_v_tiles": """
+# The e4m3 V store of a long launch (store_v_tiles_kernel, V_TILE rows a program), forced for
+# every launch: the same bytes as the per-token store, in the attention store and the fused
+# rotary kernel's, across tiles, blocks, padding rows and block sizes no power of 2.
+from executor_service.attention import triton_kernels
+from helpers.triton_op_checks import check_qk_norm_rope_stores_kv
+triton_kernels.V_TILE_MIN_TOKENS = 0
+for dtype in (torch.bfloat16, f16):
+    check_store_fp8(to_fp8(make_batch([3, 1, 5, 40], [20, 1, 40, 300], 4, 2, 32, 16, dtype, "cpu", num_padding=2), 0.02, 3.0))
+    check_store_fp8(to_fp8(make_batch([1] * 4, [17, 33, 20, 1], 4, 2, 32, 16, dtype, "cpu", num_padding=1), 1.0, 1.0))
+    check_store_fp8(to_fp8(make_batch([13, 70], [13, 90], 4, 2, 32, 12, dtype, "cpu", seed=5), 0.02, 3.0))
+FP8 = torch.float8_e4m3fn
+for block_size, scales in ((16, (0.02, 3.0)), (8, (1.0, 1.0)), (12, (1.0, 1.0))):
+    check_qk_norm_rope_stores_kv(2, 32, torch.bfloat16, FP8, block_size, "cpu", scales)
+check_qk_norm_rope_stores_kv(3, 32, f16, FP8, 8, "cpu", (1.0, 1.0))
+""",
     "sampling": """
 from helpers.sampling_checks import (
     check_distribution, check_greedy, check_logit_bias_and_min_tokens, check_sampler_routing, check_seed_isolation

@@ -189,7 +189,13 @@ FP8_SCALES = [(1.0, 1.0), (0.03, 2.5)]
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["mixed", "decode"])
-def test_store_kv_fp8_is_byte_exact(scales, block_size, dtype, kind):
+@pytest.mark.parametrize("v_tiles", [False, True])
+def test_store_kv_fp8_is_byte_exact(scales, block_size, dtype, kind, v_tiles, monkeypatch):
+    """v_tiles: V stored by store_v_tiles_kernel (a long launch's), forced for this one."""
+    from executor_service.attention import triton_kernels
+
+    if v_tiles:
+        monkeypatch.setattr(triton_kernels, "V_TILE_MIN_TOKENS", 0)
     ctx_lens = random_lengths(40, 600, seed=1)
     if kind == "mixed":
         q_lens = [min(c, n) for c, n in zip(ctx_lens, random_lengths(40, 70, seed=2), strict=True)]

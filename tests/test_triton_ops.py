@@ -93,10 +93,18 @@ def test_rope_without_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, dty
     ],
 )
 @pytest.mark.parametrize("num_kv_heads, head_dim, with_norm", [(8, 128, True), (2, 64, False)])
-def test_qk_norm_rope_stores_kv(dtype, kv_dtype, block_size, scales, num_kv_heads, head_dim, with_norm):
+@pytest.mark.parametrize("v_tiles", [False, True])
+def test_qk_norm_rope_stores_kv(
+    dtype, kv_dtype, block_size, scales, num_kv_heads, head_dim, with_norm, v_tiles, monkeypatch
+):
     """The fused rotary kernel's K/V store: byte for byte the attention backend's (the model
     dtype's cache, and e4m3 with the lone token's rows, a run's zeroing and a block size no power
-    of 2), the q and k it returns unchanged."""
+    of 2), the q and k it returns unchanged; v_tiles: an e4m3 V stored by store_v_tiles_kernel (a
+    long launch's), forced here."""
+    from executor_service.attention import triton_kernels
+
+    if v_tiles:
+        monkeypatch.setattr(triton_kernels, "V_TILE_MIN_TOKENS", 0)
     check_qk_norm_rope_stores_kv(
         num_kv_heads, head_dim, dtype, kv_dtype or dtype, block_size, "cuda", scales, with_norm=with_norm
     )

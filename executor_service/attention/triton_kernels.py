@@ -119,6 +119,7 @@ def store_kv_kernel(
     KV_FP8: tl.constexpr,  # the cache is e4m3: store e4m3(x / scale), saturated
     BLOCK_S: tl.constexpr,  # block_size rounded up to a power of 2 (with KV_FP8)
     WHOLE_ROWS: tl.constexpr = False,  # BLOCK_S == block_size: a block's V rows have no padding
+    STORE_V: tl.constexpr = True,  # False: store_v_tiles_kernel writes V's values (the zeroing stays here)
 ):
     # grid: (num_tokens,). Slot -1 (CUDA-graph padding) stores nothing; no host sync.
     t = tl.program_id(0)
@@ -134,7 +135,7 @@ def store_kv_kernel(
         k, v, t, slot, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
         stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
         block_size, k_scale, v_scale, num_tokens,
-        NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, KV_FP8, BLOCK_S, WHOLE_ROWS,
+        NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, KV_FP8, BLOCK_S, WHOLE_ROWS, STORE_V,
     )  # fmt: skip
 
 
@@ -165,9 +166,11 @@ def store_token_kv(
     KV_FP8: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WHOLE_ROWS: tl.constexpr,
+    STORE_V: tl.constexpr = True,
 ):
     """One token's K and V into the paged cache (store_kv_kernel's body; the fused rotary kernel
-    of layers/triton_ops.py calls it too), with an e4m3 cache's zeroing of its block."""
+    of layers/triton_ops.py calls it too), with an e4m3 cache's zeroing of its block; with STORE_V
+    False V's values are left to store_v_tiles_kernel."""
     store_token_k(
         k, slot, k_cache_ptr, stride_cb, stride_cs, stride_ch, block_size, k_scale,
         NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, KV_FP8,
@@ -175,6 +178,7 @@ def store_token_kv(
     store_token_v(
         v, t, slot, v_cache_ptr, slot_mapping_ptr, stride_vcb, stride_vcs, stride_vch, stride_vcd,
         block_size, v_scale, num_tokens, NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, KV_FP8, BLOCK_S, WHOLE_ROWS,
+        STORE_V,
     )  # fmt: skip
 
 
@@ -225,9 +229,11 @@ def store_token_v(
     KV_FP8: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WHOLE_ROWS: tl.constexpr,
+    STORE_V: tl.constexpr = True,
 ):
     """A token's V into the paged cache; in an e4m3 cache (kept transposed) a token at its block's
-    first slot also zeroes the slots after it that no token of the launch writes."""
+    first slot also zeroes the slots after it that no token of the launch writes. STORE_V False:
+    only that zeroing (and a lone token's whole rows); store_v_tiles_kernel writes the values."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
@@ -235,7 +241,8 @@ def store_token_v(
     v_dst = block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
     if KV_FP8:
         v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
-    tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if STORE_V:
+        tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     if KV_FP8:  # noqa: SIM102 (constexpr branch)
         # A block's first slot: zero the V slots after it that no token of this launch writes (a
         # sequence's tokens are consecutive in the batch, with consecutive slots), so that the
@@ -267,6 +274,74 @@ def store_token_v(
             elif num_unwritten > 0:  # (a prefill run that fills its block leaves none)
                 zeros = tl.zeros([BLOCK_H, BLOCK_D, BLOCK_S], v_cache_ptr.dtype.element_ty)
                 tl.store(v_cache_ptr + zero_dst, zeros, mask=hd_mask & unwritten[None, None, :])
+
+
+# A launch of at least this many tokens into an e4m3 cache stores V through store_v_tiles_kernel
+# (a prefill chunk's: H100, W1's 16,384-token steps); fewer (decode rows, short mixed steps) keep
+# the per-token store. Both write the same bytes.
+V_TILE_MIN_TOKENS = 512
+V_TILE = 32  # launch rows a program of store_v_tiles_kernel stores
+
+
+@triton.jit
+def store_v_tiles_kernel(
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim] rows of V (last dim contiguous)
+    v_cache_ptr,  # an e4m3 V cache, kept transposed: [num_blocks, num_kv_heads, head_dim, block_size]
+    slot_mapping_ptr,
+    stride_vt,
+    stride_vh,
+    stride_vcb,  # the V cache's strides as [num_blocks, block_size, num_kv_heads, head_dim]
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    block_size,
+    v_scale,
+    num_tokens,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """e4m3(v / v_scale) of TILE consecutive launch rows and one KV head into the transposed cache,
+    as store_token_v writes them. grid: (cdiv(num_tokens, TILE), num_kv_heads). Laid out [TILE,
+    BLOCK_D], the store's lanes run along the rows (Triton's layout for it, checked in
+    tests/test_triton_interpret.py's sm90 compile): a prefill run's consecutive slots, so each
+    warp writes a run of bytes of a block's row, where a program a token writes one byte in each
+    of head_dim rows. Slot -1 (CUDA-graph padding) stores nothing; no zeroing here (the per-token
+    store keeps it, STORE_V False)."""
+    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_mapping_ptr + rows, mask=rows < num_tokens, other=-1).to(tl.int64)
+    keep = slot >= 0
+    block, offset = slot // block_size, slot % block_size
+    mask = keep[:, None] & (d < HEAD_DIM)[None, :]
+    v = tl.load(
+        v_ptr + rows.to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :], mask=mask, other=0.0
+    )
+    v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
+    dst = (
+        block[:, None] * stride_vcb + offset[:, None] * stride_vcs + h * stride_vch + d[None, :] * stride_vcd
+    )
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_v_tiles(v, v_cache, slot_mapping, v_scale, num_tokens: int) -> None:
+    """store_v_tiles_kernel over the first num_tokens rows of v [*, num_kv_heads, head_dim]."""
+    num_kv_heads, head_dim = v.shape[1], v.shape[2]
+    store_v_tiles_kernel[(triton.cdiv(num_tokens, V_TILE), num_kv_heads)](
+        v,
+        v_cache,
+        slot_mapping,
+        v.stride(0),
+        v.stride(1),
+        *v_cache_slots(v_cache).stride(),
+        v_cache.shape[3],
+        float(v_scale),
+        num_tokens,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        TILE=V_TILE,
+    )
 
 
 @triton.jit
@@ -697,12 +772,15 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> 
         BLOCK_D=triton.next_power_of_2(head_dim),
         **cache_constants,
     )
+    if not cache_constants["STORE_V"]:
+        store_v_tiles(v, v_cache, slot_mapping, v_scale, num_tokens)
 
 
 def cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens: int) -> tuple[list, dict]:
     """What a kernel calling store_token_kv passes for the cache after its pointers: the K and V
     caches' strides, the block size, the scales and the launch's token count; and the store's
-    compile-time constants (KV_FP8, BLOCK_S, WHOLE_ROWS)."""
+    compile-time constants (KV_FP8, BLOCK_S, WHOLE_ROWS, and STORE_V: False where the caller then
+    stores V with store_v_tiles, an e4m3 cache and V_TILE_MIN_TOKENS tokens or more)."""
     block_size = k_cache.shape[1]
     args = [
         *k_cache.stride()[:3], *v_cache_slots(v_cache).stride(), block_size,
@@ -712,6 +790,7 @@ def cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens: int) -> tup
         "KV_FP8": k_cache.dtype == torch.float8_e4m3fn,
         "BLOCK_S": triton.next_power_of_2(block_size),
         "WHOLE_ROWS": triton.next_power_of_2(block_size) == block_size,
+        "STORE_V": not (k_cache.dtype == torch.float8_e4m3fn and num_tokens >= V_TILE_MIN_TOKENS),
     }
     return args, constants
 

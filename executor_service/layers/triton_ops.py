@@ -32,6 +32,7 @@ from executor_service.attention.triton_kernels import (
     norm_rope,
     round_to_e4m3,
     store_token_kv,
+    store_v_tiles,
 )
 from executor_service.layers.fp8_gemm_triton import GROUP, Fp8Input, quantized_buffers
 
@@ -240,6 +241,7 @@ def _qk_norm_rope_kernel(
     KV_FP8: tl.constexpr = False,
     BLOCK_S: tl.constexpr = 1,
     WHOLE_ROWS: tl.constexpr = False,
+    STORE_V: tl.constexpr = True,  # False: V's values are left to store_v_tiles (a long e4m3 launch)
 ):
     # grid: (num_tokens,); a program normalises (HAS_NORM) and rotates every query and key head of one token.
     t = tl.program_id(0).to(tl.int64)
@@ -281,7 +283,7 @@ def _qk_norm_rope_kernel(
                 k, v, t, slot, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                 stride_cb, stride_cs_cache, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
                 block_size, k_scale, v_scale, num_tokens,
-                NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8, BLOCK_S, WHOLE_ROWS,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_KVH, HEAD_DIM, KV_FP8, BLOCK_S, WHOLE_ROWS, STORE_V,
             )  # fmt: skip
 
 
@@ -343,4 +345,7 @@ def qk_norm_rope(
         enable_fp_fusion=False,
         **store,
     )
+    if store and not store["STORE_V"]:  # V's values: a long launch's, into an e4m3 cache
+        v = qkv[:, qk_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+        store_v_tiles(v, v_cache, slot_mapping, v_scale, num_tokens)
     return q, k
