@@ -278,4 +278,6 @@ def test_v_tile_store_writes_runs_of_a_rows_bytes_on_sm90():
     assert len(stores) == 1, ttgir
     rows, cols, layout = stores[0]
     assert (int(rows), int(cols)) == (tk.V_TILE, 128)
-    assert "threadsPerWarp = [32, 1]" in layouts[layout] and "order = [0, 1]" in layouts[layout], layouts[layout]
+    assert "threadsPerWarp = [32, 1]" in layouts[layout] and "order = [0, 1]" in layouts[layout], layouts[
+        layout
+    ]
