@@ -175,6 +175,9 @@ run() {
     # W1 fp8 as today and with the decode kernel's registers capped at MAXNREG (default 96: five
     # programs of 4 warps an SM instead of four), alternating, ROUNDS times (default 2).
     w1-fp8-maxnreg) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w1-fp8-maxnreg bash -c 'for i in $(seq ${ROUNDS:-2}); do for c in "{}" "{\"maxnreg\": ${MAXNREG:-96}}"; do echo "W1 fp8 decode config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
+    # The GPU tests of the tiled e4m3 V store, then W1 fp8 with it from 512 tokens a launch (W1's
+    # prefill chunks) and without, alternating, ROUNDS times (default 2).
+    w1-fp8-vtiles) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-vtiles bash -c '"$0" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_ops.py -k "store_kv_fp8 or qk_norm_rope_stores_kv" | tail -2; for i in $(seq ${ROUNDS:-2}); do for m in 512 -1; do echo "W1 fp8 --v-tile-min-tokens $m"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --v-tile-min-tokens $m | grep "output tok/s\|device:"; done; done' "$PY" ;;
     w1-fp8-split) TAIL=12 stage w1-fp8-split "$PY" bench/throughput.py --workload w1 --device cuda --mode split --kv-cache-dtype fp8 ;;
     w4) TAIL=12 STAGE_TIMEOUT=580 stage w4 "$PY" bench/throughput.py --workload w4 --device cuda --mode in-process ;;
     w4-bf16) TAIL=12 STAGE_TIMEOUT=580 stage w4-bf16 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process ;;

@@ -241,6 +241,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "kernel; rank 0 only under tensor parallelism (its other ranks are processes of their own)",
     )
     p.add_argument(
+        "--v-tile-min-tokens",
+        type=int,
+        default=None,
+        help="in-process, fp8 KV: launches of at least this many tokens store V through "
+        "store_v_tiles_kernel (attention/triton_kernels.V_TILE_MIN_TOKENS; off by default until timed: "
+        "bash bench/gpu_run.sh w1-fp8-vtiles); -1: never",
+    )
+    p.add_argument(
         "--decode-fuses-rope",
         choices=["on", "off"],
         default=None,
@@ -256,6 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.decode_config is not None
         or args.decode_stores_kv is not None
         or args.decode_fuses_rope is not None
+        or args.v_tile_min_tokens is not None
         or args.fp8_gemm_table
         or args.fp8_gemm_swap_below
     ) and args.mode != "in-process":
@@ -881,6 +890,11 @@ def main(argv: list[str] | None = None) -> int:
         config = triton_kernels.DECODE_CONFIG_FP8 if fp8 else triton_kernels.DECODE_CONFIG
         config.update(json.loads(args.decode_config))
         print(f"decode config ({'fp8' if fp8 else 'bf16'} cache): {config}")
+    if args.v_tile_min_tokens is not None:
+        from executor_service.attention import triton_kernels
+
+        triton_kernels.V_TILE_MIN_TOKENS = None if args.v_tile_min_tokens < 0 else args.v_tile_min_tokens
+        print(f"e4m3 V stored in tiles from {triton_kernels.V_TILE_MIN_TOKENS} tokens a launch")
     if args.decode_stores_kv is not None or args.decode_fuses_rope is not None:
         from executor_service.attention import triton_kernels
 

@@ -277,9 +277,11 @@ def store_token_v(
 
 
 # A launch of at least this many tokens into an e4m3 cache stores V through store_v_tiles_kernel
-# (a prefill chunk's: H100, W1's 16,384-token steps); fewer (decode rows, short mixed steps) keep
-# the per-token store. Both write the same bytes.
-V_TILE_MIN_TOKENS = 512
+# (a prefill chunk's), fewer the per-token store; None: always the per-token store. Both write the
+# same bytes. None until the GPU times it (bench/throughput.py --v-tile-min-tokens 512, `bash
+# bench/gpu_run.sh w1-fp8-vtiles`): on an H100 the fused rotary kernel took 310 us a launch at
+# 16,384 tokens, ~0.2 ms of it the per-token store's one byte in each of head_dim rows of V^T.
+V_TILE_MIN_TOKENS: int | None = None
 V_TILE = 32  # launch rows a program of store_v_tiles_kernel stores
 
 
@@ -780,7 +782,7 @@ def cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens: int) -> tup
     """What a kernel calling store_token_kv passes for the cache after its pointers: the K and V
     caches' strides, the block size, the scales and the launch's token count; and the store's
     compile-time constants (KV_FP8, BLOCK_S, WHOLE_ROWS, and STORE_V: False where the caller then
-    stores V with store_v_tiles, an e4m3 cache and V_TILE_MIN_TOKENS tokens or more)."""
+    stores V with store_v_tiles: an e4m3 cache and V_TILE_MIN_TOKENS tokens or more)."""
     block_size = k_cache.shape[1]
     args = [
         *k_cache.stride()[:3], *v_cache_slots(v_cache).stride(), block_size,
@@ -790,7 +792,11 @@ def cache_store_args(k_cache, v_cache, k_scale, v_scale, num_tokens: int) -> tup
         "KV_FP8": k_cache.dtype == torch.float8_e4m3fn,
         "BLOCK_S": triton.next_power_of_2(block_size),
         "WHOLE_ROWS": triton.next_power_of_2(block_size) == block_size,
-        "STORE_V": not (k_cache.dtype == torch.float8_e4m3fn and num_tokens >= V_TILE_MIN_TOKENS),
+        "STORE_V": not (
+            k_cache.dtype == torch.float8_e4m3fn
+            and V_TILE_MIN_TOKENS is not None
+            and num_tokens >= V_TILE_MIN_TOKENS
+        ),
     }
     return args, constants
 
