@@ -1,5 +1,5 @@
-"""The sparse MoE block of Qwen3-MoE: a router (logits and softmax in fp32, top-k, optionally
-renormalised) and the experts, packed per layer into two weights:
+"""The sparse MoE block of Qwen3-MoE: a router (logits in the model dtype as transformers computes
+them, softmax in fp32, top-k, optionally renormalised) and the experts, packed per layer into two weights:
 
     w13_weight [num_experts, 2 * intermediate / tp, hidden]   each expert's gate rows then up rows
     w2_weight  [num_experts, hidden, intermediate / tp]       each expert's down projection
@@ -41,9 +41,10 @@ def route(
     hidden_states: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[num_tokens, hidden] -> (weights [num_tokens, top_k] in the model dtype, expert ids [num_tokens,
-    top_k] int64). Logits and softmax in fp32."""
-    logits = F.linear(hidden_states.float(), router_weight.float())
-    probs = torch.softmax(logits, dim=-1)
+    top_k] int64). transformers' Qwen3MoeTopKRouter: the logits a GEMM in the model dtype (rounded to
+    it: in bf16 that decides near ties), the softmax, top-k and renormalising in fp32."""
+    logits = F.linear(hidden_states, router_weight.to(hidden_states.dtype))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
