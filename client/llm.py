@@ -268,10 +268,9 @@ class LLM:
         try:
             for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
                 # logprobs=0: the sampled token's own logprob (vLLM's), which the engine reports
-                # beside one alternative (its 0 is none); _output drops the alternative. Checked as
-                # asked for above (max_logprobs 0 allows it), each sample is admitted unchecked.
-                submitted = dataclasses.replace(sp, logprobs=1) if sp.logprobs == 0 else sp
-                for j, sample in enumerate(submitted.for_samples()):
+                # beside one alternative; _output drops the alternative. Checked above, each sample
+                # is admitted unchecked.
+                for j, sample in enumerate(sp.for_samples()):
                     rid = self.engine.add_request(ids, sample, validated=True)
                     requests[rid] = (i, j, sample)
                     if on_text is not None and self.tokenizer is not None and (i, j) == (0, 0):

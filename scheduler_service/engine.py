@@ -104,8 +104,7 @@ class LLMEngine:
         """Queue a request; raises InvalidRequestError if it can never run. `name`: its id in the
         logs, the one its client knows (default: the engine's request id); `client`: see
         Sequence.client; `validated`: the caller checked it with validate_request (the offline LLM
-        checks logprobs=0 as asked for, then asks for the one alternative the engine reports it
-        beside, which max_logprobs 0 would refuse)."""
+        checks a batch before admitting any of it)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not validated:
             self.validate_request(prompt_token_ids, params)

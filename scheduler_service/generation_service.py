@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -181,11 +180,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         params = sampling_params_from_proto(request.sampling_params)
         tokenizer = self.engine.tokenizer
         verify_tokenizer(params, tokenizer, NO_TOKENIZER)
-        # logprobs 0: each token's own logprob, which the engine reports beside one alternative
-        # (its 0 is none); the alternative is dropped from the chunks.
+        # logprobs 0: each token's own logprob, which the engine reports beside one alternative;
+        # the alternative is dropped from the chunks.
         own_only = params.logprobs == 0
-        if own_only:
-            params = dataclasses.replace(params, logprobs=1)
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequestError(

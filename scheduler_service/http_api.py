@@ -301,8 +301,8 @@ class OpenAIServer:
             raise unknown
         num_top = body.num_top_logprobs
         wants_logprobs = body.logprobs if chat else body.logprobs is not None
-        # The engine reports a sampled token's logprob beside at least one alternative.
-        params = body.sampling_params(max(num_top, 1) if wants_logprobs else 0)
+        # (0 alternatives: each token's own logprob; the engine's extra one is left out of the answer.)
+        params = body.sampling_params(num_top if wants_logprobs else None)
         verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)
         prompts, template = await self._prompts(body, chat)
         echo = not chat and body.echo

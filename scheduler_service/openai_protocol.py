@@ -232,7 +232,7 @@ class _Request(BaseModel):
         """An error message with the fields named as the client sent them."""
         return message
 
-    def sampling_params(self, num_logprobs: int) -> SamplingParams:
+    def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError naming the limit."""
         max_tokens = self.max_tokens_of()
         if max_tokens is not None and max_tokens < 1:
@@ -381,7 +381,7 @@ class CompletionRequest(_Request):
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
 
-    def sampling_params(self, num_logprobs: int) -> SamplingParams:
+    def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
         if self.prompt_only and self.min_tokens > 0:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens (0)")
         return super().sampling_params(num_logprobs)

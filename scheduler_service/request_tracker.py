@@ -127,7 +127,7 @@ class RequestTracker:
         for engine_id, prompt, params, arrival, deadline, name, stream in adds:
             try:
                 # The engine core's fast path takes outputs of tokens alone (engine_core.py).
-                fast = stream.peer is not None and not params.logprobs and params.prompt_logprobs is None
+                fast = stream.peer is not None and params.logprobs is None and params.prompt_logprobs is None
                 client = stream if fast else None
                 engine.add_request(prompt, params, request_id=engine_id, name=name, client=client)
                 self.arrivals[engine_id] = arrival

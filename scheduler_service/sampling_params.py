@@ -78,9 +78,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    # Top alternatives per sampled token, beside its own logprob; None (vLLM's default): none. The
-    # engine reports none for 0 too (gRPC's unset, the HTTP API's none); the offline LLM reports
-    # the sampled token's own for it, as vLLM does.
+    # Top alternatives per sampled token, beside its own logprob (0: the sampled token's own only, as
+    # vLLM's); None (vLLM's default): none.
     logprobs: int | None = None
     # Samples generated from the prompt (front ends run them as n requests: for_samples()).
     n: int = 1
@@ -253,7 +252,9 @@ class SamplingParams:
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            logprobs=self.logprobs or 0,
+            # The executor reports a sampled token's logprob beside at least one alternative (0:
+            # none): logprobs 0 asks it for one, which the outputs leave out.
+            logprobs=0 if self.logprobs is None else max(self.logprobs, 1),
             num_prompt_tokens=num_prompt_tokens,
             min_tokens=self.min_tokens,
             logit_bias_token_ids=list(self.logit_bias),

@@ -82,7 +82,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.error: str | None = None
         # One entry per output token when the request asked for logprobs, else None.
-        self.logprobs: list[TokenLogprob] | None = [] if (sampling_params.logprobs or 0) > 0 else None
+        self.logprobs: list[TokenLogprob] | None = [] if sampling_params.logprobs is not None else None
         # When the request asked for prompt logprobs: one entry per prompt token from the second.
         self.prompt_logprobs: list[TokenLogprob] | None = (
             [] if sampling_params.prompt_logprobs is not None else None

@@ -1299,3 +1299,45 @@ def test_allowed_origins_flag_takes_a_list_and_refuses_what_is_no_origin():
     for bad in ("https://a.example/app", "a.example", '["x", 1]', "[nope"):
         with pytest.raises(ValueError, match="--allowed-origins"):
             parse_origins(bad)
+
+
+def test_logprobs_0_is_served_under_max_logprobs_0(checkpoint, reference):
+    """--max-logprobs 0 bounds the alternatives asked for, so it allows each token's own logprob
+    (logprobs 0; a chat's logprobs true with top_logprobs 0) over HTTP and gRPC, as vLLM does and
+    as the offline LLM already did; the servers refused it, naming logprobs (1) the client never
+    asked for. One alternative is still a 400 naming the limit."""
+    from client import TandemClient
+    from client.messages import TandemError
+    from scheduler_service.async_engine import EngineOptions
+    from scheduler_service.config import SchedulerConfig
+
+    want = reference.generate(
+        [PROMPT], SamplingParams(max_tokens=3, logprobs=0, temperature=0), use_tqdm=False
+    )[0]
+    options = EngineOptions(SchedulerConfig(max_num_seqs=8, max_logprobs=0))
+    with serving_http(checkpoint, options=options) as server:
+        url = f"http://127.0.0.1:{server.http_port}/v1"
+        greedy = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+        r = httpx.post(f"{url}/completions", json={**greedy, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        logprobs = r.json()["choices"][0]["logprobs"]
+        assert logprobs["token_logprobs"] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
+        assert [len(top) for top in logprobs["top_logprobs"]] == [1, 1, 1]  # the token's own, as vLLM
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}
+        r = httpx.post(f"{url}/chat/completions", json={**chat, "top_logprobs": 0})
+        assert r.status_code == 200, r.text
+        assert all(entry["top_logprobs"] == [] for entry in r.json()["choices"][0]["logprobs"]["content"])
+        r = httpx.post(f"{url}/completions", json={**greedy, "logprobs": 1})
+        assert r.status_code == 400
+        assert "logprobs (1) exceeds max_logprobs (0" in r.json()["error"]["message"]
+        with TandemClient(f"127.0.0.1:{server.port}", retries=0) as client:
+            got = client.complete(PROMPT, max_tokens=3, temperature=0, logprobs=0)
+            assert got.token_ids == want.token_ids
+            assert [lp.logprob for lp in got.logprobs] == pytest.approx(
+                [lp.logprob for lp in want.logprobs], abs=1e-5
+            )
+            assert all(not lp.top_logprobs for lp in got.logprobs)
+            with pytest.raises(
+                TandemError, match="INVALID_ARGUMENT: logprobs \\(1\\) exceeds max_logprobs \\(0"
+            ):
+                client.complete(PROMPT, max_tokens=3, logprobs=1)

@@ -169,6 +169,9 @@ def test_chat_errors_are_clear_and_the_llm_keeps_serving(chat_llm, llm):
 def test_logprobs_0_returns_the_sampled_tokens_own(llm):
     """vLLM's logprobs=0 returns each sampled token's logprob without alternatives (what a
     likelihood evaluation reads); it returned no logprobs at all, as None does."""
+    # Both compared runs read the prompt from the prefix cache (a first, cold run computes it
+    # whole: its logprobs may differ from a cached run's in the last bits).
+    _generate(llm, PROMPT, max_tokens=4)
     out = _generate(llm, PROMPT, max_tokens=4, logprobs=0).outputs[0]
     with_one = _generate(llm, PROMPT, max_tokens=4, logprobs=1).outputs[0]
     assert [lp.token_id for lp in out.logprobs] == out.token_ids == with_one.token_ids
