@@ -150,8 +150,14 @@ check_fused_quantization(3, 1536, torch.bfloat16, "cpu")  # silu_and_mul in two 
 # every launch: the same bytes as the per-token store, in the attention store and the fused
 # rotary kernel's, across tiles, blocks, padding rows and block sizes no power of 2.
 from executor_service.attention import triton_kernels
+from executor_service.layers import triton_ops
 from helpers.triton_op_checks import check_qk_norm_rope_stores_kv
 triton_kernels.V_TILE_MIN_TOKENS = 0
+tiles = []  # each store_v_tiles launch (a spy: the checks below must run it, not the per-token store)
+def spy(v, *args, store=triton_kernels.store_v_tiles):
+    tiles.append(v.shape[0])
+    return store(v, *args)
+triton_kernels.store_v_tiles = triton_ops.store_v_tiles = spy
 for dtype in (torch.bfloat16, f16):
     check_store_fp8(to_fp8(make_batch([3, 1, 5, 40], [20, 1, 40, 300], 4, 2, 32, 16, dtype, "cpu", num_padding=2), 0.02, 3.0))
     check_store_fp8(to_fp8(make_batch([1] * 4, [17, 33, 20, 1], 4, 2, 32, 16, dtype, "cpu", num_padding=1), 1.0, 1.0))
@@ -160,6 +166,7 @@ FP8 = torch.float8_e4m3fn
 for block_size, scales in ((16, (0.02, 3.0)), (8, (1.0, 1.0)), (12, (1.0, 1.0))):
     check_qk_norm_rope_stores_kv(2, 32, torch.bfloat16, FP8, block_size, "cpu", scales)
 check_qk_norm_rope_stores_kv(3, 32, f16, FP8, 8, "cpu", (1.0, 1.0))
+assert len(tiles) == 10, tiles  # 6 attention stores, 4 fused rotary ones
 """,
     "sampling": """
 from helpers.sampling_checks import (

@@ -305,8 +305,8 @@ def store_v_tiles_kernel(
 ):
     """e4m3(v / v_scale) of TILE consecutive launch rows and one KV head into the transposed cache,
     as store_token_v writes them. grid: (cdiv(num_tokens, TILE), num_kv_heads). Laid out [TILE,
-    BLOCK_D], the store's lanes run along the rows (Triton's layout for it, checked in
-    tests/test_triton_interpret.py's sm90 compile): a prefill run's consecutive slots, so each
+    BLOCK_D], the store's lanes run along the rows (Triton's layout for it, checked in an sm90
+    compile by tests/test_fp8_kv.py): a prefill run's consecutive slots, so each
     warp writes a run of bytes of a block's row, where a program a token writes one byte in each
     of head_dim rows. Slot -1 (CUDA-graph padding) stores nothing; no zeroing here (the per-token
     store keeps it, STORE_V False)."""

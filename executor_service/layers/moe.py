@@ -42,7 +42,9 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[num_tokens, hidden] -> (weights [num_tokens, top_k] in the model dtype, expert ids [num_tokens,
     top_k] int64). transformers' Qwen3MoeTopKRouter: the logits a GEMM in the model dtype (rounded to
-    it: in bf16 that decides near ties), the softmax, top-k and renormalising in fp32."""
+    it: in bf16 that decides near ties), the softmax, top-k and renormalising in fp32. Experts of
+    equal probability (common in bf16) come in torch.topk's order, as transformers'; the fused
+    router (fused_moe_triton.route) takes the lower expert first."""
     logits = F.linear(hidden_states, router_weight.to(hidden_states.dtype))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
