@@ -92,12 +92,15 @@ def test_executor_killed_mid_decode_all_32_streams_finish_identically(qwen3_tied
     cluster = cluster_factory(qwen3_tied)
     cluster.start()
     prompts = token_prompts(32, seed=11)
-    max_tokens = 64
+    # Killed once every stream has a token (all 32 admitted: one arriving during the outage would be
+    # refused), with room to spare before any ends: on a loaded machine one request can reach the
+    # scheduler many steps after the others.
+    max_tokens = 128
     expected = reference.generate(
         prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
     )
     t0 = time.monotonic()
-    results, at_kill = kill_and_recover(cluster, prompts, max_tokens, lambda p: min(p) >= 4)
+    results, at_kill = kill_and_recover(cluster, prompts, max_tokens, lambda p: min(p) >= 1)
     recovered_s = time.monotonic() - t0
     assert max(at_kill) < max_tokens, "every stream had finished before the kill"
     completed = check_identical(results, expected)
