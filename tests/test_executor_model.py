@@ -134,6 +134,28 @@ def test_bfloat16_load_via_dtype_flag(qwen3_tied):
     assert (logits.float().argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
+def test_bfloat16_logits_are_transformers_sdpa_to_the_bit(qwen3_tied):
+    """In bf16, the prefill's and every decode step's logits are transformers' (its default sdpa
+    attention, generating with its KV cache) to the bit: every op rounds where transformers' does."""
+    hf = Qwen3ForCausalLM.from_pretrained(qwen3_tied, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    sched = MiniScheduler(make_executor(qwen3_tied, dtype="bfloat16"))
+    prompt = prompt_ids(45, seed=8)
+    sched.add(1, prompt)
+    _, logits = sched.step({1: 45})
+    rows = [logits[-1]]
+    for _ in range(7):
+        _, logits = sched.step(sched.decode_all())
+        rows.append(logits[-1])
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    assert sched.seqs[1].token_ids[45:] == out.sequences[0, 45:].tolist()
+    for step, (ours, want) in enumerate(zip(rows, out.logits, strict=True)):
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, want[0]), f"step {step}"
+
+
 def test_older_config_format_with_top_level_rope_theta(qwen3_untied, tmp_path):
     """Configs written before transformers 5 carry rope_theta and torch_dtype at the top level."""
     for f in qwen3_untied.iterdir():

@@ -69,6 +69,24 @@ def test_prefill_and_mixed_decode_logits_match_transformers(family_checkpoint, f
             torch.testing.assert_close(row, hf_logits(hf, known[seq_id])[-n:], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_prefill_logits_are_transformers_sdpa_to_the_bit(family_checkpoint, family):
+    """In bf16 every family's prefill logits are transformers' (sdpa, its default) to the bit: the
+    norms, rotary, attention, MLP, biases, experts and LM head round where transformers' do."""
+    from transformers import AutoModelForCausalLM
+
+    path = family_checkpoint(family)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    sched = MiniScheduler(make_executor(path, dtype="bfloat16", block_size=16, num_kv_blocks=64))
+    prompt = prompt_ids(40, seed=3)
+    sched.add(1, prompt)
+    _, logits = sched.step({1: 40})
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    assert logits.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(logits, want), f"{(logits != want).float().mean():.1%} of the logits differ"
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "llama_tied"])
 def test_cli_generate_matches_transformers(family_checkpoint, family):
     path = family_checkpoint(family)

@@ -66,7 +66,12 @@ def paged_attention(
         # Query j sits at position kv_len - n + j and sees keys 0..that position.
         q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        # 4-D, as transformers' sdpa calls it: SDPA takes its math kernel for 3-D inputs (on CPU
+        # in fp32 throughout) and its fused flash kernel for 4-D ones, which rounds the
+        # (unnormalised) probabilities to bf16 for P @ V: about a third of the bf16 outputs differ.
+        o = F.scaled_dot_product_attention(
+            qi[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+        )[0]
         out[start : start + n] = o.transpose(0, 1)
         start += n
     return out
