@@ -184,6 +184,33 @@ def test_router_picks_transformers_experts_and_weights_to_the_bit(dtype):
     assert weights.dtype == want_weights.dtype == dtype and torch.equal(weights, want_weights)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_experts_are_transformers_default_experts_to_the_bit(dtype):
+    """layers/moe.experts_reference against transformers' Qwen3MoeExperts in its default
+    implementation (grouped_mm: each pair's weighted output in the model dtype, a token's k pairs
+    summed in fp32 and rounded once) at 64 experts, top 8: the same output, to the bit. Summed into
+    a bf16 output expert by expert (the eager loop's index_add_), about half of these differed."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
+
+    from executor_service.layers.moe import experts_reference
+
+    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=64, num_experts=64, num_experts_per_tok=8,
+                            norm_topk_prob=True, experts_implementation="grouped_mm")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    hf, router = Qwen3MoeExperts(config).to(dtype), Qwen3MoeTopKRouter(config).to(dtype)
+    assert hf.config._experts_implementation == "grouped_mm"
+    with torch.no_grad():
+        for p in (hf.gate_up_proj, hf.down_proj, router.weight):
+            p.copy_((torch.randn(p.shape, generator=gen) / 8).to(dtype))
+        x = torch.randn(300, 256, generator=gen).to(dtype)
+        _, weights, ids = router(x)
+        want = hf(x, ids, weights)
+        got = experts_reference(x, hf.gate_up_proj, hf.down_proj, weights, ids)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got, want), f"{(got != want).float().mean():.1%} of the outputs differ"
+
+
 # -- on the GPU -------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

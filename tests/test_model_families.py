@@ -69,13 +69,21 @@ def test_prefill_and_mixed_decode_logits_match_transformers(family_checkpoint, f
             torch.testing.assert_close(row, hf_logits(hf, known[seq_id])[-n:], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_bfloat16_prefill_logits_are_transformers_sdpa_to_the_bit(family_checkpoint, family):
-    """In bf16 every family's prefill logits are transformers' (sdpa, its default) to the bit: the
-    norms, rotary, attention, MLP, biases, experts and LM head round where transformers' do."""
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe_top8"])
+def test_bfloat16_prefill_logits_are_transformers_sdpa_to_the_bit(family_checkpoint, family, tmp_path):
+    """In bf16 every family's prefill logits are transformers' (its defaults: sdpa attention,
+    grouped_mm experts) to the bit: the norms, rotary, attention, MLP, biases, router, experts and
+    LM head round where transformers' do. qwen3_moe_top8: 8 of 32 experts per token (at top 2 one
+    bf16 add of the two pairs rounds the same in any order)."""
+    from checkpoints import build_checkpoint
     from transformers import AutoModelForCausalLM
 
-    path = family_checkpoint(family)
+    if family == "qwen3_moe_top8":
+        path = build_checkpoint(
+            tmp_path, "qwen3_moe", with_tokenizer=False, num_experts=32, num_experts_per_tok=8
+        )
+    else:
+        path = family_checkpoint(family)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     sched = MiniScheduler(make_executor(path, dtype="bfloat16", block_size=16, num_kv_blocks=64))
     prompt = prompt_ids(40, seed=3)

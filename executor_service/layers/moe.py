@@ -11,8 +11,8 @@ straight into these, each rank only its slice.
 
 Two paths compute the router and the experts: on CUDA the fused Triton kernels (fused_moe_triton.py: tokens sorted
 by expert, grouped GEMMs, no host sync, so a decode step is captured in a CUDA graph); elsewhere a
-loop over the experts that received tokens, in transformers' order of operations (the CPU path,
-and the reference the kernels are tested against).
+loop over the experts that received tokens, rounding where transformers' default (grouped_mm) experts
+do (the CPU path, and the reference the kernels are tested against).
 
 With an fp8 checkpoint and the fused path (CUDA), `to_fp8()` keeps the experts in e4m3 with their
 block scales, the fused kernels' W8A8 GEMMs:
@@ -57,14 +57,20 @@ def experts_reference(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]: a loop
-    over the experts hit, as transformers' Qwen3MoeExperts (it syncs with the host)."""
-    out = torch.zeros_like(x)
+    over the experts hit (it syncs with the host), rounding as transformers' Qwen3MoeExperts does in
+    its default experts implementation (grouped_mm, what from_pretrained picks): each pair's output
+    times its weight in the model dtype, then a token's k pairs summed in fp32, in slot order, and
+    rounded once (as fused_moe_triton.sum_topk). transformers' eager loop instead index_adds each
+    expert's products into a model-dtype sum (a rounding per add: in bf16 at top 8, about half the
+    outputs a step off)."""
+    num_tokens, top_k = topk_ids.shape
+    pairs = x.new_zeros(num_tokens, top_k, x.shape[-1])
     for expert in torch.unique(topk_ids).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
         gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[token_idx, slot, None]
-        out.index_add_(0, token_idx, y.to(out.dtype))
-    return out
+        pairs[token_idx, slot] = y.to(x.dtype)
+    return pairs.sum(dim=1)  # in the model dtype: accumulated in fp32, rounded once
 
 
 class FusedMoE(Fusable, nn.Module):
