@@ -23,10 +23,17 @@ from protos.tandem.v1 import executor_pb2_grpc as pb_grpc
 # Starts service processes or runs models at length: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
 
-PROMPT_LEN = 2048  # one prefill of the embedded model's whole context: ~1.5 s on one CPU thread
+PROMPT_LEN = 2048  # the embedded model's whole context
+# One step of this many such prefills (~0.1 s each on a CPU thread with SDPA's fused kernel).
+NUM_PREFILLS = 8
+SEQ_IDS = list(range(7, 7 + NUM_PREFILLS))
 BLOCK_SIZE = 16
+BLOCKS_PER_SEQ = PROMPT_LEN // BLOCK_SIZE
 OPTIONS = dict(
-    block_size=BLOCK_SIZE, num_kv_blocks=160, max_model_len=PROMPT_LEN, max_num_batched_tokens=PROMPT_LEN
+    block_size=BLOCK_SIZE,
+    num_kv_blocks=NUM_PREFILLS * BLOCKS_PER_SEQ + 32,
+    max_model_len=PROMPT_LEN,
+    max_num_batched_tokens=NUM_PREFILLS * PROMPT_LEN,
 )
 # SIGTERM goes out this long after the plan, well inside the prefill.
 IN_FLIGHT_SECONDS = 0.3
@@ -37,22 +44,25 @@ def start(log: Path, *extra: str) -> ServiceProcess:
     return executor_process(log, "--grace", "30", *extra, **OPTIONS).start()
 
 
-def long_prefill(seq_id: int) -> StepPlan:
-    tokens = prompt_ids(PROMPT_LEN, seed=seq_id)
-    new = NewSequence(
-        seq_id,
-        tokens,
-        list(range(PROMPT_LEN // BLOCK_SIZE)),
-        0,
-        StepSamplingParams(num_prompt_tokens=PROMPT_LEN),
-    )
+def long_prefill() -> StepPlan:
+    """One step of NUM_PREFILLS whole-context prefills (SEQ_IDS)."""
+    new = [
+        NewSequence(
+            seq_id,
+            prompt_ids(PROMPT_LEN, seed=seq_id),
+            list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)),
+            0,
+            StepSamplingParams(num_prompt_tokens=PROMPT_LEN),
+        )
+        for i, seq_id in enumerate(SEQ_IDS)
+    ]
     return StepPlan(
         step_id=41,
-        new_seqs=[new],
-        seq_ids=[seq_id],
-        num_scheduled_tokens=[PROMPT_LEN],
-        num_computed_tokens=[0],
-        num_new_blocks=[0],
+        new_seqs=new,
+        seq_ids=SEQ_IDS,
+        num_scheduled_tokens=[PROMPT_LEN] * NUM_PREFILLS,
+        num_computed_tokens=[0] * NUM_PREFILLS,
+        num_new_blocks=[0] * NUM_PREFILLS,
     )
 
 
@@ -63,15 +73,15 @@ def sigterm_during_a_step(ep: ServiceProcess) -> float:
     plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
     with grpc.insecure_channel(ep.address) as channel:
         responses = pb_grpc.ExecutorServiceStub(channel).Step(iter(plans.get, None), timeout=60)
-        plans.put(plan_to_proto(long_prefill(seq_id=7)))
+        plans.put(plan_to_proto(long_prefill()))
         time.sleep(IN_FLIGHT_SECONDS)
         assert ep.process.poll() is None, ep.output()
         signalled = time.monotonic()
         ep.process.send_signal(signal.SIGTERM)
         result = next(responses)
         answered = time.monotonic()
-        assert (result.step_id, list(result.seq_ids), len(result.token_ids)) == (41, [7], 1)
-        assert 0 <= result.token_ids[0] < 4096
+        assert (result.step_id, list(result.seq_ids), len(result.token_ids)) == (41, SEQ_IDS, NUM_PREFILLS)
+        assert all(0 <= t < 4096 for t in result.token_ids)
         # The step was still running when the signal came: its result is not one sent before.
         assert answered - signalled > 0.1, "the prefill finished before SIGTERM; make it longer"
         # Then the stream ends: the scheduler sees the executor go (and reconnects elsewhere).

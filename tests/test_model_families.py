@@ -69,26 +69,36 @@ def test_prefill_and_mixed_decode_logits_match_transformers(family_checkpoint, f
             torch.testing.assert_close(row, hf_logits(hf, known[seq_id])[-n:], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe_top8"])
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe_top8", "qwen2_wide"])
 def test_bfloat16_prefill_logits_are_transformers_sdpa_to_the_bit(family_checkpoint, family, tmp_path):
     """In bf16 every family's prefill logits are transformers' (its defaults: sdpa attention,
     grouped_mm experts) to the bit: the norms, rotary, attention, MLP, biases, router, experts and
     LM head round where transformers' do. qwen3_moe_top8: 8 of 32 experts per token (at top 2 one
-    bf16 add of the two pairs rounds the same in any order)."""
+    bf16 add of the two pairs rounds the same in any order). qwen2_wide: hidden 512 and a prompt of
+    500 tokens, where one packed q/k/v or gate/up GEMM sums in another order than transformers'
+    separate projections (the CPU's GEMM follows the output's width)."""
     from checkpoints import build_checkpoint
     from transformers import AutoModelForCausalLM
 
+    num_tokens = 40
     if family == "qwen3_moe_top8":
         path = build_checkpoint(
             tmp_path, "qwen3_moe", with_tokenizer=False, num_experts=32, num_experts_per_tok=8
         )
+    elif family == "qwen2_wide":
+        num_tokens = 500
+        path = build_checkpoint(
+            tmp_path, "qwen2", with_tokenizer=False, hidden_size=512, intermediate_size=1024,
+            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+            initializer_range=0.05,
+        )  # fmt: skip
     else:
         path = family_checkpoint(family)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     sched = MiniScheduler(make_executor(path, dtype="bfloat16", block_size=16, num_kv_blocks=64))
-    prompt = prompt_ids(40, seed=3)
+    prompt = prompt_ids(num_tokens, seed=3)
     sched.add(1, prompt)
-    _, logits = sched.step({1: 40})
+    _, logits = sched.step({1: num_tokens})
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]
     assert logits.dtype == want.dtype == torch.bfloat16

@@ -43,6 +43,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.weight_scale_inv: nn.Parameter | None = None
         self.block = (1, 1)  # elements per scale: (128, 128) once to_fp8
+        # A packed layer's parts (q/k/v, gate/up): this rank's output rows of each, in order.
+        self.part_sizes: list[int] = [output_size]
 
     def to_fp8(self, block: tuple[int, int]) -> None:
         """e4m3 weight + per-block fp32 scales in place of the weight (before loading)."""
@@ -88,8 +90,15 @@ class LinearBase(nn.Module):
         _copy(param.data, loaded)
 
     def matmul(self, x, bias: torch.Tensor | None) -> torch.Tensor:
-        """x: a tensor, or for an fp8 layer an Fp8Input already quantized (by the op before)."""
+        """x: a tensor, or for an fp8 layer an Fp8Input already quantized (by the op before). On the
+        CPU a packed layer multiplies part by part, as transformers' separate projections do: the
+        CPU's GEMM sums in an order that follows the output's width, so one packed product differs
+        from transformers' q, k and v (or gate and up) in a few elements in 10^4 (bf16 and fp32)."""
         if self.weight_scale_inv is None:
+            if len(self.part_sizes) > 1 and self.weight.device.type == "cpu":
+                weights = self.weight.split(self.part_sizes)
+                biases = bias.split(self.part_sizes) if bias is not None else [None] * len(weights)
+                return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
             return F.linear(x, self.weight, bias)
         from executor_service.layers.fp8_gemm_triton import fp8_linear
 
@@ -125,6 +134,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        self.part_sizes = [n // tp_size for n in output_sizes]
 
     def _block_sizes(self, out_f: int, in_f: int, block: tuple[int, int]) -> list[tuple[int, int, str]]:
         return [
@@ -157,6 +167,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_shard = kv_head_shard(tp_rank, num_kv_heads, tp_size)
         output_size = (num_heads + 2 * self.num_kv_heads * tp_size) * head_dim
         super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+        kv = self.num_kv_heads * head_dim
+        self.part_sizes = [self.num_heads * head_dim, kv, kv]
 
     def _block_sizes(self, out_f: int, in_f: int, block: tuple[int, int]) -> list[tuple[int, int, str]]:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
