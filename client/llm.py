@@ -6,7 +6,6 @@ outputs = llm.generate(["The list type"], SamplingParams(max_tokens=32))
 
 from __future__ import annotations
 
-import dataclasses
 import reprlib
 import time
 from collections.abc import Callable, Sequence
@@ -267,9 +266,7 @@ class LLM:
         bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
-                # logprobs=0: the sampled token's own logprob (vLLM's), which the engine reports
-                # beside one alternative; _output drops the alternative. Checked above, each sample
-                # is admitted unchecked.
+                # Checked above, each sample is admitted unchecked.
                 for j, sample in enumerate(sp.for_samples()):
                     rid = self.engine.add_request(ids, sample, validated=True)
                     requests[rid] = (i, j, sample)
@@ -305,8 +302,7 @@ class LLM:
                     elif not out.finished:
                         continue
                     i, j, sample = requests[rid]
-                    own_only = sampling_params[i].logprobs == 0
-                    finished[rid] = self._output(out, stream, j, sample, own_only, encoded[i])
+                    finished[rid] = self._output(out, stream, j, sample, encoded[i])
                     if j == 0:  # the prompt's, as its first sample found it (as the servers' usage)
                         cached[i] = out.num_cached_tokens
                     bar.update(1)
@@ -339,7 +335,6 @@ class LLM:
         stream: _TextStream | None,
         index: int,
         params: SamplingParams,
-        own_logprobs_only: bool,
         prompt_token_ids: list[int],
     ) -> CompletionOutput:
         token_ids = list(out.token_ids)
@@ -365,8 +360,6 @@ class LLM:
             logprobs = logprobs[:n] if logprobs is not None else None
         cumulative = None
         if logprobs is not None:
-            if own_logprobs_only:
-                logprobs = [dataclasses.replace(lp, top_logprobs=[]) for lp in logprobs]
             name_tokens(self.tokenizer, logprobs)
             cumulative = sum(lp.logprob for lp in logprobs)
         return CompletionOutput(index, token_ids, text, reason, logprobs, stop_reason, cumulative)

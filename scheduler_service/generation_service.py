@@ -173,16 +173,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def _admit(
         self, request: pb.GenerateRequest, request_id: str, arrival: float, timeout: float | None
     ) -> list[tuple[RequestStream, ChatOutputParser | None, bool, list[int]]]:
-        """One stream per sample (n), with the parser that splits a Chat prompt's answer, whether
-        its tokens' logprobs go without alternatives (logprobs 0), and the prompt's ids (whose
-        continuation its text is decoded as)."""
+        """One stream per sample (n), with the parser that splits a Chat prompt's answer, and the
+        prompt's ids (whose continuation its text is decoded as)."""
         verify_request_id(request.request_id)
         params = sampling_params_from_proto(request.sampling_params)
         tokenizer = self.engine.tokenizer
         verify_tokenizer(params, tokenizer, NO_TOKENIZER)
-        # logprobs 0: each token's own logprob, which the engine reports beside one alternative;
-        # the alternative is dropped from the chunks.
-        own_only = params.logprobs == 0
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequestError(
@@ -215,11 +211,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prompt, template = list(ids), None
         streams = await self.engine.submit(request_id, prompt, params, arrival, timeout, request.user)
         if template is None:
-            return [(stream, None, own_only, prompt) for stream in streams]
-        return [
-            (stream, ChatOutputParser.for_request(template, text, tools), own_only, prompt)
-            for stream in streams
-        ]
+            return [(stream, None, prompt) for stream in streams]
+        return [(stream, ChatOutputParser.for_request(template, text, tools), prompt) for stream in streams]
 
     async def Generate(
         self,
@@ -298,11 +291,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         is raised."""
         queue: asyncio.Queue = asyncio.Queue(maxsize=len(samples))
 
-        async def pump(
-            stream: RequestStream, parser: ChatOutputParser | None, own_only: bool, prompt: list[int]
-        ) -> None:
+        async def pump(stream: RequestStream, parser: ChatOutputParser | None, prompt: list[int]) -> None:
             try:
-                async for response in self._responses(stream, parser, own_only, prompt):
+                async for response in self._responses(stream, parser, prompt):
                     await queue.put(response)
             except TandemRequestError as e:
                 await queue.put(e)
@@ -328,12 +319,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self,
         stream: RequestStream,
         parser: ChatOutputParser | None,
-        own_only: bool = False,
         prompt: Sequence[int] = (),
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One sample's chunks, then its final message; its failure raised as TandemRequestError.
-        own_only: its tokens' logprobs without their alternatives; prompt: its prompt's ids (the
-        text is decoded as their continuation, so that a first word keeps its leading space)."""
+        prompt: its prompt's ids (the text is decoded as their continuation, so that a first word
+        keeps its leading space)."""
         tokenizer = self.engine.tokenizer
         output = OutputProcessor(tokenizer, stream.params, prompt)
         request_id, index = stream.request_id, stream.index
@@ -352,9 +342,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     chunk = pb.GenerateChunk(prompt_logprobs=part)
                     yield pb.GenerateResponse(request_id=request_id, chunk=chunk, index=index)
             entries = logprobs_to_proto(logprobs, tokenizer)
-            if own_only:
-                for entry in entries:
-                    del entry.top_logprobs[:]
             pieces = list(split_tokens(ids, entries, self._chunk_token_bytes))
             for i, (ids, logprobs) in enumerate(pieces):
                 last = finished and i == len(pieces) - 1

@@ -253,7 +253,7 @@ class SamplingParams:
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             # The executor reports a sampled token's logprob beside at least one alternative (0:
-            # none): logprobs 0 asks it for one, which the outputs leave out.
+            # none): logprobs 0 asks it for one, which Sequence.append_logprobs leaves out.
             logprobs=0 if self.logprobs is None else max(self.logprobs, 1),
             num_prompt_tokens=num_prompt_tokens,
             min_tokens=self.min_tokens,

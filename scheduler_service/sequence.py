@@ -202,14 +202,16 @@ class Sequence:
             )
 
     def append_logprobs(self, lp: TokenLogprobs, num_before: int) -> None:
-        """Record the logprobs of the tokens appended after position num_before."""
+        """Record the logprobs of the tokens appended after position num_before. With logprobs 0
+        (each token's own), without the alternative the executor reports beside it."""
         num_top = len(lp.top_token_ids) // max(len(lp.sampled_logprobs), 1)
+        own_only = self.sampling_params.logprobs == 0
         for j in range(len(self.token_ids) - num_before):
             top = slice(j * num_top, (j + 1) * num_top)
             self.logprobs.append(
                 TokenLogprob(
                     self.token_ids[num_before + j],
                     lp.sampled_logprobs[j],
-                    list(zip(lp.top_token_ids[top], lp.top_logprobs[top], strict=True)),
+                    [] if own_only else list(zip(lp.top_token_ids[top], lp.top_logprobs[top], strict=True)),
                 )
             )
