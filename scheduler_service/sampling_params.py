@@ -39,6 +39,9 @@ MAX_N = 128
 # in 64 bits (executor.proto): a seed in [-2**63, 2**64) travels modulo 2**64 (a negative one is
 # vLLM's int64 seed), a top_k past the vocabulary is off.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+# vLLM's _MAX_TEMP: a temperature in (0, this) samples at this one (vLLM's SamplingParams raises it,
+# with a warning), not more sharply, and not greedily either (only 0 is greedy then).
+MIN_SAMPLING_TEMPERATURE = 1e-2
 _INT_FIELDS = (
     "max_tokens",
     "top_k",
@@ -106,6 +109,8 @@ class SamplingParams:
         # -1 is vLLM's "off", the same as 0.
         if self.top_k == -1:
             self.top_k = 0
+        # vLLM's: a temperature in (0, 0.01) samples at 0.01.
+        self.temperature = _sampling_temperature(self.temperature)
         # vLLM's stop may be one string (not a list of its characters) or None, as OpenAI's is.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -244,7 +249,7 @@ class SamplingParams:
 
     def to_step_params(self, num_prompt_tokens: int) -> StepSamplingParams:
         return StepSamplingParams(
-            temperature=self.temperature,
+            temperature=_sampling_temperature(self.temperature),  # (also where set after construction)
             top_k=min(max(self.top_k, 0), INT32_MAX),
             top_p=self.top_p,
             min_p=self.min_p,
@@ -361,6 +366,16 @@ def _float32(x: float) -> float:
         return struct.unpack("f", struct.pack("f", x))[0]
     except OverflowError:
         return math.copysign(math.inf, x)
+
+
+def _sampling_temperature(temperature: float) -> float:
+    """The temperature a request samples at, as vLLM's SamplingParams sets it: one in
+    (0, MIN_SAMPLING_TEMPERATURE) is raised to MIN_SAMPLING_TEMPERATURE (anything else, a value
+    verify refuses included, is left as it is)."""
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if number and 0 < temperature < MIN_SAMPLING_TEMPERATURE:
+        return MIN_SAMPLING_TEMPERATURE
+    return temperature
 
 
 def _fail(message: str) -> None:

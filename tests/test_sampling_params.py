@@ -53,6 +53,33 @@ def test_good_sampling_params_and_step_params():
 
 
 @pytest.mark.parametrize(
+    ("temperature", "samples_at"), [(1e-6, 0.01), (0.005, 0.01), (0.01, 0.01), (0.0, 0.0)]
+)
+def test_a_temperature_below_0_01_samples_at_0_01_as_vllm(temperature, samples_at):
+    """vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01 (_MAX_TEMP): 1e-6 samples
+    at 0.01 there, not greedily, and 0.005 no more sharply than 0.01; 0 stays greedy."""
+    import torch
+
+    from executor_service.sampler import Sampler
+    from executor_service.sampling_metadata import SamplingMetadata
+    from executor_service.sequence import SequenceState
+
+    params = SamplingParams(temperature=temperature)
+    assert params.temperature == samples_at
+    assert params.to_step_params(num_prompt_tokens=2).temperature == pytest.approx(samples_at)
+    late = SamplingParams()
+    late.temperature = temperature  # set after construction: the step still samples at samples_at
+    assert late.to_step_params(num_prompt_tokens=2).temperature == pytest.approx(samples_at)
+    # Two tokens 0.01 apart: at 0.01 the second is drawn 27% of the time; greedy never draws it.
+    logits = torch.tensor([[2.0, 1.99, 0.0, 0.0]]).repeat(2000, 1)
+    seqs = [SequenceState(i, [3, 3], [], 0, params.to_step_params(2), 2) for i in range(2000)]
+    meta = SamplingMetadata.build(seqs, 4, torch.device("cpu"))
+    share = (Sampler(0, torch.device("cpu"))(logits, meta).sampled_token_ids == 1).float().mean().item()
+    expected = (logits[0] / samples_at).softmax(-1)[1].item() if samples_at else 0.0
+    assert abs(share - expected) < 0.05
+
+
+@pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [
         ([], SamplingParams(), "prompt is empty: at least one token is required"),
