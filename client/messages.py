@@ -236,6 +236,8 @@ def sampling_params(**kwargs) -> pb.SamplingParams:
             value = int(value)
             if name != "seed":
                 value = _int32(value, name)
+            elif value == -1:  # vLLM's "no seed" (the offline SamplingParams' too): left unset
+                continue
             elif SEED_MIN <= value <= SEED_MAX:
                 value %= 2**64
             else:

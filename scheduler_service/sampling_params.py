@@ -37,7 +37,7 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_N = 128
 # The executor's step plan carries the sampling parameters as 32-bit floats and integers, and the seed
 # in 64 bits (executor.proto): a seed in [-2**63, 2**64) travels modulo 2**64 (a negative one is
-# vLLM's int64 seed), a top_k past the vocabulary is off.
+# vLLM's int64 seed; -1, as in vLLM, is no seed: __post_init__), a top_k past the vocabulary is off.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 # vLLM's _MAX_TEMP: a temperature in (0, this) samples at this one (vLLM's SamplingParams raises it,
 # with a warning), not more sharply, and not greedily either (only 0 is greedy then).
@@ -111,6 +111,9 @@ class SamplingParams:
             self.top_k = 0
         # vLLM's: a temperature in (0, 0.01) samples at 0.01.
         self.temperature = _sampling_temperature(self.temperature)
+        # vLLM's: seed -1 is no seed (a random one per request), not a fixed seed.
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            self.seed = None
         # vLLM's stop may be one string (not a list of its characters) or None, as OpenAI's is.
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -140,7 +140,8 @@ def test_n_0_is_refused_rather_than_sent_as_one_sample(capsys):
 
 
 def test_a_negative_seed_travels_modulo_2_64_as_offline():
-    assert sampling_params(seed=-1).seed == 2**64 - 1
+    assert sampling_params(seed=-2).seed == 2**64 - 2
+    assert not sampling_params(seed=-1).HasField("seed")  # vLLM's "no seed", as offline
     assert sampling_params(seed=-(2**63)).seed == 2**63
 
 

@@ -79,6 +79,16 @@ def test_a_temperature_below_0_01_samples_at_0_01_as_vllm(temperature, samples_a
     assert abs(share - expected) < 0.05
 
 
+def test_seed_minus_1_is_no_seed_as_vllm():
+    """vLLM's SamplingParams takes seed -1 for no seed: each request (and each of its n samples)
+    draws anew, where a fixed seed 2**64 - 1 drew the same tokens every time."""
+    params = SamplingParams(temperature=1.0, seed=-1, n=3)
+    assert params.seed is None
+    assert [p.seed for p in params.for_samples()] == [None] * 3
+    assert params.to_step_params(num_prompt_tokens=2).seed is None
+    assert SamplingParams(temperature=1.0, seed=-2).to_step_params(2).seed == 2**64 - 2
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [
