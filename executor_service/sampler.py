@@ -131,11 +131,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Keep each row's top_k tokens, then the smallest set of those whose probability reaches top_p."""
+    """Keep each row's top_k tokens (and any tied with the k-th, as vLLM's), then the smallest set of
+    those whose probability reaches top_p."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(-1), float("-inf"))
+        kth = sorted_logits.gather(-1, (top_k - 1).unsqueeze(-1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs

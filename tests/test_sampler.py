@@ -105,6 +105,21 @@ def test_empirical_frequencies_match_renormalised_distribution(params, keep):
     assert _total_variation(freqs, _renormalised(keep)) < 0.02
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.99])
+def test_top_k_keeps_the_tokens_tied_with_the_k_th_as_vllm(top_p):
+    """vLLM's top-k masks the logits below the k-th largest (apply_top_k_only / apply_top_k_top_p):
+    tokens tied with the k-th all stay (bf16 logits tie often), where a cut by rank kept k of them."""
+    tied = torch.tensor([3.0, 2.0, 2.0, 2.0, 0.0, -1.0, -1.0, -2.0])
+    freqs = _draw_frequencies(tied.unsqueeze(0), StepSamplingParams(temperature=1.0, top_k=2, top_p=top_p))
+    keep = [0, 1, 2, 3]
+    expected = torch.zeros_like(tied)
+    expected[keep] = tied[keep].softmax(-1)
+    assert _total_variation(freqs, expected) < 0.02
+    top_tie = torch.tensor([1.0, 5.0, 5.0, 0.0])  # top_k 1 with two maxima: either, half the time
+    freqs = _draw_frequencies(top_tie.unsqueeze(0), StepSamplingParams(temperature=1.0, top_k=1, top_p=top_p))
+    assert abs(freqs[1].item() - 0.5) < 0.02 and abs(freqs[2].item() - 0.5) < 0.02
+
+
 def test_temperature_sharpens_the_distribution():
     freqs = _draw_frequencies(FIXED.unsqueeze(0), StepSamplingParams(temperature=0.5))
     assert _total_variation(freqs, (FIXED / 0.5).softmax(-1)) < 0.02
