@@ -154,7 +154,9 @@ class Sequence:
             stop_ids.update(eos_token_ids)
         self.stop_ids = frozenset(stop_ids)
         if params.min_tokens:  # the executor bans them until then
-            self.step_params.stop_token_ids = sorted(stop_ids)
+            # The end-of-sequence tokens even with ignore_eos (vLLM's all_stop_token_ids): they
+            # wait for min_tokens there whether or not they stop the sequence after it.
+            self.step_params.stop_token_ids = sorted(stop_ids.union(eos_token_ids))
         self.max_num_tokens = max_model_len
         if params.max_tokens is not None:
             self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + params.max_tokens)

@@ -602,3 +602,15 @@ def test_a_result_in_another_order_than_the_plan_is_applied_by_sequence_id():
     result.seq_ids[1] = 999
     with pytest.raises(RuntimeError, match="sampled sequence 999, not in the plan"):
         engine.scheduler.update(plan, result)
+
+
+def test_min_tokens_bans_the_eos_tokens_even_with_ignore_eos_as_vllm():
+    """vLLM's min_tokens masks all_stop_token_ids (stop_token_ids and the end-of-sequence tokens,
+    which update_from_generation_config adds whatever ignore_eos): with ignore_eos an EOS token
+    does not stop the sequence, but it still waits for min_tokens."""
+    for ignore_eos, stops in ((True, {9}), (False, {2, 3, 9})):
+        params = SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=ignore_eos, stop_token_ids=[9])
+        seq = Sequence(0, [1, 5], params)
+        seq.set_stop_rules((2, 3), max_model_len=64)
+        assert seq.stop_ids == stops
+        assert seq.step_params.stop_token_ids == [2, 3, 9]
