@@ -794,6 +794,10 @@ class _ResponseWriter:
 
         tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
         left, failed = len(self.choices), False
+        options = self.body.stream_options
+        include_usage = options is not None and bool(options.include_usage)
+        # vLLM's continuous_usage_stats: each chunk carries the usage so far.
+        continuous = include_usage and bool(options.continuous_usage_stats)
         try:
             if self.chat:
                 first = [
@@ -805,7 +809,7 @@ class _ResponseWriter:
                     }
                     for c in self.choices
                 ]
-                yield self._chunk(first)
+                yield self._chunk(first, self.usage() if continuous else None)
             while left:
                 choice, *item = await queue.get()
                 if isinstance(item[0], TandemRequestError):
@@ -817,13 +821,12 @@ class _ResponseWriter:
                 text, logprobs, last = item
                 delta = self._delta(choice, text, logprobs, last)
                 if delta is not None:
-                    yield self._chunk([delta])
+                    yield self._chunk([delta], self.usage() if continuous else None)
                 if last:
                     left -= 1
                     self._count_finished(choice)
             else:
-                options = self.body.stream_options
-                if options is not None and options.include_usage:
+                if include_usage:
                     yield self._chunk([], self.usage())
             yield "data: [DONE]\n\n"
         finally:  # finished, failed, or the client went away (the generator is closed)

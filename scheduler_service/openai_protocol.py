@@ -139,9 +139,13 @@ _STRICT = ConfigDict(strict=True)
 
 
 class StreamOptions(BaseModel):
+    """vLLM's: `{}` includes the usage (a last chunk with it), and continuous_usage_stats (with
+    include_usage) puts the usage so far in every chunk too."""
+
     model_config = _STRICT
 
-    include_usage: bool = False
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 class _Request(BaseModel):
@@ -201,7 +205,8 @@ class _Request(BaseModel):
     def check_fields(self) -> None:
         """Raises InvalidRequestError for fields that contradict each other, or ask for what this
         server cannot do (before any work)."""
-        if self.stream_options is not None and not self.stream:
+        # (vLLM's test: options sent as {} or null are no options)
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise InvalidRequestError("Stream options can only be defined when `stream=True`.")
         if self.user is not None:  # (logged, and sent to the engine core by API server processes)
             verify_unicode(self.user, "user")

@@ -630,7 +630,38 @@ def test_stream_options_without_stream_are_a_400(server, endpoint):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"] == "Stream options can only be defined when `stream=True`."
     assert httpx.post(url, json={**body, "stream_options": None}).status_code == 200
+    assert httpx.post(url, json={**body, "stream_options": {}}).status_code == 200  # (vLLM's: no options)
     assert len(server.engine.streams) == 0
+
+
+def _events(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_stream_options_take_vllm_s_defaults(server, endpoint):
+    """vLLM's stream_options: include_usage defaults to true (`{}` ends the stream with the usage),
+    and continuous_usage_stats puts the usage so far in every chunk; include_usage false or null
+    sends none."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    body = {"max_tokens": 4, "stream": True, "ignore_eos": True}
+    body |= (
+        {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    chunks = _events(url, {**body, "stream_options": {}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all("usage" not in c for c in chunks[:-1])
+    for off in ({"include_usage": False}, {"include_usage": None}):
+        assert all("usage" not in c for c in _events(url, {**body, "stream_options": off}))
+    chunks = _events(url, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" in c for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
 
 
 @pytest.mark.parametrize("stream", [True, False])
