@@ -429,7 +429,7 @@ class ChatRequest(_Request):
             raise InvalidRequestError(
                 "echo is not supported in chat completions (a completion echoes its prompt: /v1/completions)"
             )
-        if self.stream and self.prompt_logprobs is not None:  # (vLLM's rule)
+        if self.stream and self.prompt_logprobs:  # (vLLM's rule: 0 is taken, and none come)
             raise InvalidRequestError(
                 "prompt_logprobs are not available when stream=true in a chat completion: they come "
                 "in the whole response (or stream a completion: its first chunk carries them)"
@@ -504,6 +504,13 @@ class ChatRequest(_Request):
             raise InvalidRequestError('tool_choice: only "auto" and "none" are supported')
         return bool(self.tools) and self.tool_choice != "none"
 
+    def prompt_logprobs_of(self) -> int | None:
+        """A stream has no place for them (vLLM's takes prompt_logprobs 0 there and sends none):
+        the prompt is not scored."""
+        if self.stream and self.prompt_logprobs == 0:
+            return None
+        return self.prompt_logprobs
+
     def max_tokens_of(self) -> int | None:
         """max_completion_tokens (OpenAI's newer name) or max_tokens; both must agree if given."""
         both = self.max_tokens is not None and self.max_completion_tokens is not None
@@ -525,10 +532,10 @@ class ChatRequest(_Request):
 
     @property
     def num_top_logprobs(self) -> int:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs: true")
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise InvalidRequestError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:  # (0, the default, asks for nothing: vLLM's)
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
         return self.top_logprobs or 0
 
 

@@ -149,11 +149,15 @@ def test_prompt_logprobs_of_a_streamed_chat_are_a_400(server):
     chunks does not have: a streamed chat with them is a 400, as vLLM's. It streamed the answer and
     left them out without a word."""
     url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 1}
     r = httpx.post(url, json={**body, "stream": True})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith("prompt_logprobs are not available when stream=true")
     assert httpx.post(url, json=body).json()["prompt_logprobs"][0] is None
+    # vLLM's rule refuses more than 0 alternatives only: 0 streams, without them.
+    chunks = _events(url, {**body, "prompt_logprobs": 0, "stream": True})
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("prompt_logprobs" not in c for c in chunks)
 
 
 def test_max_tokens_and_max_completion_tokens(api, model):
@@ -532,6 +536,20 @@ def test_negative_top_logprobs_are_a_400(server):
     r = httpx.post(url, json={**body, "top_logprobs": -1})
     assert r.status_code == 400
     assert "top_logprobs must be >= 0, got -1" in r.json()["error"]["message"]
+
+
+def test_top_logprobs_0_needs_no_logprobs(server):
+    """vLLM's rule: top_logprobs over 0 need logprobs true; 0 (its default) asks for nothing, so
+    it may come with logprobs false or left out, as clients that always send it do."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "top_logprobs": 0}
+    for logprobs in ({}, {"logprobs": False}):
+        r = httpx.post(url, json={**body, **logprobs})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"] is None
+    r = httpx.post(url, json={**body, "top_logprobs": 1})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "top_logprobs needs logprobs: true"
 
 
 def test_top_logprobs_over_max_logprobs_are_a_400_naming_them(server):
