@@ -326,7 +326,9 @@ class OpenAIServer:
         try:
             for p, prompt in enumerate(prompts):
                 ids = (
-                    await self._encode(prompt, params, not chat) if isinstance(prompt, str) else list(prompt)
+                    await self._encode(prompt, params, body.add_special_tokens)
+                    if isinstance(prompt, str)
+                    else list(prompt)
                 )
                 kept = truncate_prompt(ids, params, engine.limits.max_model_len)
                 name = request_id if len(prompts) == 1 else f"{request_id}-{p}"

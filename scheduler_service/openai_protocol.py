@@ -348,6 +348,8 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt, as Hugging Face adds them.
+    add_special_tokens: bool = True
 
     NULL_IS_DEFAULT = _Request.NULL_IS_DEFAULT | {"echo"}
 
@@ -420,6 +422,9 @@ class ChatRequest(_Request):
     # vLLM's: the prompt ends inside the final message (an assistant's start), which the model continues.
     continue_final_message: bool = False
     documents: FailFastList[dict[str, Any]] | None = None
+    # vLLM's: the tokenizer's special tokens (a BOS) on top of what the template writes (off: the
+    # template writes its own).
+    add_special_tokens: bool = False
 
     NULL_IS_DEFAULT = _Request.NULL_IS_DEFAULT | {"logprobs"}
 

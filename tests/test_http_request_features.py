@@ -1390,3 +1390,53 @@ def test_logprobs_0_is_served_under_max_logprobs_0(checkpoint, reference):
                 TandemError, match="INVALID_ARGUMENT: logprobs \\(1\\) exceeds max_logprobs \\(0"
             ):
                 client.complete(PROMPT, max_tokens=3, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def bos_server(checkpoint, tmp_path_factory):
+    """The checkpoint with a tokenizer that starts each text with a BOS (<|endoftext|>, id 0), as
+    Llama's does."""
+    path = tmp_path_factory.mktemp("with_bos") / "qwen3"
+    shutil.copytree(checkpoint, path)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with serving_http(path) as server:
+        yield server
+
+
+@pytest.mark.parametrize(("endpoint", "default"), [("completions", True), ("chat/completions", False)])
+def test_add_special_tokens_is_vllm_s(bos_server, endpoint, default):
+    """vLLM's add_special_tokens: a completion's text prompt gets the tokenizer's BOS unless it is
+    off; a chat's rendered prompt gets it only when it is on (the template writes its own). It was
+    ignored (a completion always had it, a chat never)."""
+    url = f"http://127.0.0.1:{bos_server.http_port}/v1/{endpoint}"
+    body = {"max_tokens": 1, "prompt_logprobs": 0}
+    body |= (
+        {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+
+    def prompt_ids(**fields) -> tuple[int, list[int]]:
+        r = httpx.post(url, json={**body, **fields})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        lps = (
+            answer["prompt_logprobs"]
+            if endpoint != "completions"
+            else answer["choices"][0]["prompt_logprobs"]
+        )
+        assert len(lps) == answer["usage"]["prompt_tokens"]
+        return answer["usage"]["prompt_tokens"], [int(next(iter(lp))) for lp in lps[1:]]
+
+    with_bos, without = prompt_ids(add_special_tokens=True), prompt_ids(add_special_tokens=False)
+    assert with_bos[0] == without[0] + 1
+    assert with_bos[1][1:] == without[1]  # (the BOS is the first token, which has no logprob)
+    assert prompt_ids() == (with_bos if default else without)
