@@ -123,6 +123,19 @@ CONSTRAINED_OUTPUT_FIELDS = (
 )
 
 
+# vLLM's sampling features this server does not have, with the values that ask for nothing: another
+# value is a 400 naming the field, rather than output the client did not ask for (a token it banned,
+# a word it forbade) without a word. (vLLM itself refuses logits_processors, and a priority other
+# than 0, unless configured for them.)
+UNSUPPORTED_SAMPLING_FIELDS = {
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "use_beam_search": (None, False),
+    "logits_processors": (None,),
+    "priority": (None, 0),
+}
+
+
 _T = TypeVar("_T")
 # A list whose validation stops at its first wrong item: pydantic reports each wrong item by default,
 # so a long list of them (a million token ids with one string among them, tried against each of
@@ -221,6 +234,9 @@ class _Request(BaseModel):
                 raise InvalidRequestError(
                     f"{name} is not supported: this server generates free text only (no structured outputs)"
                 )
+        for name, defaults in UNSUPPORTED_SAMPLING_FIELDS.items():
+            if name in extra and not any(extra[name] == d and type(extra[name]) is type(d) for d in defaults):
+                raise InvalidRequestError(f"{name} is not supported by this server")
 
     def ignored_fields(self) -> list[str]:
         """The fields sent (other than as null) that this server does not know, so does not act on."""
@@ -505,6 +521,10 @@ class ChatRequest(_Request):
         return messages
 
     def parses_tools(self) -> bool:
+        if self.tool_choice == "required" and self.tools == []:  # (vLLM's and OpenAI's: as "none")
+            return False
+        if self.tool_choice not in (None, "none") and self.tools is None:  # (vLLM's rule)
+            raise InvalidRequestError("When using `tool_choice`, `tools` must be set.")
         if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError('tool_choice: only "auto" and "none" are supported')
         return bool(self.tools) and self.tool_choice != "none"

@@ -1440,3 +1440,46 @@ def test_add_special_tokens_is_vllm_s(bos_server, endpoint, default):
     assert with_bos[0] == without[0] + 1
     assert with_bos[1][1:] == without[1]  # (the BOS is the first token, which has no logprob)
     assert prompt_ids() == (with_bos if default else without)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("allowed_token_ids", [5]),
+        ("bad_words", ["list"]),
+        ("use_beam_search", True),
+        ("logits_processors", ["my.Processor"]),
+        ("priority", 1),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_vllm_s_sampling_features_not_served_are_a_400(server, endpoint, field, value):
+    """vLLM's sampling fields this server cannot honour are a 400 naming them, not ignored (the
+    output would have the tokens the client banned); their values that ask for nothing are taken."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/{endpoint}"
+    body = {"max_tokens": 2}
+    body |= (
+        {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    r = httpx.post(url, json={**body, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == f"{field} is not supported by this server"
+    default = {"allowed_token_ids": None, "bad_words": [], "use_beam_search": False, "priority": 0}
+    assert httpx.post(url, json={**body, field: default.get(field)}).status_code == 200
+    assert len(server.engine.streams) == 0
+
+
+def test_tool_choice_without_tools_is_a_400_as_vllm_s(server):
+    """vLLM's check_tool_usage: a tool_choice other than "none" needs tools; "required" with an
+    empty list of them is "none"."""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(url, json={**body, "tool_choice": "auto"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "When using `tool_choice`, `tools` must be set."
+    for ok in (
+        {"tool_choice": "none"},
+        {"tool_choice": "auto", "tools": []},
+        {"tool_choice": "required", "tools": []},
+    ):
+        assert httpx.post(url, json={**body, **ok}).status_code == 200, ok
