@@ -172,7 +172,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _admit(
         self, request: pb.GenerateRequest, request_id: str, arrival: float, timeout: float | None
-    ) -> list[tuple[RequestStream, ChatOutputParser | None, bool, list[int]]]:
+    ) -> list[tuple[RequestStream, ChatOutputParser | None, list[int]]]:
         """One stream per sample (n), with the parser that splits a Chat prompt's answer, and the
         prompt's ids (whose continuation its text is decoded as)."""
         verify_request_id(request.request_id)
@@ -285,7 +285,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.metrics.requests_failed.labels(code.name).inc()
 
     async def _samples(
-        self, samples: list[tuple[RequestStream, ChatOutputParser | None, bool, list[int]]]
+        self, samples: list[tuple[RequestStream, ChatOutputParser | None, list[int]]]
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Every sample's responses, interleaved as they come; a failed sample's TandemRequestError
         is raised."""

@@ -301,7 +301,7 @@ class OpenAIServer:
             raise unknown
         num_top = body.num_top_logprobs
         wants_logprobs = body.logprobs if chat else body.logprobs is not None
-        # (0 alternatives: each token's own logprob; the engine's extra one is left out of the answer.)
+        # (0 alternatives: each token's own logprob, as vLLM's; None: no logprobs at all)
         params = body.sampling_params(num_top if wants_logprobs else None)
         verify_tokenizer(params, self.engine.tokenizer, NO_TOKENIZER)
         prompts, template = await self._prompts(body, chat)
