@@ -3,11 +3,13 @@
 text before the first one is the content, text after it is dropped.
 
 A call streams as OpenAI's deltas do: its index, id and function name once the block's text reads
-`{"name": "...", "arguments":`, then fragments of the arguments as the model writes them, up to the
-brace that closes the block's object. A call's `arguments` is the concatenation of its fragments:
-the model's own JSON text, so that whole and streamed answers agree whatever the pieces. A block of
-another shape is parsed when it closes (one delta for the call), and one that is not a call (not
-JSON, no name) stays in the content as written."""
+`{"name": "...", "arguments":`, then fragments of the arguments as the model writes them: an object
+or array up to the bracket that closes it (what the model writes after it, such as another key or a
+stray brace, is no part of the arguments, as in vLLM's parser), any other value up to the brace that
+closes the block's object. A call's `arguments` is the concatenation of its fragments: the model's
+own JSON text, so that whole and streamed answers agree whatever the pieces. A block of another
+shape is parsed when it closes (one delta for the call), and one that is not a call (not JSON, no
+name) stays in the content as written."""
 
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ def parse_tool_call(body: str, index: int) -> ToolCall | None:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
-    arguments = call.get("arguments", {})
+    # (Llama 3's name for them, which some Hermes-style fine-tunes write)
+    arguments = call["arguments"] if "arguments" in call else call.get("parameters", {})
     return ToolCall(
         index=index,
         id=_new_id(),
@@ -91,11 +94,14 @@ class ToolCallParser:
     def __init__(self) -> None:
         self._buffer = ""
         # "text" (outside a block), "header" (in a block, before its arguments), "arguments"
-        # (streaming them), "string" (arguments given as a JSON string: decoded at the end).
+        # (streaming a scalar), "nested" (streaming an object or array), "string" (arguments given
+        # as a JSON string: decoded at the end), "after" (the arguments are whole: the rest of the
+        # block is dropped).
         self._state = "text"
         self._body = ""  # a block's text while its header is not yet read
         self._held = ""  # arguments text not yet sent: it may close the object
         self._started = False  # whether the arguments' first character has come
+        self._brackets = _Brackets()
         self.calls: list[ToolCall] = []
 
     def add(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -175,6 +181,18 @@ class ToolCallParser:
             self._started = True
             if held.startswith('"'):
                 self._state = "string"
+            elif held[0] in "{[":
+                self._state, self._brackets = "nested", _Brackets()
+        if self._state == "after":
+            self._held = ""
+            return
+        if self._state == "nested":
+            end = self._brackets.close(held)
+            self._held = ""
+            if end is not None:
+                held, self._state = held[:end], "after"
+            self._send(held, deltas)
+            return
         if self._state == "string":  # a JSON string: its value is the arguments, sent at the end
             self._held = held
             if closed:
@@ -209,3 +227,33 @@ class ToolCallParser:
         self.calls.append(call)
         deltas.append(ToolCallDelta(call.index, call.id, call.name, call.arguments))
         return ""
+
+
+class _Brackets:
+    """Where a JSON object or array written in pieces ends: its brackets' depth, outside strings."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def close(self, text: str) -> int | None:
+        """The end (exclusive) in `text` of the bracket that closes the value, else None (more
+        to come)."""
+        for i, ch in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None

@@ -67,7 +67,7 @@ def test_continue_final_message_refusals_name_the_reason():
     with pytest.raises(InvalidRequestError, match="add_generation_prompt cannot both be true"):
         template.render(messages, continue_final_message=True)
     with pytest.raises(InvalidRequestError, match="needs a final message with text"):
-        template.render([*messages[:1], {"role": "assistant", "content": " "}], add_generation_prompt=False,
+        template.render([*messages[:1], {"role": "assistant", "content": None}], add_generation_prompt=False,
                         continue_final_message=True)  # fmt: skip
 
 
@@ -131,6 +131,17 @@ OUTPUTS = {
     ),
     # arguments as a JSON string
     '<tool_call>{"name": "g", "arguments": "{\\"q\\": \\"}\\"}"}</tool_call>': ("", "", [("g", {"q": "}"})]),
+    # what the model writes after the arguments' object (another key, a stray brace, text) is no
+    # part of them: it made them invalid JSON, the outer object's rest sent as arguments
+    '<tool_call>{"name": "f", "arguments": {"a": [1, "]}"]}, "id": "call_9"}</tool_call>': (
+        "",
+        "",
+        [("f", {"a": [1, "]}"]})],
+    ),
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}}}\n</tool_call>': ("", "", [("f", {"a": 1})]),
+    '<tool_call>{"name": "f", "arguments": [1, 2]} oops</tool_call>': ("", "", [("f", [1, 2])]),
+    # Llama 3's "parameters" for the arguments: they were dropped (the call's arguments {})
+    '<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>': ("", "", [("f", {"a": 1})]),
     # a block the answer ends in, and braces inside the arguments' strings
     '<tool_call>\n{"name": "h", "arguments": {"s": "} }", "n": {}}}\n': (
         "",
