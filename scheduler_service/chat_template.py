@@ -3,7 +3,9 @@ torch: Jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks
 `{% generation %}` tag, transformers' `tojson` (no HTML escaping, ensure_ascii off), and the globals
 `raise_exception` and `strftime_now`. The template comes from `chat_template.jinja` beside the
 tokenizer or from `chat_template` in tokenizer_config.json; the special tokens there (bos_token,
-eos_token, ...) are passed to it as transformers passes them."""
+eos_token, ...) are passed to it as transformers passes them. As in vLLM, an assistant message's
+`reasoning` (vLLM's name for it) reaches the template as `reasoning_content` too, the name that
+templates such as Qwen3's read."""
 
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ _SPECIAL_TOKENS = (
     "cls_token",
     "mask_token",
 )
+# Appended to the final message's text to find where it ends in the rendered chat (transformers'
+# marker for continue_final_message, so that both cut a template's output alike).
+_CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _raise_exception(message: str) -> None:
@@ -135,6 +140,11 @@ class ChatTemplate:
                 "continues the final message or opens a new one (send add_generation_prompt: false)"
             )
         variables = {"tools": tools, "documents": documents, "add_generation_prompt": add_generation_prompt}
+        messages = _with_reasoning_content(messages)
+        final_text = ""
+        if continue_final_message:
+            final, final_text = _marked_final_message(messages)
+            messages = [*messages[:-1], final]
         try:
             rendered = self._template.render(
                 messages=messages, **{**variables, **self.special_tokens, **kwargs}
@@ -144,24 +154,56 @@ class ChatTemplate:
         # (RecursionError: a value nested too deeply for the template's tojson)
         except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
             raise InvalidRequestError(f"the chat template could not render the messages: {e}") from None
-        return _cut_after_final_message(rendered, messages) if continue_final_message else rendered
+        return _cut_at_marker(rendered, final_text) if continue_final_message else rendered
 
 
-def _cut_after_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
-    """`rendered` up to the end of the final message's text (its last occurrence), so that what the
-    template writes after it (the end of the turn) is left out; a template that strips the text's
-    surrounding whitespace is cut after the stripped text."""
-    final = messages[-1].get("content") if messages else None
-    if not isinstance(final, str) or not final.strip():
-        raise InvalidRequestError("continue_final_message needs a final message with text to continue")
-    stripped = final.strip()
-    if stripped not in rendered:
+def _with_reasoning_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages`, an assistant's `reasoning` given to the template as `reasoning_content` too
+    (where the message has none of its own), as vLLM gives it."""
+    out = []
+    for message in messages:
+        if (
+            isinstance(message, dict)
+            and message.get("role") == "assistant"
+            and isinstance(message.get("reasoning"), str)
+            and message.get("reasoning_content") is None
+        ):
+            message = {**message, "reasoning_content": message["reasoning"]}
+        out.append(message)
+    return out
+
+
+def _marked_final_message(messages: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """A copy of the final message whose text (its content, or its last text part) ends with the
+    marker, as transformers' apply_chat_template marks it, and that text. Any text may be
+    continued, even none."""
+    final = dict(messages[-1]) if messages and isinstance(messages[-1], dict) else {}
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _CONTINUE_MARKER
+        return final, content
+    if isinstance(content, list):
+        parts = list(content)
+        for i in reversed(range(len(parts))):
+            part = parts[i]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts[i] = {**part, "text": part["text"] + _CONTINUE_MARKER}
+                final["content"] = parts
+                return final, part["text"]
+    raise InvalidRequestError("continue_final_message needs a final message with text content to continue")
+
+
+def _cut_at_marker(rendered: str, final_text: str) -> str:
+    """`rendered` up to the end of the final message's text, where the marker is, so that what
+    the template writes after it (the end of the turn) is left out; a template that strips the
+    text's trailing whitespace (the marker's space with it) is cut after the stripped text."""
+    marker = _CONTINUE_MARKER.strip()
+    if final_text.strip() not in rendered or marker not in rendered:
         raise InvalidRequestError(
             "continue_final_message: the final message's text does not appear in the rendered chat "
             "(the chat template changes it), so there is nothing to continue"
         )
-    start = rendered.rindex(stripped)
-    kept = final.lstrip()
-    if rendered[start : start + len(kept)] == kept:  # the template kept its trailing whitespace
-        return rendered[: start + len(kept)]
-    return rendered[: start + len(stripped)]
+    at = rendered.rindex(marker)
+    if rendered[at : at + len(_CONTINUE_MARKER)] == _CONTINUE_MARKER:  # the template kept the space
+        return rendered[:at]
+    return rendered[:at].rstrip()

@@ -457,3 +457,21 @@ def test_the_http_api_over_tls(checkpoint, tmp_path):
         with pytest.raises(httpx.HTTPError):  # plaintext to the TLS port
             httpx.get(f"http://127.0.0.1:{running.http_port}/health", timeout=5)
         trusted.close()
+
+
+@pytest.mark.parametrize("final", ["", "|"])
+def test_continue_final_message_over_http_cuts_as_transformers(server, checkpoint, final):
+    """An empty final message (the assistant's turn opened for the model) was a 400, and "|" (a
+    table begun) was cut inside the end-of-turn token that follows it: the prompt ended "|<|im_end|"."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    messages = [*MESSAGES, {"role": "assistant", "content": final}]
+    expected = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=True
+    )
+    if isinstance(expected, dict) or hasattr(expected, "input_ids"):
+        expected = expected["input_ids"]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    got = httpx.post(f"http://127.0.0.1:{server.http_port}/tokenize", json=body)
+    assert got.status_code == 200, got.text
+    assert got.json()["tokens"] == expected
