@@ -418,7 +418,8 @@ class OpenAIServer:
                 "count": len(ids),
                 "max_model_len": engine.limits.max_model_len,
                 "tokens": ids,
-                "token_strs": [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None,
+                # (vLLM's: the vocabulary's strings, as convert_ids_to_tokens; not the tokens' text)
+                "token_strs": [tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None,
             }
         )
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from helpers.fake_executor import FakeExecutor
 from helpers.scheduler_server import serving_http
+from tokenizers import Tokenizer as HFTokenizer
 
 from scheduler_service.tokenizer import Tokenizer
 
@@ -213,3 +214,14 @@ def test_a_logprob_of_minus_infinity_is_minus_9999(ruling_out, stream):
         tops = _post(f"{ruling_out}/v1/completions", **body)["choices"][0]["logprobs"]["top_logprobs"]
     assert tops and all(-9999.0 in top.values() for top in tops)
     assert all(v >= -9999.0 for top in tops for v in top.values())
+
+
+def test_tokenize_s_token_strs_are_the_vocabulary_s(url, checkpoint):
+    """vLLM's token_strs are convert_ids_to_tokens': the vocabulary's strings (byte-level BPE writes
+    a leading space as "Ġ"), not each token's decoded text, which they were."""
+    raw = HFTokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    got = httpx.post(
+        f"{url}/tokenize", json={"prompt": "hello world again", "return_token_strs": True}
+    ).json()
+    assert got["token_strs"] == [raw.id_to_token(i) for i in got["tokens"]]
+    assert any(s.startswith("Ġ") for s in got["token_strs"])
