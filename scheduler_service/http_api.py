@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -82,6 +83,9 @@ NO_TOKENIZER = "this server has no tokenizer: send token ids or start the schedu
 # reads a body whole and parses it on the event loop, which every stream and health check shares.
 MAX_BODY_BYTES = GENERATION_MAX_MESSAGE_BYTES
 
+
+# How verify_prompt_length's refusals name the model's limit (they cross the engine's IPC as text).
+_CONTEXT_LIMIT = re.compile(r"(?:exceeds|to generate within) max_model_len \((\d+)\)")
 
 # The least logprob an answer writes (vLLM's): -inf is no JSON number.
 MIN_LOGPROB = -9999.0
@@ -296,7 +300,7 @@ class OpenAIServer:
 
     def _fail(self, e: TandemRequestError) -> HttpError:
         self.metrics.requests_failed.labels(e.code.name).inc()
-        return HttpError(HTTP_STATUS[e.code], e.message)
+        return HttpError(HTTP_STATUS[e.code], *_client_message(e))
 
     # -- admission --------------------------------------------------------------------------
 
@@ -898,6 +902,17 @@ class _ResponseWriter:
             for task in tasks:
                 task.cancel()
             self._abort_unfinished()
+
+
+def _client_message(e: TandemRequestError) -> tuple[str, str | None]:
+    """The error's message and code as OpenAI's clients read them: a prompt too long for the model
+    (sampling_params.verify_prompt_length's refusals) leads with OpenAI's (and vLLM's) sentence and
+    has OpenAI's code, which clients look for to tell it from other 400s (LiteLLM's
+    ContextWindowExceededError, for one)."""
+    limit = _CONTEXT_LIMIT.search(e.message) if e.code is ErrorCode.INVALID_ARGUMENT else None
+    if limit is None:
+        return e.message, None
+    return f"This model's maximum context length is {limit[1]} tokens: {e.message}", "context_length_exceeded"
 
 
 def _model_permission(created: int) -> dict:

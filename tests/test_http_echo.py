@@ -257,6 +257,7 @@ def test_a_prompt_echoed_alone_needs_room_for_the_token_it_samples(url, api):
     r = httpx.post(url, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == (
+        f"This model's maximum context length is {max_model_len} tokens: "
         f"prompt ({max_model_len} tokens) + 1 token (echo with max_tokens 0 still samples one, not "
         f"returned) exceeds max_model_len ({max_model_len})"
     )

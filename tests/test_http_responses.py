@@ -225,3 +225,25 @@ def test_tokenize_s_token_strs_are_the_vocabulary_s(url, checkpoint):
     ).json()
     assert got["token_strs"] == [raw.id_to_token(i) for i in got["tokens"]]
     assert any(s.startswith("Ġ") for s in got["token_strs"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "endpoint, body",
+    [
+        ("completions", {"prompt": "word " * 2000}),  # (refused from its size, before it is tokenized)
+        ("completions", {"prompt": [5] * 1020, "max_tokens": 10}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x " * 1020}], "max_tokens": 10}),
+    ],
+)
+def test_a_prompt_too_long_is_openai_s_context_length_error(url, endpoint, body, stream):
+    """A prompt too long for the model is a 400 whose message starts as OpenAI's and vLLM's ("This
+    model's maximum context length is N tokens"), with OpenAI's code context_length_exceeded: what
+    clients look for to tell it from other 400s (LiteLLM's ContextWindowExceededError); the
+    server goes on serving."""
+    r = httpx.post(f"{url}/v1/{endpoint}", json={**body, "stream": stream}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith("This model's maximum context length is 1024 tokens: prompt (")
+    assert "max_model_len (1024)" in error["message"] and error["code"] == "context_length_exceeded"
+    assert _post(f"{url}/v1/completions", prompt=PROMPT, max_tokens=1)["choices"][0]["finish_reason"]
