@@ -754,7 +754,8 @@ class _ResponseWriter:
         calls = choice.parser.calls if choice.parser is not None else []
         message: dict[str, Any] = {"role": "assistant", "content": split.content or (None if calls else "")}
         if choice.parser is not None and choice.parser.reasoning is not None:
-            message["reasoning_content"] = split.reasoning or None
+            # (vLLM's name is now "reasoning"; clients of earlier vLLM, DeepSeek's, read reasoning_content)
+            message["reasoning"] = message["reasoning_content"] = split.reasoning or None
         message["tool_calls"] = [c.to_openai() for c in calls]
         return {
             "index": choice.index,
@@ -827,7 +828,7 @@ class _ResponseWriter:
         split = choice.split(text, last)
         delta: dict[str, Any] = {}
         if split.reasoning:
-            delta["reasoning_content"] = split.reasoning
+            delta["reasoning"] = delta["reasoning_content"] = split.reasoning
         if split.content:
             delta["content"] = split.content
         if split.tool_calls:  # OpenAI's: a call's index, id and name first, then its arguments
