@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP front end (FastAPI on uvicorn, on the scheduler's event loop):
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with `data: [DONE]`),
-vLLM's POST /tokenize and /detokenize, GET /health (and vLLM's /ping) and /version. Requests go through the same transport-free
-layer as gRPC's (request_handling.py) and the same AsyncEngine; errors are OpenAI error objects
-(openai_protocol.py). A client that goes away aborts its requests, which frees their blocks. A
-request body is at most MAX_BODY_BYTES (the gRPC API's message limit): a larger one is a 413 before
-it is parsed."""
+vLLM's POST /tokenize and /detokenize, GET /health (and vLLM's /ping) and vLLM's GET /version.
+Requests go through the same transport-free layer as gRPC's (request_handling.py) and the same
+AsyncEngine; errors are OpenAI error objects (openai_protocol.py). A client that goes away aborts
+its requests, which frees their blocks. A request body is at most MAX_BODY_BYTES (the gRPC API's
+message limit): a larger one is a 413 before it is parsed."""
 
 from __future__ import annotations
 
