@@ -1,18 +1,20 @@
 """The OpenAI-compatible HTTP front end (FastAPI on uvicorn, on the scheduler's event loop):
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with `data: [DONE]`),
-vLLM's POST /tokenize and /detokenize, GET /health. Requests go through the same transport-free
-layer as gRPC's (request_handling.py) and the same AsyncEngine; errors are OpenAI error objects
-(openai_protocol.py). A client that goes away aborts its requests, which frees their blocks. A
-request body is at most MAX_BODY_BYTES (the gRPC API's message limit): a larger one is a 413 before
-it is parsed."""
+vLLM's POST /tokenize and /detokenize, GET /health (and vLLM's /ping) and vLLM's GET /version.
+Requests go through the same transport-free layer as gRPC's (request_handling.py) and the same
+AsyncEngine; errors are OpenAI error objects (openai_protocol.py). A client that goes away aborts
+its requests, which frees their blocks. A request body is at most MAX_BODY_BYTES (the gRPC API's
+message limit): a larger one is a 413 before it is parsed."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -66,6 +68,11 @@ from scheduler_service.sequence import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
+try:  # (/version's answer)
+    _VERSION = importlib.metadata.version("tandem")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+    _VERSION = "unknown"
+
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; past it: 504
 # The endpoints whose refusals count in tandem_scheduler_requests_failed_total.
 _REQUEST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -76,6 +83,12 @@ NO_TOKENIZER = "this server has no tokenizer: send token ids or start the schedu
 # reads a body whole and parses it on the event loop, which every stream and health check shares.
 MAX_BODY_BYTES = GENERATION_MAX_MESSAGE_BYTES
 
+
+# How verify_prompt_length's refusals name the model's limit (they cross the engine's IPC as text).
+_CONTEXT_LIMIT = re.compile(r"(?:exceeds|to generate within) max_model_len \((\d+)\)")
+
+# The least logprob an answer writes (vLLM's): -inf is no JSON number.
+MIN_LOGPROB = -9999.0
 
 # The most names of ignored request fields one warning lists.
 MAX_LOGGED_FIELDS = 20
@@ -113,6 +126,10 @@ class _Choice:
     first_prompt_token: int | None = None
     # Echoed with max_tokens 0: the one token the engine samples is not returned.
     prompt_only: bool = False
+    # The prompt's token ids (as submitted: truncated, if asked) and the generated ids returned.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    sent_prompt_token_ids: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -177,8 +194,10 @@ class OpenAIServer:
             content_type = request.headers.get("content-type")
             return _error_response(400, body_error_message(e.errors(), e.body, content_type))
 
-        # HEAD as well as GET, as load balancers' probes send (FastAPI's get() answers HEAD 405)
+        # HEAD as well as GET, as load balancers' probes send (FastAPI's get() answers HEAD 405);
+        # /ping is vLLM's (SageMaker's) name for it, which SageMaker may also POST.
         @app.api_route("/health", methods=["GET", "HEAD"])
+        @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
         async def health() -> JSONResponse:
             try:
                 self.engine.check_admitting()
@@ -186,13 +205,24 @@ class OpenAIServer:
                 return _error_response(503, e.message)
             return JSONResponse({"status": "ok"})
 
+        @app.api_route("/version", methods=["GET", "HEAD"])
+        async def version() -> JSONResponse:  # (vLLM's: the server's version, no key needed)
+            return JSONResponse({"version": _VERSION})
+
         def model_card(engine) -> dict:
+            """vLLM's model card: OpenAI's fields, then root (what the model was loaded from: this
+            server names it as the executor does), parent (a LoRA's base: none here), max_model_len
+            and one permission."""
+            created = int(time.time())
             return {
                 "id": engine.info.model,
                 "object": "model",
-                "created": int(time.time()),
+                "created": created,
                 "owned_by": "tandem",
+                "root": engine.info.model,
+                "parent": None,
                 "max_model_len": engine.limits.max_model_len,
+                "permission": [_model_permission(created)],
             }
 
         @app.api_route("/v1/models", methods=["GET", "HEAD"])
@@ -270,7 +300,7 @@ class OpenAIServer:
 
     def _fail(self, e: TandemRequestError) -> HttpError:
         self.metrics.requests_failed.labels(e.code.name).inc()
-        return HttpError(HTTP_STATUS[e.code], e.message)
+        return HttpError(HTTP_STATUS[e.code], *_client_message(e))
 
     # -- admission --------------------------------------------------------------------------
 
@@ -343,7 +373,7 @@ class OpenAIServer:
                 for stream in await self.engine.submit(name, ids, params, arrival, timeout, body.user):
                     # (the text decoded as the prompt's continuation: a word's leading space kept)
                     output = OutputProcessor(self.engine.tokenizer, stream.params, ids)
-                    choice = _Choice(len(choices), stream, output)
+                    choice = _Choice(len(choices), stream, output, prompt_token_ids=ids)
                     if echo:
                         choice.prompt_text, choice.first_prompt_token = text, ids[0]
                         choice.prompt_only = body.prompt_only
@@ -392,7 +422,8 @@ class OpenAIServer:
                 "count": len(ids),
                 "max_model_len": engine.limits.max_model_len,
                 "tokens": ids,
-                "token_strs": [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None,
+                # (vLLM's: the vocabulary's strings, as convert_ids_to_tokens; not the tokens' text)
+                "token_strs": [tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None,
             }
         )
 
@@ -495,10 +526,10 @@ class _RequireApiKey:
 
 async def _choice_deltas(
     engine: AsyncEngine, choice: _Choice, interval: int = 1
-) -> AsyncIterator[tuple[str, list[TokenLogprob], bool]]:
-    """(text delta, its tokens' logprobs, last) as the engine produces them, `interval` tokens at
-    least a delta but the last (none of them for a prompt echoed alone, which ends for its
-    length); the stream's failure is raised as TandemRequestError."""
+) -> AsyncIterator[tuple[str, list[int], list[TokenLogprob], bool]]:
+    """(text delta, its token ids, their logprobs, last) as the engine produces them, `interval`
+    tokens at least a delta but the last (none of them for a prompt echoed alone, which ends for
+    its length); the stream's failure is raised as TandemRequestError."""
     stream, output = choice.stream, choice.output
     while True:
         await stream.wait(interval)
@@ -508,7 +539,7 @@ async def _choice_deltas(
         ids, logprobs = stream.take()
         delta = output.add(ids, finished, stream.finish_reason)
         if delta.stopped:
-            logprobs = logprobs[: delta.num_tokens]
+            ids, logprobs = ids[: delta.num_tokens], logprobs[: delta.num_tokens]
             engine.abort(stream)
             stream.finished = finished = True
         if finished:
@@ -518,9 +549,9 @@ async def _choice_deltas(
             if choice.prompt_only:
                 choice.finish_reason, choice.stop_reason = "length", None
         if choice.prompt_only:
-            yield "", [], finished
+            yield "", [], [], finished
         else:
-            yield delta.text, logprobs, finished
+            yield delta.text, list(ids), logprobs, finished
         if finished:
             return
 
@@ -535,6 +566,7 @@ class _ResponseWriter:
         self.model = self.engine.engine.info.model if self.engine.engine is not None else body.model
         self.tokenizer = self.engine.tokenizer
         self.num_top = (body.num_top_logprobs if body.logprobs else None) if chat else body.logprobs
+        self.return_token_ids = bool(body.return_token_ids)
 
     def _count_finished(self, choice: _Choice) -> None:
         """A choice's final answer in the metrics, as gRPC's final message is counted."""
@@ -574,13 +606,15 @@ class _ResponseWriter:
         for lp in lps:
             entry = {
                 str(lp.token_id): {
-                    "logprob": lp.logprob,
+                    "logprob": _logprob(lp.logprob),
                     "rank": lp.rank,
                     "decoded_token": self._token(lp.token_id),
                 }
             }
             for rank, (t, v) in enumerate(lp.top_logprobs[:num_top], 1):
-                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self._token(t)})
+                entry.setdefault(
+                    str(t), {"logprob": _logprob(v), "rank": rank, "decoded_token": self._token(t)}
+                )
             out.append(entry)
         return out
 
@@ -605,11 +639,14 @@ class _ResponseWriter:
             tokens.append(token)
             offsets.append(offset)
             offset += len(token)
-            values.append(None if lp is None else lp.logprob)
+            values.append(None if lp is None else _logprob(lp.logprob))
             tops.append(
                 None
                 if lp is None
-                else {token: lp.logprob, **{self._token(i): v for i, v in lp.top_logprobs[: self.num_top]}}
+                else {
+                    token: _logprob(lp.logprob),
+                    **{self._token(i): _logprob(v) for i, v in lp.top_logprobs[: self.num_top]},
+                }
             )
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
@@ -625,13 +662,13 @@ class _ResponseWriter:
             for lp in logprobs:
                 token = self._token(lp.token_id)
                 top = [
-                    {"token": (t := self._token(i)), "logprob": v, "bytes": list(t.encode())}
+                    {"token": (t := self._token(i)), "logprob": _logprob(v), "bytes": list(t.encode())}
                     for i, v in lp.top_logprobs[: self.num_top]
                 ]
                 content.append(
                     {
                         "token": token,
-                        "logprob": lp.logprob,
+                        "logprob": _logprob(lp.logprob),
                         "bytes": list(token.encode()),
                         "top_logprobs": top,
                     }
@@ -646,8 +683,9 @@ class _ResponseWriter:
     # -- whole responses ----------------------------------------------------------------------
 
     async def _collect(self, choice: _Choice) -> None:
-        async for text, logprobs, last in _choice_deltas(self.engine, choice):
+        async for text, ids, logprobs, last in _choice_deltas(self.engine, choice):
             choice.text.append(text)
+            choice.token_ids.extend(ids)
             choice.logprobs.extend(logprobs)
             if last:
                 return
@@ -677,11 +715,22 @@ class _ResponseWriter:
             "created": self.created,
             "model": self.model,
             "choices": [self._whole_choice(c) for c in self.choices],
+            "service_tier": None,
+            "system_fingerprint": None,
             "usage": self.usage(),
         }
-        if self.chat and self.body.prompt_logprobs is not None:  # vLLM's place for them in chat
-            response["prompt_logprobs"] = self.prompt_logprobs(self.choices[0])
+        if self.chat:  # vLLM's place for the prompt's logprobs and ids in chat (null unless asked)
+            response["prompt_logprobs"] = self._asked_prompt_logprobs(self.choices[0])
+            response["prompt_token_ids"] = self._token_ids(self.choices[0].prompt_token_ids)
         return JSONResponse(response)
+
+    def _asked_prompt_logprobs(self, choice: _Choice) -> list | None:
+        """The prompt_logprobs asked for (None: not asked; an echo's scoring is no answer to it)."""
+        return self.prompt_logprobs(choice) if self.body.prompt_logprobs is not None else None
+
+    def _token_ids(self, ids: list[int]) -> list[int] | None:
+        """vLLM's return_token_ids: the ids, if asked for."""
+        return list(ids) if self.return_token_ids else None
 
     def _whole_choice(self, choice: _Choice) -> dict:
         text = "".join(choice.text)
@@ -691,21 +740,22 @@ class _ResponseWriter:
         else:
             logprobs = self.logprobs(choice.logprobs)
         if not self.chat:
-            whole = {
+            return {
                 "index": choice.index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": self._finish_reason(choice),
                 "stop_reason": choice.stop_reason,
+                "prompt_logprobs": self._asked_prompt_logprobs(choice),
+                "prompt_token_ids": self._token_ids(choice.prompt_token_ids),
+                "token_ids": self._token_ids(choice.token_ids),
             }
-            if self.body.prompt_logprobs is not None:
-                whole["prompt_logprobs"] = self.prompt_logprobs(choice)
-            return whole
         split = choice.split(text, last=True)
         calls = choice.parser.calls if choice.parser is not None else []
         message: dict[str, Any] = {"role": "assistant", "content": split.content or (None if calls else "")}
         if choice.parser is not None and choice.parser.reasoning is not None:
-            message["reasoning_content"] = split.reasoning or None
+            # (vLLM's name is now "reasoning"; clients of earlier vLLM, DeepSeek's, read reasoning_content)
+            message["reasoning"] = message["reasoning_content"] = split.reasoning or None
         message["tool_calls"] = [c.to_openai() for c in calls]
         return {
             "index": choice.index,
@@ -713,6 +763,7 @@ class _ResponseWriter:
             "logprobs": logprobs,
             "finish_reason": self._finish_reason(choice),
             "stop_reason": choice.stop_reason,
+            "token_ids": self._token_ids(choice.token_ids),
         }
 
     def _abort_unfinished(self) -> None:
@@ -722,7 +773,9 @@ class _ResponseWriter:
 
     # -- server-sent events ---------------------------------------------------------------------
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+    def _chunk(
+        self, choices: list[dict], usage: dict | None = None, prompt_token_ids: list | None = None
+    ) -> str:
         chunk = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -732,9 +785,13 @@ class _ResponseWriter:
         }
         if usage is not None:
             chunk["usage"] = usage
+        if prompt_token_ids is not None:  # (a chat's, in its first chunks: vLLM's)
+            chunk["prompt_token_ids"] = prompt_token_ids
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
-    def _delta(self, choice: _Choice, text: str, logprobs: list[TokenLogprob], last: bool) -> dict | None:
+    def _delta(
+        self, choice: _Choice, text: str, ids: list[int], logprobs: list[TokenLogprob], last: bool
+    ) -> dict | None:
         finish = self._finish_reason(choice) if last else None
         stop = choice.stop_reason if last else None
         echo = choice.prompt_text is not None and not choice.text  # (the prompt, in its first chunk)
@@ -744,12 +801,14 @@ class _ResponseWriter:
         else:
             lp = self.logprobs(logprobs, sum(len(t) for t in choice.text)) if logprobs else None
         choice.text.append(text)
+        # (a delta of ids without text, inside a character or a tool call's markup, still carries them)
+        sends_ids = self.return_token_ids and bool(ids)
         if not self.chat:
             prompt_lp = None
             if self.body.prompt_logprobs is not None and not choice.sent_prompt_logprobs:
                 prompt_lp = self.prompt_logprobs(choice)
                 choice.sent_prompt_logprobs = prompt_lp is not None
-            if not text and not last and not logprobs and prompt_lp is None and not echo:
+            if not text and not last and not logprobs and prompt_lp is None and not echo and not sends_ids:
                 return None
             delta = {
                 "index": choice.index,
@@ -760,26 +819,34 @@ class _ResponseWriter:
             }
             if prompt_lp is not None:  # in the first chunk (vLLM's streamed completions)
                 delta["prompt_logprobs"] = prompt_lp
+            if self.return_token_ids:  # the prompt's in the choice's first chunk, as vLLM's
+                if not choice.sent_prompt_token_ids:
+                    delta["prompt_token_ids"] = list(choice.prompt_token_ids)
+                    choice.sent_prompt_token_ids = True
+                delta["token_ids"] = ids
             return delta
         split = choice.split(text, last)
         delta: dict[str, Any] = {}
         if split.reasoning:
-            delta["reasoning_content"] = split.reasoning
+            delta["reasoning"] = delta["reasoning_content"] = split.reasoning
         if split.content:
             delta["content"] = split.content
         if split.tool_calls:  # OpenAI's: a call's index, id and name first, then its arguments
             delta["tool_calls"] = [c.to_openai() for c in split.tool_calls]
-        if not delta and not last and not logprobs:
+        if not delta and not last and not logprobs and not sends_ids:
             return None
         if last:  # the finish reason may be "tool_calls" only now
             finish = self._finish_reason(choice)
-        return {
+        streamed = {
             "index": choice.index,
             "delta": delta,
             "logprobs": lp,
             "finish_reason": finish,
             "stop_reason": stop,
         }
+        if self.return_token_ids:
+            streamed["token_ids"] = ids
+        return streamed
 
     async def sse(self) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -801,17 +868,16 @@ class _ResponseWriter:
         # vLLM's continuous_usage_stats: each chunk carries the usage so far.
         continuous = include_usage and bool(options.continuous_usage_stats)
         try:
-            if self.chat:
-                first = [
-                    {
+            if self.chat:  # each choice's role first, a chunk each (as OpenAI's and vLLM's)
+                prompt_ids = self._token_ids(self.choices[0].prompt_token_ids)
+                for c in self.choices:
+                    first = {
                         "index": c.index,
                         "delta": {"role": "assistant", "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    for c in self.choices
-                ]
-                yield self._chunk(first, self.usage() if continuous else None)
+                    yield self._chunk([first], self.usage() if continuous else None, prompt_ids)
             while left:
                 choice, *item = await queue.get()
                 if isinstance(item[0], TandemRequestError):
@@ -820,8 +886,8 @@ class _ResponseWriter:
                     failed = True
                     yield f"data: {json.dumps(error_body(error.message, HTTP_STATUS[error.code]))}\n\n"
                     break
-                text, logprobs, last = item
-                delta = self._delta(choice, text, logprobs, last)
+                text, ids, logprobs, last = item
+                delta = self._delta(choice, text, ids, logprobs, last)
                 if delta is not None:
                     yield self._chunk([delta], self.usage() if continuous else None)
                 if last:
@@ -837,6 +903,41 @@ class _ResponseWriter:
             for task in tasks:
                 task.cancel()
             self._abort_unfinished()
+
+
+def _client_message(e: TandemRequestError) -> tuple[str, str | None]:
+    """The error's message and code as OpenAI's clients read them: a prompt too long for the model
+    (sampling_params.verify_prompt_length's refusals) leads with OpenAI's (and vLLM's) sentence and
+    has OpenAI's code, which clients look for to tell it from other 400s (LiteLLM's
+    ContextWindowExceededError, for one)."""
+    limit = _CONTEXT_LIMIT.search(e.message) if e.code is ErrorCode.INVALID_ARGUMENT else None
+    if limit is None:
+        return e.message, None
+    return f"This model's maximum context length is {limit[1]} tokens: {e.message}", "context_length_exceeded"
+
+
+def _model_permission(created: int) -> dict:
+    """The one permission a model card lists (vLLM's: sampling, logprobs and viewing allowed)."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
+def _logprob(value: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token the model rules out) is vLLM's (and OpenAI's)
+    -9999.0; JSON has no infinity (a whole answer failed with a 500, a stream sent -Infinity)."""
+    return max(value, MIN_LOGPROB)
 
 
 async def _decoded(tokenizer, ids: list[int]) -> str:

@@ -191,6 +191,9 @@ class _Request(BaseModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's: the prompt's token ids and each choice's generated ids beside the text (streamed: the
+    # prompt's in a choice's first chunk, each chunk's own ids in it).
+    return_token_ids: bool | None = None
 
     # The fields a client may send as null for their default: OpenAI's nullable ones and vLLM's
     # optional ones. (Where None is a value of its own, as max_tokens' "no limit", the field says so.)

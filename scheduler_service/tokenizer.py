@@ -91,6 +91,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's own string for an id (byte-level BPE's "Ġworld" for " world"), as
+        transformers' convert_ids_to_tokens names it; None for an id the vocabulary lacks."""
+        return self._tok.id_to_token(token_id)
+
     @staticmethod
     def exists(path: str | Path) -> bool:
         path = Path(path)

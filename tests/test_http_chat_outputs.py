@@ -111,6 +111,21 @@ def test_reasoning_and_tool_calls_whole(api):
     assert calls[0].id != calls[1].id
 
 
+def test_reasoning_is_named_as_vllm_names_it_and_as_it_was(server):
+    """Current vLLM names the reasoning `reasoning` (message and delta); earlier vLLM (and DeepSeek's
+    API) `reasoning_content`, which clients of those read: both are sent, alike. (Only
+    reasoning_content was.)"""
+    url = f"http://127.0.0.1:{server.http_port}/v1/chat/completions"
+    body = {"model": "fake", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 200, "temperature": 0}
+    message = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "\nThe user wants the weather.\n"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in map(json.loads, events) if c["choices"]]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+
+
 def test_reasoning_and_tool_calls_streamed_equal_the_whole_answer(api):
     chunks = list(
         api.chat.completions.create(

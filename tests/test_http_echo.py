@@ -112,7 +112,7 @@ def test_echoed_logprobs_are_the_prompt_s_then_the_completion_s(url, tokenizer):
     scored = _post(url, **body, prompt_logprobs=2)["choices"][0]["prompt_logprobs"]
     plain = _post(url, **body)["choices"][0]
     got = _post(url, **body, echo=True)["choices"][0]
-    assert "prompt_logprobs" not in got  # (not asked for)
+    assert got["prompt_logprobs"] is None  # (not asked for)
     lp = got["logprobs"]
     n = len(ids)
     assert lp["tokens"][0] == tokenizer.token_text(ids[0])
@@ -257,6 +257,7 @@ def test_a_prompt_echoed_alone_needs_room_for_the_token_it_samples(url, api):
     r = httpx.post(url, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == (
+        f"This model's maximum context length is {max_model_len} tokens: "
         f"prompt ({max_model_len} tokens) + 1 token (echo with max_tokens 0 still samples one, not "
         f"returned) exceeds max_model_len ({max_model_len})"
     )

@@ -1082,7 +1082,7 @@ def test_tokenize_and_detokenize_as_vllm_s(server, checkpoint):
     assert r.status_code == 200, r.text
     assert r.json() == {"count": len(ids), "max_model_len": 1024, "tokens": ids, "token_strs": None}
     strs = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
-    assert strs["token_strs"] == [tokenizer.token_text(i) for i in ids]
+    assert strs["token_strs"] == [tokenizer.id_to_token(i) for i in ids]  # (vLLM's: the vocabulary's)
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
     assert chat["tokens"] == tokenizer.encode("user: Hi\nassistant:", add_special_tokens=False)
