@@ -299,6 +299,64 @@ def sweep_fp8_registers(caps=(0, 96, 104, 128), rounds: int = 2) -> None:
         print(f"fp8 registers maxnreg {cap}: " + ", ".join(row) + " TB/s", flush=True)
 
 
+def fp8_mma_grid():
+    """The fp8 decode kernel in e4m3 MMAs (FP8_MMA): key tiles of 64 (one warpgroup's wgmma rows) and
+    128, one or two warpgroups, 2-4 stages."""
+    for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+        if block_n // 16 >= warps:  # (wgmma's rows: 16 keys a warp at least)
+            yield {
+                **tk.DECODE_CONFIG_FP8,
+                "FP8_MMA": True,
+                "BLOCK_N": block_n,
+                "num_warps": warps,
+                "num_stages": stages,
+            }
+
+
+def fp8_mma_agreement(config: dict, block_size: int) -> float:
+    """The relative error (norm) of the decode output under `config` against today's fp8 config on
+    the same cache, b64x1024 (FP8_MMA rounds the probabilities to e4m3: about 1%)."""
+    x = paged_decode_inputs(64, 1024, block_size, FP8)
+    meta = (x["block_tables"], x["context_lens"], x["cu_seqlens_q"])
+    outs = []
+    for cfg in (None, config):
+        out = torch.full_like(x["q"], float("nan"))
+        tk.paged_decode(
+            x["q"], x["k_cache"], x["v_cache"], out, *meta, SCALE, config=cfg, kv_scales=(0.5, 0.5)
+        )
+        outs.append(out.float())
+    return ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
+
+
+def sweep_fp8_mma(block_sizes=(32, 64)) -> None:
+    """fp8_mma_grid against today's fp8 config: each one's output checked against today's
+    (fp8_mma_agreement, refused past 3%), then TB/s at b256x1024, W1's mixed contexts (+32 and
+    +256 generated, longest first; engine's splits) and b8x8192 (split), for each block size."""
+    cases = [("b256x1024", 256, 1024, None)] + [
+        (f"W1 +{g}", 256, None, mixed_lengths(256, g, "longest first")) for g in (32, 256)
+    ] + [("b8x8192", 8, 8192, None)]  # fmt: skip
+    for block_size in block_sizes:
+        for cfg in [dict(tk.DECODE_CONFIG_FP8), *fp8_mma_grid()]:
+            try:
+                rel = fp8_mma_agreement(cfg, block_size)
+                if not rel < 3e-2:
+                    print(
+                        f"fp8 mma bs{block_size} {cfg}: relative error {rel:.3g} against today's: refused",
+                        flush=True,
+                    )
+                    continue
+                row = []
+                for what, batch, context, contexts in cases:
+                    _, tbs, _ = bench_decode(
+                        batch, context or max(contexts), block_size, cfg, kv_dtype=FP8, contexts=contexts
+                    )
+                    row.append(f"{what} {tbs:.2f}")
+            except Exception as e:  # out of shared memory, say
+                print(f"fp8 mma bs{block_size} {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
+                continue
+            print(f"fp8 mma bs{block_size} (rel {rel:.1e}) " + ", ".join(row) + f" TB/s {cfg}", flush=True)
+
+
 def fp8_tile_grid(quick: bool = False):
     """The first fp8 decode kernel's grid, uncapped: larger key tiles, and K/V widened to q's dtype
     or to fp16 (quick: the key tiles and warps at 3 stages, widened to fp16)."""
@@ -488,6 +546,11 @@ def main() -> None:
         help="the fp8 decode kernel in programs of one or two warps, over splits, against the default",
     )
     parser.add_argument(
+        "--sweep-fp8-mma",
+        action="store_true",
+        help="the fp8 decode kernel in e4m3 MMAs (FP8_MMA) over tiles, against today's config",
+    )
+    parser.add_argument(
         "--heads",
         type=int,
         nargs=2,
@@ -543,6 +606,9 @@ def main() -> None:
         return
     if args.sweep_stages:
         sweep_stages()
+        return
+    if args.sweep_fp8_mma:
+        sweep_fp8_mma()
         return
     if args.sweep_warps:
         sweep_warps()

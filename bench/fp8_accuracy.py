@@ -16,6 +16,8 @@ difference (after it the two condition on different text) and over all 256 posit
     python bench/fp8_accuracy.py --device cuda --attention-backend triton
     python bench/fp8_accuracy.py --calibrate     # also fp8 with per-layer scales amax / 448
     python bench/fp8_accuracy.py --weights --device cuda --attention-backend triton
+    python bench/fp8_accuracy.py --device cuda --attention-backend triton --chunk 1 --tokens 4096 \
+        --decode-config '{"FP8_MMA": true}'     # the decode kernel in e4m3 MMAs, every token a decode step
 
 --calibrate measures each layer's largest |K| and |V| over the text's first window (a bf16 run) and
 runs fp8 once more with k_scale = amax_K / 448, v_scale = amax_V / 448 (instead of 1.0).
@@ -24,6 +26,7 @@ runs fp8 once more with k_scale = amax_K / 448, v_scale = amax_V / 448 (instead 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -189,7 +192,17 @@ def main() -> None:
         action="store_true",
         help="fp8 weights (--quantization fp8) against the dequantized model",
     )
+    parser.add_argument(
+        "--decode-config",
+        help="JSON over the fp8 decode kernel's launch config, e.g. '{\"FP8_MMA\": true}' (with --chunk 1 "
+        "every token is a decode step)",
+    )
     args = parser.parse_args()
+    if args.decode_config:
+        from executor_service.attention import triton_kernels
+
+        triton_kernels.DECODE_CONFIG_FP8.update(json.loads(args.decode_config))
+        print(f"fp8 decode config: {triton_kernels.DECODE_CONFIG_FP8}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     options = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend}
     args.model = resolve_model(args.model, None)  # a hub id: its cached snapshot's directory

@@ -145,6 +145,13 @@ run() {
     fp8-gemm-prefill) TAIL=40 stage fp8-gemm-prefill "$PY" bench/fp8_gemm.py --sweep-v2 --tokens 2048,8192 ;;
     # The Gluon prototype (bench/fp8_gemm_gluon.py: two K steps' wgmmas in flight, the first scaled while the second runs) against the v2 GEMM: checked on edge shapes, then timed (~40 s).
     fp8-gemm-gluon) TAIL=40 stage fp8-gemm-gluon "$PY" bench/fp8_gemm_gluon.py --gpu ;;
+    # The decode kernel in e4m3 MMAs (FP8_MMA, off by default): its GPU tests; its tiles against today's
+    # config (TB/s); its accuracy (every token a decode step: --chunk 1) against today's kernel's; W1
+    # fp8 with it and without, alternating ROUNDS times (default 2).
+    fp8-mma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-mma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_kv.py -k "fp8_mma or cuda_graph_capturable or stores_kv_fp8 or fuses_rope_fp8" ;;
+    fp8-mma) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-mma "$PY" bench/attention.py --sweep-fp8-mma ;;
+    fp8-mma-accuracy) TAIL=12 stage fp8-mma-accuracy bash -c 'for c in "{}" "{\"FP8_MMA\": true}"; do "$0" bench/fp8_accuracy.py --device cuda --attention-backend triton --chunk 1 --tokens 4096 --decode-config "$c" | grep -v "^perplexity (b"; done' "$PY" ;;
+    w1-fp8-mma) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma bash -c 'for i in $(seq ${ROUNDS:-2}); do for c in "{\"FP8_MMA\": true}" "{}"; do echo "W1 fp8 --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
     fp8-weights-accuracy) TAIL=6 stage fp8-weights-accuracy "$PY" bench/fp8_accuracy.py --weights --device cuda --attention-backend triton ;;
     # Issue 17's three H200 target figures in one call (~6 min warm): the decode kernel at

@@ -76,6 +76,7 @@ def compile_decode(
     group_pad: int = 0,
     store_kv: bool = False,
     rope: bool = False,
+    fp8_mma: bool = False,
 ):
     """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
     block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows)."""
@@ -97,6 +98,8 @@ def compile_decode(
         "STORE_KV": store_kv or rope,
         "ROPE": rope,
         "HAS_NORM": rope,
+        "FP8_MMA": fp8_mma,
+        "INTERPRETER": False,
     }
     int_ptrs = ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seq_order_ptr")
     types = {name: "*i32" if name in int_ptrs else "*bf16" for name in fn.arg_names if name.endswith("_ptr")}
@@ -172,6 +175,9 @@ def main() -> None:
         help="... and normalising and rotating q and the new K itself (DECODE_FUSES_ROPE)",
     )
     parser.add_argument(
+        "--fp8-mma", action="store_true", help="the decode loop in e4m3 MMAs (DECODE_CONFIG_FP8's FP8_MMA)"
+    )
+    parser.add_argument(
         "--prefill",
         action="store_true",
         help="paged_prefill's launch (PREFILL_CONFIG's tiles) instead of decode",
@@ -191,6 +197,7 @@ def main() -> None:
     kernel = compile_decode(
         args.kv, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
         args.group, args.head_dim, block_q, args.block_size, args.group_pad, args.store_kv, args.rope,
+        args.fp8_mma,
     )  # fmt: skip
     ops, registers = loop_stats(kernel)
     name = "paged_attention_kernel"

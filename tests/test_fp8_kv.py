@@ -243,6 +243,37 @@ def test_decode_kernel_storing_kv_gives_the_same_tokens_and_logprobs(qwen3_tied,
     assert same >= 0.95 * sum(len(want[0]) for want in runs[0])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel(tmp_path, monkeypatch, enforce_eager):
+    """Decode in e4m3 MMAs (the decode config's FP8_MMA) through the engine, CUDA graphs or eager,
+    with preemption, at head_dim 64 (an e4m3 MMA takes 32 a step): it ran, and its greedy tokens are
+    the widening kernel's but for near-ties (it rounds the probabilities to e4m3 for P @ V)."""
+    from checkpoints import build_qwen3
+
+    from executor_service.attention import triton_kernels
+
+    model = build_qwen3(tmp_path, head_dim=64, seed=1)
+
+    prompts = make_prompts([30, 31, 32, 33, 34, 35, 36, 37], seed=16)
+    applies = triton_kernels.fp8_mma_applies
+    used = []
+    monkeypatch.setattr(triton_kernels, "fp8_mma_applies", lambda *a: used.append(applies(*a)) or used[-1])
+    runs = []
+    for mma in (False, True):
+        monkeypatch.setitem(triton_kernels.DECODE_CONFIG_FP8, "FP8_MMA", mma)
+        llm = LLM(
+            str(model), device="cuda", num_kv_blocks=12, max_model_len=128, kv_cache_dtype="fp8",
+            dtype="bfloat16", enforce_eager=enforce_eager,
+        )  # fmt: skip
+        runs.append(_greedy(llm, prompts))
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+        llm.executor.close()
+    assert used and all(used), "FP8_MMA did not apply"
+    same = sum(a == b for g, w in zip(runs[1], runs[0], strict=True) for a, b in zip(g, w, strict=False))
+    assert same >= 0.95 * sum(map(len, runs[0]))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE])
 def test_a_kv_cache_too_large_for_the_device_is_an_error_naming_its_size(dtype):
     """A cache past what the device can hold (here 2**44 blocks, past any address space) fails at
@@ -281,3 +312,27 @@ def test_v_tile_store_writes_runs_of_a_rows_bytes_on_sm90():
     assert "threadsPerWarp = [32, 1]" in layouts[layout] and "order = [0, 1]" in layouts[layout], layouts[
         layout
     ]
+
+
+def test_fp8_mma_decode_multiplies_e4m3_on_sm90():
+    """The decode kernel with FP8_MMA compiled for sm90 without a GPU (the default fp8 block size, the
+    stores and rotary of a real decode step): its loop multiplies e4m3 operands in wgmma (QGMMA)
+    and widens nothing, which is what it exists for; the widening kernel's loop converts every K
+    and V byte (F2FP ... E4M3.UNPACK) for its 16-bit MMAs (HMMA), and issues more instructions
+    per tile (bench/kernel_sass.py prints both)."""
+    pytest.importorskip("triton")
+    from bench.kernel_sass import compile_decode, loop_stats
+
+    loops = {}
+    for mma in (False, True):
+        kernel = compile_decode(
+            "fp8", 128, 4, 3, 0, 2, 128, block_size=32, store_kv=True, rope=True, fp8_mma=mma
+        )
+        loops[mma], _ = loop_stats(kernel)
+    mma_ops, widening_ops = loops[True], loops[False]
+    assert any(op.startswith("QGMMA") and "E4M3.E4M3" in op for op in mma_ops), sorted(set(mma_ops))
+    assert not any("UNPACK" in op or op.startswith("HMMA") for op in mma_ops), sorted(set(mma_ops))
+    assert any("E4M3.UNPACK" in op for op in widening_ops) and any(
+        op.startswith("HMMA") for op in widening_ops
+    )
+    assert len(mma_ops) < 0.8 * len(widening_ops), (len(mma_ops), len(widening_ops))

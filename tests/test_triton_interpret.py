@@ -81,6 +81,19 @@ for scales in ((1.0, 1.0), (0.05, 2.5)):
     b = make_batch([1] * 5, [20, 1, 40, 100, 48], 4, 2, 32, 64, f16, "cpu", seed=6, num_padding=1)
     check_attention_fp8(to_fp8(b, *scales), 2, decode_config={"BLOCK_N": 32})
 """,
+    "fp8_mma": """
+from helpers.fp8_mma_checks import check_decode_fp8_mma
+# Decode in e4m3 MMAs (FP8_MMA) against the torch model of its arithmetic and exact attention: GQA
+# groups 1-8, split over the keys or not, key tiles of one cache block and of several, blocks of
+# 64 slots (V^T in runs of 16), unit and other scales, fp16 and bf16 queries.
+for dtype, scales in ((f16, (1.0, 1.0)), (torch.bfloat16, (0.05, 2.5))):
+    for group, splits in ((1, 1), (2, 3), (4, 1), (8, 3)):
+        b = make_batch([1] * 4, [20, 1, 40, 17], 2 * group, 2, 32, 16, dtype, "cpu", num_padding=2, seed=group)
+        check_decode_fp8_mma(to_fp8(b, *scales), splits, {"BLOCK_N": 16})
+    for block_size, block_n in ((8, 32), (64, 32)):
+        b = make_batch([1] * 5, [20, 1, 40, 100, 48], 4, 2, 64, block_size, dtype, "cpu", seed=6, num_padding=1)
+        check_decode_fp8_mma(to_fp8(b, *scales), 2, {"BLOCK_N": block_n})
+""",
     "fp8_decode_stores_kv": """
 from helpers.attention_fp8_checks import check_decode_stores_kv
 # Decode tokens at a block's first slot (17, 33, 1: whole rows and zeros) and mid-block (20, 40),
@@ -89,6 +102,9 @@ for block_size, block_n in ((16, 16), (8, 32)):
     for splits in (1, 3):
         b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, block_size, f16, "cpu", num_padding=2)
         check_decode_stores_kv(to_fp8(b, 0.05, 2.5), splits, {"BLOCK_N": block_n})
+# ... and with the loop in e4m3 MMAs (FP8_MMA)
+b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, 8, f16, "cpu", num_padding=2)
+check_decode_stores_kv(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16, "FP8_MMA": True})
 # A cache block of several key tiles (BLOCK_N below the block size), split among up to 8 programs.
 b = make_batch([1] * 4, [65, 100, 129, 7], 4, 2, 32, 64, f16, "cpu", seed=2, num_padding=1)
 for splits in (1, 3, 8):
@@ -98,6 +114,8 @@ from helpers.attention_fp8_checks import check_decode_fuses_rope
 for dtype, with_norm in ((f16, True), (torch.bfloat16, True), (f16, False)):
     b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, 16, dtype, "cpu", seed=5, num_padding=2)
     check_decode_fuses_rope(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16}, with_norm=with_norm)
+b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, 16, torch.bfloat16, "cpu", seed=5, num_padding=2)
+check_decode_fuses_rope(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16, "FP8_MMA": True}, with_norm=True)
 # Through the attention layer: Qwen3 (q/k norms), families without them, YaRN and llama3 rotary tables,
 # GROUP 1 to 4, head_dim 32 and 64, positions up to 4,999.
 from helpers.attention_fp8_checks import check_layer_fuses_rope

@@ -27,6 +27,7 @@ from helpers.attention_fp8_checks import (
     nan_past_runs,
     to_fp8,
 )
+from helpers.fp8_mma_checks import check_decode_fp8_mma
 
 
 def random_lengths(batch: int, max_context: int, seed: int) -> list[int]:
@@ -227,6 +228,30 @@ def test_decode_fp8(scales, group, num_splits, variant):
     check_attention_fp8(to_fp8(batch, *scales), num_splits, decode_config=variant)
 
 
+@pytest.mark.parametrize("scales", FP8_SCALES)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize(
+    "block_size,tile", [(16, {}), (32, {}), (32, {"BLOCK_N": 64}), (256, {"num_warps": 8})]
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_fp8_mma(scales, group, num_splits, block_size, tile, dtype):
+    """Decode in e4m3 MMAs (FP8_MMA: sm90's wgmma) against the torch model of its arithmetic and
+    exact attention (helpers/fp8_mma_checks.py), over block sizes, GQA groups and splits."""
+    ctx_lens = random_lengths(33, 700, seed=group)
+    batch = make_batch([1] * 33, ctx_lens, 2 * group, 2, 128, block_size, dtype, "cuda", num_padding=3)
+    check_decode_fp8_mma(to_fp8(batch, *scales), num_splits, tile)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_fp8_mma_reads_v_in_runs_of_16(num_splits):
+    """FP8_MMA reads V^T as the widening kernel does: NaN past each context's last run of 16 slots
+    never reaches the output."""
+    ctx_lens = random_lengths(40, 900, seed=11)
+    batch = make_batch([1] * 40, ctx_lens, 16, 8, 128, 64, torch.bfloat16, "cuda", seed=12, num_padding=3)
+    check_decode_fp8_mma(nan_past_runs(to_fp8(batch, 0.03, 2.5)), num_splits)
+
+
 @pytest.mark.parametrize("block_size", [64, 256])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_fp8_reads_v_in_runs_of_16(block_size, num_splits):
@@ -242,7 +267,15 @@ def test_decode_fp8_reads_v_in_runs_of_16(block_size, num_splits):
 
 @pytest.mark.parametrize("block_size", [16, 32, 256])
 @pytest.mark.parametrize("num_splits", [1, 5])
-@pytest.mark.parametrize("variant", [{}, {"BLOCK_N": 64, "num_warps": 1, "num_stages": 3}])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"BLOCK_N": 64, "num_warps": 1, "num_stages": 3},
+        {"FP8_MMA": True},
+        {"FP8_MMA": True, "BLOCK_N": 64},
+    ],
+)
 def test_decode_stores_kv_fp8(block_size, num_splits, variant):
     """The decode kernel storing the step's K and V (DECODE_STORES_KV) writes the store kernel's
     bytes and attends to the same output, every other token at its block's first slot."""
@@ -256,7 +289,8 @@ def test_decode_stores_kv_fp8(block_size, num_splits, variant):
 
 @pytest.mark.parametrize("with_norm", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 5])
-def test_decode_fuses_rope_fp8(with_norm, num_splits):
+@pytest.mark.parametrize("variant", [{}, {"FP8_MMA": True}])
+def test_decode_fuses_rope_fp8(with_norm, num_splits, variant):
     """The decode kernel normalising and rotating q and the new K itself (DECODE_FUSES_ROPE) against
     the fused rotary kernel, the store and the decode kernel, every other token at its block's
     first slot: without q/k norms bit for bit (both kernels round each product and sum as written),
@@ -264,7 +298,7 @@ def test_decode_fuses_rope_fp8(with_norm, num_splits):
     ctx_lens = random_lengths(40, 900, seed=9)
     ctx_lens = [c - (c - 1) % 32 if i % 2 else c for i, c in enumerate(ctx_lens)]
     batch = make_batch([1] * 40, ctx_lens, 16, 8, 128, 32, torch.bfloat16, "cuda", seed=10, num_padding=3)
-    check_decode_fuses_rope(to_fp8(batch, 0.03, 2.5), num_splits, {}, with_norm, exact=not with_norm)
+    check_decode_fuses_rope(to_fp8(batch, 0.03, 2.5), num_splits, variant, with_norm, exact=not with_norm)
 
 
 @pytest.mark.parametrize("scales", FP8_SCALES)
@@ -304,8 +338,12 @@ def test_backend_fp8_matches_torch_backend(case):
     torch.testing.assert_close(out[:n], ref[:n], atol=2e-2, rtol=2e-2)
 
 
-def test_decode_fp8_is_cuda_graph_capturable():
+@pytest.mark.parametrize("mma", [False, True])
+def test_decode_fp8_is_cuda_graph_capturable(mma, monkeypatch):
+    from executor_service.attention import triton_kernels
     from executor_service.attention.triton_paged import TritonPagedBackend
+
+    monkeypatch.setitem(triton_kernels.DECODE_CONFIG_FP8, "FP8_MMA", mma)
 
     batch = to_fp8(
         make_batch([1] * 6, [5, 300, 17, 1, 64, 900], 16, 8, 128, 16, torch.bfloat16, "cuda", num_padding=2),

@@ -22,6 +22,12 @@ contiguous load as 16-byte vectors. The kernels read a block's V slots past the 
 blocks keep the vectors): the store kernel keeps them zero (a block's first slot written zeroes
 the slots after it that the same launch does not write), so no per-key masking is needed.
 
+With FP8_MMA (a decode config key, sm90) the decode loop multiplies the e4m3 cache as it is, in wgmma's
+e4m3 MMAs, transposed so that the keys are the MMA's 64-row side (fp8_mma_tile): the query as two e4m3
+parts (split_e4m3, about bf16's precision) and the probabilities rounded to e4m3 (FlashAttention-3's
+fp8 rounding), so it is not the widening kernel's arithmetic: tests hold it to a torch model of its own
+(tests/helpers/fp8_mma_checks.py) and to exact attention within its rounding.
+
 With DECODE_STORES_KV (on: 0.6-0.7% of W1's device time on an H100) a decode step over an e4m3 cache runs no store kernel:
 each decode program first stores its head's K and V of the step's token (store_decode_kv, the
 same bytes), then a barrier, then its loop, which reads them back. With DECODE_FUSES_ROPE too, the
@@ -32,6 +38,7 @@ rotary kernel.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +95,66 @@ def norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: t
     o1 = ((n1 * cos).to(dtype).to(tl.float32) + (-n2 * sin).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((n2 * cos).to(dtype).to(tl.float32) + (n1 * sin).to(dtype).to(tl.float32)).to(dtype)
     return o1, o2
+
+
+@triton.jit
+def cast_e4m3(x, INTERPRETER: tl.constexpr):
+    """fp32 -> e4m3, to nearest even: the GPU's cast (one cvt.rn.satfinite for two values); under
+    Triton's interpreter, whose cast loses the carry into the exponent (126.5 becomes 64, not 128),
+    through round_to_e4m3 first. |x| must be <= 448."""
+    if INTERPRETER:
+        x = round_to_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def exp2_ftz(x, INTERPRETER: tl.constexpr):
+    """2^x by the GPU's approximation with subnormal results flushed to 0 (one MUFU.EX2, where
+    tl.exp2 adds a range check and two multiplies to keep them): for probabilities, whose
+    subnormals add nothing. tl.exp2 under the interpreter (no inline PTX)."""
+    if INTERPRETER:
+        return tl.exp2(x)
+    return tl.inline_asm_elementwise(
+        "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def split_e4m3(x, INTERPRETER: tl.constexpr):
+    """Each row of x (fp32 [rows, cols]) as two e4m3 parts and a scale: x ~ (hi + lo) * scale, with
+    hi 16 x an e4m3 value of at most 28 (so at most 448, and exact) and lo e4m3 of what that leaves
+    (at most hi's half unit in the last place, so at most 28 too); scale = the row's largest |x| /
+    448. The pair holds about 8 significant bits, bf16's, where one e4m3 holds 4, and two MMAs
+    accumulating into the same registers multiply by it: FP8_MMA's query."""
+    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)[:, None]  # (a row of zeros: hi = lo = 0)
+    inv = tl.math.div_rn(28.0, amax)
+    hi = cast_e4m3(x * inv, INTERPRETER).to(tl.float32)
+    lo = cast_e4m3((x - hi * tl.math.div_rn(amax, 28.0)) * (16.0 * inv), INTERPRETER)
+    return cast_e4m3(hi * 16.0, INTERPRETER), lo, tl.reshape(tl.math.div_rn(amax, 448.0), [x.shape[0]])
+
+
+@triton.jit
+def fp8_mma_tile(k, vt, q_hi_t, q_lo_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER: tl.constexpr):
+    """One tile of keys of decode over an e4m3 cache with e4m3 MMAs (FP8_MMA), transposed so that the
+    keys are the MMA's M side (sm90's wgmma, which multiplies e4m3 operands straight from shared
+    memory as loaded, needs 64 rows a warpgroup there, which a decode step's query rows are not).
+    k: [BLOCK_N, BLOCK_D] e4m3; vt: [BLOCK_D, BLOCK_N] e4m3 (the V^T cache's layout); q_hi_t,
+    q_lo_t: split_e4m3's parts, transposed; row_scale: a query row's scale times qk_scale.
+
+    d = K (q_hi + q_lo)^T [BLOCK_N, M] is the scores in units of row_scale: m_i (the running max)
+    is kept in those units, the exponent is one FMA, and its + 8 makes p 256 x the probability
+    (p <= 256 < 448, e4m3's largest). l_i is [BLOCK_N, M], each thread's own sums (scaled by alpha
+    as the tiles go), reduced once after the loop: no reduction across warps a tile for it.
+    acc: o^T [BLOCK_D, M] fp32 += V^T e4m3(p)^T. Returns (m_i, l_i, acc)."""
+    d = tl.where(key_valid[:, None], tl.dot(k, q_hi_t, tl.dot(k, q_lo_t)), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(d, 0))
+    # A row can see no key of this tile (an empty split); keep it finite so it contributes nothing.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = exp2_ftz(tl.fma(d, row_scale[None, :], (8.0 - m_safe * row_scale)[None, :]), INTERPRETER)
+    alpha = exp2_ftz((m_i - m_safe) * row_scale, INTERPRETER)[None, :]
+    l_i = tl.fma(l_i, alpha, p)
+    acc = tl.dot(vt, cast_e4m3(p, INTERPRETER), acc * alpha)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -493,6 +560,8 @@ def paged_attention_kernel(
     STORE_KV: tl.constexpr = False,  # decode, e4m3 cache: store the step's K and V first (store_decode_kv)
     ROPE: tl.constexpr = False,  # with STORE_KV: q and the new K come unnormalised and unrotated (DECODE_FUSES_ROPE)
     HAS_NORM: tl.constexpr = False,  # with ROPE: q and k RMS-normalised first (Qwen3's q/k norms)
+    FP8_MMA: tl.constexpr = False,  # decode, e4m3 cache: e4m3 MMAs (fp8_mma_tile), no widening
+    INTERPRETER: tl.constexpr = False,  # with FP8_MMA: under Triton's interpreter (cast_e4m3, exp2_ftz)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -549,7 +618,12 @@ def paged_attention_kernel(
     else:
         q_off = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-    if KV_FP8 and FP8_DOT_F16:
+    if FP8_MMA:
+        tl.static_assert(KV_FP8 and BLOCK_Q == 1, "FP8_MMA: decode over an e4m3 cache")
+        q_hi, q_lo, q_scale = split_e4m3(q.to(tl.float32), INTERPRETER)
+        q_hi_t, q_lo_t = tl.trans(q_hi), tl.trans(q_lo)
+        row_scale = q_scale * qk_scale  # the scores' unit: q ~ (hi + lo) * q_scale
+    elif KV_FP8 and FP8_DOT_F16:
         q = q.to(tl.float16)
 
     # Keys this tile needs: 0 .. its last query position (causal), split evenly in BLOCK_N tiles.
@@ -574,7 +648,11 @@ def paged_attention_kernel(
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BLOCK_D], tl.float32)
+    if FP8_MMA:
+        acc = tl.zeros([BLOCK_D, M], tl.float32)  # o^T
+        l_i = tl.zeros([BLOCK_N, M], tl.float32)  # each thread's sums (fp8_mma_tile)
+    else:
+        acc = tl.zeros([M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + d[None, :]
     n = tl.arange(0, BLOCK_N)
@@ -611,21 +689,30 @@ def paged_attention_kernel(
             v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        if FP8_MMA:
+            m_i, l_i, acc = fp8_mma_tile(
+                k, vt, q_hi_t, q_lo_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER
+            )
+        else:
+            if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
-        s = tl.where((key[None, :] <= row_pos[:, None]) & key_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row can see no key of this tile (causal); keep it finite so it contributes nothing.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
+            s = tl.where((key[None, :] <= row_pos[:, None]) & key_valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row can see no key of this tile (causal); keep it finite so it contributes nothing.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
 
+    if FP8_MMA:  # back to the other path's units: o [M, BLOCK_D], l and m in log2 units
+        acc = tl.trans(acc)
+        l_i = tl.sum(l_i, 0)  # 256 x the probabilities' sum, as acc is 256 x theirs
+        m_i = m_i * row_scale - 8.0  # so that m + log2(l) is the split's log-sum-exp
     # Context length 0 (padding rows) or an empty split: l = 0, acc = 0 -> zeros, never NaN.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -693,7 +780,12 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # 2.70 TB/s against 3.54 at block size 32 on the H200, is gone: bench/RESULTS.md, 2026-12-02).
 # On the H200: 2.87 TB/s of fp8 bytes at b256x1024 and block size 16, 3.47 at 32 (an fp8 cache's
 # default block size), 3.65 at 256 (bench/attention.py; the transposed kernel 2.30 at 16).
-DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True}
+# FP8_MMA: the loop in e4m3 MMAs instead (fp8_mma_tile: no widening; q split in two e4m3 parts, p
+# rounded to e4m3 as FlashAttention-3's fp8 path does; about 1% from exact attention on the output,
+# ~0.1% of perplexity in a CPU model of it, bench/RESULTS.md): compiled for sm90, 538 loop instructions
+# per 128 keys at block size 32 against 748 (bench/kernel_sass.py --fp8-mma). Off until timed on a
+# GPU (bench/gpu_run.sh fp8-mma-tests fp8-mma w1-fp8-mma).
+DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
 # Whether a decode step's K and V go into an e4m3 cache from the decode kernel (each program its
@@ -935,6 +1027,8 @@ def paged_decode(
     # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)
     meta = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and f16_query else {}
     meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
+    if cfg.get("FP8_MMA") and fp8_mma_applies(q, k_cache, cfg["BLOCK_N"]):
+        meta.update(FP8_MMA=True, INTERPRETER=os.environ.get("TRITON_INTERPRET") == "1")
     # Over an e4m3 cache, compiled without FMA fusion: with ROPE, norm_rope rounds each product and
     # sum as the fused rotary kernel does, and the kernel's own math (two FFMAs a 128-key tile)
     # rounds the same with ROPE or without, so DECODE_FUSES_ROPE changes no output bit.
@@ -945,6 +1039,20 @@ def paged_decode(
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         seq_order=seq_order, new_kv=new_kv, rope=rope, **meta,
     )  # fmt: skip
+
+
+def fp8_mma_applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether decode over k_cache can take the e4m3 MMAs (FP8_MMA): an e4m3 cache, 16-bit queries,
+    head_dim a multiple of 32 (an e4m3 MMA's K step) and, on a GPU, sm90 (wgmma: elsewhere Triton
+    widens e4m3 operands for the older MMA) with key tiles of 64 or 128 (its M side, a warpgroup's
+    64 rows)."""
+    if k_cache.dtype != torch.float8_e4m3fn or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.shape[2] % 32:
+        return False
+    if q.device.type != "cuda":
+        return True  # the interpreter's
+    return torch.cuda.get_device_capability(q.device)[0] == 9 and block_n in (64, 128)
 
 
 def decode_fuses_rope(k_cache: torch.Tensor, head_dim: int) -> bool:
