@@ -70,6 +70,13 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def quantize_e4m3(x, scale):
+    """x / scale rounded to e4m3 (div_rn, then round_to_e4m3: fp8.quantize_kv's bytes once cast),
+    in fp32: what every store and quantization of an e4m3 value here computes."""
+    return round_to_e4m3(tl.math.div_rn(x.to(tl.float32), scale))
+
+
+@triton.jit
 def norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
     """The two halves (x1, x2: [heads, HEAD_DIM // 2] in the model dtype) of each head's q or k,
     RMS-normalised with the weight's halves w1, w2 (HAS_NORM), then rotated by the position's cos
@@ -271,7 +278,7 @@ def store_token_k(
     block, offset = slot // block_size, slot % block_size
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
     if KV_FP8:
-        k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
+        k = quantize_e4m3(k, k_scale)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=(h < NUM_KV_HEADS) & (d < COLS))
 
 
@@ -307,7 +314,7 @@ def store_token_v(
     block, offset = slot // block_size, slot % block_size
     v_dst = block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
     if KV_FP8:
-        v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
+        v = quantize_e4m3(v, v_scale)
     if STORE_V:
         tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     if KV_FP8:  # noqa: SIM102 (constexpr branch)
@@ -387,7 +394,7 @@ def store_v_tiles_kernel(
     v = tl.load(
         v_ptr + rows.to(tl.int64)[:, None] * stride_vt + h * stride_vh + d[None, :], mask=mask, other=0.0
     )
-    v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
+    v = quantize_e4m3(v, v_scale)
     dst = (
         block[:, None] * stride_vcb + offset[:, None] * stride_vcs + h * stride_vch + d[None, :] * stride_vcd
     )
@@ -465,13 +472,13 @@ def store_decode_kv(
             k1, k2 = norm_rope(
                 tl.load(k_row + hd), tl.load(k_row + HALF + hd), w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM
             )
-            k1 = round_to_e4m3(tl.math.div_rn(k1.to(tl.float32), k_scale)).to(k_cache_ptr.dtype.element_ty)
-            k2 = round_to_e4m3(tl.math.div_rn(k2.to(tl.float32), k_scale)).to(k_cache_ptr.dtype.element_ty)
+            k1 = quantize_e4m3(k1, k_scale).to(k_cache_ptr.dtype.element_ty)
+            k2 = quantize_e4m3(k2, k_scale).to(k_cache_ptr.dtype.element_ty)
             tl.store(k_dst + hd, k1)
             tl.store(k_dst + HALF + hd, k2)
         else:
             k = tl.load(k_row + d, mask=d < HEAD_DIM, other=0.0)
-            k = round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale)).to(k_cache_ptr.dtype.element_ty)
+            k = quantize_e4m3(k, k_scale).to(k_cache_ptr.dtype.element_ty)
             tl.store(k_dst + d, k, mask=d < HEAD_DIM)
         base = block * stride_vb + kv_head * stride_vh
         v_row = new_v_ptr + t64 * stride_nvt + kv_head * stride_nvh
@@ -482,13 +489,13 @@ def store_decode_kv(
             i = tl.arange(0, BLOCK_D * BLOCK_SIZE)
             row, o = i // BLOCK_SIZE, i % BLOCK_SIZE
             x = tl.load(v_row + row, mask=(o == 0) & (row < HEAD_DIM), other=0.0)
-            x = round_to_e4m3(tl.math.div_rn(x.to(tl.float32), v_scale)).to(v_cache_ptr.dtype.element_ty)
+            x = quantize_e4m3(x, v_scale).to(v_cache_ptr.dtype.element_ty)
             rows = tl.where(o == 0, x.to(tl.uint8, bitcast=True), 0).to(tl.uint8)
             dst = base + row * stride_vd + o
             tl.store(v_cache_ptr.to(tl.pointer_type(tl.uint8)) + dst, rows, mask=row < HEAD_DIM)
         else:
             v = tl.load(v_row + d, mask=d < HEAD_DIM, other=0.0)
-            v = round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale)).to(v_cache_ptr.dtype.element_ty)
+            v = quantize_e4m3(v, v_scale).to(v_cache_ptr.dtype.element_ty)
             tl.store(v_cache_ptr + base + d * stride_vd + offset, v, mask=d < HEAD_DIM)
 
 

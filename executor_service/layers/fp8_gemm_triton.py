@@ -6,7 +6,7 @@ vLLM do:
 
 - `quantize_per_token_group`: a program per token and up to 16 of its groups computes each group's
   amax, its scale amax / 448 and the e4m3 values (rounded to nearest even,
-  attention.triton_kernels.round_to_e4m3);
+  attention.triton_kernels.quantize_e4m3);
 - `w8a8_block_matmul`: tiles of BLOCK_M x BLOCK_N with BLOCK_K = 128, so each K step has one
   activation scale per row and one weight scale per 128 columns of N: acc += dot(a, b) * a_s * b_s,
   accumulated in fp32 and written in the output dtype.
@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_service.attention.triton_kernels import round_to_e4m3
+from executor_service.attention.triton_kernels import quantize_e4m3
 
 GROUP = 128
 
@@ -74,7 +74,7 @@ def quantize_per_token_group_kernel(
     mask = k < K
     x = tl.load(x_ptr + m * stride_xm + k, mask=mask, other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-10), 448.0)
-    q = round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+    q = quantize_e4m3(x, scale[:, None])
     tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + m * stride_sm + g * stride_sg, scale, mask=g * GROUP_SIZE < K)
 

@@ -30,7 +30,7 @@ import triton.language as tl
 from executor_service.attention.triton_kernels import (
     cache_store_args,
     norm_rope,
-    round_to_e4m3,
+    quantize_e4m3,
     store_token_kv,
     store_v_tiles,
 )
@@ -92,7 +92,7 @@ def _quantize_groups(
     y = tl.reshape(values.to(tl.float32), [BLOCK // FP8_GROUP, FP8_GROUP])
     k = groups[:, None] * FP8_GROUP + tl.arange(0, FP8_GROUP)[None, :]
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), 1), 1e-10), 448.0)
-    q = round_to_e4m3(tl.math.div_rn(y, scale[:, None]))
+    q = quantize_e4m3(y, scale[:, None])
     tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * FP8_GROUP < K)
 
