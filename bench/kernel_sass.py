@@ -85,7 +85,7 @@ def compile_decode(
     constants = {
         "BLOCK_SIZE": block_size,
         "GROUP": group,
-        "GROUP_PAD": group_pad or max(16 // block_q, triton.next_power_of_2(group)),
+        "GROUP_PAD": group_pad or max((8 if fp8_mma else 16) // block_q, triton.next_power_of_2(group)),
         "BLOCK_N": block_n,
         "HEAD_DIM": head_dim,
         "BLOCK_D": triton.next_power_of_2(head_dim),

@@ -23,10 +23,10 @@ blocks keep the vectors): the store kernel keeps them zero (a block's first slot
 the slots after it that the same launch does not write), so no per-key masking is needed.
 
 With FP8_MMA (a decode config key, sm90) the decode loop multiplies the e4m3 cache as it is, in wgmma's
-e4m3 MMAs, transposed so that the keys are the MMA's 64-row side (fp8_mma_tile): the query as two e4m3
-parts (split_e4m3, about bf16's precision) and the probabilities rounded to e4m3 (FlashAttention-3's
-fp8 rounding), so it is not the widening kernel's arithmetic: tests hold it to a torch model of its own
-(tests/helpers/fp8_mma_checks.py) and to exact attention within its rounding.
+e4m3 MMAs, transposed so that the keys are the MMA's 64-row side (fp8_mma_tile): the query and the
+probabilities each as two e4m3 parts (split_e4m3; about bf16's precision, where FlashAttention-3's fp8
+path rounds each to one), so it is not the widening kernel's arithmetic: tests hold it to a torch
+model of its own (tests/helpers/fp8_mma_checks.py) and to exact attention within its rounding.
 
 With DECODE_STORES_KV (on: 0.6-0.7% of W1's device time on an H100) a decode step over an e4m3 cache runs no store kernel:
 each decode program first stores its head's K and V of the step's token (store_decode_kv, the
@@ -131,8 +131,7 @@ def split_e4m3(x, INTERPRETER: tl.constexpr):
     """Each row of x (fp32 [rows, cols]) as two e4m3 parts and a scale: x ~ (hi + lo) * scale, with
     hi 16 x an e4m3 value of at most 28 (so at most 448, and exact) and lo e4m3 of what that leaves
     (at most hi's half unit in the last place, so at most 28 too); scale = the row's largest |x| /
-    448. The pair holds about 8 significant bits, bf16's, where one e4m3 holds 4, and two MMAs
-    accumulating into the same registers multiply by it: FP8_MMA's query."""
+    448. The pair holds about 8 significant bits, bf16's, where one e4m3 holds 4: FP8_MMA's query."""
     amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)[:, None]  # (a row of zeros: hi = lo = 0)
     inv = tl.math.div_rn(28.0, amax)
     hi = cast_e4m3(x * inv, INTERPRETER).to(tl.float32)
@@ -141,26 +140,52 @@ def split_e4m3(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def fp8_mma_tile(k, vt, q_hi_t, q_lo_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER: tl.constexpr):
+def stack_rows(a, b):
+    """[R, C] and [R, C] -> [2R, C]: a's rows, then b's."""
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), [2 * a.shape[0], a.shape[1]])
+
+
+@triton.jit
+def stack_cols(a, b):
+    """[R, C] and [R, C] -> [R, 2C]: a's columns, then b's."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [a.shape[0], 2 * a.shape[1]])
+
+
+@triton.jit
+def col_halves(x):
+    """[R, 2C] -> ([R, C], [R, C]): x's first columns, its last. In an MMA's accumulator layout a
+    thread holds column c and c + C together, so this moves no data."""
+    return tl.split(tl.permute(tl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
+
+
+@triton.jit
+def fp8_mma_tile(k, vt, q_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER: tl.constexpr):
     """One tile of keys of decode over an e4m3 cache with e4m3 MMAs (FP8_MMA), transposed so that the
     keys are the MMA's M side (sm90's wgmma, which multiplies e4m3 operands straight from shared
     memory as loaded, needs 64 rows a warpgroup there, which a decode step's query rows are not).
-    k: [BLOCK_N, BLOCK_D] e4m3; vt: [BLOCK_D, BLOCK_N] e4m3 (the V^T cache's layout); q_hi_t,
-    q_lo_t: split_e4m3's parts, transposed; row_scale: a query row's scale times qk_scale.
+    Its N side is both parts of each query row (2M columns: wgmma's e4m3 MMA takes 16 or more, a
+    decode step's GQA group is 1-8 rows), so one MMA chain multiplies both, and P @ V likewise.
+    k: [BLOCK_N, BLOCK_D] e4m3; vt: [BLOCK_D, BLOCK_N] e4m3 (the V^T cache's layout); q_t:
+    [BLOCK_D, 2M], the query rows' split_e4m3 parts (hi, then lo); row_scale [M]: a row's scale
+    times qk_scale.
 
     d = K (q_hi + q_lo)^T [BLOCK_N, M] is the scores in units of row_scale: m_i (the running max)
     is kept in those units, the exponent is one FMA, and its + 8 makes p 256 x the probability
-    (p <= 256 < 448, e4m3's largest). l_i is [BLOCK_N, M], each thread's own sums (scaled by alpha
-    as the tiles go), reduced once after the loop: no reduction across warps a tile for it.
-    acc: o^T [BLOCK_D, M] fp32 += V^T e4m3(p)^T. Returns (m_i, l_i, acc)."""
-    d = tl.where(key_valid[:, None], tl.dot(k, q_hi_t, tl.dot(k, q_lo_t)), float("-inf"))
+    (p <= 256 < 448, e4m3's largest). p goes to P @ V as two e4m3 parts too, p ~ hi + lo / 16. l_i
+    is [BLOCK_N, M], each thread's own sums of p (scaled by alpha as the tiles go), reduced once
+    after the loop: no reduction across warps a tile for it. acc: [BLOCK_D, 2M] fp32 += V^T [p_hi,
+    p_lo]: o^T is its first half + its second / 16 (after the loop). Returns (m_i, l_i, acc)."""
+    hi, lo = col_halves(tl.dot(k, q_t))
+    d = tl.where(key_valid[:, None], hi + lo, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(d, 0))
     # A row can see no key of this tile (an empty split); keep it finite so it contributes nothing.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = exp2_ftz(tl.fma(d, row_scale[None, :], (8.0 - m_safe * row_scale)[None, :]), INTERPRETER)
     alpha = exp2_ftz((m_i - m_safe) * row_scale, INTERPRETER)[None, :]
     l_i = tl.fma(l_i, alpha, p)
-    acc = tl.dot(vt, cast_e4m3(p, INTERPRETER), acc * alpha)
+    p_hi = cast_e4m3(p, INTERPRETER)
+    p_lo = cast_e4m3((p - p_hi.to(tl.float32)) * 16.0, INTERPRETER)  # (at most p: hi's half step x 16)
+    acc = tl.dot(vt, stack_cols(p_hi, p_lo), acc * stack_cols(alpha, alpha))
     return m_new, l_i, acc
 
 
@@ -628,7 +653,7 @@ def paged_attention_kernel(
     if FP8_MMA:
         tl.static_assert(KV_FP8 and BLOCK_Q == 1, "FP8_MMA: decode over an e4m3 cache")
         q_hi, q_lo, q_scale = split_e4m3(q.to(tl.float32), INTERPRETER)
-        q_hi_t, q_lo_t = tl.trans(q_hi), tl.trans(q_lo)
+        q_t = tl.trans(stack_rows(q_hi, q_lo))
         row_scale = q_scale * qk_scale  # the scores' unit: q ~ (hi + lo) * q_scale
     elif KV_FP8 and FP8_DOT_F16:
         q = q.to(tl.float16)
@@ -656,7 +681,7 @@ def paged_attention_kernel(
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     if FP8_MMA:
-        acc = tl.zeros([BLOCK_D, M], tl.float32)  # o^T
+        acc = tl.zeros([BLOCK_D, 2 * M], tl.float32)  # o^T from p's two parts (fp8_mma_tile)
         l_i = tl.zeros([BLOCK_N, M], tl.float32)  # each thread's sums (fp8_mma_tile)
     else:
         acc = tl.zeros([M, BLOCK_D], tl.float32)
@@ -697,9 +722,7 @@ def paged_attention_kernel(
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if FP8_MMA:
-            m_i, l_i, acc = fp8_mma_tile(
-                k, vt, q_hi_t, q_lo_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER
-            )
+            m_i, l_i, acc = fp8_mma_tile(k, vt, q_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER)
         else:
             if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
                 k = k.to(q.dtype)
@@ -717,7 +740,8 @@ def paged_attention_kernel(
             m_i = m_new
 
     if FP8_MMA:  # back to the other path's units: o [M, BLOCK_D], l and m in log2 units
-        acc = tl.trans(acc)
+        o_hi, o_lo = col_halves(acc)
+        acc = tl.trans(o_hi + o_lo * 0.0625)
         l_i = tl.sum(l_i, 0)  # 256 x the probabilities' sum, as acc is 256 x theirs
         m_i = m_i * row_scale - 8.0  # so that m + log2(l) is the split's log-sum-exp
     # Context length 0 (padding rows) or an empty split: l = 0, acc = 0 -> zeros, never NaN.
@@ -787,11 +811,11 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # 2.70 TB/s against 3.54 at block size 32 on the H200, is gone: bench/RESULTS.md, 2026-12-02).
 # On the H200: 2.87 TB/s of fp8 bytes at b256x1024 and block size 16, 3.47 at 32 (an fp8 cache's
 # default block size), 3.65 at 256 (bench/attention.py; the transposed kernel 2.30 at 16).
-# FP8_MMA: the loop in e4m3 MMAs instead (fp8_mma_tile: no widening; q split in two e4m3 parts, p
-# rounded to e4m3 as FlashAttention-3's fp8 path does; about 1% from exact attention on the output,
-# ~0.1% of perplexity in a CPU model of it, bench/RESULTS.md): compiled for sm90, 538 loop instructions
-# per 128 keys at block size 32 against 748 (bench/kernel_sass.py --fp8-mma). Off until timed on a
-# GPU (bench/gpu_run.sh fp8-mma-tests fp8-mma w1-fp8-mma).
+# FP8_MMA: the loop in e4m3 MMAs instead (fp8_mma_tile: no widening; q and p each as two e4m3 parts,
+# about bf16's precision: a CPU model of it costs no perplexity against the widening kernel's, +1.05%
+# against +1.11% over a bf16 cache, bench/RESULTS.md): compiled for sm90, 420 loop instructions per
+# 128 keys at block size 32 against 748 (bench/kernel_sass.py --fp8-mma). Off until timed on a GPU
+# (bench/gpu_run.sh fp8-mma-tests fp8-mma fp8-mma-accuracy w1-fp8-mma).
 DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
@@ -1034,15 +1058,17 @@ def paged_decode(
     # maxnreg: a cap on registers per thread (more programs per SM, perhaps spilling)
     meta = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and f16_query else {}
     meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
+    group_pad = max(16, triton.next_power_of_2(group))
     if cfg.get("FP8_MMA") and fp8_mma_applies(q, k_cache, cfg["BLOCK_N"]):
         meta.update(FP8_MMA=True, INTERPRETER=os.environ.get("TRITON_INTERPRET") == "1")
+        group_pad //= 2  # a row's two parts are the MMA's 16 or more columns (fp8_mma_tile)
     # Over an e4m3 cache, compiled without FMA fusion: with ROPE, norm_rope rounds each product and
     # sum as the fused rotary kernel does, and the kernel's own math (two FFMAs a 128-key tile)
     # rounds the same with ROPE or without, so DECODE_FUSES_ROPE changes no output bit.
     meta["enable_fp_fusion"] = k_cache.dtype != torch.float8_e4m3fn
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, ROWS=rows,
+        GROUP_PAD=group_pad, NUM_SPLITS=num_splits, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         seq_order=seq_order, new_kv=new_kv, rope=rope, **meta,
     )  # fmt: skip

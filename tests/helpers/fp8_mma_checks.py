@@ -3,11 +3,10 @@
 Shared by tests/test_triton_interpret.py (the interpreter) and tests/test_triton_kernels.py (the
 GPU). The model follows the kernel step by step in fp32: the query split into two e4m3 parts
 (split_e4m3), the key tiles and splits, the online softmax in the scores' own units, the
-probabilities rounded to e4m3 (x 256) for P @ V, and the split reduce. It sums in other orders
+probabilities (x 256) as two e4m3 parts for P @ V, and the split reduce. It sums in other orders
 than the kernel's MMAs and (on the GPU) takes exact exp2 where the kernel takes MUFU.EX2, so a few
-probabilities round to a neighbouring e4m3 value: the outputs agree to a few parts in 10^3, where
-the same step with unrounded probabilities (today's decode kernel, or exact attention) differs by
-about 10^-2."""
+probabilities' parts round to a neighbouring e4m3 value (which the other part then mostly makes up):
+the outputs agree within the output dtype's rounding."""
 
 from __future__ import annotations
 
@@ -56,7 +55,8 @@ def _split_partial(k, v, hi16, lo, row_scale, tiles: range, block_n: int, contex
         p = torch.exp2(_fma(d, row_scale[None, :], (8.0 - m_safe * row_scale)[None, :]))
         alpha = torch.exp2((m - m_safe) * row_scale)
         total = total * alpha + p.sum(0)
-        acc = acc * alpha[:, None] + _e4m3(p).T @ v[keys]
+        p_hi = _e4m3(p)
+        acc = acc * alpha[:, None] + (p_hi + _e4m3((p - p_hi) * 16.0) / 16.0).T @ v[keys]
         m = m_new
     o = acc / torch.where(total > 0, total, 1.0)[:, None] * v_scale
     lse = torch.where(total > 0, (m * row_scale - 8.0) + torch.log2(total), -math.inf)
@@ -111,28 +111,50 @@ def fp8_mma_reference(batch: dict, num_splits: int, block_n: int) -> torch.Tenso
     return out
 
 
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's keyword arguments, then launches it."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
 def check_decode_fp8_mma(batch: dict, num_splits: int = 1, decode_config: dict | None = None) -> None:
-    """A decode step (the store, then decode) over e4m3 caches with FP8_MMA: the output within a few
-    parts in 10^3 of fp8_mma_reference, and within 5% (relative norm) of exact attention over the
-    same cache (torch_ref): the probabilities' e4m3 rounding is all that separates them."""
+    """A decode step (the store, then decode) over e4m3 caches with FP8_MMA: the kernel launched with
+    it, its output within the output dtype's rounding of fp8_mma_reference, and within 2% (relative
+    norm) of exact attention over the same cache (torch_ref), which the e4m3 query and
+    probabilities' parts separate it from."""
     from executor_service.attention import torch_ref
     from executor_service.attention import triton_kernels as tk
 
     config = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": True, **(decode_config or {})}
     ctx, kv_scales, q = batch["context"], batch["kv_scales"], batch["q"]
-    assert tk.fp8_mma_applies(q, batch["k_cache"], config["BLOCK_N"]), "the case would not take FP8_MMA"
     tk.store_kv(batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], ctx.slot_mapping, *kv_scales)
     out = torch.full_like(q, NAN)
-    tk.paged_decode(
-        q, batch["k_cache"], batch["v_cache"], out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q,
-        batch["scale"], num_splits, config=config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
-    )  # fmt: skip
+    spy = _LaunchSpy(tk.paged_attention_kernel)
+    tk.paged_attention_kernel = spy
+    try:
+        tk.paged_decode(
+            q, batch["k_cache"], batch["v_cache"], out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q,
+            batch["scale"], num_splits, config=config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
+        )  # fmt: skip
+    finally:
+        tk.paged_attention_kernel = spy.kernel
+    assert [launch.get("FP8_MMA") for launch in spy.launches] == [True], (
+        "the decode kernel did not take FP8_MMA"
+    )
     num_real = len(ctx.query_lens_host) - batch["num_padding"]
     got = out[:num_real].float()
     assert not got.isnan().any(), "unwritten or NaN output rows"
     assert (out[num_real:] == 0).all(), "padding rows (context length 0) must be zeros"
     want = fp8_mma_reference(batch, num_splits, config["BLOCK_N"])
-    tol = 1e-2 if q.dtype == torch.bfloat16 else 4e-3
+    tol = 8e-3 if q.dtype == torch.bfloat16 else 1e-3
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     real = Context(
         block_tables=ctx.block_tables[:num_real],
@@ -143,4 +165,4 @@ def check_decode_fp8_mma(batch: dict, num_splits: int = 1, decode_config: dict |
         q[:num_real].float(), batch["k_cache"], batch["v_cache"], real, batch["scale"], *kv_scales
     )
     rel = (got - exact).norm() / exact.norm()
-    assert rel < 5e-2, f"relative error against exact attention {rel:.3g}"
+    assert rel < 2e-2, f"relative error against exact attention {rel:.3g}"
