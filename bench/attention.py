@@ -301,16 +301,13 @@ def sweep_fp8_registers(caps=(0, 96, 104, 128), rounds: int = 2) -> None:
 
 def fp8_mma_grid():
     """The fp8 decode kernel in e4m3 MMAs (FP8_MMA): key tiles of 64 (one warpgroup's wgmma rows) and
-    128, one or two warpgroups, 2-4 stages."""
-    for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+    128, one or two warpgroups, 2-4 stages, the full tiles in a loop of their own (FULL_TILES) or not."""
+    for block_n, warps, stages, full in itertools.product((64, 128), (4, 8), (2, 3, 4), (False, True)):
         if block_n // 16 >= warps:  # (wgmma's rows: 16 keys a warp at least)
             yield {
-                **tk.DECODE_CONFIG_FP8,
-                "FP8_MMA": True,
-                "BLOCK_N": block_n,
-                "num_warps": warps,
-                "num_stages": stages,
-            }
+                **tk.DECODE_CONFIG_FP8, "FP8_MMA": True, "FULL_TILES": full, "BLOCK_N": block_n,
+                "num_warps": warps, "num_stages": stages,
+            }  # fmt: skip
 
 
 def fp8_mma_agreement(config: dict, block_size: int) -> float:
@@ -328,7 +325,7 @@ def fp8_mma_agreement(config: dict, block_size: int) -> float:
     return ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
 
 
-def sweep_fp8_mma(block_sizes=(32, 64)) -> None:
+def sweep_fp8_mma(block_sizes=(FP8_DEFAULT_BLOCK_SIZE,)) -> None:
     """fp8_mma_grid against today's fp8 config: each one's output checked against today's
     (fp8_mma_agreement, refused past 3%), then TB/s at b256x1024, W1's mixed contexts (+32 and
     +256 generated, longest first; engine's splits) and b8x8192 (split), for each block size."""

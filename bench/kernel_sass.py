@@ -77,6 +77,7 @@ def compile_decode(
     store_kv: bool = False,
     rope: bool = False,
     fp8_mma: bool = False,
+    full_tiles: bool = False,
 ):
     """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
     block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows)."""
@@ -100,6 +101,7 @@ def compile_decode(
         "HAS_NORM": rope,
         "FP8_MMA": fp8_mma,
         "INTERPRETER": False,
+        "FULL_TILES": full_tiles,
     }
     int_ptrs = ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seq_order_ptr")
     types = {name: "*i32" if name in int_ptrs else "*bf16" for name in fn.arg_names if name.endswith("_ptr")}
@@ -178,6 +180,11 @@ def main() -> None:
         "--fp8-mma", action="store_true", help="the decode loop in e4m3 MMAs (DECODE_CONFIG_FP8's FP8_MMA)"
     )
     parser.add_argument(
+        "--full-tiles",
+        action="store_true",
+        help="with --fp8-mma: the unmasked tiles' loop, then the last tile's (FULL_TILES); prints both",
+    )
+    parser.add_argument(
         "--prefill",
         action="store_true",
         help="paged_prefill's launch (PREFILL_CONFIG's tiles) instead of decode",
@@ -197,7 +204,7 @@ def main() -> None:
     kernel = compile_decode(
         args.kv, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
         args.group, args.head_dim, block_q, args.block_size, args.group_pad, args.store_kv, args.rope,
-        args.fp8_mma,
+        args.fp8_mma, args.full_tiles,
     )  # fmt: skip
     ops, registers = loop_stats(kernel)
     name = "paged_attention_kernel"
@@ -215,6 +222,13 @@ def main() -> None:
     )
     for op, count in collections.Counter(ops).most_common(args.top):
         print(f"  {count:5d} {op}")
+    if args.full_tiles:  # two tile loops: the full tiles' (most of the keys), then the last tile's
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(kernel.asm["cubin"])
+            cubin.flush()
+            mma_loops = [b for b in loops(cuobjdump("-sass", cubin.name)) if any("MMA" in op for op in b)]
+        for what, body in zip(("full tiles (unmasked)", "last tile (masked)"), mma_loops, strict=False):
+            print(f"loop over the {what}: {len(body)} instructions per tile")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ for dtype, scales in ((f16, (1.0, 1.0)), (torch.bfloat16, (0.05, 2.5))):
     for block_size, block_n in ((8, 32), (64, 32)):
         b = make_batch([1] * 5, [20, 1, 40, 100, 48], 4, 2, 64, block_size, dtype, "cpu", seed=6, num_padding=1)
         check_decode_fp8_mma(to_fp8(b, *scales), 2, {"BLOCK_N": block_n})
+    # FULL_TILES: the tiles within the context unmasked, then the last one (contexts of whole tiles,
+    # 16 and 48, have no last partial tile; splits of several tiles and of none).
+    for splits in (1, 2, 5):
+        b = make_batch([1] * 6, [20, 1, 40, 16, 48, 100], 4, 2, 32, 8, dtype, "cpu", seed=7, num_padding=1)
+        check_decode_fp8_mma(to_fp8(b, *scales), splits, {"BLOCK_N": 16, "FULL_TILES": True})
 """,
     "fp8_decode_stores_kv": """
 from helpers.attention_fp8_checks import check_decode_stores_kv

@@ -232,7 +232,8 @@ def test_decode_fp8(scales, group, num_splits, variant):
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize(
-    "block_size,tile", [(16, {}), (32, {}), (32, {"BLOCK_N": 64}), (256, {"num_warps": 8})]
+    "block_size,tile",
+    [(16, {}), (32, {}), (32, {"BLOCK_N": 64}), (32, {"FULL_TILES": True}), (256, {"num_warps": 8})],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_fp8_mma(scales, group, num_splits, block_size, tile, dtype):
@@ -273,7 +274,7 @@ def test_decode_fp8_reads_v_in_runs_of_16(block_size, num_splits):
         {},
         {"BLOCK_N": 64, "num_warps": 1, "num_stages": 3},
         {"FP8_MMA": True},
-        {"FP8_MMA": True, "BLOCK_N": 64},
+        {"FP8_MMA": True, "BLOCK_N": 64, "FULL_TILES": True},
     ],
 )
 def test_decode_stores_kv_fp8(block_size, num_splits, variant):

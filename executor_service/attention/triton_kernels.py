@@ -159,7 +159,9 @@ def col_halves(x):
 
 
 @triton.jit
-def fp8_mma_tile(k, vt, q_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER: tl.constexpr):
+def fp8_mma_tile(
+    k, vt, q_t, row_scale, key_valid, m_i, l_i, acc, MASKED: tl.constexpr, INTERPRETER: tl.constexpr
+):
     """One tile of keys of decode over an e4m3 cache with e4m3 MMAs (FP8_MMA), transposed so that the
     keys are the MMA's M side (sm90's wgmma, which multiplies e4m3 operands straight from shared
     memory as loaded, needs 64 rows a warpgroup there, which a decode step's query rows are not).
@@ -167,7 +169,7 @@ def fp8_mma_tile(k, vt, q_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER: t
     decode step's GQA group is 1-8 rows), so one MMA chain multiplies both, and P @ V likewise.
     k: [BLOCK_N, BLOCK_D] e4m3; vt: [BLOCK_D, BLOCK_N] e4m3 (the V^T cache's layout); q_t:
     [BLOCK_D, 2M], the query rows' split_e4m3 parts (hi, then lo); row_scale [M]: a row's scale
-    times qk_scale.
+    times qk_scale; MASKED: key_valid [BLOCK_N] masks the keys past the context (its last tile).
 
     d = K (q_hi + q_lo)^T [BLOCK_N, M] is the scores in units of row_scale: m_i (the running max)
     is kept in those units, the exponent is one FMA, and its + 8 makes p 256 x the probability
@@ -176,7 +178,9 @@ def fp8_mma_tile(k, vt, q_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER: t
     after the loop: no reduction across warps a tile for it. acc: [BLOCK_D, 2M] fp32 += V^T [p_hi,
     p_lo]: o^T is its first half + its second / 16 (after the loop). Returns (m_i, l_i, acc)."""
     hi, lo = col_halves(tl.dot(k, q_t))
-    d = tl.where(key_valid[:, None], hi + lo, float("-inf"))
+    d = hi + lo
+    if MASKED:  # the context's last tile: keys past its end weigh nothing
+        d = tl.where(key_valid[:, None], d, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(d, 0))
     # A row can see no key of this tile (an empty split); keep it finite so it contributes nothing.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -187,6 +191,49 @@ def fp8_mma_tile(k, vt, q_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER: t
     p_lo = cast_e4m3((p - p_hi.to(tl.float32)) * 16.0, INTERPRETER)  # (at most p: hi's half step x 16)
     acc = tl.dot(vt, stack_cols(p_hi, p_lo), acc * stack_cols(alpha, alpha))
     return m_new, l_i, acc
+
+
+@triton.jit
+def fp8_kv_tile(
+    k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs, stride_ch,
+    stride_vb, stride_vh, stride_vd, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    V_RUN: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """K [BLOCK_N, BLOCK_D] and V^T [BLOCK_D, BLOCK_N] of keys `key` from e4m3 caches, as
+    paged_attention_kernel's loop loads them (V^T in runs of V_RUN slots, whose slots past the
+    context hold zeros). Without MASKED every key is below kv_end, so no key is masked (the
+    FP8_MMA loop's full tiles)."""
+    if MASKED:
+        block = tl.load(bt_row + key // BLOCK_SIZE, mask=(key // BLOCK_SIZE) * BLOCK_SIZE < kv_end, other=0)
+    else:
+        block = tl.load(bt_row + key // BLOCK_SIZE)
+    block = block.to(tl.int64)
+    k_off = (
+        block[:, None] * stride_cb
+        + (key % BLOCK_SIZE)[:, None] * stride_cs
+        + kv_head * stride_ch
+        + d[None, :]
+    )
+    vt_off = (
+        block[None, :] * stride_vb
+        + kv_head * stride_vh
+        + d[:, None] * stride_vd
+        + (key % BLOCK_SIZE)[None, :]
+    )
+    if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
+        vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
+    k_mask = d_valid[None, :]
+    v_mask = d_valid[:, None]
+    if MASKED:
+        k_mask = k_mask & (key < kv_end)[:, None]
+        v_mask = v_mask & ((key // V_RUN) * V_RUN < kv_end)[None, :]
+    if BLOCK_D == HEAD_DIM and not MASKED:
+        k = tl.load(k_cache_ptr + k_off)
+        vt = tl.load(v_cache_ptr + vt_off)
+    else:
+        k = tl.load(k_cache_ptr + k_off, mask=k_mask, other=0.0)
+        vt = tl.load(v_cache_ptr + vt_off, mask=v_mask, other=0.0)
+    return k, vt
 
 
 @triton.jit
@@ -594,6 +641,7 @@ def paged_attention_kernel(
     HAS_NORM: tl.constexpr = False,  # with ROPE: q and k RMS-normalised first (Qwen3's q/k norms)
     FP8_MMA: tl.constexpr = False,  # decode, e4m3 cache: e4m3 MMAs (fp8_mma_tile), no widening
     INTERPRETER: tl.constexpr = False,  # with FP8_MMA: under Triton's interpreter (cast_e4m3, exp2_ftz)
+    FULL_TILES: tl.constexpr = False,  # with FP8_MMA: a loop over the unmasked tiles, then one over the rest
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -690,40 +738,60 @@ def paged_attention_kernel(
     n = tl.arange(0, BLOCK_N)
     # An e4m3 V^T is read in runs of 16 slots (16-byte vectors) where blocks hold whole runs.
     V_RUN: tl.constexpr = 16 if BLOCK_SIZE % 16 == 0 else BLOCK_SIZE
-    for tile in range(tile_lo, tile_hi):
-        key = tile * BLOCK_N + n
-        key_valid = key < kv_end
-        # Gather the cache block of every key: BLOCK_N keys may span several blocks. (An e4m3 V
-        # cache is read in runs of V_RUN slots: the last block's keys past the end need its id too.)
-        whole_block = (key // BLOCK_SIZE) * BLOCK_SIZE < kv_end
-        block = tl.load(bt_row + key // BLOCK_SIZE, mask=whole_block if KV_FP8 else key_valid, other=0)
-        block = block.to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
-        if BLOCK_D == HEAD_DIM:
-            kv_mask = key_valid[:, None]
-        else:
-            kv_mask = key_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if KV_FP8:
-            # V^T [BLOCK_D, BLOCK_N] from blocks kept [num_kv_heads, head_dim, block_size]: each
-            # block's keys contiguous. Loaded in runs of V_RUN slots (a mask constant over a run
-            # keeps the 16-byte vectors), so at most V_RUN - 1 slots past the context are read
-            # whatever the block size; those slots are zeros, so the keys there (probability 0)
-            # add nothing.
-            vt_off = (
-                block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
-                + (key % BLOCK_SIZE)[None, :]
+    if FP8_MMA:
+        # With FULL_TILES the tiles whose keys all lie within the context first, unmasked (fewer
+        # instructions a tile, but a second loop for the context's last tile); then the rest, masked.
+        full_hi = tile_lo
+        if FULL_TILES:
+            full_hi = tl.maximum(tl.minimum(tile_hi, kv_end // BLOCK_N), tile_lo)
+        for tile in range(tile_lo, full_hi):
+            key = tile * BLOCK_N + n
+            k, vt = fp8_kv_tile(
+                k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs, stride_ch,
+                stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, False,
             )  # fmt: skip
-            if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
-                vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
-            v_valid = (key // V_RUN) * V_RUN < kv_end
-            vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & v_valid[None, :], other=0.0)
-            v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
-        else:
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if FP8_MMA:
-            m_i, l_i, acc = fp8_mma_tile(k, vt, q_t, row_scale, key_valid, m_i, l_i, acc, INTERPRETER)
-        else:
+            m_i, l_i, acc = fp8_mma_tile(k, vt, q_t, row_scale, key, m_i, l_i, acc, False, INTERPRETER)
+        for tile in range(full_hi, tile_hi):
+            key = tile * BLOCK_N + n
+            k, vt = fp8_kv_tile(
+                k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs, stride_ch,
+                stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, True,
+            )  # fmt: skip
+            m_i, l_i, acc = fp8_mma_tile(
+                k, vt, q_t, row_scale, key < kv_end, m_i, l_i, acc, True, INTERPRETER
+            )
+    else:
+        for tile in range(tile_lo, tile_hi):
+            key = tile * BLOCK_N + n
+            key_valid = key < kv_end
+            # Gather the cache block of every key: BLOCK_N keys may span several blocks. (An e4m3 V
+            # cache is read in runs of V_RUN slots: the last block's keys past the end need its id too.)
+            whole_block = (key // BLOCK_SIZE) * BLOCK_SIZE < kv_end
+            block = tl.load(bt_row + key // BLOCK_SIZE, mask=whole_block if KV_FP8 else key_valid, other=0)
+            block = block.to(tl.int64)
+            kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
+            if BLOCK_D == HEAD_DIM:
+                kv_mask = key_valid[:, None]
+            else:
+                kv_mask = key_valid[:, None] & d_valid[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if KV_FP8:
+                # V^T [BLOCK_D, BLOCK_N] from blocks kept [num_kv_heads, head_dim, block_size]: each
+                # block's keys contiguous. Loaded in runs of V_RUN slots (a mask constant over a run
+                # keeps the 16-byte vectors), so at most V_RUN - 1 slots past the context are read
+                # whatever the block size; those slots are zeros, so the keys there (probability 0)
+                # add nothing.
+                vt_off = (
+                    block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
+                    + (key % BLOCK_SIZE)[None, :]
+                )  # fmt: skip
+                if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
+                    vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
+                v_valid = (key // V_RUN) * V_RUN < kv_end
+                vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & v_valid[None, :], other=0.0)
+                v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
+            else:
+                v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
@@ -815,7 +883,9 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # about bf16's precision: a CPU model of it costs no perplexity against the widening kernel's, +1.05%
 # against +1.11% over a bf16 cache, bench/RESULTS.md): compiled for sm90, 420 loop instructions per
 # 128 keys at block size 32 against 748 (bench/kernel_sass.py --fp8-mma). Off until timed on a GPU
-# (bench/gpu_run.sh fp8-mma-tests fp8-mma fp8-mma-accuracy w1-fp8-mma).
+# (bench/gpu_run.sh fp8-mma-tests fp8-mma fp8-mma-accuracy w1-fp8-mma). FULL_TILES: the tiles within
+# the context in a loop without masks (347 instructions a tile), then the last in a loop of its own
+# (505, and its loads not overlapped with the first loop's), off until timed.
 DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
@@ -1061,6 +1131,7 @@ def paged_decode(
     group_pad = max(16, triton.next_power_of_2(group))
     if cfg.get("FP8_MMA") and fp8_mma_applies(q, k_cache, cfg["BLOCK_N"]):
         meta.update(FP8_MMA=True, INTERPRETER=os.environ.get("TRITON_INTERPRET") == "1")
+        meta["FULL_TILES"] = bool(cfg.get("FULL_TILES", False))
         group_pad //= 2  # a row's two parts are the MMA's 16 or more columns (fp8_mma_tile)
     # Over an e4m3 cache, compiled without FMA fusion: with ROPE, norm_rope rounds each product and
     # sum as the fused rotary kernel does, and the kernel's own math (two FFMAs a 128-key tile)
