@@ -40,6 +40,9 @@ NO_TOKENIZER = "this model has no tokenizer.json: pass token ids instead of text
 # vLLM's tokenizer modes that mean this LLM's one tokenizer (tokenizer.json, read by the `tokenizers`
 # library as vLLM's fast tokenizers are).
 TOKENIZER_MODES = ("auto", "hf")
+# vLLM's chat_template_content_format values that are how chat() renders content: text parts joined
+# into one string ("openai", the list of parts as it is, is not).
+CONTENT_FORMATS = ("auto", "string")
 
 
 @dataclass
@@ -220,6 +223,11 @@ class LLM:
         """The tokenizer (None for a checkpoint without tokenizer.json)."""
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() sample with when given none (vLLM's method): SamplingParams'
+        defaults (greedy; vLLM's are the checkpoint's generation_config.json's)."""
+        return SamplingParams()
+
     def _encode(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool) -> list[int]:
         """The prompt's token ids, cut to its last truncate_prompt_tokens (RequestOutput's
         prompt_token_ids are these, as vLLM's)."""
@@ -246,7 +254,10 @@ class LLM:
         called for a model without a tokenizer, whose outputs are token ids). `lora_request`: vLLM's,
         None only (no LoRA adapters here)."""
         _refuse_lora(lora_request)
-        return self._generate(_prompt_list(prompts), sampling_params, use_tqdm, on_text=on_text)
+        given = _prompt_list(prompts)
+        parsed = [_prompt(prompt, f"prompts[{i}]") for i, prompt in enumerate(given)]
+        texts = [_prompt_text(prompt) for prompt in given]
+        return self._generate(parsed, sampling_params, use_tqdm, on_text=on_text, texts=texts)
 
     def chat(
         self,
@@ -256,6 +267,7 @@ class LLM:
         *,
         lora_request: object = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
@@ -265,11 +277,17 @@ class LLM:
         rendered with the checkpoint's chat template (or `chat_template`, a Jinja source) as the
         HTTP API's chat completions render theirs; the text is tokenized without special tokens (the
         template writes its own). With continue_final_message (and add_generation_prompt off) the
-        prompt ends inside the final message, which the model continues. InvalidRequestError for
-        messages the template refuses."""
+        prompt ends inside the final message, which the model continues. A message's content parts
+        reach the template as one string (vLLM's chat_template_content_format "string", which its
+        "auto" picks for a template of text). InvalidRequestError for messages the template refuses."""
         from scheduler_service.openai_protocol import ChatRequest  # (pydantic: only for chat)
 
         _refuse_lora(lora_request)
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format {chat_template_content_format!r} is not taken: content "
+                f"parts reach the chat template joined into one string ({' or '.join(map(repr, CONTENT_FORMATS))})"
+            )
         one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)):
@@ -299,9 +317,11 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm],
         add_special_tokens: bool = True,
         on_text: Callable[[str], object] | None = None,
+        texts: list[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """`texts`: each prompt's RequestOutput.prompt (None: the prompt itself where it is a text)."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or not all(
@@ -387,11 +407,11 @@ class LLM:
             raise
         bar.close()
 
+        if texts is None:
+            texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
         results = [
-            RequestOutput(
-                prompt if isinstance(prompt, str) else None, ids, cached.get(i, 0), [], request_id=rid
-            )
-            for i, (prompt, ids, rid) in enumerate(zip(prompts, encoded, request_ids))
+            RequestOutput(text, ids, cached.get(i, 0), [], request_id=rid)
+            for i, (text, ids, rid) in enumerate(zip(texts, encoded, request_ids))
         ]
         for rid, (i, _, _) in requests.items():
             results[i].outputs.append(finished[rid])
@@ -491,11 +511,9 @@ def _is_token_ids(prompt: object) -> bool:
     )
 
 
-def _prompt_list(prompts: object) -> list[Prompt]:
-    """generate()'s prompts as a list of prompts, each a text or a list of token ids; vLLM's
-    TextPrompt ({"prompt": text}) and TokensPrompt ({"prompt_token_ids": ids}) dicts are taken
-    too. TypeError naming the first that is none of these (checked before anything is admitted: a
-    float id would fail inside the engine's step, with its request still in the engine)."""
+def _prompt_list(prompts: object) -> list[object]:
+    """generate()'s prompts as a list, each for _prompt(); TypeError for what is not a prompt or a
+    list of them."""
     if isinstance(prompts, (str, dict)) or (
         isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
     ):
@@ -505,14 +523,29 @@ def _prompt_list(prompts: object) -> list[Prompt]:
             "prompts must be a string, a list of token ids, a dict ({'prompt': text} or "
             f"{{'prompt_token_ids': ids}}), or a list of those, got {reprlib.repr(prompts)}"
         )
-    return [_prompt(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
+    return list(prompts)
+
+
+def _prompt_text(prompt: object) -> str | None:
+    """A prompt's text, as its RequestOutput.prompt gives it: a text prompt's, or the text a vLLM
+    TokensPrompt carries beside its ids ("prompt", not tokenized); None for token ids alone."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def _prompt(prompt: object, name: str) -> Prompt:
+    """A prompt as a text or a list of token ids; vLLM's TextPrompt ({"prompt": text}) and
+    TokensPrompt ({"prompt_token_ids": ids}, a "prompt" text beside them, which is not tokenized)
+    dicts are taken too. TypeError naming one that is none of these (checked before anything is
+    admitted: a float id would fail inside the engine's step, with its request still in the
+    engine)."""
     if isinstance(prompt, dict):
         if unknown := [k for k in prompt if k not in ("prompt", "prompt_token_ids")]:
             raise TypeError(f"{name} has keys this model does not take: {', '.join(map(repr, unknown))}")
-        if "prompt_token_ids" in prompt:  # (vLLM's TokensPrompt; a "prompt" beside it is not used)
+        if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+            raise TypeError(f"{name}['prompt'] must be a string, got {reprlib.repr(prompt['prompt'])}")
+        if "prompt_token_ids" in prompt:  # (vLLM's TokensPrompt)
             ids = prompt["prompt_token_ids"]
             if not _is_token_ids(ids):
                 raise TypeError(
@@ -520,8 +553,6 @@ def _prompt(prompt: object, name: str) -> Prompt:
                 )
             return list(ids)
         if "prompt" in prompt:
-            if not isinstance(prompt["prompt"], str):
-                raise TypeError(f"{name}['prompt'] must be a string, got {reprlib.repr(prompt['prompt'])}")
             return prompt["prompt"]
     elif isinstance(prompt, str):
         return prompt

@@ -6,8 +6,11 @@ outputs and the streamed ones work out in one place."""
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import pytest
+from helpers.chat_checkpoint import QWEN3_TEMPLATE
 from tqdm import tqdm
 
 from client.llm import LLM
@@ -177,3 +180,40 @@ def test_whole_and_streamed_outputs_agree_on_why_they_stopped(llm):
             assert _finishes(llm, True, include_stop_str_in_output=include, **params) == whole
     processor = OutputProcessor(None, SamplingParams(stop_token_ids=[token]))
     assert processor.finish("stop", token) == ("stop", token) and processor.finish(None, 3) == ("abort", None)
+
+
+def test_a_tokens_prompts_text_is_its_outputs_prompt(llm):
+    """vLLM's TokensPrompt may carry its text beside its ids ("prompt"), which its RequestOutput's
+    prompt gives back; it was None (and a non-string there went unchecked)."""
+    out = llm.generate(
+        {"prompt_token_ids": PROMPT, "prompt": "five to nine"}, SamplingParams(max_tokens=2), use_tqdm=False
+    )
+    assert (out[0].prompt, out[0].prompt_token_ids) == ("five to nine", PROMPT)
+    assert out[0].token_ids == _generate(llm, PROMPT, max_tokens=2).token_ids  # (the text is not tokenized)
+    mixed = llm.generate([PROMPT, "The list type", {"prompt": "a"}], use_tqdm=False)
+    assert [o.prompt for o in mixed] == [None, "The list type", "a"]
+    with pytest.raises(TypeError, match=r"prompts\[0\]\['prompt'\] must be a string"):
+        llm.generate({"prompt_token_ids": PROMPT, "prompt": 5}, use_tqdm=False)
+
+
+def test_default_sampling_params_and_content_format_as_vllms(qwen3_tied, tmp_path, llm):
+    """vLLM's LLM.get_default_sampling_params() (what generate() samples with when given none) and
+    chat()'s chat_template_content_format were AttributeError and TypeError; "string" and "auto"
+    are how chat() renders content, "openai" (the parts as a list) is refused."""
+    assert llm.get_default_sampling_params() == SamplingParams()
+    default = llm.generate(PROMPT, use_tqdm=False)[0].token_ids
+    assert default == _generate(llm, PROMPT).token_ids
+    directory = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tied, directory)
+    config = {"eos_token": "<|endoftext|>", "chat_template": QWEN3_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    chat_llm = LLM(str(directory), **SMALL)
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "The list type"}]}]
+    params = SamplingParams(max_tokens=2)
+    outs = [
+        chat_llm.chat(conversation, params, use_tqdm=False, chat_template_content_format=f)[0]
+        for f in ("auto", "string")
+    ]
+    assert outs[0].prompt == outs[1].prompt and outs[0].token_ids == outs[1].token_ids
+    with pytest.raises(ValueError, match="chat_template_content_format 'openai' is not taken"):
+        chat_llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="openai")
