@@ -60,19 +60,20 @@ class PositionLogprobs(dict):
     """One position's logprobs as vLLM's outputs give them, token id -> Logprob: the chosen token's
     first, then its top alternatives best first (the chosen token once, where it is among them).
     The TokenLogprob's fields (token_id, logprob, top_logprobs, rank, token, top_tokens), which the
-    services' clients give, are its attributes too."""
+    services' clients give, are its attributes too (set by of())."""
 
-    def __init__(self, lp: TokenLogprob) -> None:
-        super().__init__()
+    @classmethod
+    def of(cls, lp: TokenLogprob) -> PositionLogprobs:
         tops = lp.top_tokens or [None] * len(lp.top_logprobs)
         rank = lp.rank
         if rank is None:  # (a sampled token: its place among the top alternatives, if it is there)
             rank = next((k for k, (t, _) in enumerate(lp.top_logprobs, 1) if t == lp.token_id), None)
-        self[lp.token_id] = Logprob(lp.logprob, rank, lp.token)
+        position = cls({lp.token_id: Logprob(lp.logprob, rank, lp.token)})
         for k, ((t, logprob), text) in enumerate(zip(lp.top_logprobs, tops), 1):
-            self.setdefault(t, Logprob(logprob, k, text))
-        self.token_id, self.logprob, self.rank = lp.token_id, lp.logprob, lp.rank
-        self.top_logprobs, self.token, self.top_tokens = lp.top_logprobs, lp.token, lp.top_tokens
+            position.setdefault(t, Logprob(logprob, k, text))
+        position.token_id, position.logprob, position.rank = lp.token_id, lp.logprob, lp.rank
+        position.top_logprobs, position.token, position.top_tokens = lp.top_logprobs, lp.token, lp.top_tokens
+        return position
 
 
 @dataclass
@@ -459,7 +460,7 @@ class LLM:
         """The engine's logprobs as vLLM's dicts, their tokens named unless detokenize is off."""
         if params.detokenize:
             name_tokens(self.tokenizer, logprobs)
-        return [PositionLogprobs(lp) for lp in logprobs]
+        return [PositionLogprobs.of(lp) for lp in logprobs]
 
     def encode(self, *_args: object, **_kwargs: object) -> NoReturn:
         """vLLM's pooling API (encode, embed, classify, score, reward): not here."""

@@ -5,8 +5,10 @@ outputs and the streamed ones work out in one place."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import pickle
 import shutil
 
 import pytest
@@ -131,6 +133,9 @@ def test_logprobs_are_vllms_dicts_of_logprob(llm):
         assert position[token].decoded_token == tokenizer.token_text(token)
     own = _generate(llm, PROMPT, max_tokens=2, logprobs=0).outputs[0]
     assert [list(p) for p in own.logprobs] == [[t] for t in own.token_ids]
+    copied = pickle.loads(pickle.dumps(out))  # (and dataclasses.asdict takes the outputs)
+    assert copied == out and copied.outputs[0].logprobs[0].top_logprobs == sample.logprobs[0].top_logprobs
+    assert dataclasses.asdict(out)["outputs"][0]["logprobs"][0][sample.token_ids[0]]["rank"] is not None
 
 
 def test_request_ids_count_prompts_over_the_llms_calls(qwen3_tied):
