@@ -218,12 +218,24 @@ class OutputProcessor:
         return OutputDelta(text, num_tokens, update.stop_string is not None)
 
     def finish(self, engine_reason: str | None, last_token_id: int | None) -> tuple[str, str | int | None]:
-        """(finish reason, stop reason): "stop" with the stop string (a str) or the stop token id
-        (an int) that ended it, as vLLM's stop_reason, else None; "length", or "abort" (also for a
-        request that ended without a reason)."""
-        if self.stop_string is not None:
-            return "stop", self.stop_string
-        reason = engine_reason or "abort"
-        if reason == "stop" and last_token_id in self.params.stop_token_ids:
-            return reason, last_token_id
-        return reason, None
+        """(finish reason, stop reason) of the request: finish_reasons() with the stop string that
+        ended it, if one did."""
+        return finish_reasons(self.params, engine_reason, last_token_id, self.stop_string)
+
+
+def finish_reasons(
+    params: SamplingParams,
+    engine_reason: str | None,
+    last_token_id: int | None,
+    stop_string: str | None = None,
+) -> tuple[str, str | int | None]:
+    """(finish reason, stop reason) of a finished request, for a stream (OutputProcessor.finish) and
+    for the offline LLM's whole outputs alike: "stop" with the stop string (a str) or the stop
+    token id (an int) that ended it, as vLLM's stop_reason, else None; "length", or "abort" (also
+    for a request that ended without a reason)."""
+    if stop_string is not None:
+        return "stop", stop_string
+    reason = engine_reason or "abort"
+    if reason == "stop" and last_token_id in params.stop_token_ids:
+        return reason, last_token_id
+    return reason, None

@@ -53,7 +53,7 @@ _INT_FIELDS = (
     "truncate_prompt_tokens",
 )
 # (a string "false" would pass as true)
-_BOOL_FIELDS = ("skip_special_tokens", "spaces_between_special_tokens")
+_BOOL_FIELDS = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")
 # Those that may be None.
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _FLOAT_FIELDS = (
@@ -102,6 +102,10 @@ class SamplingParams:
     # special token when it is on. The `tokenizers` decoder this server uses (as vLLM's fast
     # tokenizers) adds no spaces whatever its value: both are taken, and the text is the same.
     spaces_between_special_tokens: bool = True
+    # vLLM's: off, the offline LLM leaves its outputs undecoded (text "", logprobs without their
+    # tokens' text; the token ids as ever), and stop strings, which match the text, are refused. The
+    # servers always decode.
+    detokenize: bool = True
     # Keep only the prompt's last k tokens (left truncation); -1: max_model_len; None: the whole prompt.
     truncate_prompt_tokens: int | None = None
 
@@ -161,6 +165,8 @@ class SamplingParams:
             if len(stop) > MAX_STOP_STRING_CHARS:
                 _fail(f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_STRING_CHARS}")
             verify_unicode(stop, f"stop[{i}]")
+        if self.stop and not self.detokenize:
+            _fail("stop strings match the output's text: they need detokenize=True")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             _fail(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         if self.max_tokens is not None and self.max_tokens < 1:
