@@ -326,6 +326,7 @@ async def _serve(spec: dict) -> int:
         http_tls=(args["tls_cert"], args["tls_key"]) if args.get("tls_cert") else None,
         reuse_port=True,
         allowed_origins=args.get("allowed_origins"),
+        tool_call_parser=args.get("tool_call_parser", "auto"),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,6 +1,7 @@
 """A chat answer's text as OpenAI's chat API returns it: a Qwen3 `<think>` block as
-`reasoning_content` (reasoning.py), Hermes tool calls as `tool_calls` (tool_calls.py), the rest as
-`content`. The HTTP API and gRPC's Chat prompt split answers with it alike, whole or streamed."""
+`reasoning_content` (reasoning.py), tool calls as `tool_calls` (in the format tool_call_formats.py
+names: Hermes, Llama 3's JSON or Mistral's), the rest as `content`. The HTTP API and gRPC's Chat
+prompt split answers with it alike, whole or streamed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import dataclass, field
 
 from scheduler_service.chat_template import ChatTemplate
 from scheduler_service.reasoning import ReasoningParser
-from scheduler_service.tool_calls import ToolCall, ToolCallDelta, ToolCallParser
+from scheduler_service.tool_call_formats import DEFAULT, ToolParser, new_tool_call_parser
+from scheduler_service.tool_calls import ToolCall, ToolCallDelta
 
 
 @dataclass(slots=True)
@@ -21,16 +23,19 @@ class ChatDelta:
 class ChatOutputParser:
     """Feed text deltas to add() (`last` on the final one)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
         self.reasoning = reasoning
         self.tools = tools
 
     @classmethod
-    def for_request(cls, template: ChatTemplate, prompt: str, parses_tools: bool) -> ChatOutputParser | None:
+    def for_request(
+        cls, template: ChatTemplate, prompt: str, parses_tools: bool, tool_format: str = DEFAULT
+    ) -> ChatOutputParser | None:
         """The parser an answer to `prompt` (rendered by `template`) needs: reasoning when the
-        template writes `<think>` blocks, tool calls when the request gave tools; None for neither."""
+        template writes `<think>` blocks, tool calls in `tool_format` (tool_call_formats.py) when
+        the request gave tools; None for neither."""
         reasoning = ReasoningParser(prompt) if template.thinks else None
-        tools = ToolCallParser() if parses_tools else None
+        tools = new_tool_call_parser(tool_format) if parses_tools else None
         return cls(reasoning, tools) if reasoning is not None or tools is not None else None
 
     @property

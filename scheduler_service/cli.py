@@ -28,6 +28,8 @@ from protos.hub import resolve_model
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
 from scheduler_service.executor_client import DEFAULT_STEP_TIMEOUT_S
 from scheduler_service.tokenizer import Tokenizer, tokenizer_resolver
+from scheduler_service.tool_call_formats import AUTO as AUTO_TOOL_CALL_PARSER
+from scheduler_service.tool_call_formats import CHOICES as TOOL_CALL_PARSER_CHOICES
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +164,17 @@ FLAGS = (
         type=int,
         default=1,
         help="fewest tokens per streamed chunk, except the last (default 1)",
+    ),
+    flag(
+        "--tool-call-parser",
+        env="TOOL_CALL_PARSER",
+        choices=TOOL_CALL_PARSER_CHOICES,
+        default=AUTO_TOOL_CALL_PARSER,
+        help="the format of the tool calls read from chat answers when a request gives tools, as "
+        "vLLM's flag names them: hermes (Qwen's <tool_call>), llama3_json (Llama 3.x), mistral "
+        "([TOOL_CALLS]); default auto: the one the chat template writes, else the architecture's "
+        "(Qwen: hermes, Mistral: mistral), else hermes. Tool calls are always on: vLLM's "
+        "--enable-auto-tool-choice is not needed",
     ),
     flag(
         "--tokenizer",
@@ -429,6 +442,7 @@ def run(args: argparse.Namespace) -> int:
         http_port=args.http_port or None,
         http_tls=(args.tls_cert, args.tls_key) if args.tls_cert else None,
         allowed_origins=args.allowed_origins,
+        tool_call_parser=args.tool_call_parser,
     )
     try:
         asyncio.run(serve_until_signal(server, args.shutdown_timeout))

@@ -37,6 +37,13 @@ from scheduler_service.sampling_params import (
     truncate_prompt,
     verify_prompt_length,
 )
+from scheduler_service.tool_call_formats import (
+    AUTO,
+    DEFAULT,
+    check_tool_call_parser,
+    keeps_special_tokens,
+    tool_call_format,
+)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _FINISH_REASONS = {
@@ -152,12 +159,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         engine: AsyncEngine,
         stream_interval: int = 1,
         max_message_bytes: int = GENERATION_MAX_MESSAGE_BYTES,
+        tool_call_parser: str = AUTO,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
         self.metrics = engine.metrics
         self.stream_interval = stream_interval
+        # The format a Chat answer's tool calls are read in (--tool-call-parser; tool_call_formats.py).
+        self.tool_call_parser = check_tool_call_parser(tool_call_parser)
         self.max_message_bytes = max_message_bytes
         # A chunk: half of the message for token ids and logprobs, a quarter for text (UTF-8: at
         # most 4 bytes a character), the rest for the request id and framing; and no chunk over
@@ -196,6 +206,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 text, template, tools = await asyncio.to_thread(render_chat, tokenizer, request.chat)
             else:
                 text, template, tools = render_chat(tokenizer, request.chat)
+            tool_format = DEFAULT
+            if tools:
+                tool_format = tool_call_format(self.tool_call_parser, template, engine.info.architecture)
+                if keeps_special_tokens(tool_format):  # (as the HTTP API's: the calls' mark is special)
+                    params.skip_special_tokens = False
             max_model_len = engine.limits.max_model_len
             tokenizer = check_text_prompt(tokenizer, text, params, max_model_len)
             # (a chat template writes its own special tokens)
@@ -212,7 +227,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         streams = await self.engine.submit(request_id, prompt, params, arrival, timeout, request.user)
         if template is None:
             return [(stream, None, prompt) for stream in streams]
-        return [(stream, ChatOutputParser.for_request(template, text, tools), prompt) for stream in streams]
+        return [
+            (stream, ChatOutputParser.for_request(template, text, tools, tool_format), prompt)
+            for stream in streams
+        ]
 
     async def Generate(
         self,

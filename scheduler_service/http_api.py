@@ -65,6 +65,13 @@ from scheduler_service.sampling_params import (
     verify_unicode,
 )
 from scheduler_service.sequence import TokenLogprob
+from scheduler_service.tool_call_formats import (
+    AUTO,
+    DEFAULT,
+    check_tool_call_parser,
+    keeps_special_tokens,
+    tool_call_format,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -147,13 +154,17 @@ class OpenAIServer:
         api_keys: list[str] | None = None,
         stream_interval: int = 1,
         allowed_origins: list[str] | None = None,
+        tool_call_parser: str = AUTO,
     ) -> None:
         """`stream_interval`: the fewest tokens a streamed chunk carries, except a choice's last
         (--stream-interval, as on the gRPC API); `allowed_origins`: browser origins answered
-        cross-origin (CORS, --allowed-origins; none: no CORS headers, browsers refuse other pages)."""
+        cross-origin (CORS, --allowed-origins; none: no CORS headers, browsers refuse other pages);
+        `tool_call_parser`: the format tool calls are read in (--tool-call-parser; "auto": the
+        checkpoint's, tool_call_formats.py)."""
         self.engine = engine
         self.stream_interval = stream_interval
         self.allowed_origins = list(allowed_origins or [])
+        self.tool_call_parser = check_tool_call_parser(tool_call_parser)
         self.metrics = engine.metrics
         self._keys = ApiKeys(api_keys) if api_keys else None
         self.app = self._build_app()
@@ -339,6 +350,11 @@ class OpenAIServer:
         if echo and self.engine.tokenizer is None:
             raise InvalidRequestError(f"echo needs a tokenizer (to write the prompt's text); {NO_TOKENIZER}")
         parses_tools = chat and body.parses_tools()  # (refused before any sample is submitted)
+        tool_format = DEFAULT
+        if parses_tools:
+            tool_format = tool_call_format(self.tool_call_parser, template, engine.info.architecture)
+            if keeps_special_tokens(tool_format):  # (vLLM's: the calls' mark is a special token)
+                params.skip_special_tokens = False
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if ignored := body.ignored_fields():  # (vLLM's warning)
             # Quoted (a newline in a name would forge a log line) and cut short (a request may name
@@ -378,7 +394,9 @@ class OpenAIServer:
                         choice.prompt_text, choice.first_prompt_token = text, ids[0]
                         choice.prompt_only = body.prompt_only
                     if template is not None:
-                        choice.parser = ChatOutputParser.for_request(template, prompt, parses_tools)
+                        choice.parser = ChatOutputParser.for_request(
+                            template, prompt, parses_tools, tool_format
+                        )
                     choices.append(choice)
         except BaseException:
             for choice in choices:

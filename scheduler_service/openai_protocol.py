@@ -482,7 +482,9 @@ class ChatRequest(_Request):
         )
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as chat templates take them: text parts joined into one string."""
+        """The messages as chat templates take them: text parts joined into one string, and a null
+        or absent content as "" (vLLM's: a template that concatenates it, as Mistral's and Llama's
+        do, failed on None or wrote "None")."""
         messages = []
         for i, message in enumerate(self.messages):
             if "role" not in message:
@@ -497,7 +499,9 @@ class ChatRequest(_Request):
                     f"messages[{i}].content must be a string or a list of content parts, got "
                     f"{type(content).__name__}"
                 )
-            if isinstance(content, list):
+            if content is None:
+                message = {**message, "content": ""}
+            elif isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
                     if not isinstance(part, dict) or part.get("type") != "text":

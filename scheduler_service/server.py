@@ -96,12 +96,14 @@ class SchedulerServer:
         http_socket=None,
         reuse_port: bool = False,
         allowed_origins: list[str] | None = None,
+        tool_call_parser: str = "auto",
     ) -> None:
         """`api_keys`: callers must send one as a bearer token (health checks excepted);
         `tls_credentials`: serve TLS (scheduler_service.security.server_credentials);
         `http_port`: also serve the OpenAI-compatible HTTP API there (None: not; 0: any free port),
         with TLS when `http_tls` (certificate chain file, key file), or on `http_socket`, bound;
-        `allowed_origins`: the browser origins it answers cross-origin (CORS; none: no CORS headers).
+        `allowed_origins`: the browser origins it answers cross-origin (CORS; none: no CORS headers);
+        `tool_call_parser`: the format chat answers' tool calls are read in (tool_call_formats.py).
 
         The engine is an AsyncEngine over `executor`, or in an API server process
         `engine_factory(metrics, on_health)` (api_server.RemoteEngine), with `metrics` its relay
@@ -115,7 +117,7 @@ class SchedulerServer:
             self.engine = engine_factory(self.metrics, self._on_health)
         else:
             self.engine = AsyncEngine(executor, options, self.metrics, tokenizer_for, self._on_health)
-        self.servicer = GenerationServicer(self.engine, stream_interval)
+        self.servicer = GenerationServicer(self.engine, stream_interval, tool_call_parser=tool_call_parser)
         self.stream_interval = stream_interval
         self.health = health.aio.HealthServicer()
         self.api_keys = list(api_keys or [])
@@ -126,6 +128,7 @@ class SchedulerServer:
         self._http_socket = http_socket
         self.reuse_port = reuse_port
         self.allowed_origins = list(allowed_origins or [])
+        self.tool_call_parser = tool_call_parser
         self._http = None
         self._health_tasks: set[asyncio.Task] = set()
 
@@ -175,7 +178,13 @@ class SchedulerServer:
             self.http_port = sock.getsockname()[1]
             cert, key = self.http_tls or (None, None)
             self._http = HttpServer(
-                OpenAIServer(self.engine, self.api_keys, self.stream_interval, self.allowed_origins).app,
+                OpenAIServer(
+                    self.engine,
+                    self.api_keys,
+                    self.stream_interval,
+                    self.allowed_origins,
+                    self.tool_call_parser,
+                ).app,
                 sock,
                 cert,
                 key,

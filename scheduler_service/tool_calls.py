@@ -64,7 +64,8 @@ class ToolCallDelta:
         }
 
 
-def _new_id() -> str:
+def new_call_id() -> str:
+    """An id in vLLM's style for Hermes and Llama calls: `chatcmpl-tool-` and 32 hex digits."""
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
@@ -79,7 +80,7 @@ def parse_tool_call(body: str, index: int) -> ToolCall | None:
     arguments = call["arguments"] if "arguments" in call else call.get("parameters", {})
     return ToolCall(
         index=index,
-        id=_new_id(),
+        id=new_call_id(),
         name=escape_surrogates(call["name"]),
         arguments=escape_surrogates(
             arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
@@ -163,7 +164,7 @@ class ToolCallParser:
                 name = escape_surrogates(json.loads(f'"{match.group(1)}"'))
             except ValueError:
                 name = match.group(1)
-            call = ToolCall(len(self.calls), _new_id(), name, "")
+            call = ToolCall(len(self.calls), new_call_id(), name, "")
             self.calls.append(call)
             deltas.append(ToolCallDelta(call.index, call.id, name, ""))
             self._state, self._held, self._started = "arguments", "", False

@@ -35,6 +35,7 @@ def test_key_defaults(monkeypatch):
     for args in (executor, scheduler):
         assert (args.max_num_seqs, args.max_num_batched_tokens) == (256, 8192)
     assert scheduler.shutdown_timeout == 30.0 and scheduler.max_plans_in_flight == 3
+    assert scheduler.tool_call_parser == "auto"  # (the checkpoint's format: tool_call_formats.py)
     assert executor.enforce_eager is False and executor.kv_cache_dtype == "auto"
 
 
@@ -228,6 +229,7 @@ def test_an_executor_grace_past_what_threading_waits_is_waited_as_long_as_it_can
     ("verb", "twin", "value", "flag", "choices"),
     [
         ("scheduler", "TANDEM_MAX_PLANS_IN_FLIGHT", "9", "--max-plans-in-flight", "1, 2, 3"),
+        ("scheduler", "TANDEM_TOOL_CALL_PARSER", "'pythonic'", "--tool-call-parser", "'auto', 'hermes'"),
         ("executor", "TANDEM_KV_CACHE_DTYPE", "'int8'", "--kv-cache-dtype", "'auto', 'bfloat16'"),
         ("executor", "TANDEM_FUSED_OPS", "'maybe'", "--fused-ops", "'auto', 'on', 'off'"),
     ],
