@@ -83,12 +83,12 @@ for scales in ((1.0, 1.0), (0.05, 2.5)):
 """,
     "fp8_mma": """
 from helpers.fp8_mma_checks import check_decode_fp8_mma
-# Decode in e4m3 MMAs (FP8_MMA) against the torch model of its arithmetic and exact attention: GQA
+# Decode in e4m3 MMAs (FP8_MMA; head_dim 64 at least) against the torch model of its arithmetic and exact attention: GQA
 # groups 1-8, split over the keys or not, key tiles of one cache block and of several, blocks of
 # 64 slots (V^T in runs of 16), unit and other scales, fp16 and bf16 queries.
 for dtype, scales in ((f16, (1.0, 1.0)), (torch.bfloat16, (0.05, 2.5))):
     for group, splits in ((1, 1), (2, 3), (4, 1), (8, 3)):
-        b = make_batch([1] * 4, [20, 1, 40, 17], 2 * group, 2, 32, 16, dtype, "cpu", num_padding=2, seed=group)
+        b = make_batch([1] * 4, [20, 1, 40, 17], 2 * group, 2, 64, 16, dtype, "cpu", num_padding=2, seed=group)
         check_decode_fp8_mma(to_fp8(b, *scales), splits, {"BLOCK_N": 16})
     for block_size, block_n in ((8, 32), (64, 32)):
         b = make_batch([1] * 5, [20, 1, 40, 100, 48], 4, 2, 64, block_size, dtype, "cpu", seed=6, num_padding=1)
@@ -96,7 +96,7 @@ for dtype, scales in ((f16, (1.0, 1.0)), (torch.bfloat16, (0.05, 2.5))):
     # FULL_TILES: the tiles within the context unmasked, then the last one (contexts of whole tiles,
     # 16 and 48, have no last partial tile; splits of several tiles and of none).
     for splits in (1, 2, 5):
-        b = make_batch([1] * 6, [20, 1, 40, 16, 48, 100], 4, 2, 32, 8, dtype, "cpu", seed=7, num_padding=1)
+        b = make_batch([1] * 6, [20, 1, 40, 16, 48, 100], 4, 2, 64, 8, dtype, "cpu", seed=7, num_padding=1)
         check_decode_fp8_mma(to_fp8(b, *scales), splits, {"BLOCK_N": 16, "FULL_TILES": True})
 """,
     "fp8_decode_stores_kv": """
@@ -108,7 +108,7 @@ for block_size, block_n in ((16, 16), (8, 32)):
         b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, block_size, f16, "cpu", num_padding=2)
         check_decode_stores_kv(to_fp8(b, 0.05, 2.5), splits, {"BLOCK_N": block_n})
 # ... and with the loop in e4m3 MMAs (FP8_MMA)
-b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, 8, f16, "cpu", num_padding=2)
+b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 64, 8, f16, "cpu", num_padding=2)
 check_decode_stores_kv(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16, "FP8_MMA": True})
 # A cache block of several key tiles (BLOCK_N below the block size), split among up to 8 programs.
 b = make_batch([1] * 4, [65, 100, 129, 7], 4, 2, 32, 64, f16, "cpu", seed=2, num_padding=1)
@@ -119,7 +119,7 @@ from helpers.attention_fp8_checks import check_decode_fuses_rope
 for dtype, with_norm in ((f16, True), (torch.bfloat16, True), (f16, False)):
     b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, 16, dtype, "cpu", seed=5, num_padding=2)
     check_decode_fuses_rope(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16}, with_norm=with_norm)
-b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 32, 16, torch.bfloat16, "cpu", seed=5, num_padding=2)
+b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 64, 16, torch.bfloat16, "cpu", seed=5, num_padding=2)
 check_decode_fuses_rope(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16, "FP8_MMA": True}, with_norm=True)
 # Through the attention layer: Qwen3 (q/k norms), families without them, YaRN and llama3 rotary tables,
 # GROUP 1 to 4, head_dim 32 and 64, positions up to 4,999.

@@ -1130,7 +1130,8 @@ def paged_decode(
     meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
     group_pad = max(16, triton.next_power_of_2(group))
     if cfg.get("FP8_MMA") and fp8_mma_applies(q, k_cache, cfg["BLOCK_N"]):
-        meta.update(FP8_MMA=True, INTERPRETER=os.environ.get("TRITON_INTERPRET") == "1")
+        interpreter = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+        meta.update(FP8_MMA=True, INTERPRETER=interpreter)
         meta["FULL_TILES"] = bool(cfg.get("FULL_TILES", False))
         group_pad //= 2  # a row's two parts are the MMA's 16 or more columns (fp8_mma_tile)
     # Over an e4m3 cache, compiled without FMA fusion: with ROPE, norm_rope rounds each product and
@@ -1147,12 +1148,15 @@ def paged_decode(
 
 def fp8_mma_applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int) -> bool:
     """Whether decode over k_cache can take the e4m3 MMAs (FP8_MMA): an e4m3 cache, 16-bit queries,
-    head_dim a multiple of 32 (an e4m3 MMA's K step) and, on a GPU, sm90 (wgmma: elsewhere Triton
+    head_dim 64-128 and a multiple of 32 (an e4m3 MMA's K step; P @ V's M side is head_dim, 64 or
+    more rows for wgmma; 256 would leave one program an SM), GQA groups of up to 16 query heads
+    (each head's two parts are the MMA's N columns) and, on a GPU, sm90 (wgmma: elsewhere Triton
     widens e4m3 operands for the older MMA) with key tiles of 64 or 128 (its M side, a warpgroup's
     64 rows)."""
     if k_cache.dtype != torch.float8_e4m3fn or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[2] % 32:
+    head_dim, group = q.shape[2], q.shape[1] // k_cache.shape[2]
+    if head_dim % 32 or not 64 <= head_dim <= 128 or group > 16:
         return False
     if q.device.type != "cuda":
         return True  # the interpreter's

@@ -68,9 +68,9 @@ def fp8_mma_reference(batch: dict, num_splits: int, block_n: int) -> torch.Tenso
     from executor_service.fp8 import v_cache_slots
 
     ctx, (k_scale, v_scale) = batch["context"], batch["kv_scales"]
-    q = batch["q"]
+    q = batch["q"].cpu()  # (on the CPU: the model is fp32 arithmetic, wherever the kernel ran)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    k_cache, v_slots = batch["k_cache"], v_cache_slots(batch["v_cache"])
+    k_cache, v_slots = batch["k_cache"].cpu(), v_cache_slots(batch["v_cache"]).cpu()
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     qk_scale = torch.tensor(
@@ -81,7 +81,7 @@ def fp8_mma_reference(batch: dict, num_splits: int, block_n: int) -> torch.Tenso
     for i in range(num_real):
         assert ctx.query_lens_host[i] == 1, "decode rows only"
         context_len = ctx.context_lens_host[i]
-        blocks = ctx.block_tables[i, : -(-context_len // block_size)].long()
+        blocks = ctx.block_tables[i, : -(-context_len // block_size)].long().cpu()
         k_seq = k_cache[blocks].flatten(0, 1)[:context_len].float()  # e4m3 values: k_scale is in qk_scale
         v_seq = v_slots[blocks].flatten(0, 1)[:context_len].float()
         num_tiles = -(-context_len // block_n)
@@ -153,9 +153,15 @@ def check_decode_fp8_mma(batch: dict, num_splits: int = 1, decode_config: dict |
     got = out[:num_real].float()
     assert not got.isnan().any(), "unwritten or NaN output rows"
     assert (out[num_real:] == 0).all(), "padding rows (context length 0) must be zeros"
-    want = fp8_mma_reference(batch, num_splits, config["BLOCK_N"])
-    tol = 8e-3 if q.dtype == torch.bfloat16 else 1e-3
+    want = fp8_mma_reference(batch, num_splits, config["BLOCK_N"]).to(got.device)
+    # Within the output dtype's rounding under the interpreter (fp32 sums in one order); on sm90 the
+    # e4m3 MMAs accumulate with fewer bits (Triton's default for e4m3 dots) and exp2 is MUFU.EX2's,
+    # so a few probabilities' parts round the other way: a looser bound there, and on the norm.
+    on_gpu = got.is_cuda
+    tol = (2e-2 if on_gpu else 8e-3) if q.dtype == torch.bfloat16 else (1e-2 if on_gpu else 1e-3)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    rel_model = (got - want).norm() / want.norm()
+    assert rel_model < (4e-3 if on_gpu else 1e-3), f"relative error against the model {rel_model:.3g}"
     real = Context(
         block_tables=ctx.block_tables[:num_real],
         query_lens_host=ctx.query_lens_host[:num_real],
