@@ -154,14 +154,16 @@ def check_decode_fp8_mma(batch: dict, num_splits: int = 1, decode_config: dict |
     assert not got.isnan().any(), "unwritten or NaN output rows"
     assert (out[num_real:] == 0).all(), "padding rows (context length 0) must be zeros"
     want = fp8_mma_reference(batch, num_splits, config["BLOCK_N"]).to(got.device)
-    # Within the output dtype's rounding under the interpreter (fp32 sums in one order); on sm90 the
-    # e4m3 MMAs accumulate with fewer bits (Triton's default for e4m3 dots) and exp2 is MUFU.EX2's,
-    # so a few probabilities' parts round the other way: a looser bound there, and on the norm.
+    # Within the output dtype's rounding under the interpreter (fp32 sums in one order; it truncates
+    # a bf16 store, up to one unit in the last place); on sm90 the e4m3 MMAs accumulate with fewer
+    # bits (Triton's default for e4m3 dots) and exp2 is MUFU.EX2's, so a few probabilities' parts
+    # round the other way: a looser bound there, and on the norm.
     on_gpu = got.is_cuda
-    tol = (2e-2 if on_gpu else 8e-3) if q.dtype == torch.bfloat16 else (1e-2 if on_gpu else 1e-3)
+    tol = 2e-2 if q.dtype == torch.bfloat16 else (1e-2 if on_gpu else 1e-3)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     rel_model = (got - want).norm() / want.norm()
-    assert rel_model < (4e-3 if on_gpu else 1e-3), f"relative error against the model {rel_model:.3g}"
+    bound = 1e-2 if q.dtype == torch.bfloat16 else (5e-3 if on_gpu else 1e-3)
+    assert rel_model < bound, f"relative error against the model {rel_model:.3g}"
     real = Context(
         block_tables=ctx.block_tables[:num_real],
         query_lens_host=ctx.query_lens_host[:num_real],
