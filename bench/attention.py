@@ -299,10 +299,12 @@ def sweep_fp8_registers(caps=(0, 96, 104, 128), rounds: int = 2) -> None:
         print(f"fp8 registers maxnreg {cap}: " + ", ".join(row) + " TB/s", flush=True)
 
 
-def fp8_mma_grid():
+def fp8_mma_grid(quick: bool = False):
     """The fp8 decode kernel in e4m3 MMAs (FP8_MMA): key tiles of 64 (one warpgroup's wgmma rows) and
-    128, one or two warpgroups, 2-4 stages, the full tiles in a loop of their own (FULL_TILES) or not."""
-    for block_n, warps, stages, full in itertools.product((64, 128), (4, 8), (2, 3, 4), (False, True)):
+    128, one or two warpgroups, 2-4 stages, the full tiles in a loop of their own (FULL_TILES) or not
+    (quick: 128-key tiles of one warpgroup at 2 and 3 stages, both ways)."""
+    grid = ((128,), (4,), (2, 3), (False, True)) if quick else ((64, 128), (4, 8), (2, 3, 4), (False, True))
+    for block_n, warps, stages, full in itertools.product(*grid):
         if block_n // 16 >= warps:  # (wgmma's rows: 16 keys a warp at least)
             yield {
                 **tk.DECODE_CONFIG_FP8, "FP8_MMA": True, "FULL_TILES": full, "BLOCK_N": block_n,
@@ -325,7 +327,7 @@ def fp8_mma_agreement(config: dict, block_size: int) -> float:
     return ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
 
 
-def sweep_fp8_mma(block_sizes=(FP8_DEFAULT_BLOCK_SIZE,)) -> None:
+def sweep_fp8_mma(block_sizes=(FP8_DEFAULT_BLOCK_SIZE,), quick: bool = False) -> None:
     """fp8_mma_grid against today's fp8 config: each one's output checked against today's
     (fp8_mma_agreement, refused past 3%), then TB/s at b256x1024, W1's mixed contexts (+32 and
     +256 generated, longest first; engine's splits) and b8x8192 (split), for each block size."""
@@ -333,7 +335,7 @@ def sweep_fp8_mma(block_sizes=(FP8_DEFAULT_BLOCK_SIZE,)) -> None:
         (f"W1 +{g}", 256, None, mixed_lengths(256, g, "longest first")) for g in (32, 256)
     ] + [("b8x8192", 8, 8192, None)]  # fmt: skip
     for block_size in block_sizes:
-        for cfg in [dict(tk.DECODE_CONFIG_FP8), *fp8_mma_grid()]:
+        for cfg in [dict(tk.DECODE_CONFIG_FP8), *fp8_mma_grid(quick)]:
             try:
                 rel = fp8_mma_agreement(cfg, block_size)
                 if not rel < 3e-2:
@@ -548,6 +550,9 @@ def main() -> None:
         help="the fp8 decode kernel in e4m3 MMAs (FP8_MMA) over tiles, against today's config",
     )
     parser.add_argument(
+        "--sweep-fp8-mma-quick", action="store_true", help="--sweep-fp8-mma over four configurations only"
+    )
+    parser.add_argument(
         "--heads",
         type=int,
         nargs=2,
@@ -604,8 +609,8 @@ def main() -> None:
     if args.sweep_stages:
         sweep_stages()
         return
-    if args.sweep_fp8_mma:
-        sweep_fp8_mma()
+    if args.sweep_fp8_mma or args.sweep_fp8_mma_quick:
+        sweep_fp8_mma(quick=args.sweep_fp8_mma_quick)
         return
     if args.sweep_warps:
         sweep_warps()

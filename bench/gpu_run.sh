@@ -150,6 +150,22 @@ run() {
     # fp8 with it and without, alternating ROUNDS times (default 2).
     fp8-mma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-mma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_kv.py -k "fp8_mma or cuda_graph_capturable or stores_kv_fp8 or fuses_rope_fp8" ;;
     fp8-mma) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-mma "$PY" bench/attention.py --sweep-fp8-mma ;;
+    # A dozen of those tests: each path once (tiles, FULL_TILES, splits, groups 2-8, the store and
+    # rotary, CUDA graphs, the engine), for a call that must also time.
+    fp8-mma-tests-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-tests-quick "$PY" -m pytest -q -m gpu \
+        "tests/test_triton_kernels.py::test_decode_fp8_mma[dtype0-32-tile1-5-2-scales1]" \
+        "tests/test_triton_kernels.py::test_decode_fp8_mma[dtype0-32-tile3-1-2-scales1]" \
+        "tests/test_triton_kernels.py::test_decode_fp8_mma[dtype1-16-tile0-1-8-scales0]" \
+        "tests/test_triton_kernels.py::test_decode_fp8_mma[dtype0-32-tile2-5-4-scales1]" \
+        "tests/test_triton_kernels.py::test_decode_fp8_mma[dtype0-256-tile4-1-8-scales1]" \
+        "tests/test_triton_kernels.py::test_decode_fp8_mma_reads_v_in_runs_of_16[5]" \
+        "tests/test_triton_kernels.py::test_decode_stores_kv_fp8[variant2-5-32]" \
+        "tests/test_triton_kernels.py::test_decode_stores_kv_fp8[variant3-1-32]" \
+        "tests/test_triton_kernels.py::test_decode_fuses_rope_fp8[variant1-5-True]" \
+        "tests/test_triton_kernels.py::test_decode_fuses_rope_fp8[variant1-1-False]" \
+        "tests/test_triton_kernels.py::test_decode_fp8_is_cuda_graph_capturable[True]" \
+        "tests/test_fp8_kv.py::test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel[False]" ;;
+    fp8-mma-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-quick "$PY" bench/attention.py --sweep-fp8-mma-quick ;;
     fp8-mma-accuracy) TAIL=12 stage fp8-mma-accuracy bash -c 'for c in "{}" "{\"FP8_MMA\": true}"; do "$0" bench/fp8_accuracy.py --device cuda --attention-backend triton --chunk 1 --tokens 4096 --decode-config "$c" | grep -v "^perplexity (b"; done' "$PY" ;;
     w1-fp8-mma) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma bash -c 'for i in $(seq ${ROUNDS:-2}); do for c in "{\"FP8_MMA\": true}" "{}"; do echo "W1 fp8 --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
