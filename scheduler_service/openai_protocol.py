@@ -67,7 +67,8 @@ def body_error_message(errors: Sequence[dict], body: Any, content_type: str | No
     """The 400's message for a body that FastAPI could not read as the request: not JSON (where,
     and why), not sent as JSON (its Content-Type), empty, no JSON object, or its fields' errors,
     each with its path and, for a wrong type, the JSON type sent. `errors` are pydantic's (their
-    paths start at "body"); `body` is the JSON text where it was not JSON, else what it parsed to."""
+    paths start at "body"); `body` is the JSON text where it was not JSON, else what it parsed to.
+    A field name with a lone surrogate (JSON can escape one) is an error of the whole body's."""
     first = errors[0] if errors else {"type": "missing", "loc": ("body",)}
     if first["type"] == "json_invalid" and isinstance(body, str):
         at = first["loc"][1]
@@ -77,6 +78,11 @@ def body_error_message(errors: Sequence[dict], body: Any, content_type: str | No
     if tuple(first["loc"]) == ("body",):
         if first["type"] == "missing":
             return "the request body is empty: send a JSON object (Content-Type: application/json)"
+        if first["type"] == "string_unicode":  # (the name of a field it does not know: read as text)
+            return (
+                f"the request body's field name {quoted(first['input'])} is not valid Unicode "
+                "(surrogates not allowed)"
+            )
         if isinstance(first.get("input"), bytes):  # (FastAPI reads JSON only when it says so)
             got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
             return f"the request body must be JSON, sent with Content-Type: application/json; got {got}"
@@ -587,19 +593,23 @@ class TokenizeRequest(BaseModel):
     tools: FailFastList[dict[str, Any]] | None = None
     documents: FailFastList[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: refused, as a chat completion refuses it (it was ignored: the ids were another template's).
+    chat_template: str | None = None
 
     def chat(self) -> ChatRequest | None:
         """The messages as a chat completion's (None for a prompt); InvalidRequestError for neither
-        or both."""
+        or both, or for what a chat completion refuses of them (ChatRequest.check_fields)."""
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("send a prompt or messages (one of them)")
         if self.messages is None:
             return None
         fields = (
             "messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
-            "chat_template_kwargs",
+            "chat_template_kwargs", "chat_template",
         )  # fmt: skip
-        return ChatRequest(**{name: getattr(self, name) for name in fields})
+        chat = ChatRequest(**{name: getattr(self, name) for name in fields})
+        chat.check_fields()
+        return chat
 
 
 class DetokenizeRequest(BaseModel):
