@@ -64,6 +64,21 @@ def test_skip_tokenizer_init_takes_token_ids_only(qwen3_tied, llm):
         _generate(bare, "The list type")
 
 
+def test_skip_tokenizer_init_s_refusals_name_it(qwen3_tied):
+    """A text prompt, a chat or a stop string on an LLM made with skip_tokenizer_init was refused as
+    if the checkpoint had no tokenizer.json ("this model has no tokenizer.json"), which it has: the
+    refusal names the argument that left it out."""
+    bare = LLM(str(qwen3_tied), skip_tokenizer_init=True, **SMALL)
+    for refused in (
+        lambda: _generate(bare, "The list type"),
+        lambda: bare.chat([{"role": "user", "content": "Hi"}], use_tqdm=False),
+        lambda: _generate(bare, PROMPT, stop=["."]),
+    ):
+        with pytest.raises(ValueError, match=r"skip_tokenizer_init=True") as refusal:
+            refused()
+        assert "has no tokenizer.json" not in str(refusal.value)
+
+
 def test_lora_request_none_is_taken_and_an_adapter_refused(llm):
     """generate() and chat() did not take vLLM's lora_request keyword at all (TypeError), not even
     None."""
