@@ -23,6 +23,7 @@ from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
 from scheduler_service.detokenizer import decode_after, prompt_context
 from scheduler_service.engine import LLMEngine
 from scheduler_service.engine import RequestOutput as EngineOutput
+from scheduler_service.errors import InvalidRequestError
 from scheduler_service.request_handling import (
     OutputProcessor,
     finish_reasons,
@@ -300,9 +301,12 @@ class LLM:
             raise TypeError(
                 f"messages must be a list of messages or a list of those, got {reprlib.repr(messages)}"
             )
-        template = request_chat_template(self.tokenizer, self._no_tokenizer)
-        if chat_template is not None:
-            template = ChatTemplate(chat_template, template.special_tokens)
+        if chat_template is None:
+            template = request_chat_template(self.tokenizer, self._no_tokenizer)
+        elif self.tokenizer is None:
+            raise InvalidRequestError(self._no_tokenizer)
+        else:  # (vLLM's way to chat with a base model, whose checkpoint has no template)
+            template = ChatTemplate.given(chat_template, self.tokenizer.path)
         prompts: list[Prompt] = []
         for conversation in conversations:
             fields = {

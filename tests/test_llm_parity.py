@@ -237,3 +237,19 @@ def test_default_sampling_params_and_content_format_as_vllms(qwen3_tied, tmp_pat
     assert outs[0].prompt == outs[1].prompt and outs[0].token_ids == outs[1].token_ids
     with pytest.raises(ValueError, match="chat_template_content_format 'openai' is not taken"):
         chat_llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="openai")
+
+
+def test_a_chat_template_given_serves_a_checkpoint_without_one(qwen3_tied, llm, tmp_path):
+    """chat(chat_template=...) is how vLLM chats with a base model, whose checkpoint has no chat
+    template: it was refused ("this model has no chat template") before the one given was read. The
+    template gets the checkpoint's special tokens (tokenizer_config.json's), as its own would."""
+    template = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    messages = [{"role": "user", "content": "Hi"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "user: Hi\nassistant:" and len(out.outputs[0].token_ids) == 2
+    with_config = tmp_path / "with_config"
+    shutil.copytree(qwen3_tied, with_config)
+    (with_config / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    configured = LLM(str(with_config), **SMALL)
+    out = configured.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "<s>user: Hi\nassistant:"
