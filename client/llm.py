@@ -23,6 +23,7 @@ from scheduler_service.config import DEFAULT_MAX_LOGPROBS, SchedulerConfig
 from scheduler_service.detokenizer import decode_after, prompt_context
 from scheduler_service.engine import LLMEngine
 from scheduler_service.engine import RequestOutput as EngineOutput
+from scheduler_service.errors import InvalidRequestError
 from scheduler_service.request_handling import (
     OutputProcessor,
     finish_reasons,
@@ -37,6 +38,7 @@ from scheduler_service.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 NO_TOKENIZER = "this model has no tokenizer.json: pass token ids instead of text"
+SKIPPED_TOKENIZER = "this LLM has no tokenizer (skip_tokenizer_init=True): pass token ids instead of text"
 # vLLM's tokenizer modes that mean this LLM's one tokenizer (tokenizer.json, read by the `tokenizers`
 # library as vLLM's fast tokenizers are).
 TOKENIZER_MODES = ("auto", "hf")
@@ -217,6 +219,8 @@ class LLM:
         if tokenizer is None and not skip_tokenizer_init:
             model = self.executor.config.model
             self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
+        # What needs a tokenizer (a text prompt, a chat, stop strings) is refused with this.
+        self._no_tokenizer = SKIPPED_TOKENIZER if skip_tokenizer_init else NO_TOKENIZER
         # vLLM's offline request ids: "0", "1", ... one per prompt, counted over the LLM's calls.
         self._request_ids = itertools.count()
 
@@ -234,7 +238,9 @@ class LLM:
         prompt_token_ids are these, as vLLM's)."""
         max_model_len = self.engine.limits.max_model_len
         if isinstance(prompt, str):
-            ids = tokenize(self.tokenizer, prompt, params, max_model_len, NO_TOKENIZER, add_special_tokens)
+            ids = tokenize(
+                self.tokenizer, prompt, params, max_model_len, self._no_tokenizer, add_special_tokens
+            )
         else:
             ids = list(prompt)
         return truncate_prompt(ids, params, max_model_len)
@@ -295,9 +301,12 @@ class LLM:
             raise TypeError(
                 f"messages must be a list of messages or a list of those, got {reprlib.repr(messages)}"
             )
-        template = request_chat_template(self.tokenizer, NO_TOKENIZER)
-        if chat_template is not None:
-            template = ChatTemplate(chat_template, template.special_tokens)
+        if chat_template is None:
+            template = request_chat_template(self.tokenizer, self._no_tokenizer)
+        elif self.tokenizer is None:
+            raise InvalidRequestError(self._no_tokenizer)
+        else:  # (vLLM's way to chat with a base model, whose checkpoint has no template)
+            template = ChatTemplate.given(chat_template, self.tokenizer.path)
         prompts: list[Prompt] = []
         for conversation in conversations:
             fields = {
@@ -336,7 +345,7 @@ class LLM:
 
         # Validate and encode everything before admitting anything: a bad prompt fails alone.
         for sp in sampling_params:
-            verify_tokenizer(sp, self.tokenizer, NO_TOKENIZER)
+            verify_tokenizer(sp, self.tokenizer, self._no_tokenizer)
         encoded = [self._encode(p, sp, add_special_tokens) for p, sp in zip(prompts, sampling_params)]
         for ids, sp in zip(encoded, sampling_params):
             self.engine.validate_request(ids, sp)

@@ -78,6 +78,23 @@ def _token_text(token: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
+def _directory(checkpoint: str | Path) -> Path:
+    path = Path(checkpoint)
+    return path if path.is_dir() else path.parent
+
+
+def _tokenizer_config(path: Path) -> dict[str, Any]:
+    """The checkpoint directory's tokenizer_config.json ({} without one)."""
+    if (path / "tokenizer_config.json").exists():
+        return json.loads((path / "tokenizer_config.json").read_text())
+    return {}
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """The special tokens (bos_token, eos_token, ...) a tokenizer_config.json names, as text."""
+    return {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name)))}
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
         self.source = source
@@ -86,11 +103,8 @@ class ChatTemplate:
     @classmethod
     def load(cls, checkpoint: str | Path) -> ChatTemplate | None:
         """The template of the checkpoint directory (None when it has none)."""
-        path = Path(checkpoint)
-        path = path if path.is_dir() else path.parent
-        config: dict[str, Any] = {}
-        if (path / "tokenizer_config.json").exists():
-            config = json.loads((path / "tokenizer_config.json").read_text())
+        path = _directory(checkpoint)
+        config = _tokenizer_config(path)
         source = config.get("chat_template")
         if (path / "chat_template.jinja").exists():
             source = (path / "chat_template.jinja").read_text()
@@ -99,8 +113,13 @@ class ChatTemplate:
             source = named.get("default")
         if not source:
             return None
-        special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name)))}
-        return cls(source, special)
+        return cls(source, _special_tokens(config))
+
+    @classmethod
+    def given(cls, source: str, checkpoint: str | Path) -> ChatTemplate:
+        """`source` (a template passed in, as the offline LLM's chat_template) with the checkpoint's
+        special tokens, whether or not the checkpoint has a template of its own."""
+        return cls(source, _special_tokens(_tokenizer_config(_directory(checkpoint))))
 
     @cached_property
     def _template(self) -> jinja2.Template:

@@ -64,6 +64,21 @@ def test_skip_tokenizer_init_takes_token_ids_only(qwen3_tied, llm):
         _generate(bare, "The list type")
 
 
+def test_skip_tokenizer_init_s_refusals_name_it(qwen3_tied):
+    """A text prompt, a chat or a stop string on an LLM made with skip_tokenizer_init was refused as
+    if the checkpoint had no tokenizer.json ("this model has no tokenizer.json"), which it has: the
+    refusal names the argument that left it out."""
+    bare = LLM(str(qwen3_tied), skip_tokenizer_init=True, **SMALL)
+    for refused in (
+        lambda: _generate(bare, "The list type"),
+        lambda: bare.chat([{"role": "user", "content": "Hi"}], use_tqdm=False),
+        lambda: _generate(bare, PROMPT, stop=["."]),
+    ):
+        with pytest.raises(ValueError, match=r"skip_tokenizer_init=True") as refusal:
+            refused()
+        assert "has no tokenizer.json" not in str(refusal.value)
+
+
 def test_lora_request_none_is_taken_and_an_adapter_refused(llm):
     """generate() and chat() did not take vLLM's lora_request keyword at all (TypeError), not even
     None."""
@@ -222,3 +237,19 @@ def test_default_sampling_params_and_content_format_as_vllms(qwen3_tied, tmp_pat
     assert outs[0].prompt == outs[1].prompt and outs[0].token_ids == outs[1].token_ids
     with pytest.raises(ValueError, match="chat_template_content_format 'openai' is not taken"):
         chat_llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="openai")
+
+
+def test_a_chat_template_given_serves_a_checkpoint_without_one(qwen3_tied, llm, tmp_path):
+    """chat(chat_template=...) is how vLLM chats with a base model, whose checkpoint has no chat
+    template: it was refused ("this model has no chat template") before the one given was read. The
+    template gets the checkpoint's special tokens (tokenizer_config.json's), as its own would."""
+    template = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    messages = [{"role": "user", "content": "Hi"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "user: Hi\nassistant:" and len(out.outputs[0].token_ids) == 2
+    with_config = tmp_path / "with_config"
+    shutil.copytree(qwen3_tied, with_config)
+    (with_config / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    configured = LLM(str(with_config), **SMALL)
+    out = configured.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "<s>user: Hi\nassistant:"
