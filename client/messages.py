@@ -165,17 +165,22 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     }
 
 
+# A logprob of -inf (a token the model rules out) as JSON can carry it: the HTTP API's (vLLM's) -9999.0.
+MIN_LOGPROB = -9999.0
+
+
 def logprobs_json(logprobs: list) -> list[dict]:
-    """Logprobs (the client's TokenLogprob or the offline LLM's) as the CLI's JSON prints them."""
+    """Logprobs (the client's TokenLogprob or the offline LLM's) as the CLI's JSON prints them (-inf
+    as MIN_LOGPROB: JSON has no infinity, and json.dumps would write -Infinity)."""
     out = []
     for lp in logprobs:
         tops = lp.top_tokens or [""] * len(lp.top_logprobs)
         entry = {
             "token_id": lp.token_id,
             "token": lp.token or "",
-            "logprob": lp.logprob,
+            "logprob": max(lp.logprob, MIN_LOGPROB),
             "top_logprobs": [
-                {"token_id": t, "token": text, "logprob": v}
+                {"token_id": t, "token": text, "logprob": max(v, MIN_LOGPROB)}
                 for (t, v), text in zip(lp.top_logprobs, tops, strict=True)
             ],
         }

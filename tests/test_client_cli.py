@@ -698,3 +698,14 @@ def test_chat_at_a_terminal_goes_on_after_a_refused_message(fake_server, capsys)
     ]
     assert out.getvalue().endswith("> \n")
     assert run_chat(args, stdin=io.StringIO("hello\nTOO LONG\nagain\n"), out=io.StringIO()) == 2
+
+
+def test_json_output_writes_a_ruled_out_token_s_logprob_as_json_can_carry_it():
+    """`tandem generate --json`: a logprob of -inf (a token the model rules out, e.g. by logit_bias)
+    is written -9999.0, as the HTTP API writes it, not -Infinity, which no JSON parser reads."""
+    from client.messages import TokenLogprob, logprobs_json
+
+    line = logprobs_json([TokenLogprob(5, float("-inf"), [(5, float("-inf")), (7, -0.5)], "a", ["a", "b"])])
+    text = json.dumps(line, allow_nan=False)  # raises on an infinity
+    assert json.loads(text)[0]["logprob"] == -9999.0
+    assert [t["logprob"] for t in json.loads(text)[0]["top_logprobs"]] == [-9999.0, -0.5]
