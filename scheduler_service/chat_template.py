@@ -96,9 +96,13 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, source: str, special_tokens: dict[str, str] | None = None, tool_use_source: str | None = None
+    ) -> None:
         self.source = source
         self.special_tokens = dict(special_tokens or {})
+        # A checkpoint's named "tool_use" template: rendered for requests with tools, as transformers does.
+        self.tool_use_source = tool_use_source
 
     @classmethod
     def load(cls, checkpoint: str | Path) -> ChatTemplate | None:
@@ -108,12 +112,13 @@ class ChatTemplate:
         source = config.get("chat_template")
         if (path / "chat_template.jinja").exists():
             source = (path / "chat_template.jinja").read_text()
-        if isinstance(source, list):  # named templates: transformers' default is "default"
+        tool_use = None
+        if isinstance(source, list):  # named templates: "default", and "tool_use" for tools (transformers')
             named = {t["name"]: t["template"] for t in source}
-            source = named.get("default")
+            source, tool_use = named.get("default"), named.get("tool_use")
         if not source:
             return None
-        return cls(source, _special_tokens(config))
+        return cls(source, _special_tokens(config), tool_use)
 
     @classmethod
     def given(cls, source: str, checkpoint: str | Path) -> ChatTemplate:
@@ -126,14 +131,18 @@ class ChatTemplate:
         return _environment().from_string(self.source)
 
     @cached_property
+    def _tool_use_template(self) -> jinja2.Template | None:
+        return _environment().from_string(self.tool_use_source) if self.tool_use_source else None
+
+    @cached_property
     def thinks(self) -> bool:
         """The template writes Qwen3-style `<think>` blocks: outputs get a reasoning split."""
         return "</think>" in self.source
 
     @cached_property
     def calls_tools(self) -> bool:
-        """The template describes Hermes-style `<tool_call>` outputs."""
-        return "<tool_call>" in self.source
+        """The template (or its tool_use one) describes Hermes-style `<tool_call>` outputs."""
+        return "<tool_call>" in self.source + (self.tool_use_source or "")
 
     def render(
         self,
@@ -164,10 +173,11 @@ class ChatTemplate:
         if continue_final_message:
             final, final_text = _marked_final_message(messages)
             messages = [*messages[:-1], final]
+        template = (
+            self._tool_use_template if tools is not None and self._tool_use_template else self._template
+        )
         try:
-            rendered = self._template.render(
-                messages=messages, **{**variables, **self.special_tokens, **kwargs}
-            )
+            rendered = template.render(messages=messages, **{**variables, **self.special_tokens, **kwargs})
         except jinja2.exceptions.TemplateError as e:
             raise InvalidRequestError(f"the chat template refused the messages: {e}") from None
         # (RecursionError: a value nested too deeply for the template's tojson)

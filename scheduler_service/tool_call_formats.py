@@ -52,8 +52,9 @@ def tool_call_format(choice: str, template: ChatTemplate, architecture: str = ""
     """The format `choice` (--tool-call-parser) names; for "auto", the checkpoint's."""
     if choice != AUTO:
         return choice
+    source = (template.tool_use_source or "") + template.source  # (the tool_use template first)
     for mark, name in _TEMPLATE_MARKS:
-        if mark in template.source:
+        if mark in source:
             return name
     return _ARCHITECTURES.get(architecture, DEFAULT)
 

@@ -179,3 +179,20 @@ def test_reasoning_in_history_reaches_the_template_under_either_name():
     # (a message's own reasoning_content wins, as the template reads it)
     both = {**turns[1], "reasoning": "other", "reasoning_content": "Ask the tool."}
     assert template.render([turns[0], both, turns[2]]) == expected
+
+
+def test_named_templates_render_tool_use_for_tools_as_transformers(tmp_path):
+    """A checkpoint whose chat_template is a list of named templates: transformers renders its
+    "tool_use" one for a request with tools and "default" otherwise; so do we."""
+    config = {
+        "chat_template": [
+            {"name": "default", "template": "D:{{ messages[0]['content'] }}"},
+            {"name": "tool_use", "template": "T{{ tools | length }}:{{ messages[0]['content'] }}"},
+        ]
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate.load(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert template.render(messages) == "D:hi"
+    assert template.render(messages, tools=tools) == "T1:hi"
