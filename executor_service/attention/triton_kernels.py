@@ -880,12 +880,13 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # On the H200: 2.87 TB/s of fp8 bytes at b256x1024 and block size 16, 3.47 at 32 (an fp8 cache's
 # default block size), 3.65 at 256 (bench/attention.py; the transposed kernel 2.30 at 16).
 # FP8_MMA: the loop in e4m3 MMAs instead (fp8_mma_tile: no widening; q and p each as two e4m3 parts,
-# about bf16's precision: a CPU model of it costs no perplexity against the widening kernel's, +1.05%
-# against +1.11% over a bf16 cache, bench/RESULTS.md): compiled for sm90, 420 loop instructions per
-# 128 keys at block size 32 against 748 (bench/kernel_sass.py --fp8-mma). Off until timed on a GPU
-# (bench/gpu_run.sh fp8-mma-tests fp8-mma fp8-mma-accuracy w1-fp8-mma). FULL_TILES: the tiles within
-# the context in a loop without masks (347 instructions a tile), then the last in a loop of its own
-# (505, and its loads not overlapped with the first loop's), off until timed.
+# about bf16's precision): compiled for sm90, 415 loop instructions per 128 keys at block size 32
+# against 746 (bench/kernel_sass.py --fp8-mma), yet on an H100 (2026-12-05, bench/RESULTS.md) only
+# 0-3% more TB/s, best in 64-key tiles at 2 stages (BLOCK_N 64, num_stages 2): W1 fp8 +2.4% (29,389
+# against 28,693 output tok/s), +0.08 points of perplexity on a decode-only run. Off until the engine's
+# greedy tokens on a random bf16 model (142 of 192 positions against the widening kernel's) are
+# understood and an H200 confirms the gain. FULL_TILES: the tiles within the context in a loop without
+# masks, then the last in one of its own (no faster on the H100).
 DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
