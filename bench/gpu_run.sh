@@ -165,6 +165,8 @@ run() {
         "tests/test_triton_kernels.py::test_decode_fuses_rope_fp8[variant1-1-False]" \
         "tests/test_triton_kernels.py::test_decode_fp8_is_cuda_graph_capturable[True]" \
         "tests/test_fp8_kv.py::test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel[False]" ;;
+    # Where FP8_MMA's greedy tokens part from the widening kernel's on the tests' random model, and the margin there.
+    fp8-mma-divergence) TAIL=14 stage fp8-mma-divergence "$PY" bench/fp8_mma_divergence.py ;;
     fp8-mma-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-quick "$PY" bench/attention.py --sweep-fp8-mma-quick ;;
     fp8-mma-accuracy) TAIL=12 stage fp8-mma-accuracy bash -c 'for c in "{}" "{\"FP8_MMA\": true}"; do "$0" bench/fp8_accuracy.py --device cuda --attention-backend triton --chunk 1 --tokens 4096 --decode-config "$c" | grep -v "^perplexity (b"; done' "$PY" ;;
     w1-fp8-mma) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma bash -c 'for i in $(seq ${ROUNDS:-2}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W1 fp8 --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
