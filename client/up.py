@@ -37,6 +37,7 @@ from protos.defaults import INT32_MAX
 from protos.flags import add_flags, flag
 from protos.hub import resolve_model
 from protos.service_main import PARENT_PID_ENV
+from protos.vllm_flags import ENGINE, FRONTEND, add_foreign_flags, foreign
 
 LOG_TAIL_LINES = 20
 
@@ -101,6 +102,68 @@ FLAGS = (
 )
 
 
+# vLLM's serving flags that a service takes under the same name and meaning, passed on to it as
+# given (not given: not passed, so that the service's own default or TANDEM_* twin applies).
+# (option strings, the services that take it: executor, scheduler or both, type, help).
+PASSED_ON = (
+    (("--revision",), "executor", str, "branch, tag or commit of an ORG/NAME model (default main)"),
+    (("--served-model-name",), "executor", str, "the model's name in the API (default: --model as given)"),
+    (("--max-model-len",), "executor", int, "context limit in tokens (default: the model's)"),
+    (("--gpu-memory-utilization",), "executor", float, "fraction of GPU memory the executor may use"),
+    (("--tensor-parallel-size", "-tp"), "executor", int, "GPUs the model is split over"),
+    (("--kv-cache-dtype",), "executor", str, "auto, bfloat16, float16, float32, fp8 or fp8_e4m3"),
+    (("--quantization",), "executor", str, "fp8: quantize an unquantized checkpoint at load"),
+    (("--block-size",), "executor", int, "tokens per KV block"),
+    (("--seed",), "executor", int, "seed for requests without one of their own"),
+    (("--max-num-batched-tokens",), "both", int, "most tokens in one step"),
+    (("--max-logprobs",), "scheduler", int, "most top logprobs per token a request may ask for"),
+    (("--api-key",), "scheduler", str, "clients must send it as a bearer token"),
+    (("--allowed-origins",), "scheduler", str, "browser origins answered cross-origin (CORS)"),
+    (("--tool-call-parser",), "scheduler", str, "auto, hermes, llama3_json or mistral"),
+)
+# Switches passed on only when given: (option strings, service, help).
+SWITCHES_PASSED_ON = (
+    (("--enforce-eager",), "executor", "never use CUDA graphs"),
+    (("--enable-prefix-caching",), "scheduler", "reuse prompts' common prefixes (the default)"),
+    (("--no-enable-prefix-caching",), "scheduler", "compute every prompt whole"),
+)
+# vLLM's TLS flags name the scheduler's certificate, but `up` waits for its services on plaintext.
+UP_ONLY = (
+    foreign(
+        "--ssl-certfile",
+        reason="tandem up serves plaintext on this machine: run tandem scheduler with --ssl-certfile "
+        "and --ssl-keyfile (its --tls-cert and --tls-key)",
+    ),
+    foreign("--ssl-keyfile", reason="tandem up serves plaintext: see --ssl-certfile"),
+)
+
+
+def _add_passed_on(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "vLLM's flags, passed on to the service that takes them",
+        "as vLLM's; not given, the service's own default (or TANDEM_* variable) applies",
+    )
+    for names, service, type_, text in PASSED_ON:
+        group.add_argument(*names, type=type_, default=None, help=f"{text} ({service})")
+    for names, service, text in SWITCHES_PASSED_ON:
+        group.add_argument(
+            *names, action="append_const", const=names[0], dest="switches", help=f"{text} ({service})"
+        )
+
+
+def passed_on(args: argparse.Namespace, service: str) -> list[str]:
+    """The PASSED_ON and SWITCHES_PASSED_ON flags given that `service` takes, as its arguments."""
+    argv: list[str] = []
+    for names, to, _, _ in PASSED_ON:
+        value = getattr(args, names[0][2:].replace("-", "_"))
+        if value is not None and to in (service, "both"):
+            argv += [names[0], str(value)]
+    for names, to, _ in SWITCHES_PASSED_ON:
+        if names[0] in (args.switches or ()) and to == service:
+            argv.append(names[0])
+    return argv
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "up",
@@ -108,6 +171,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Start the executor service, then the scheduler service pointing at it, both on "
         "localhost; wait until both report SERVING; stop both on Ctrl-C or SIGTERM. A flag's "
         "environment variable (in brackets) is the service's own: set, it is passed on as the flag.",
+    )
+    p.add_argument(
+        "model_positional",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it: the same as --model",
     )
     p.add_argument(
         "--model",
@@ -152,6 +221,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="once both serve, stream one generation for this prompt to the terminal, then keep serving",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate for --prompt (default 64)")
+    _add_passed_on(p)
+    add_foreign_flags(p, (*ENGINE, *FRONTEND, *UP_ONLY))
     p.set_defaults(func=run_up)
 
 
@@ -217,6 +288,7 @@ def service_hosts(args: argparse.Namespace) -> tuple[str, str]:
 
 def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The command lines of the executor and of the scheduler."""
+    resolve_model_arg(args)
     executor_host, scheduler_host = service_hosts(args)
     executor = [sys.executable, "-m", "executor_service", "--model", args.model]
     executor += ["--host", executor_host, "--port", str(args.executor_port)]
@@ -225,6 +297,7 @@ def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         executor += ["--dtype", args.dtype]
     if args.max_num_seqs:
         executor += ["--max-num-seqs", str(args.max_num_seqs)]
+    executor += passed_on(args, "executor")
     executor += args.executor_arg
 
     scheduler = [
@@ -241,6 +314,7 @@ def service_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     scheduler += ["--shutdown-timeout", f"{args.shutdown_timeout:g}"]
     if args.max_num_seqs:
         scheduler += ["--max-num-seqs", str(args.max_num_seqs)]
+    scheduler += passed_on(args, "scheduler")
     scheduler += args.scheduler_arg
     return executor, scheduler
 
@@ -275,9 +349,19 @@ def _wait_serving(service: Service, address: str, timeout: float, stop: threadin
     return "interrupted"
 
 
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """args.model from MODEL (vLLM's place for it) when given, else --model; ValueError when both
+    are given and differ."""
+    positional = args.model_positional
+    if positional is not None and args.model not in (default_model(), positional):
+        raise ValueError(f"the model is given twice: {positional!r} and --model {args.model!r}; give one")
+    args.model = positional or args.model
+
+
 def check_args(args: argparse.Namespace) -> None:
     """ValueError naming the first flag whose value cannot work, before anything starts (the
     services check theirs again)."""
+    resolve_model_arg(args)
     for name, value in (("--max-num-seqs", args.max_num_seqs), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -329,7 +413,7 @@ def run_up(args: argparse.Namespace) -> int:
     # under its snapshot's commit hash; the snapshot found here is checked, and is the scheduler's
     # tokenizer unless --tokenizer names another.
     try:
-        checkpoint = resolve_model(args.model, env("REVISION"))
+        checkpoint = resolve_model(args.model, args.revision or env("REVISION"))
         args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else checkpoint
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -375,10 +459,10 @@ def run_up(args: argparse.Namespace) -> int:
             if failure is not None:
                 _report_failure(failure, service)
                 return 1
-        name = served_name(args.model, checkpoint)
+        name = args.served_model_name or served_name(args.model, checkpoint)
         _print_ready(args, name, executor, scheduler, executor_address, scheduler_address)
         if args.prompt:
-            _demo(scheduler_address, args.prompt, args.max_tokens)
+            _demo(scheduler_address, args.prompt, args.max_tokens, args.api_key or env("API_KEY"))
         while not stop.wait(0.5):
             for service in services:
                 if not service.alive():
@@ -398,7 +482,7 @@ def run_up(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _demo(address: str, prompt: str, max_tokens: int) -> None:
+def _demo(address: str, prompt: str, max_tokens: int, api_key: str | None) -> None:
     """Stream one generation to the terminal, as `tandem generate` would."""
     from client.client import TandemClient
     from client.generate import _print_streaming
@@ -406,8 +490,8 @@ def _demo(address: str, prompt: str, max_tokens: int) -> None:
 
     print(f"\n$ tandem generate --server {address} {prompt!r} --max-tokens {max_tokens}", flush=True)
     try:
-        # The scheduler inherits TANDEM_API_KEY from this environment when it is set.
-        with TandemClient(address, api_key=env("API_KEY")) as client:
+        # --api-key, or TANDEM_API_KEY, which the scheduler inherits from this environment.
+        with TandemClient(address, api_key=api_key) as client:
             sys.stdout.write(prompt)
             _print_streaming(client.generate(prompt, max_tokens=max_tokens), sys.stdout)
     except TandemError as e:

@@ -21,6 +21,7 @@ from protos.defaults import (
     check_tls_pair,
 )
 from protos.flags import Group, add_flags, flag
+from protos.vllm_flags import ENGINE, add_foreign_flags
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,12 @@ FLAGS = (
         env="REVISION",
         help="branch, tag or commit of an ORG/NAME --model in the cache (default main)",
     ),
+    flag(
+        "--served-model-name",
+        env="SERVED_MODEL_NAME",
+        help="the model's name in the API (/v1/models; requests' \"model\"), as vLLM's flag; one name "
+        "(default: the hub id as given, or the checkpoint directory's name)",
+    ),
     flag("--device", env="DEVICE", default="cpu", help="cpu, cuda or cuda:N"),
     flag("--host", env="EXECUTOR_HOST", default=DEFAULT_HOST, help="address to bind"),
     flag(
@@ -78,7 +85,12 @@ FLAGS = (
         default=EXECUTOR_METRICS_PORT,
         help=f"Prometheus /metrics port, 0 = off (default {EXECUTOR_METRICS_PORT})",
     ),
-    flag("--dtype", env="DTYPE", help="weights and KV dtype (default: the checkpoint's)"),
+    flag(
+        "--dtype",
+        env="DTYPE",
+        help="weights and KV dtype: bfloat16, float16 (half), float32 (float), or auto (default: the "
+        "checkpoint's)",
+    ),
     flag(
         "--kv-cache-dtype",
         env="KV_CACHE_DTYPE",
@@ -142,6 +154,13 @@ FLAGS = (
         help="context limit in tokens (default: the model's)",
     ),
     flag("--enforce-eager", env="ENFORCE_EAGER", switch=True, help="never use CUDA graphs"),
+    flag(
+        "--seed",
+        env="SEED",
+        type=int,
+        default=0,
+        help="seed of the sampler's generator for requests without a seed of their own (default 0, as vLLM)",
+    ),
     flag(
         "--attention-backend",
         env="ATTENTION_BACKEND",
@@ -227,6 +246,7 @@ FLAGS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The executor's flags (FLAGS), and `func=run`."""
     add_flags(p, FLAGS)
+    add_foreign_flags(p, ENGINE)
     p.set_defaults(func=run)
 
 
@@ -264,8 +284,9 @@ def run(args: argparse.Namespace) -> int:
         config = ExecutorConfig(
             model=args.model,
             revision=args.revision,
+            served_model_name=args.served_model_name,
             device=args.device,
-            dtype=args.dtype,
+            dtype=None if args.dtype == "auto" else args.dtype,
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_gb=args.kv_cache_gb,
@@ -278,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             fused_ops=args.fused_ops,
             enforce_eager=args.enforce_eager,
+            seed=args.seed,
             tensor_parallel_size=args.tensor_parallel_size,
             tp_master_addr=args.tp_master_addr,
             tp_master_port=args.tp_master_port,

@@ -42,9 +42,10 @@ FP8_DEFAULT_BLOCK_SIZE = 32
 _INT_FIELDS = ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                "seed", "tensor_parallel_size", "tp_master_port")  # fmt: skip
 _STR_FIELDS = ("device", "revision", "dtype", "attention_backend", "kv_cache_dtype", "quantization",
-               "fused_ops", "tp_master_addr")  # fmt: skip
+               "fused_ops", "tp_master_addr", "served_model_name")  # fmt: skip
 _FLOAT_FIELDS = ("kv_cache_gb", "gpu_memory_utilization")
-_OPTIONAL_FIELDS = ("block_size", "num_kv_blocks", "max_model_len", "revision", "dtype", "quantization")
+_OPTIONAL_FIELDS = ("block_size", "num_kv_blocks", "max_model_len", "revision", "dtype", "quantization",
+                    "served_model_name")  # fmt: skip
 
 
 def check_kv_blocks_hold(
@@ -66,6 +67,9 @@ class ExecutorConfig:
     device: str = "cpu"
     # The hub id's branch, tag or commit (with a directory: ignored).
     revision: str | None = None
+    # The name Describe gives the model (clients send it as "model"); None: the hub id as given,
+    # or the directory's name.
+    served_model_name: str | None = None
     dtype: str | None = None
     # Tokens per KV block; None: DEFAULT_BLOCK_SIZE, or FP8_DEFAULT_BLOCK_SIZE for an e4m3 cache.
     block_size: int | None = None
@@ -110,6 +114,10 @@ class ExecutorConfig:
         path = Path(self.model)
         # What Describe and the metrics call the model: the hub id, or the directory's name.
         self.model_name = given if self.model != given else path.resolve().name
+        if self.served_model_name is not None:
+            if not self.served_model_name.strip():
+                raise ValueError("served_model_name must not be empty")
+            self.model_name = self.served_model_name
         if not (path / "config.json").is_file():
             raise ValueError(f"model {self.model!r} must be a checkpoint directory with a config.json")
         if not (path / SAFETENSORS_INDEX).is_file() and not any(path.glob("*.safetensors")):

@@ -33,7 +33,8 @@ class Flag:
     "-tp"). `env`: the twin without its prefix; `env_fallbacks` are older names read when it is
     unset. `switch` makes a store_true flag whose twin is on for 1 / true / yes / on, off for 0 /
     false / no / off or empty, and refused otherwise (a typo must not turn TLS or a check off
-    unnoticed). A flag whose `required` is true is required only while its twin is unset."""
+    unnoticed); a `negatable` switch also has --no-NAME (argparse's BooleanOptionalAction), for a
+    switch on by default. A flag whose `required` is true is required only while its twin is unset."""
 
     names: tuple[str, ...]
     env: str
@@ -44,6 +45,7 @@ class Flag:
     metavar: str | None = None
     dest: str | None = None
     switch: bool = False
+    negatable: bool = False
     required: bool = False
     env_fallbacks: tuple[str, ...] = ()
     group: Group | None = None
@@ -111,7 +113,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> dict[st
             raise SystemExit(2) from None
         kwargs: dict[str, Any] = {"default": default, "help": f.full_help()}
         if f.switch:
-            kwargs["action"] = "store_true"
+            kwargs["action"] = argparse.BooleanOptionalAction if f.negatable else "store_true"
         else:
             kwargs.update(type=f.type, choices=f.choices, metavar=f.metavar)
             if twin is not None and (f.type is not None or f.choices is not None):

@@ -25,6 +25,7 @@ from protos.defaults import (
 )
 from protos.flags import Group, add_flags, flag
 from protos.hub import resolve_model
+from protos.vllm_flags import FRONTEND, add_foreign_flags
 from scheduler_service.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUED_TOKENS
 from scheduler_service.executor_client import DEFAULT_STEP_TIMEOUT_S
 from scheduler_service.tokenizer import Tokenizer, tokenizer_resolver
@@ -105,6 +106,15 @@ FLAGS = (
         type=int,
         default=MAX_NUM_BATCHED_TOKENS,
         help=f"most tokens in one step (default {MAX_NUM_BATCHED_TOKENS}; capped by the executor's)",
+    ),
+    flag(
+        "--enable-prefix-caching",
+        env="ENABLE_PREFIX_CACHING",
+        switch=True,
+        negatable=True,
+        default=True,
+        help="reuse the KV blocks of prompts' common prefixes (default on, as vLLM; "
+        "--no-enable-prefix-caching computes every prompt whole)",
     ),
     flag(
         "--max-prefill-tokens-while-decoding",
@@ -226,8 +236,20 @@ FLAGS = (
         "or a JSON list as vLLM's, e.g. https://app.example.com; * for any (any web page a user opens "
         "could then call this server); default none",
     ),
-    flag("--tls-cert", env="TLS_CERT", group=SECURITY, help="serve TLS: certificate chain, PEM"),
-    flag("--tls-key", env="TLS_KEY", group=SECURITY, help="its private key, PEM"),
+    flag(
+        "--tls-cert",
+        "--ssl-certfile",
+        env="TLS_CERT",
+        group=SECURITY,
+        help="serve TLS (gRPC and HTTP): certificate chain, PEM (vLLM's --ssl-certfile)",
+    ),
+    flag(
+        "--tls-key",
+        "--ssl-keyfile",
+        env="TLS_KEY",
+        group=SECURITY,
+        help="its private key, PEM (vLLM's --ssl-keyfile)",
+    ),
     flag(
         "--executor-tls-ca",
         env="EXECUTOR_TLS_CA",
@@ -268,6 +290,7 @@ FLAGS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The scheduler's flags (FLAGS), and `func=run`."""
     add_flags(p, FLAGS)
+    add_foreign_flags(p, FRONTEND)
     p.set_defaults(func=run)
 
 
@@ -379,6 +402,7 @@ def run(args: argparse.Namespace) -> int:
         config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
             max_plans_in_flight=args.max_plans_in_flight,
             max_logprobs=args.max_logprobs,
             max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,

@@ -284,8 +284,8 @@ def flag_environment(verb: str) -> dict[str, tuple[argparse.Action, list[str]]]:
 
 def _env_value(action: argparse.Action, default):
     """A value for the flag's variable that differs from its default: (text, parsed value)."""
-    if action.nargs == 0:  # store_true / store_false
-        return "1", not default
+    if action.nargs == 0:  # store_true / store_false / a switch on by default (--no-NAME)
+        return ("0" if default else "1"), not default
     if action.choices:
         choice = next(c for c in action.choices if c != default)
         return str(choice), choice
