@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from helpers.chat_checkpoint import chat_checkpoint
-from helpers.fake_executor import FakeExecutor
+from helpers.fake_executor import ScriptedExecutor
 from helpers.scheduler_server import wait_http_health
 
 from client import AsyncTandemClient, Chunk, TandemClient
@@ -38,35 +38,6 @@ TOOLS = [
     for name in ("get_weather", "get_time")
 ]
 MESSAGES = [{"role": "user", "content": "Weather and time in Paris?"}]
-
-
-class ScriptedExecutor(FakeExecutor):
-    """Every sequence generates `script`'s tokens, then end-of-sequence (or, `slow` seconds a
-    step, forever); `pause`: seconds a step otherwise."""
-
-    def __init__(
-        self, script: list[int], eos: int, vocab_size: int, slow: float = 0.0, pause: float = 0.0
-    ) -> None:
-        super().__init__(num_kv_blocks=256, block_size=4, max_model_len=1024, eos_token_ids=(eos,))
-        self.info.vocab_size = vocab_size
-        self.script, self.eos, self.slow, self.pause = script, eos, slow, pause
-        self.num_prompt: dict[int, int] = {}
-
-    def _validate(self, plan) -> None:
-        """(The fake's own checks assume its small vocabulary; this one speaks the tokenizer's.)"""
-
-    def step(self, plan):
-        for s in plan.new_seqs:
-            self.num_prompt[s.seq_id] = len(s.token_ids)
-        result = super().step(plan)
-        for i, sid in enumerate(result.seq_ids):
-            state = self.seqs[sid]
-            n = len(state.token_ids) - 1 - self.num_prompt[sid]
-            tok = self.script[n] if n < len(self.script) else (self.script[0] if self.slow else self.eos)
-            state.token_ids[-1] = result.token_ids[i] = tok
-        if self.slow or self.pause:
-            time.sleep(self.slow or self.pause)
-        return result
 
 
 def _server(checkpoint, slow=0.0, pause=0.0, **kwargs):

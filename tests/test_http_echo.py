@@ -12,7 +12,7 @@ import json
 import httpx
 import openai
 import pytest
-from helpers.scheduler_server import serving_http
+from helpers.scheduler_server import post_ok, serving_http, stream_chunks
 
 from scheduler_service.tokenizer import Tokenizer
 
@@ -39,21 +39,6 @@ def api(server):
 @pytest.fixture(scope="module")
 def tokenizer(qwen3_tied):
     return Tokenizer(qwen3_tied)
-
-
-def _post(url: str, **body) -> dict:
-    r = httpx.post(url, json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _streamed(url: str, **body) -> list[dict]:
-    """The chunks of a streamed completion (before `data: [DONE]`)."""
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
 
 
 def _joined(chunks: list[dict]) -> dict[int, dict]:
@@ -86,15 +71,15 @@ def _prompt_part(prompt_logprobs: list, num_top: int) -> dict:
 
 def test_echo_returns_the_prompt_then_the_completion(url, api):
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    plain = _post(url, **body)
-    echoed = _post(url, **body, echo=True)
+    plain = post_ok(url, **body)
+    echoed = post_ok(url, **body, echo=True)
     completion = plain["choices"][0]["text"]
     assert completion and echoed["choices"][0]["text"] == PROMPT + completion
     assert echoed["choices"][0]["logprobs"] is None
     assert echoed["usage"] == plain["usage"]  # (the prompt counted once, not as completion tokens)
     assert (echoed["choices"][0]["finish_reason"], echoed["choices"][0]["stop_reason"]) == ("length", None)
     # Streamed: the prompt comes first, then the completion; the same text in all.
-    chunks = _streamed(url, **body, echo=True, stream_options={"include_usage": True})
+    chunks = stream_chunks(url, **body, echo=True, stream_options={"include_usage": True})
     assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
     assert _joined(chunks)[0]["text"] == PROMPT + completion
     assert chunks[-1]["usage"] == plain["usage"]
@@ -109,9 +94,9 @@ def test_echoed_logprobs_are_the_prompt_s_then_the_completion_s(url, tokenizer):
     echoed text, whole and streamed."""
     body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 2}
     ids = tokenizer.encode(PROMPT)
-    scored = _post(url, **body, prompt_logprobs=2)["choices"][0]["prompt_logprobs"]
-    plain = _post(url, **body)["choices"][0]
-    got = _post(url, **body, echo=True)["choices"][0]
+    scored = post_ok(url, **body, prompt_logprobs=2)["choices"][0]["prompt_logprobs"]
+    plain = post_ok(url, **body)["choices"][0]
+    got = post_ok(url, **body, echo=True)["choices"][0]
     assert got["prompt_logprobs"] is None  # (not asked for)
     lp = got["logprobs"]
     n = len(ids)
@@ -128,27 +113,27 @@ def test_echoed_logprobs_are_the_prompt_s_then_the_completion_s(url, tokenizer):
     assert max(len(top) for top in lp["top_logprobs"][1:n]) == 3  # (the top 2 and the token itself)
 
     # With prompt_logprobs asked too (fewer than logprobs), that field keeps its own count.
-    both = _post(url, **body, echo=True, prompt_logprobs=0)["choices"][0]
+    both = post_ok(url, **body, echo=True, prompt_logprobs=0)["choices"][0]
     assert both["logprobs"] == lp
     assert all(len(entry) == 1 for entry in both["prompt_logprobs"][1:])
 
-    streamed = _joined(_streamed(url, **body, echo=True))[0]
+    streamed = _joined(stream_chunks(url, **body, echo=True))[0]
     assert streamed["text"] == got["text"] and streamed["logprobs"] == lp
 
 
 def test_a_token_id_prompt_is_echoed_as_its_text(url, tokenizer):
     ids = tokenizer.encode(PROMPT)
     body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 1}
-    as_text = _post(url, **body, prompt=PROMPT)["choices"][0]
-    as_ids = _post(url, **body, prompt=ids)["choices"][0]
+    as_text = post_ok(url, **body, prompt=PROMPT)["choices"][0]
+    as_ids = post_ok(url, **body, prompt=ids)["choices"][0]
     assert tokenizer.decode(ids, skip_special_tokens=False) == PROMPT
     assert as_ids["text"] == as_text["text"] and as_ids["text"].startswith(PROMPT)
     assert as_ids["logprobs"] == as_text["logprobs"]
     # Special tokens included (as /detokenize writes them).
     eos = tokenizer.token_to_id("<|endoftext|>")
-    got = _post(url, **{**body, "logprobs": None}, prompt=[*ids, eos])["choices"][0]
+    got = post_ok(url, **{**body, "logprobs": None}, prompt=[*ids, eos])["choices"][0]
     assert got["text"].startswith(PROMPT + "<|endoftext|>")
-    streamed = _joined(_streamed(url, **body, prompt=ids))[0]
+    streamed = _joined(stream_chunks(url, **body, prompt=ids))[0]
     assert streamed["text"] == as_ids["text"] and streamed["logprobs"] == as_ids["logprobs"]
 
 
@@ -157,16 +142,16 @@ def test_each_choice_echoes_its_own_prompt(url, stream):
     """n samples of each of two prompts: choice i is sample i % n of prompt i // n, and echoes that
     prompt (with its logprobs, scored once by its first sample)."""
     body = {"prompt": PROMPTS, "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 7, "ignore_eos": True}
-    plain = _post(url, **body, logprobs=1)
-    scored = [_post(url, prompt=p, max_tokens=1, prompt_logprobs=1)["choices"][0] for p in PROMPTS]
+    plain = post_ok(url, **body, logprobs=1)
+    scored = [post_ok(url, prompt=p, max_tokens=1, prompt_logprobs=1)["choices"][0] for p in PROMPTS]
     if stream:
-        chunks = _streamed(url, **body, logprobs=1, echo=True, stream_options={"include_usage": True})
+        chunks = stream_chunks(url, **body, logprobs=1, echo=True, stream_options={"include_usage": True})
         got, usage = _joined(chunks), chunks[-1]["usage"]
         for i in range(4):  # (each choice's first chunk carries its prompt whole)
             first = next(c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
             assert first["text"].startswith(PROMPTS[i // 2])
     else:
-        echoed = _post(url, **body, logprobs=1, echo=True)
+        echoed = post_ok(url, **body, logprobs=1, echo=True)
         got, usage = {c["index"]: c for c in echoed["choices"]}, echoed["usage"]
     assert usage == plain["usage"]
     assert sorted(got) == [0, 1, 2, 3]
@@ -189,38 +174,38 @@ def test_max_tokens_0_returns_the_prompt_alone(url, stream):
     token the engine samples is not returned, nor counted)."""
     body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2}
     body["temperature"] = 0
-    whole = _post(url, **{**body, "max_tokens": 3, "ignore_eos": True})["choices"][0]
+    whole = post_ok(url, **{**body, "max_tokens": 3, "ignore_eos": True})["choices"][0]
     n = len(whole["logprobs"]["tokens"]) - 3
     if stream:
-        chunks = _streamed(url, **body, stream_options={"include_usage": True})
+        chunks = stream_chunks(url, **body, stream_options={"include_usage": True})
         got, usage = _joined(chunks)[0], chunks[-1]["usage"]
     else:
-        response = _post(url, **body)
+        response = post_ok(url, **body)
         got, usage = response["choices"][0], response["usage"]
     assert got["text"] == PROMPT
     assert got["logprobs"] == {k: v[:n] for k, v in whole["logprobs"].items()}
     assert (got["finish_reason"], got["stop_reason"]) == ("length", None)
     assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == n
     # Without logprobs: the prompt's text alone.
-    assert _post(url, **{**body, "logprobs": None})["choices"][0]["text"] == PROMPT
+    assert post_ok(url, **{**body, "logprobs": None})["choices"][0]["text"] == PROMPT
 
 
 def test_stop_strings_apply_to_the_completion_alone(url):
     """Stop strings, include_stop_str_in_output, finish_reason and stop_reason are those of the
     completion without echo: a stop string in the prompt stops nothing."""
     body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    full = _post(url, **body)["choices"][0]["text"]
+    full = post_ok(url, **body)["choices"][0]["text"]
     stop = full[4:7]
     in_prompt = PROMPT[4:]
     assert in_prompt not in full
     for extra in ({}, {"include_stop_str_in_output": True}):
         fields = {**body, **extra, "stop": [stop, in_prompt]}
-        plain = _post(url, **fields)["choices"][0]
-        echoed = _post(url, **fields, echo=True)["choices"][0]
+        plain = post_ok(url, **fields)["choices"][0]
+        echoed = post_ok(url, **fields, echo=True)["choices"][0]
         assert (echoed["finish_reason"], echoed["stop_reason"]) == ("stop", stop)
         assert echoed["text"] == PROMPT + plain["text"]
         assert plain["text"].endswith(stop) == bool(extra)
-        streamed = _joined(_streamed(url, **fields, echo=True))[0]
+        streamed = _joined(stream_chunks(url, **fields, echo=True))[0]
         assert (streamed["text"], streamed["finish_reason"], streamed["stop_reason"]) == (
             echoed["text"],
             "stop",
@@ -261,7 +246,7 @@ def test_a_prompt_echoed_alone_needs_room_for_the_token_it_samples(url, api):
         f"prompt ({max_model_len} tokens) + 1 token (echo with max_tokens 0 still samples one, not "
         f"returned) exceeds max_model_len ({max_model_len})"
     )
-    assert _post(url, **{**body, "prompt": [5] * (max_model_len - 1)})["usage"]["completion_tokens"] == 0
+    assert post_ok(url, **{**body, "prompt": [5] * (max_model_len - 1)})["usage"]["completion_tokens"] == 0
 
 
 @pytest.mark.parametrize("bad_id", [-1, 2**40, 4096])

@@ -13,7 +13,7 @@ import shutil
 import httpx
 import pytest
 from helpers.fake_executor import FakeExecutor
-from helpers.scheduler_server import serving_http
+from helpers.scheduler_server import post_ok, serving_http, stream_chunks
 from tokenizers import Tokenizer as HFTokenizer
 
 from scheduler_service.tokenizer import Tokenizer
@@ -44,31 +44,16 @@ def tokenizer(checkpoint):
     return Tokenizer(checkpoint)
 
 
-def _post(url: str, **body) -> dict:
-    r = httpx.post(url, json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _streamed(url: str, **body) -> list[dict]:
-    """The chunks of a stream (before `data: [DONE]`, which ends it)."""
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
-
-
 def test_whole_answers_carry_vllm_s_fields_null_unless_asked(url):
     """vLLM's whole answers always carry system_fingerprint and service_tier, a completion choice
     its prompt_logprobs, prompt_token_ids and token_ids, a chat answer its prompt_logprobs and
     prompt_token_ids and each choice its token_ids: null where not asked for. (They were missing: a
     client reading them as vLLM writes them failed on a missing key.)"""
-    completion = _post(f"{url}/v1/completions", prompt=PROMPT, max_tokens=2)
+    completion = post_ok(f"{url}/v1/completions", prompt=PROMPT, max_tokens=2)
     assert (completion["system_fingerprint"], completion["service_tier"]) == (None, None)
     choice = completion["choices"][0]
     assert (choice["prompt_logprobs"], choice["prompt_token_ids"], choice["token_ids"]) == (None, None, None)
-    chat = _post(f"{url}/v1/chat/completions", messages=MESSAGES, max_tokens=2)
+    chat = post_ok(f"{url}/v1/chat/completions", messages=MESSAGES, max_tokens=2)
     assert (chat["system_fingerprint"], chat["prompt_logprobs"], chat["prompt_token_ids"]) == (
         None,
         None,
@@ -80,7 +65,7 @@ def test_whole_answers_carry_vllm_s_fields_null_unless_asked(url):
 def test_return_token_ids_in_a_whole_completion(url, tokenizer):
     """vLLM's return_token_ids: each choice's prompt_token_ids (the prompt as encoded) and token_ids
     (what it generated: as many as completion_tokens, whose text is the choice's); it was ignored."""
-    got = _post(
+    got = post_ok(
         f"{url}/v1/completions",
         prompt=PROMPT,
         max_tokens=6,
@@ -95,7 +80,7 @@ def test_return_token_ids_in_a_whole_completion(url, tokenizer):
         assert tokenizer.decode(choice["token_ids"]) == choice["text"]
     assert got["usage"]["completion_tokens"] == 12
     # a list of prompts: each choice has its own
-    two = _post(f"{url}/v1/completions", prompt=[PROMPT, "A tuple"], max_tokens=2, return_token_ids=True)
+    two = post_ok(f"{url}/v1/completions", prompt=[PROMPT, "A tuple"], max_tokens=2, return_token_ids=True)
     assert [c["prompt_token_ids"] for c in two["choices"]] == [
         tokenizer.encode(p) for p in (PROMPT, "A tuple")
     ]
@@ -105,9 +90,9 @@ def test_return_token_ids_stop_where_the_text_stops(url, tokenizer):
     """A stop string ends the text early: the ids returned are those of the tokens kept (those the
     usage counts)."""
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    full = _post(f"{url}/v1/completions", **body)["choices"][0]["text"]
+    full = post_ok(f"{url}/v1/completions", **body)["choices"][0]["text"]
     stop = full[5:8]
-    got = _post(f"{url}/v1/completions", **body, stop=[stop], return_token_ids=True)
+    got = post_ok(f"{url}/v1/completions", **body, stop=[stop], return_token_ids=True)
     choice = got["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     assert len(choice["token_ids"]) == got["usage"]["completion_tokens"] < 12
@@ -118,8 +103,8 @@ def test_return_token_ids_in_a_streamed_completion(url, tokenizer):
     """Streamed, as vLLM's: a choice's first chunk carries the prompt's ids, each chunk its own
     generated ids, which put together are the whole answer's."""
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "n": 2}
-    whole = _post(f"{url}/v1/completions", **body, return_token_ids=True)
-    chunks = _streamed(f"{url}/v1/completions", **body, return_token_ids=True)
+    whole = post_ok(f"{url}/v1/completions", **body, return_token_ids=True)
+    chunks = stream_chunks(f"{url}/v1/completions", **body, return_token_ids=True)
     for index in (0, 1):
         mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
         assert mine[0]["prompt_token_ids"] == tokenizer.encode(PROMPT)
@@ -127,7 +112,7 @@ def test_return_token_ids_in_a_streamed_completion(url, tokenizer):
         assert [i for c in mine for i in c["token_ids"]] == whole["choices"][index]["token_ids"]
         assert "".join(c["text"] for c in mine) == whole["choices"][index]["text"]
     # not asked for: no ids in the chunks
-    plain = _streamed(f"{url}/v1/completions", **body)
+    plain = stream_chunks(f"{url}/v1/completions", **body)
     assert all("token_ids" not in c and "prompt_token_ids" not in c for ch in plain for c in ch["choices"])
 
 
@@ -136,12 +121,12 @@ def test_return_token_ids_in_chat(url, tokenizer):
     each choice's generated ids in it (streamed: each chunk's own)."""
     body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     prompt_ids = tokenizer.encode("user: Hi\nassistant:", add_special_tokens=False)
-    whole = _post(f"{url}/v1/chat/completions", **body, return_token_ids=True)
+    whole = post_ok(f"{url}/v1/chat/completions", **body, return_token_ids=True)
     assert whole["prompt_token_ids"] == prompt_ids
     ids = whole["choices"][0]["token_ids"]
     assert len(ids) == whole["usage"]["completion_tokens"] == 6
     assert tokenizer.decode(ids) == whole["choices"][0]["message"]["content"]
-    chunks = _streamed(f"{url}/v1/chat/completions", **body, return_token_ids=True)
+    chunks = stream_chunks(f"{url}/v1/chat/completions", **body, return_token_ids=True)
     assert chunks[0]["prompt_token_ids"] == prompt_ids
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all("prompt_token_ids" not in c for c in chunks[1:])
@@ -151,7 +136,7 @@ def test_return_token_ids_in_chat(url, tokenizer):
 def test_a_chat_stream_sends_each_choice_s_role_in_a_chunk_of_its_own(url):
     """OpenAI's and vLLM's streams carry one choice a chunk: with n > 1 the first chunks (the role)
     were one chunk of n choices, where a client reading choices[0] saw the first choice's only."""
-    chunks = _streamed(f"{url}/v1/chat/completions", messages=MESSAGES, max_tokens=3, n=3)
+    chunks = stream_chunks(f"{url}/v1/chat/completions", messages=MESSAGES, max_tokens=3, n=3)
     assert all(len(c["choices"]) == 1 for c in chunks if c["choices"])
     firsts = [c["choices"][0] for c in chunks[:3]]
     assert [c["index"] for c in firsts] == [0, 1, 2]
@@ -211,7 +196,7 @@ def test_a_logprob_of_minus_infinity_is_minus_9999(ruling_out, stream):
             t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["top_logprobs"]
         ]
     else:
-        tops = _post(f"{ruling_out}/v1/completions", **body)["choices"][0]["logprobs"]["top_logprobs"]
+        tops = post_ok(f"{ruling_out}/v1/completions", **body)["choices"][0]["logprobs"]["top_logprobs"]
     assert tops and all(-9999.0 in top.values() for top in tops)
     assert all(v >= -9999.0 for top in tops for v in top.values())
 
@@ -246,4 +231,4 @@ def test_a_prompt_too_long_is_openai_s_context_length_error(url, endpoint, body,
     error = r.json()["error"]
     assert error["message"].startswith("This model's maximum context length is 1024 tokens: prompt (")
     assert "max_model_len (1024)" in error["message"] and error["code"] == "context_length_exceeded"
-    assert _post(f"{url}/v1/completions", prompt=PROMPT, max_tokens=1)["choices"][0]["finish_reason"]
+    assert post_ok(f"{url}/v1/completions", prompt=PROMPT, max_tokens=1)["choices"][0]["finish_reason"]

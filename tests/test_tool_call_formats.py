@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from helpers.chat_templates import LLAMA31, MISTRAL, QWEN3
-from helpers.fake_executor import FakeExecutor
+from helpers.fake_executor import ScriptedExecutor
 from helpers.scheduler_server import wait_http_health
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -232,30 +231,6 @@ def _checkpoint(directory: Path, template: str) -> Path:
     return directory
 
 
-class _ScriptedExecutor(FakeExecutor):
-    """Every sequence generates `script`'s tokens, then end-of-sequence; `architecture` reported."""
-
-    def __init__(self, script: list[int], vocab_size: int, architecture: str) -> None:
-        super().__init__(num_kv_blocks=256, block_size=4, max_model_len=1024, eos_token_ids=(0,))
-        self.info.vocab_size, self.info.architecture = vocab_size, architecture
-        self.script = script
-        self.num_prompt: dict[int, int] = {}
-
-    def _validate(self, plan) -> None:
-        """(The fake's own checks assume its small vocabulary.)"""
-
-    def step(self, plan):
-        for s in plan.new_seqs:
-            self.num_prompt[s.seq_id] = len(s.token_ids)
-        result = super().step(plan)
-        for i, sid in enumerate(result.seq_ids):
-            state = self.seqs[sid]
-            n = len(state.token_ids) - 1 - self.num_prompt[sid]
-            state.token_ids[-1] = result.token_ids[i] = self.script[n] if n < len(self.script) else 0
-        time.sleep(0.002)  # a token a step: streams come in pieces
-        return result
-
-
 @pytest.fixture(scope="module", params=["llama31", "mistral", "llama31-as-hermes"])
 def served(request, tmp_path_factory):
     """(the OpenAI client, the family's answer, the format it is read in) of an in-process scheduler
@@ -267,7 +242,10 @@ def served(request, tmp_path_factory):
     }[request.param]
     tokenizer = Tokenizer(_checkpoint(tmp_path_factory.mktemp(request.param), template))
     script = tokenizer.encode(answer, add_special_tokens=False)
-    executor = _ScriptedExecutor(script, tokenizer.vocab_size, architecture)
+    # (a token a step: streams come in pieces)
+    executor = ScriptedExecutor(
+        script, eos=0, vocab_size=tokenizer.vocab_size, pause=0.002, architecture=architecture
+    )
     options = EngineOptions(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024))
     server = SchedulerServer(
         executor, options, tokenizer_for=lambda info: tokenizer, port=0, http_port=0, tool_call_parser=flag

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from protos.executor import StepOnlyExecutor
@@ -217,3 +218,40 @@ class CountingPipe:
 
     def discard(self) -> None:
         self.pending.clear()
+
+
+class ScriptedExecutor(FakeExecutor):
+    """Every sequence generates `script`'s tokens, then end-of-sequence (or, `slow` seconds a
+    step, forever); `pause`: seconds a step otherwise; `architecture`: the one it reports."""
+
+    def __init__(
+        self,
+        script: list[int],
+        eos: int,
+        vocab_size: int,
+        slow: float = 0.0,
+        pause: float = 0.0,
+        architecture: str | None = None,
+    ) -> None:
+        super().__init__(num_kv_blocks=256, block_size=4, max_model_len=1024, eos_token_ids=(eos,))
+        self.info.vocab_size = vocab_size
+        if architecture is not None:
+            self.info.architecture = architecture
+        self.script, self.eos, self.slow, self.pause = script, eos, slow, pause
+        self.num_prompt: dict[int, int] = {}
+
+    def _validate(self, plan) -> None:
+        """(The fake's own checks assume its small vocabulary; this one speaks the tokenizer's.)"""
+
+    def step(self, plan):
+        for s in plan.new_seqs:
+            self.num_prompt[s.seq_id] = len(s.token_ids)
+        result = super().step(plan)
+        for i, sid in enumerate(result.seq_ids):
+            state = self.seqs[sid]
+            n = len(state.token_ids) - 1 - self.num_prompt[sid]
+            tok = self.script[n] if n < len(self.script) else (self.script[0] if self.slow else self.eos)
+            state.token_ids[-1] = result.token_ids[i] = tok
+        if self.slow or self.pause:
+            time.sleep(self.slow or self.pause)
+        return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 import urllib.request
@@ -136,3 +137,19 @@ class FlakyExecutor(StepOnlyExecutor):
         if any(s.token_ids[0] == self.POISON for s in plan.new_seqs):
             raise PlanRejected("flaky:1", plan.step_id, "token id out of range")
         return self.inner.step(plan)
+
+
+def post_ok(url: str, **body) -> dict:
+    """The JSON answer of a POST of `body` to `url`, asserted a 200."""
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_chunks(url: str, **body) -> list[dict]:
+    """The chunks of a streamed POST of `body` to `url` (before `data: [DONE]`, which must end it)."""
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
