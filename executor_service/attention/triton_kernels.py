@@ -199,21 +199,21 @@ def fp8_kv_tile(
     stride_vb, stride_vh, stride_vd, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     V_RUN: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """K [BLOCK_N, BLOCK_D] and V^T [BLOCK_D, BLOCK_N] of keys `key` from e4m3 caches, as
-    paged_attention_kernel's loop loads them (V^T in runs of V_RUN slots, whose slots past the
-    context hold zeros). Without MASKED every key is below kv_end, so no key is masked (the
+    """K [BLOCK_N, BLOCK_D] and V^T [BLOCK_D, BLOCK_N] of keys `key` (BLOCK_N keys may span several
+    cache blocks: each key's block is gathered) from e4m3 caches, for both decode loops of
+    paged_attention_kernel. V^T comes from blocks kept [num_kv_heads, head_dim, block_size], each
+    block's keys contiguous, in runs of V_RUN slots (a mask constant over a run keeps the 16-byte
+    vectors; the last block's keys past the end need its id too), so at most V_RUN - 1 slots past
+    the context are read whatever the block size; those slots hold zeros, so the keys there
+    (probability 0) add nothing. Without MASKED every key is below kv_end, so no key is masked (the
     FP8_MMA loop's full tiles)."""
     if MASKED:
         block = tl.load(bt_row + key // BLOCK_SIZE, mask=(key // BLOCK_SIZE) * BLOCK_SIZE < kv_end, other=0)
     else:
         block = tl.load(bt_row + key // BLOCK_SIZE)
     block = block.to(tl.int64)
-    k_off = (
-        block[:, None] * stride_cb
-        + (key % BLOCK_SIZE)[:, None] * stride_cs
-        + kv_head * stride_ch
-        + d[None, :]
-    )
+    head_off = kv_head * stride_ch + d[None, :]
+    k_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
     vt_off = (
         block[None, :] * stride_vb
         + kv_head * stride_vh
@@ -764,33 +764,21 @@ def paged_attention_kernel(
         for tile in range(tile_lo, tile_hi):
             key = tile * BLOCK_N + n
             key_valid = key < kv_end
-            # Gather the cache block of every key: BLOCK_N keys may span several blocks. (An e4m3 V
-            # cache is read in runs of V_RUN slots: the last block's keys past the end need its id too.)
-            whole_block = (key // BLOCK_SIZE) * BLOCK_SIZE < kv_end
-            block = tl.load(bt_row + key // BLOCK_SIZE, mask=whole_block if KV_FP8 else key_valid, other=0)
-            block = block.to(tl.int64)
-            kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
-            if BLOCK_D == HEAD_DIM:
-                kv_mask = key_valid[:, None]
-            else:
-                kv_mask = key_valid[:, None] & d_valid[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             if KV_FP8:
-                # V^T [BLOCK_D, BLOCK_N] from blocks kept [num_kv_heads, head_dim, block_size]: each
-                # block's keys contiguous. Loaded in runs of V_RUN slots (a mask constant over a run
-                # keeps the 16-byte vectors), so at most V_RUN - 1 slots past the context are read
-                # whatever the block size; those slots are zeros, so the keys there (probability 0)
-                # add nothing.
-                vt_off = (
-                    block[None, :] * stride_vb + kv_head * stride_vh + d[:, None] * stride_vd
-                    + (key % BLOCK_SIZE)[None, :]
+                k, vt = fp8_kv_tile(
+                    k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs,
+                    stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, True,
                 )  # fmt: skip
-                if BLOCK_SIZE % 16 == 0:  # runs of 16 contiguous keys, each starting 16-byte aligned
-                    vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 16)), (1, 16))
-                v_valid = (key // V_RUN) * V_RUN < kv_end
-                vt = tl.load(v_cache_ptr + vt_off, mask=d_valid[:, None] & v_valid[None, :], other=0.0)
                 v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
             else:
+                # Gather the cache block of every key: BLOCK_N keys may span several blocks.
+                block = tl.load(bt_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+                kv_off = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + head_off
+                if BLOCK_D == HEAD_DIM:
+                    kv_mask = key_valid[:, None]
+                else:
+                    kv_mask = key_valid[:, None] & d_valid[None, :]
+                k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
                 v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             if KV_FP8:  # e4m3 -> bf16/fp16/fp32 is exact; the scales are applied to s and o
                 k = k.to(q.dtype)
