@@ -168,6 +168,10 @@ run() {
     # Where FP8_MMA's greedy tokens part from the widening kernel's on the tests' random model, and the margin there.
     fp8-mma-divergence) TAIL=14 stage fp8-mma-divergence "$PY" bench/fp8_mma_divergence.py ;;
     fp8-mma-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-quick "$PY" bench/attention.py --sweep-fp8-mma-quick ;;
+    # The same at Qwen3-8B's heads (32 / 8: a GQA group of 4, W4's attention).
+    fp8-mma-8b) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-8b "$PY" bench/attention.py --sweep-fp8-mma-quick --heads 32 8 ;;
+    # W4 with FP8_MMA (64-key tiles, 2 stages) and as today, alternating ROUNDS times (default 1).
+    w4-fp8-mma) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-580} stage w4-fp8-mma bash -c 'for i in $(seq ${ROUNDS:-1}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W4 --decode-config $c"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     fp8-mma-accuracy) TAIL=12 stage fp8-mma-accuracy bash -c 'for c in "{}" "{\"FP8_MMA\": true}"; do "$0" bench/fp8_accuracy.py --device cuda --attention-backend triton --chunk 1 --tokens 4096 --decode-config "$c" | grep -v "^perplexity (b"; done' "$PY" ;;
     w1-fp8-mma) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma bash -c 'for i in $(seq ${ROUNDS:-2}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W1 fp8 --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     fp8-accuracy) TAIL=6 stage fp8-accuracy "$PY" bench/fp8_accuracy.py --device cuda --attention-backend triton ;;
