@@ -302,8 +302,10 @@ def sweep_fp8_registers(caps=(0, 96, 104, 128), rounds: int = 2) -> None:
 def fp8_mma_grid(quick: bool = False):
     """The fp8 decode kernel in e4m3 MMAs (FP8_MMA): key tiles of 64 (one warpgroup's wgmma rows) and
     128, one or two warpgroups, 2-4 stages, the full tiles in a loop of their own (FULL_TILES) or not
-    (quick: 128-key tiles of one warpgroup at 2 and 3 stages, both ways)."""
-    grid = ((128,), (4,), (2, 3), (False, True)) if quick else ((64, 128), (4, 8), (2, 3, 4), (False, True))
+    (quick: one warpgroup at 2 and 3 stages, both ways)."""
+    grid = (
+        ((64, 128), (4,), (2, 3), (False, True)) if quick else ((64, 128), (4, 8), (2, 3, 4), (False, True))
+    )
     for block_n, warps, stages, full in itertools.product(*grid):
         if block_n // 16 >= warps:  # (wgmma's rows: 16 keys a warp at least)
             yield {
@@ -550,7 +552,7 @@ def main() -> None:
         help="the fp8 decode kernel in e4m3 MMAs (FP8_MMA) over tiles, against today's config",
     )
     parser.add_argument(
-        "--sweep-fp8-mma-quick", action="store_true", help="--sweep-fp8-mma over four configurations only"
+        "--sweep-fp8-mma-quick", action="store_true", help="--sweep-fp8-mma over eight configurations only"
     )
     parser.add_argument(
         "--heads",
@@ -610,7 +612,7 @@ def main() -> None:
         sweep_stages()
         return
     if args.sweep_fp8_mma or args.sweep_fp8_mma_quick:
-        sweep_fp8_mma(quick=args.sweep_fp8_mma_quick)
+        sweep_fp8_mma((FP8_BS,), quick=args.sweep_fp8_mma_quick)
         return
     if args.sweep_warps:
         sweep_warps()

@@ -149,7 +149,7 @@ run() {
     # config (TB/s); its accuracy (every token a decode step: --chunk 1) against today's kernel's; W1
     # fp8 with it and without, alternating ROUNDS times (default 2).
     fp8-mma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-mma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_kv.py -k "fp8_mma or cuda_graph_capturable or stores_kv_fp8 or fuses_rope_fp8" ;;
-    fp8-mma) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-mma "$PY" bench/attention.py --sweep-fp8-mma ;;
+    fp8-mma) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-mma "$PY" bench/attention.py --sweep-fp8-mma ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     # A dozen of those tests: each path once (tiles, FULL_TILES, splits, groups 2-8, the store and
     # rotary, CUDA graphs, the engine), for a call that must also time.
     fp8-mma-tests-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-tests-quick "$PY" -m pytest -q -m gpu \
@@ -167,9 +167,9 @@ run() {
         "tests/test_fp8_kv.py::test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel[False]" ;;
     # Where FP8_MMA's greedy tokens part from the widening kernel's on the tests' random model, and the margin there.
     fp8-mma-divergence) TAIL=14 stage fp8-mma-divergence "$PY" bench/fp8_mma_divergence.py ;;
-    fp8-mma-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-quick "$PY" bench/attention.py --sweep-fp8-mma-quick ;;
+    fp8-mma-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-quick "$PY" bench/attention.py --sweep-fp8-mma-quick ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     # The same at Qwen3-8B's heads (32 / 8: a GQA group of 4, W4's attention).
-    fp8-mma-8b) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-8b "$PY" bench/attention.py --sweep-fp8-mma-quick --heads 32 8 ;;
+    fp8-mma-8b) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-8b "$PY" bench/attention.py --sweep-fp8-mma-quick --heads 32 8 ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     # W4 with FP8_MMA (64-key tiles, 2 stages) and as today, alternating ROUNDS times (default 1).
     w4-fp8-mma) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-580} stage w4-fp8-mma bash -c 'for i in $(seq ${ROUNDS:-1}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W4 --decode-config $c"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     fp8-mma-accuracy) TAIL=12 stage fp8-mma-accuracy bash -c 'for c in "{}" "{\"FP8_MMA\": true}"; do "$0" bench/fp8_accuracy.py --device cuda --attention-backend triton --chunk 1 --tokens 4096 --decode-config "$c" | grep -v "^perplexity (b"; done' "$PY" ;;
