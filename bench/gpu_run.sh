@@ -44,6 +44,25 @@ tp_debug() {
         PYTHONPATH=$PWD/bench/hangdump${PYTHONPATH:+:$PYTHONPATH} "$@"
 }
 
+# W1 fp8 under named flag sets, each PRESETS entry in turn, ROUNDS times (default 1):
+#   today: as today; mma: FP8_MMA (64-key tiles, 2 stages); vt: the tiled V store from 512 tokens a
+#   launch; bs64: 64-token blocks; joined with '+' (mma+vt+bs64).
+w1_presets() {
+    local i preset flags
+    for i in $(seq "${ROUNDS:-1}"); do
+        for preset in ${PRESETS:-mma+vt today}; do
+            flags=()
+            [[ +$preset+ == *+mma+* ]] && flags+=(--decode-config '{"FP8_MMA": true, "BLOCK_N": 64, "num_stages": 2}')
+            [[ +$preset+ == *+vt+* ]] && flags+=(--v-tile-min-tokens 512)
+            [[ +$preset+ == *+bs64+* ]] && flags+=(--block-size 64)
+            echo "W1 fp8 $preset: ${flags[*]}"
+            "$PY" bench/throughput.py --workload "${WORKLOAD:-w1}" --device cuda --mode in-process --kv-cache-dtype fp8 "${flags[@]}" | grep "output tok/s\|device:"
+        done
+    done
+}
+export -f w1_presets
+export PY
+
 run() {
     case $1 in
     tests) stage tests "$PY" -m pytest -q tests/test_triton_ops.py tests/test_sampling_kernel.py tests/test_gpu_engine.py ;;
@@ -170,6 +189,7 @@ run() {
     fp8-mma-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-quick "$PY" bench/attention.py --sweep-fp8-mma-quick ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     # W1 fp8 at block size BS (default 64) with FP8_MMA and as today, alternating ROUNDS times (default 1).
     w1-fp8-mma-bs) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma-bs bash -c 'for i in $(seq ${ROUNDS:-1}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W1 fp8 --block-size ${BS:-64} --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --block-size ${BS:-64} --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
+    w1-fp8-presets) TAIL=${TAIL:-16} STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-presets bash -c w1_presets ;;
     # The same at Qwen3-8B's heads (32 / 8: a GQA group of 4, W4's attention).
     fp8-mma-8b) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-8b "$PY" bench/attention.py --sweep-fp8-mma-quick --heads 32 8 ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     # W4 with FP8_MMA (64-key tiles, 2 stages) and as today, alternating ROUNDS times (default 1).
