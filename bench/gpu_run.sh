@@ -190,6 +190,8 @@ run() {
     # W1 fp8 at block size BS (default 64) with FP8_MMA and as today, alternating ROUNDS times (default 1).
     w1-fp8-mma-bs) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma-bs bash -c 'for i in $(seq ${ROUNDS:-1}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W1 fp8 --block-size ${BS:-64} --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --block-size ${BS:-64} --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     w1-fp8-presets) TAIL=${TAIL:-16} STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-presets bash -c w1_presets ;;
+    # The fp8 decode kernel's K/V gather alone (its math an XOR): the ceiling its TB/s can reach at each block size.
+    kv-read-roofline) TAIL=8 stage kv-read-roofline "$PY" bench/kv_read_roofline.py ;;
     # The same at Qwen3-8B's heads (32 / 8: a GQA group of 4, W4's attention).
     fp8-mma-8b) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-8b "$PY" bench/attention.py --sweep-fp8-mma-quick --heads 32 8 ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     # W4 with FP8_MMA (64-key tiles, 2 stages) and as today, alternating ROUNDS times (default 1).
