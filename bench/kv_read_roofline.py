@@ -1,7 +1,7 @@
 """How fast the fp8 decode kernel's reads alone can go: K [BLOCK_N, head_dim] and V^T [head_dim,
-BLOCK_N] e4m3 tiles of every (sequence, KV head) gathered through the block table exactly as
-paged_attention_kernel gathers them (attention/triton_kernels.fp8_kv_tile, the same grid, KV heads
-fastest), with the math replaced by an XOR of the bytes (one instruction a 32-bit word). Its TB/s
+BLOCK_N] e4m3 tiles of every (sequence, KV head) gathered through the block table at the addresses
+paged_attention_kernel reads (attention/triton_kernels.fp8_kv_tile's; the same grid, KV heads
+fastest), read as 32-bit words with the math replaced by an XOR (one instruction a word). Its TB/s
 at b256x1024 is the ceiling the decode kernel's own figure can reach at that block size and tile
 (issue 17's target: 3.8 TB/s of fp8 bytes; bf16 decode reads at ~4.23, the copy rate). A ceiling
 well under 3.8 at the engine's block size means the gather, not the math, is what bounds it.
@@ -24,7 +24,6 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor_service.attention import triton_kernels as tk
 from executor_service.fp8 import fp8_v_cache
 
 NUM_KV_HEADS, HEAD_DIM = 8, 128
@@ -37,24 +36,42 @@ def read_kv_kernel(
     stride_vb, stride_vh, stride_vd, stride_bt, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
+    """The caches as 32-bit words (4 e4m3 values; strides in words): the K words [BLOCK_N,
+    HEAD_DIM / 4] and V^T words [HEAD_DIM, BLOCK_N / 4] of each tile of keys, at the addresses
+    fp8_kv_tile computes (each key's block gathered), XORed into one word a thread."""
     kv_head = tl.program_id(0)
     seq = tl.program_id(2)
     kv_end = tl.load(context_lens_ptr + seq)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    WORDS: tl.constexpr = HEAD_DIM // 4
+    w = tl.arange(0, WORDS)
     d = tl.arange(0, HEAD_DIM)
-    d_valid = tl.full([HEAD_DIM], 1, tl.int1)
     n = tl.arange(0, BLOCK_N)
-    V_RUN: tl.constexpr = 16 if BLOCK_SIZE % 16 == 0 else BLOCK_SIZE
-    acc_k = tl.zeros([BLOCK_N, HEAD_DIM], tl.int8)
-    acc_v = tl.zeros([HEAD_DIM, BLOCK_N], tl.int8)
+    n4 = tl.arange(0, BLOCK_N // 4)
+    acc_k = tl.zeros([BLOCK_N, WORDS], tl.int32)
+    acc_v = tl.zeros([HEAD_DIM, BLOCK_N // 4], tl.int32)
     for tile in range(0, tl.cdiv(kv_end, BLOCK_N)):
-        k, vt = tk.fp8_kv_tile(
-            k_cache_ptr, v_cache_ptr, bt_row, tile * BLOCK_N + n, kv_end, kv_head, d, d_valid, stride_cb,
-            stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, HEAD_DIM, HEAD_DIM, V_RUN, False,
-        )  # fmt: skip
-        acc_k ^= k.to(tl.int8, bitcast=True)
-        acc_v ^= vt.to(tl.int8, bitcast=True)
-    # One byte a program depends on every byte read (so nothing is left out as dead code).
+        key = tile * BLOCK_N + n
+        block = tl.load(bt_row + key // BLOCK_SIZE).to(tl.int64)
+        k_off = (
+            block[:, None] * stride_cb
+            + (key % BLOCK_SIZE)[:, None] * stride_cs
+            + kv_head * stride_ch
+            + w[None, :]
+        )
+        key4 = tile * BLOCK_N + 4 * n4  # the first key of each V^T word
+        block4 = tl.load(bt_row + key4 // BLOCK_SIZE).to(tl.int64)
+        vt_off = (
+            block4[None, :] * stride_vb
+            + kv_head * stride_vh
+            + d[:, None] * stride_vd
+            + (key4 % BLOCK_SIZE)[None, :] // 4
+        )
+        if BLOCK_SIZE % 16 == 0:  # runs of 16 keys (4 words), 16-byte aligned, as fp8_kv_tile's V_RUN
+            vt_off = tl.max_contiguous(tl.multiple_of(vt_off, (1, 4)), (1, 4))
+        acc_k ^= tl.load(k_cache_ptr + k_off)
+        acc_v ^= tl.load(v_cache_ptr + vt_off)
+    # One word a program that depends on every word read (so no load is left out as dead code).
     folded = tl.xor_sum(tl.xor_sum(acc_k, 0), 0) ^ tl.xor_sum(tl.xor_sum(acc_v, 0), 0)
     tl.store(out_ptr + seq * tl.num_programs(0) + kv_head, folded)
 
@@ -77,12 +94,12 @@ def inputs(batch: int, context: int, block_size: int) -> dict:
 
 
 def read_kv(x: dict, out: torch.Tensor, block_n: int, num_warps: int, num_stages: int) -> None:
-    k_cache, v_cache = x["k_cache"], x["v_cache"]
+    k_cache, v_cache = x["k_cache"].view(torch.int32), x["v_cache"].view(torch.int32)
     batch = x["block_tables"].shape[0]
     read_kv_kernel[(NUM_KV_HEADS, 1, batch)](
         k_cache, v_cache, out, x["block_tables"], x["context_lens"], k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), x["block_tables"].stride(0),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=x["k_cache"].shape[1], BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -96,14 +113,14 @@ def xor_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def check(x: dict, out: torch.Tensor) -> None:
-    """The kernel's byte per program against the same XOR in torch (so the timings read what they say)."""
-    k = x["k_cache"].view(torch.int8)  # [blocks, slots, heads, dim]
-    v = x["v_cache"].view(torch.int8)  # [blocks, heads, dim, slots]
+    """The kernel's word per program against the same XOR in torch (so the timings read what they say)."""
+    k = x["k_cache"].view(torch.int32)  # [blocks, slots, heads, dim / 4]
+    v = x["v_cache"].view(torch.int32)  # [blocks, heads, dim, slots / 4]
     tables, context = x["block_tables"].long(), int(x["context_lens"][0])
     batch = tables.shape[0]
     for seq in (0, batch - 1):
-        ks = k[tables[seq]].permute(2, 0, 1, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM)[:, :context]
-        vs = v[tables[seq]].permute(1, 0, 3, 2).reshape(NUM_KV_HEADS, -1, HEAD_DIM)[:, :context]
+        ks = k[tables[seq]].permute(2, 0, 1, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM // 4)[:, :context]
+        vs = v[tables[seq]].permute(1, 0, 3, 2).reshape(NUM_KV_HEADS, -1, HEAD_DIM)[:, : context // 4]
         want = xor_rows(torch.cat([ks.reshape(NUM_KV_HEADS, -1), vs.reshape(NUM_KV_HEADS, -1)], 1))
         got = out[seq * NUM_KV_HEADS : (seq + 1) * NUM_KV_HEADS]
         if not torch.equal(got, want):
@@ -150,17 +167,17 @@ def main() -> None:
         DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
         for block_size in args.block_sizes:
             x = inputs(args.batch, args.context, block_size)
-            out = torch.empty(args.batch * NUM_KV_HEADS, dtype=torch.int8, device=DEVICE)
+            out = torch.empty(args.batch * NUM_KV_HEADS, dtype=torch.int32, device=DEVICE)
             read_kv(x, out, 64, 4, 2)
             check(x, out)
             print(f"block size {block_size}: the kernel's XOR of every byte is torch's")
         return
     for block_size in args.block_sizes:
         x = inputs(args.batch, args.context, block_size)
-        out = torch.empty(args.batch * NUM_KV_HEADS, dtype=torch.int8, device=DEVICE)
+        out = torch.empty(args.batch * NUM_KV_HEADS, dtype=torch.int32, device=DEVICE)
         nbytes = 2 * args.batch * args.context * NUM_KV_HEADS * HEAD_DIM
         rows = []
-        for block_n, warps, stages in itertools.product((64, 128), (4,), (2, 3, 4)):
+        for block_n, warps, stages in itertools.product((64, 128, 256), (4, 8), (1,)):
             try:
                 read_kv(x, out, block_n, warps, stages)
                 if not rows:
