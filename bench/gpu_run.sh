@@ -186,6 +186,9 @@ run() {
         "tests/test_fp8_kv.py::test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel[False]" ;;
     # Where FP8_MMA's greedy tokens part from the widening kernel's on the tests' random model, and the margin there.
     fp8-mma-divergence) TAIL=14 stage fp8-mma-divergence "$PY" bench/fp8_mma_divergence.py ;;
+    # ... and on the trained embedded model (random prompts), then the engine test on it (CUDA graphs).
+    fp8-mma-divergence-embedded) TAIL=14 stage fp8-mma-divergence-embedded bash -c '"$0" bench/fp8_mma_divergence.py --model "$("$0" -c "from protos.defaults import DEFAULT_MODEL; print(DEFAULT_MODEL)")"' "$PY" ;;
+    fp8-mma-engine-test) TAIL=4 stage fp8-mma-engine-test "$PY" -m pytest -q -m gpu "tests/test_fp8_kv.py::test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel[False]" ;;
     fp8-mma-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-quick "$PY" bench/attention.py --sweep-fp8-mma-quick ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     # W1 fp8 at block size BS (default 64) with FP8_MMA and as today, alternating ROUNDS times (default 1).
     w1-fp8-mma-bs) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma-bs bash -c 'for i in $(seq ${ROUNDS:-1}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W1 fp8 --block-size ${BS:-64} --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --block-size ${BS:-64} --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
