@@ -23,7 +23,7 @@ PY=${PYTHON:-python3}
 # The device tool's copy of the working tree can carry an older .git than the tree it copies: pass
 # COMMIT=<the local HEAD> for the label the logs carry.
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-echo "commit $commit, $(date -u +%FT%TZ)" | tee "$OUT/summary.txt"
+echo "commit $commit, $(date -u +%FT%TZ)" | tee -a "$OUT/summary.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
 
 stage() {
