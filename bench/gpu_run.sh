@@ -189,6 +189,8 @@ run() {
     # ... and on the trained embedded model (random prompts), then the engine test on it (CUDA graphs).
     fp8-mma-divergence-embedded) TAIL=14 stage fp8-mma-divergence-embedded bash -c '"$0" bench/fp8_mma_divergence.py --model "$("$0" -c "from protos.defaults import DEFAULT_MODEL; print(DEFAULT_MODEL)")"' "$PY" ;;
     fp8-mma-engine-test) TAIL=4 stage fp8-mma-engine-test "$PY" -m pytest -q -m gpu "tests/test_fp8_kv.py::test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel[False]" ;;
+    # The fp8 GPU tests with FP8_MMA (64-key tiles, 2 stages) as the fp8 decode config's default: what adopting it would run.
+    fp8-tests-mma) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-tests-mma "$PY" -c 'import sys, pytest; from executor_service.attention import triton_kernels as tk; tk.DECODE_CONFIG_FP8.update(FP8_MMA=True, BLOCK_N=64, num_stages=2); sys.exit(pytest.main(["-q", "-m", "gpu", "tests/test_triton_kernels.py", "tests/test_fp8_kv.py", "tests/test_gpu_engine.py", "-k", "fp8"]))' ;;
     fp8-mma-quick) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fp8-mma-quick "$PY" bench/attention.py --sweep-fp8-mma-quick ${FP8_BS:+--fp8-block-size $FP8_BS} ;;
     # W1 fp8 at block size BS (default 64) with FP8_MMA and as today, alternating ROUNDS times (default 1).
     w1-fp8-mma-bs) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma-bs bash -c 'for i in $(seq ${ROUNDS:-1}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W1 fp8 --block-size ${BS:-64} --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --block-size ${BS:-64} --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
