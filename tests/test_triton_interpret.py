@@ -248,3 +248,22 @@ def test_kernel_under_interpreter(case):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_kv_read_roofline_reads_every_byte_of_each_context():
+    """bench/kv_read_roofline.py's kernel (the fp8 decode kernel's K/V gather alone, the ceiling its
+    TB/s is read against) XORs exactly the bytes of each sequence's keys, K and V^T, at block sizes
+    below, equal to and above its tile's words: a gather that skipped or repeated a block would not
+    give torch's XOR."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    args = ["--check-only", "--block-sizes", "16", "32", "128", "--batch", "3", "--context", "256"]
+    result = subprocess.run(
+        [sys.executable, "bench/kv_read_roofline.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("the kernel's XOR of every byte is torch's") == 3
