@@ -46,7 +46,8 @@ tp_debug() {
 
 # W1 fp8 under named flag sets, each PRESETS entry in turn, ROUNDS times (default 1):
 #   today: as today; mma: FP8_MMA (64-key tiles, 2 stages); vt: the tiled V store from 512 tokens a
-#   launch; bs64: 64-token blocks; joined with '+' (mma+vt+bs64).
+#   launch; bs64: 64-token blocks; joined with '+' (mma+vt+bs64). Each run counts the kernel variants
+#   compiled in its timed window (a config's first run on a machine can pay for them).
 w1_presets() {
     local i preset flags
     for i in $(seq "${ROUNDS:-1}"); do
@@ -56,7 +57,7 @@ w1_presets() {
             [[ +$preset+ == *+vt+* ]] && flags+=(--v-tile-min-tokens 512)
             [[ +$preset+ == *+bs64+* ]] && flags+=(--block-size 64)
             echo "W1 fp8 $preset: ${flags[*]}"
-            "$PY" bench/throughput.py --workload "${WORKLOAD:-w1}" --device cuda --mode in-process --kv-cache-dtype fp8 "${flags[@]}" | grep "output tok/s\|device:"
+            "$PY" bench/throughput.py --workload "${WORKLOAD:-w1}" --device cuda --mode in-process --kv-cache-dtype fp8 --trace-compiles "${flags[@]}" | grep "output tok/s\|device:\|first launched in the timed run"
         done
     done
 }
