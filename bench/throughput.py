@@ -230,7 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="JSON",
         help="in-process: keys that override the decode attention kernel's launch configuration for "
         'this run\'s cache dtype (attention/triton_kernels.py), e.g. \'{"BLOCK_N": 32, "num_warps": 1, '
-        '"split_below": 24, "split_to": 48}\'',
+        '"split_below": 24, "split_to": 48}\'; with FP8_MMA on, BLOCK_N / num_warps / num_stages are '
+        "FP8_MMA_TILE's",
     )
     p.add_argument(
         "--decode-stores-kv",
@@ -888,7 +889,12 @@ def main(argv: list[str] | None = None) -> int:
 
         fp8 = args.kv_cache_dtype in ("fp8", "fp8_e4m3")
         config = triton_kernels.DECODE_CONFIG_FP8 if fp8 else triton_kernels.DECODE_CONFIG
-        config.update(json.loads(args.decode_config))
+        overrides = json.loads(args.decode_config)
+        if fp8 and overrides.get("FP8_MMA", config.get("FP8_MMA")):  # the tile keys are FP8_MMA's own tile's
+            tile = triton_kernels.FP8_MMA_TILE
+            tile.update({k: overrides.pop(k) for k in list(overrides) if k in tile})
+            print(f"FP8_MMA's tile: {tile}")
+        config.update(overrides)
         print(f"decode config ({'fp8' if fp8 else 'bf16'} cache): {config}")
     if args.v_tile_min_tokens is not None:
         from executor_service.attention import triton_kernels

@@ -227,6 +227,34 @@ check_fused_moe_fp8(9, 4, 4, 128, 128, torch.float32, "cpu")  # top_k = experts,
 from helpers.fused_moe_checks import check_fp8_moe_layer
 check_fp8_moe_layer("cpu")
 """,
+    "fp8_mma_tile": """
+# FP8_MMA takes its own tile (FP8_MMA_TILE) where it applies and the widening loop keeps
+# DECODE_CONFIG_FP8's; a config passed in names its own. The kernel's launches, as the spy sees them.
+from executor_service.attention import triton_kernels as tk
+from helpers.fp8_mma_checks import _LaunchSpy
+
+def launch(head_dim, config=None):
+    b = to_fp8(make_batch([1, 1], [20, 40], 4, 2, head_dim, 16, f16, "cpu", seed=3), 0.05, 2.5)
+    ctx = b["context"]
+    spy = tk.paged_attention_kernel = _LaunchSpy(tk.paged_attention_kernel)
+    try:
+        tk.paged_decode(
+            b["q"], b["k_cache"], b["v_cache"], torch.empty_like(b["q"]), ctx.block_tables, ctx.context_lens,
+            ctx.cu_seqlens_q, b["scale"], config=config, kv_scales=b["kv_scales"],
+        )
+    finally:
+        tk.paged_attention_kernel = spy.kernel
+    (kw,) = spy.launches
+    return kw.get("FP8_MMA", False), kw["BLOCK_N"], kw["num_stages"]
+
+tk.DECODE_CONFIG_FP8.update(FP8_MMA=True, BLOCK_N=32, num_stages=3)
+tk.FP8_MMA_TILE.update(BLOCK_N=16, num_stages=2)
+assert launch(64) == (True, 16, 2), launch(64)
+assert launch(32) == (False, 32, 3), launch(32)  # head_dim 32: FP8_MMA does not apply
+assert launch(64, {"BLOCK_N": 64, "num_stages": 1}) == (True, 64, 1)
+tk.DECODE_CONFIG_FP8["FP8_MMA"] = False
+assert launch(64) == (False, 32, 3), launch(64)
+""",
     "mixed": """
 # Prefill chunks and decode rows in one step, plus CUDA-graph padding rows.
 for splits in (1, 3):

@@ -870,12 +870,16 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # FP8_MMA: the loop in e4m3 MMAs instead (fp8_mma_tile: no widening; q and p each as two e4m3 parts,
 # about bf16's precision): compiled for sm90, 415 loop instructions per 128 keys at block size 32
 # against 746 (bench/kernel_sass.py --fp8-mma), yet on an H100 (2026-12-05, bench/RESULTS.md) only
-# 0-3% more TB/s, best in 64-key tiles at 2 stages (BLOCK_N 64, num_stages 2): W1 fp8 +2.4% (29,389
-# against 28,693 output tok/s), +0.08 points of perplexity on a decode-only run. Off until the engine's
-# greedy tokens on a random bf16 model (142 of 192 positions against the widening kernel's) are
-# understood and an H200 confirms the gain. FULL_TILES: the tiles within the context in a loop without
-# masks, then the last in one of its own (no faster on the H100).
+# 0-3% more TB/s, best in 64-key tiles at 2 stages (FP8_MMA_TILE): W1 fp8 +2.4% (29,389 against
+# 28,693 output tok/s), +0.08 points of perplexity on a decode-only run. Off until the engine's greedy
+# tokens on a random bf16 model (142 of 192 positions against the widening kernel's) are understood
+# and an H200 confirms the gain. FULL_TILES: the tiles within the context in a loop without masks,
+# then the last in one of its own (no faster on the H100).
 DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False}
+# FP8_MMA's own tile where it applies (fp8_mma_applies): elsewhere (another GPU than sm90, a head_dim
+# past 128, ...) the widening loop keeps DECODE_CONFIG_FP8's. A config passed to paged_decode names
+# its tile itself.
+FP8_MMA_TILE = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 32
 # Whether a decode step's K and V go into an e4m3 cache from the decode kernel (each program its
@@ -1118,7 +1122,9 @@ def paged_decode(
     meta = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and f16_query else {}
     meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
     group_pad = max(16, triton.next_power_of_2(group))
-    if cfg.get("FP8_MMA") and fp8_mma_applies(q, k_cache, cfg["BLOCK_N"]):
+    mma_cfg = {**cfg, **FP8_MMA_TILE, **(config or {})}
+    if cfg.get("FP8_MMA") and fp8_mma_applies(q, k_cache, mma_cfg["BLOCK_N"]):
+        cfg = mma_cfg
         interpreter = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
         meta.update(FP8_MMA=True, INTERPRETER=interpreter)
         meta["FULL_TILES"] = bool(cfg.get("FULL_TILES", False))
