@@ -9,6 +9,11 @@ On 2026-12-05's H100 the engine test on the tests' random bf16 model (head_dim 6
 
     python bench/fp8_mma_divergence.py                   # the tests' random model, its prompts
     python bench/fp8_mma_divergence.py --model <dir>     # any bf16 checkpoint, random prompts
+    python bench/fp8_mma_divergence.py --cpu-baseline    # the yardstick: two exact CPU runs
+
+--cpu-baseline runs the same comparison between two runs of the CPU torch backend with an fp8 cache
+that differ only in summation order (the prompts prefilled whole, then in chunks of 8 tokens): how
+often this model's greedy tokens part under a rounding difference that no one would call a bug.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--cpu-baseline", action="store_true",
+        help="compare two CPU runs that differ only in prefill chunking (no GPU), as the yardstick",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.model is None:
         from checkpoints import build_qwen3
@@ -41,18 +50,32 @@ def main() -> None:
     rng = random.Random(16)  # tests/helpers/hf_reference.make_prompts' draw for 30-37 tokens
     prompts = [[rng.randrange(2, 400) for _ in range(30 + i)] for i in range(args.prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, logprobs=2)
+    if args.cpu_baseline:
+        # the whole prompts in one step, then 8 tokens a step: each prompt's attention summed in
+        # another order, every kernel exact to its own rounding
+        labels = ("whole prefill", "chunks of 8")
+        setups = [
+            (lambda: None, {"device": "cpu", "max_num_seqs": 8, "max_num_batched_tokens": b})
+            for b in (4096, 8)
+        ]
+    else:
+        labels = ("widening", "FP8_MMA")
+        setups = [
+            (lambda mma=mma: triton_kernels.DECODE_CONFIG_FP8.__setitem__("FP8_MMA", mma),
+             {"device": "cuda", "enforce_eager": args.enforce_eager})
+            for mma in (False, True)
+        ]  # fmt: skip
     runs = []
-    for mma in (False, True):
-        triton_kernels.DECODE_CONFIG_FP8["FP8_MMA"] = mma
+    for setup, options in setups:
+        setup()
         llm = LLM(
-            args.model, device="cuda", num_kv_blocks=12, max_model_len=128, kv_cache_dtype="fp8",
-            dtype="bfloat16", enforce_eager=args.enforce_eager,
-        )  # fmt: skip
+            args.model, num_kv_blocks=12, max_model_len=128, kv_cache_dtype="fp8", dtype="bfloat16", **options
+        )
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         llm.executor.close()
     same = total = 0
-    for i, (widening, mma) in enumerate(zip(*runs, strict=True)):
-        a, b = widening.outputs[0], mma.outputs[0]
+    for i, (first_run, second_run) in enumerate(zip(*runs, strict=True)):
+        a, b = first_run.outputs[0], second_run.outputs[0]
         same += sum(x == y for x, y in zip(a.token_ids, b.token_ids, strict=False))
         total += len(a.token_ids)
         first = next(
@@ -65,9 +88,9 @@ def main() -> None:
         margin = top[0].logprob - top[1].logprob if len(top) > 1 else float("nan")
         mma_top = sorted(b.logprobs[first].values(), key=lambda lp: -lp.logprob)
         print(
-            f"stream {i}: first difference at token {first}: widening {a.token_ids[first]} (margin over the "
-            f"next {margin:.4f}), FP8_MMA {b.token_ids[first]} (its logprobs "
-            f"{[round(lp.logprob, 4) for lp in mma_top]}, the widening run's {[round(lp.logprob, 4) for lp in top]})"
+            f"stream {i}: first difference at token {first}: {labels[0]} {a.token_ids[first]} (margin over "
+            f"the next {margin:.4f}), {labels[1]} {b.token_ids[first]} (its logprobs "
+            f"{[round(lp.logprob, 4) for lp in mma_top]}, the first run's {[round(lp.logprob, 4) for lp in top]})"
         )
     print(f"positions with the same token: {same} of {total}")
 

@@ -251,7 +251,9 @@ def test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel(monkeypatch, enf
     over text prompts are the widening kernel's but for near-ties. (bench/fp8_accuracy.py on an H100,
     2026-12-05: 16 of 16 streams of 256 tokens the same as a bf16 cache's, with FP8_MMA and without.
     On the tests' random bf16 models the two part much more often: 142 of 192 positions on an H100,
-    bench/RESULTS.md.)"""
+    where two exact CPU runs that differ only in prefill chunking agree at 174, parting at margins of
+    0.03 and 0.09: that model's greedy path is too near its ties to judge a kernel by;
+    bench/fp8_mma_divergence.py --cpu-baseline, bench/RESULTS.md.)"""
     from pydoc_data.topics import topics
 
     from executor_service.attention import triton_kernels
