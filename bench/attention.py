@@ -299,10 +299,12 @@ def sweep_fp8_registers(caps=(0, 96, 104, 128), rounds: int = 2) -> None:
         print(f"fp8 registers maxnreg {cap}: " + ", ".join(row) + " TB/s", flush=True)
 
 
-def fp8_mma_grid(quick: bool = False):
+def fp8_mma_grid(quick: bool = False, block_size: int = FP8_DEFAULT_BLOCK_SIZE):
     """The fp8 decode kernel in e4m3 MMAs (FP8_MMA): key tiles of 64 (one warpgroup's wgmma rows) and
     128, one or two warpgroups, 2-4 stages, the full tiles in a loop of their own (FULL_TILES) or not
-    (quick: one warpgroup at 2 and 3 stages, both ways)."""
+    (quick: one warpgroup at 2 and 3 stages, both ways); then, where a tile fits in a block of
+    block_size, the tiles through TMA (TMA_KV) at 1, 2, 3 and 5 stages (Triton gives the chain of a
+    block-table load and the copies it addresses one buffer below 5)."""
     grid = (
         ((64, 128), (4,), (2, 3), (False, True)) if quick else ((64, 128), (4, 8), (2, 3, 4), (False, True))
     )
@@ -311,6 +313,12 @@ def fp8_mma_grid(quick: bool = False):
             yield {
                 **tk.DECODE_CONFIG_FP8, "FP8_MMA": True, "FULL_TILES": full, "BLOCK_N": block_n,
                 "num_warps": warps, "num_stages": stages,
+            }  # fmt: skip
+    for block_n, stages in itertools.product((64, 128), (1, 2, 3, 5)):
+        if block_size % block_n == 0:
+            yield {
+                **tk.DECODE_CONFIG_FP8, "FP8_MMA": True, "TMA_KV": True, "BLOCK_N": block_n,
+                "num_warps": 4, "num_stages": stages,
             }  # fmt: skip
 
 
@@ -337,7 +345,7 @@ def sweep_fp8_mma(block_sizes=(FP8_DEFAULT_BLOCK_SIZE,), quick: bool = False) ->
         (f"W1 +{g}", 256, None, mixed_lengths(256, g, "longest first")) for g in (32, 256)
     ] + [("b8x8192", 8, 8192, None)]  # fmt: skip
     for block_size in block_sizes:
-        for cfg in [dict(tk.DECODE_CONFIG_FP8), *fp8_mma_grid(quick)]:
+        for cfg in [dict(tk.DECODE_CONFIG_FP8), *fp8_mma_grid(quick, block_size)]:
             try:
                 rel = fp8_mma_agreement(cfg, block_size)
                 if not rel < 3e-2:

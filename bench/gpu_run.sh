@@ -46,14 +46,19 @@ tp_debug() {
 
 # W1 fp8 under named flag sets, each PRESETS entry in turn, ROUNDS times (default 1):
 #   today: as today; mma: FP8_MMA (64-key tiles, 2 stages); vt: the tiled V store from 512 tokens a
-#   launch; bs64: 64-token blocks; joined with '+' (mma+vt+bs64). Each run counts the kernel variants
+#   launch; bs64: 64-token blocks; tma (with mma): its tiles through TMA (TMA_KV, blocks of 64 or
+#   more); joined with "+" (mma+tma+vt+bs64). Each run counts the kernel variants
 #   compiled in its timed window (a config's first run on a machine can pay for them).
 w1_presets() {
     local i preset flags
     for i in $(seq "${ROUNDS:-1}"); do
         for preset in ${PRESETS:-mma+vt today}; do
             flags=()
-            [[ +$preset+ == *+mma+* ]] && flags+=(--decode-config '{"FP8_MMA": true, "BLOCK_N": 64, "num_stages": 2}')
+            if [[ +$preset+ == *+mma+* && +$preset+ == *+tma+* ]]; then
+                flags+=(--decode-config '{"FP8_MMA": true, "TMA_KV": true, "BLOCK_N": 64, "num_stages": 2}')
+            elif [[ +$preset+ == *+mma+* ]]; then
+                flags+=(--decode-config '{"FP8_MMA": true, "BLOCK_N": 64, "num_stages": 2}')
+            fi
             [[ +$preset+ == *+vt+* ]] && flags+=(--v-tile-min-tokens 512)
             [[ +$preset+ == *+bs64+* ]] && flags+=(--block-size 64)
             echo "W1 fp8 $preset: ${flags[*]}"
@@ -196,6 +201,10 @@ run() {
     # W1 fp8 at block size BS (default 64) with FP8_MMA and as today, alternating ROUNDS times (default 1).
     w1-fp8-mma-bs) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma-bs bash -c 'for i in $(seq ${ROUNDS:-1}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W1 fp8 --block-size ${BS:-64} --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --block-size ${BS:-64} --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     w1-fp8-presets) TAIL=${TAIL:-16} STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-presets bash -c w1_presets ;;
+    # FP8_MMA's tiles through TMA (TMA_KV): its GPU tests (the pointer loads' bits, the torch model, the
+    # decode step's stores), then the quick FP8_MMA sweep, TMA configs included, at blocks of 64 and 128.
+    fp8-tma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fp8-tma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "tma or stores_kv_fp8" ;;
+    fp8-tma-quick) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-tma-quick bash -c 'for bs in 64 128; do "$0" bench/attention.py --sweep-fp8-mma-quick --fp8-block-size $bs; done' "$PY" ;;
     # The fp8 decode kernel's K/V gather alone (its math an XOR): the ceiling its TB/s can reach at each block size.
     kv-read-roofline) TAIL=8 stage kv-read-roofline "$PY" bench/kv_read_roofline.py ;;
     # The same at Qwen3-8B's heads (32 / 8: a GQA group of 4, W4's attention).

@@ -78,9 +78,11 @@ def compile_decode(
     rope: bool = False,
     fp8_mma: bool = False,
     full_tiles: bool = False,
+    tma_kv: bool = False,
 ):
     """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
-    block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows)."""
+    block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows); tma_kv: with
+    fp8_mma, K and V^T through TMA descriptors (TMA_KV)."""
     fn = tk.paged_attention_kernel
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
     constants = {
@@ -102,12 +104,18 @@ def compile_decode(
         "FP8_MMA": fp8_mma,
         "INTERPRETER": False,
         "FULL_TILES": full_tiles,
+        "TMA_KV": tma_kv,
     }
     int_ptrs = ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seq_order_ptr")
     types = {name: "*i32" if name in int_ptrs else "*bf16" for name in fn.arg_names if name.endswith("_ptr")}
     types["slot_mapping_ptr"] = "*i64"
     types["cos_sin_ptr"] = "*fp32"
     types.update(k_cache_ptr=cache, v_cache_ptr=cache, **_SCALARS)
+    if tma_kv:
+        d = triton.next_power_of_2(head_dim)
+        types.update(
+            k_desc=f"tensordesc<fp8e4nv[{block_n}, {d}]>", v_desc=f"tensordesc<fp8e4nv[{d}, {block_n}]>"
+        )
     # paged_decode compiles the fp8 decode kernel without FMA fusion (triton_kernels.py).
     fp_fusion = not (kv == "fp8" and block_q == 1)
     return compile_sm90(fn, constants, types, _ALIGNED_STRIDES, warps, stages, maxnreg, fp_fusion=fp_fusion)
@@ -131,12 +139,19 @@ def loops(sass: str) -> list[list[str]]:
     for text in instructions:
         m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)", text)
         opcodes.append(m.group(1) if m else "")
-    bodies = []
+    edges = []  # (branch position, target position, predicated)
     for i, text in enumerate(instructions):
         target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
         start = index.get(int(target.group(1), 16)) if target else None
         if start is not None and start < i:
-            bodies.append([op for op in opcodes[start : i + 1] if op])
+            edges.append((i, start, text.startswith("@")))
+    bodies = []
+    for i, start, predicated in edges:
+        # An unconditional jump back into a loop's body from past its back edge is the return of an
+        # out-of-line slow path (an mbarrier wait's retry loop, say), not a loop of its own.
+        if not predicated and any(p and s <= start <= j < i for j, s, p in edges):
+            continue
+        bodies.append([op for op in opcodes[start : i + 1] if op])
     return bodies
 
 
@@ -185,11 +200,16 @@ def main() -> None:
         help="with --fp8-mma: the unmasked tiles' loop, then the last tile's (FULL_TILES); prints both",
     )
     parser.add_argument(
+        "--tma-kv", action="store_true", help="with --fp8-mma: K and V^T tiles through TMA (TMA_KV)"
+    )
+    parser.add_argument(
         "--prefill",
         action="store_true",
         help="paged_prefill's launch (PREFILL_CONFIG's tiles) instead of decode",
     )
     args = parser.parse_args()
+    if args.tma_kv and not args.fp8_mma:
+        parser.error("--tma-kv needs --fp8-mma (TMA_KV is FP8_MMA's loop)")
     if args.group_pad and (args.group_pad & (args.group_pad - 1) or args.group_pad < args.group):
         parser.error(f"--group-pad must be a power of 2 of at least --group ({args.group})")
 
@@ -204,7 +224,7 @@ def main() -> None:
     kernel = compile_decode(
         args.kv, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
         args.group, args.head_dim, block_q, args.block_size, args.group_pad, args.store_kv, args.rope,
-        args.fp8_mma, args.full_tiles,
+        args.fp8_mma, args.full_tiles, args.tma_kv,
     )  # fmt: skip
     ops, registers = loop_stats(kernel)
     name = "paged_attention_kernel"

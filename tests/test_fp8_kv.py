@@ -320,6 +320,33 @@ def test_v_tile_store_writes_runs_of_a_rows_bytes_on_sm90():
     ]
 
 
+def test_tma_kv_reads_the_tiles_through_tma_on_sm90():
+    """FP8_MMA with TMA_KV compiled for sm90 without a GPU (64-slot blocks, the stores and rotary of a
+    real decode step): its loop copies K and V^T with TMA (UTMALDG) and waits on an mbarrier, with no
+    per-thread copy (LDGSTS) or address math for a key; so it issues fewer instructions a tile than
+    the pointer loads, and at 128-key tiles holds far fewer registers (bench/kernel_sass.py
+    --tma-kv prints both)."""
+    pytest.importorskip("triton")
+    from bench.kernel_sass import compile_decode, loop_stats
+
+    for block_n in (64, 128):
+        stats = {}
+        for tma in (False, True):
+            kernel = compile_decode(
+                "fp8", block_n, 4, 2, 0, 2, 128, block_size=128, store_kv=True, rope=True, fp8_mma=True,
+                tma_kv=tma,
+            )  # fmt: skip
+            stats[tma] = loop_stats(kernel)
+        (ptr_ops, ptr_regs), (tma_ops, tma_regs) = stats[False], stats[True]
+        assert sum(op.startswith("UTMALDG") for op in tma_ops) == 2, sorted(set(tma_ops))
+        assert any(op.startswith("SYNCS.PHASECHK") for op in tma_ops), sorted(set(tma_ops))
+        assert not any(op.startswith("LDGSTS") for op in tma_ops), sorted(set(tma_ops))
+        assert any(op.startswith("LDGSTS") for op in ptr_ops)
+        assert len(tma_ops) < 0.9 * len(ptr_ops), (block_n, len(tma_ops), len(ptr_ops))
+        if block_n == 128:
+            assert int(tma_regs) < 0.75 * int(ptr_regs), (tma_regs, ptr_regs)
+
+
 def test_fp8_mma_decode_multiplies_e4m3_on_sm90():
     """The decode kernel with FP8_MMA compiled for sm90 without a GPU (the default fp8 block size, the
     stores and rotary of a real decode step): its loop multiplies e4m3 operands in wgmma (QGMMA) and

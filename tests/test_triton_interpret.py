@@ -99,6 +99,23 @@ for dtype, scales in ((f16, (1.0, 1.0)), (torch.bfloat16, (0.05, 2.5))):
         b = make_batch([1] * 6, [20, 1, 40, 16, 48, 100], 4, 2, 64, 8, dtype, "cpu", seed=7, num_padding=1)
         check_decode_fp8_mma(to_fp8(b, *scales), splits, {"BLOCK_N": 16, "FULL_TILES": True})
 """,
+    "fp8_mma_tma": """
+from helpers.fp8_mma_checks import check_tma_kv
+from helpers.attention_fp8_checks import check_decode_stores_kv
+# FP8_MMA's tiles through TMA descriptors (TMA_KV), a box a tile: a tile a block (16 / 16) and
+# several tiles a block (64 / 16 and 64 / 32: boxes at slot offsets), contexts ending mid-tile, at a
+# block's end and past it, KV heads 2, split over the keys or not, fp16 and bf16 queries.
+for dtype, (block_size, block_n), splits in (
+    (f16, (16, 16), 1), (torch.bfloat16, (16, 16), 3), (f16, (64, 16), 2), (torch.bfloat16, (64, 32), 1),
+):
+    b = make_batch([1] * 5, [20, 1, 64, 100, 48], 4, 2, 64, block_size, dtype, "cpu", seed=6, num_padding=1)
+    check_tma_kv(to_fp8(b, 0.05, 2.5), splits, {"BLOCK_N": block_n})
+# ... with FULL_TILES, and storing the step's K and V first (the proxy fence's path)
+b = make_batch([1] * 4, [20, 1, 40, 16], 4, 2, 64, 16, f16, "cpu", seed=7, num_padding=1)
+check_tma_kv(to_fp8(b, 1.0, 1.0), 2, {"BLOCK_N": 16, "FULL_TILES": True})
+b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 64, 16, f16, "cpu", num_padding=2)
+check_decode_stores_kv(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16, "FP8_MMA": True, "TMA_KV": True})
+""",
     "fp8_decode_stores_kv": """
 from helpers.attention_fp8_checks import check_decode_stores_kv
 # Decode tokens at a block's first slot (17, 33, 1: whole rows and zeros) and mid-block (20, 40),

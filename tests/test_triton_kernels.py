@@ -27,7 +27,7 @@ from helpers.attention_fp8_checks import (
     nan_past_runs,
     to_fp8,
 )
-from helpers.fp8_mma_checks import check_decode_fp8_mma
+from helpers.fp8_mma_checks import check_decode_fp8_mma, check_tma_kv
 
 
 def random_lengths(batch: int, max_context: int, seed: int) -> list[int]:
@@ -245,6 +245,29 @@ def test_decode_fp8_mma(scales, group, num_splits, block_size, tile, dtype):
 
 
 @pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize(
+    "block_size,tile",
+    [
+        (64, {"BLOCK_N": 64}),
+        (128, {"BLOCK_N": 64}),
+        (128, {"BLOCK_N": 128}),
+        (256, {"BLOCK_N": 64, "num_stages": 3}),
+    ],
+)
+def test_decode_fp8_mma_tma(num_splits, group, block_size, tile):
+    """FP8_MMA with its K and V^T tiles through TMA (TMA_KV): the same output bits as its pointer
+    loads, and within the torch model of its arithmetic (helpers/fp8_mma_checks.py)."""
+    ctx_lens = random_lengths(33, 700, seed=group)
+    batch = make_batch(
+        [1] * 33, ctx_lens, 2 * group, 2, 128, block_size, torch.bfloat16, "cuda", num_padding=3
+    )
+    batch = to_fp8(batch, 0.03, 2.5)
+    check_tma_kv(batch, num_splits, tile)
+    check_decode_fp8_mma(batch, num_splits, {**tile, "TMA_KV": True})
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_fp8_mma_reads_v_in_runs_of_16(num_splits):
     """FP8_MMA reads V^T as the widening kernel does: NaN past each context's last run of 16 slots
     never reaches the output."""
@@ -275,6 +298,7 @@ def test_decode_fp8_reads_v_in_runs_of_16(block_size, num_splits):
         {"BLOCK_N": 64, "num_warps": 1, "num_stages": 3},
         {"FP8_MMA": True},
         {"FP8_MMA": True, "BLOCK_N": 64, "FULL_TILES": True},
+        {"FP8_MMA": True, "BLOCK_N": 64, "TMA_KV": True},  # (TMA at block size 256; 16 and 32 fall back)
     ],
 )
 def test_decode_stores_kv_fp8(block_size, num_splits, variant):

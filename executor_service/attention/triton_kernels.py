@@ -237,6 +237,35 @@ def fp8_kv_tile(
 
 
 @triton.jit
+def fp8_kv_tile_tma(k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """fp8_kv_tile through TMA (the FP8_MMA loop's TMA_KV): K [BLOCK_N, HEAD_DIM] and V^T [HEAD_DIM,
+    BLOCK_N] of key tile `tile`, which lies within one cache block (BLOCK_N divides BLOCK_SIZE), as
+    one box each: k_desc over the K cache as [num_blocks * BLOCK_SIZE, num_kv_heads * HEAD_DIM],
+    v_desc over the V^T cache as [num_blocks * num_kv_heads * HEAD_DIM, BLOCK_SIZE]. The copy engine
+    computes the addresses and writes shared memory, where wgmma reads its operands: no register
+    holds a key's address or byte. A tile reads the whole of its block's slots: keys past the context
+    are masked out of the scores (fp8_mma_tile's MASKED) and their V^T slots hold zeros, as with
+    fp8_kv_tile's runs."""
+    start = tile * BLOCK_N
+    block = tl.load(bt_row + start // BLOCK_SIZE)
+    slot = start % BLOCK_SIZE
+    k = k_desc.load([block * BLOCK_SIZE + slot, kv_head * HEAD_DIM])
+    vt = v_desc.load([(block * num_kv_heads + kv_head) * HEAD_DIM, slot])
+    return k, vt
+
+
+@triton.jit
+def fence_proxy_async(INTERPRETER: tl.constexpr):
+    """Orders this thread's earlier global stores before later TMA reads (the async proxy) of the
+    same bytes: the decode kernel's store of the step's K and V, before TMA_KV's loads read them."""
+    if not INTERPRETER:
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
 def store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -589,6 +618,8 @@ def paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_desc,  # with TMA_KV: TMA descriptors of the caches (fp8_kv_tile_tma); else unused
+    v_desc,
     out_ptr,
     partial_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] fp32, only with NUM_SPLITS > 1
     partial_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32 (log2 domain)
@@ -642,6 +673,7 @@ def paged_attention_kernel(
     FP8_MMA: tl.constexpr = False,  # decode, e4m3 cache: e4m3 MMAs (fp8_mma_tile), no widening
     INTERPRETER: tl.constexpr = False,  # with FP8_MMA: under Triton's interpreter (cast_e4m3, exp2_ftz)
     FULL_TILES: tl.constexpr = False,  # with FP8_MMA: a loop over the unmasked tiles, then one over the rest
+    TMA_KV: tl.constexpr = False,  # with FP8_MMA: K and V^T tiles through TMA (fp8_kv_tile_tma)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -724,6 +756,8 @@ def paged_attention_kernel(
                 rope_row, k_norm_ptr, eps,
                 BLOCK_SIZE, HEAD_DIM, BLOCK_D, ROPE, HAS_NORM,
             )  # fmt: skip
+            if TMA_KV:
+                fence_proxy_async(INTERPRETER)
             tl.debug_barrier()
 
     m_i = tl.full([M], float("-inf"), tl.float32)
@@ -744,19 +778,32 @@ def paged_attention_kernel(
         full_hi = tile_lo
         if FULL_TILES:
             full_hi = tl.maximum(tl.minimum(tile_hi, kv_end // BLOCK_N), tile_lo)
+        if TMA_KV:
+            tl.static_assert(BLOCK_SIZE % BLOCK_N == 0 and BLOCK_D == HEAD_DIM, "TMA_KV: a tile a box")
+        num_kv_heads = tl.num_programs(0) // NUM_SPLITS
         for tile in range(tile_lo, full_hi):
             key = tile * BLOCK_N + n
-            k, vt = fp8_kv_tile(
-                k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs, stride_ch,
-                stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, False,
-            )  # fmt: skip
+            if TMA_KV:
+                k, vt = fp8_kv_tile_tma(
+                    k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE, BLOCK_N, HEAD_DIM
+                )
+            else:
+                k, vt = fp8_kv_tile(
+                    k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs,
+                    stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, False,
+                )  # fmt: skip
             m_i, l_i, acc = fp8_mma_tile(k, vt, q_t, row_scale, key, m_i, l_i, acc, False, INTERPRETER)
         for tile in range(full_hi, tile_hi):
             key = tile * BLOCK_N + n
-            k, vt = fp8_kv_tile(
-                k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs, stride_ch,
-                stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, True,
-            )  # fmt: skip
+            if TMA_KV:
+                k, vt = fp8_kv_tile_tma(
+                    k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE, BLOCK_N, HEAD_DIM
+                )
+            else:
+                k, vt = fp8_kv_tile(
+                    k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs,
+                    stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, True,
+                )  # fmt: skip
             m_i, l_i, acc = fp8_mma_tile(
                 k, vt, q_t, row_scale, key < kv_end, m_i, l_i, acc, True, INTERPRETER
             )
@@ -875,7 +922,16 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # tokens on a random bf16 model (142 of 192 positions against the widening kernel's) are understood
 # and an H200 confirms the gain. FULL_TILES: the tiles within the context in a loop without masks,
 # then the last in one of its own (no faster on the H100).
-DECODE_CONFIG_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False}
+# TMA_KV (with FP8_MMA): each key tile's K and V^T copied by TMA into shared memory, where wgmma
+# reads them (fp8_kv_tile_tma), where a tile lies within one block (tma_kv_applies: blocks of 64 slots
+# or more for 64-key tiles). Compiled for sm90 (bench/kernel_sass.py --fp8-mma --tma-kv, block size
+# 128, store and rotary in): 221 loop instructions a 64-key tile against 271, and at 128-key tiles
+# 294 against 422 at 72 registers against 136. Untimed; off until the GPU says (bench/gpu_run.sh
+# fp8-tma-tests fp8-tma-quick). It reads whole boxes: the last tile's keys past the context too
+# (their V^T slots hold the stores' zeros), where pointer loads stop at the context's last run of 16.
+DECODE_CONFIG_FP8 = {
+    "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False, "TMA_KV": False,
+}  # fmt: skip
 # FP8_MMA's own tile where it applies (fp8_mma_applies): elsewhere (another GPU than sm90, a head_dim
 # past 128, ...) the widening loop keeps DECODE_CONFIG_FP8's. A config passed to paged_decode names
 # its tile itself.
@@ -1019,11 +1075,14 @@ def _launch(
     if rope is not None:
         meta.update(ROPE=True, HAS_NORM=rope.q_weight is not None)
     k_new, v_new, slot_mapping = new_kv if new_kv is not None else (q, q, context_lens)  # (unused without)
+    k_desc, v_desc = tma_kv_descriptors(k_cache, v_cache, meta["BLOCK_N"]) if meta.get("TMA_KV") else (q, q)
     table, q_norm, k_norm = (q, q, q) if rope is None else (rope.cos_sin_cache, rope.q_weight, rope.k_weight)
     paged_attention_kernel[grid](
         q,
         k_cache,
         v_cache,
+        k_desc,
+        v_desc,
         out,
         partial_out,
         partial_lse,
@@ -1128,6 +1187,9 @@ def paged_decode(
         interpreter = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
         meta.update(FP8_MMA=True, INTERPRETER=interpreter)
         meta["FULL_TILES"] = bool(cfg.get("FULL_TILES", False))
+        meta["TMA_KV"] = bool(cfg.get("TMA_KV")) and tma_kv_applies(
+            k_cache, v_cache, q.shape[2], cfg["BLOCK_N"]
+        )
         group_pad //= 2  # a row's two parts are the MMA's 16 or more columns (fp8_mma_tile)
     # Over an e4m3 cache, compiled without FMA fusion: with ROPE, norm_rope rounds each product and
     # sum as the fused rotary kernel does, and the kernel's own math (two FFMAs a 128-key tile)
@@ -1156,6 +1218,36 @@ def fp8_mma_applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int) -> boo
     if q.device.type != "cuda":
         return True  # the interpreter's
     return torch.cuda.get_device_capability(q.device)[0] == 9 and block_n in (64, 128)
+
+
+def tma_kv_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int, block_n: int) -> bool:
+    """Whether FP8_MMA's tiles can come through TMA (the decode config's TMA_KV): each key tile
+    within one cache block (block_n dividing the block size), one box of head_dim columns (64 or
+    128, a power of 2) and rows of 16 bytes or more (TMA's smallest), caches laid out whole (the
+    2-D views of fp8_kv_tile_tma) at 16-byte aligned addresses and strides; on a GPU, sm90 or later."""
+    block_size = k_cache.shape[1]
+    if block_size % block_n or block_n < 16 or head_dim not in (64, 128) or k_cache.shape[3] != head_dim:
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16 or block_size % 16:
+        return False
+    return k_cache.device.type != "cuda" or torch.cuda.get_device_capability(k_cache.device)[0] >= 9
+
+
+def tma_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple:
+    """The TMA descriptors fp8_kv_tile_tma reads through: K as [num_blocks * block_size, num_kv_heads
+    * head_dim] in [block_n, head_dim] boxes, V^T as [num_blocks * num_kv_heads * head_dim,
+    block_size] in [head_dim, block_n] boxes (tma_kv_applies' caches)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_rows = k_cache.view(num_blocks * block_size, num_kv_heads * head_dim)
+    v_rows = v_cache.view(num_blocks * num_kv_heads * head_dim, block_size)
+    return (
+        TensorDescriptor.from_tensor(k_rows, [block_n, head_dim]),
+        TensorDescriptor.from_tensor(v_rows, [head_dim, block_n]),
+    )
 
 
 def decode_fuses_rope(k_cache: torch.Tensor, head_dim: int) -> bool:

@@ -174,3 +174,34 @@ def check_decode_fp8_mma(batch: dict, num_splits: int = 1, decode_config: dict |
     )
     rel = (got - exact).norm() / exact.norm()
     assert rel < 2e-2, f"relative error against exact attention {rel:.3g}"
+
+
+def check_tma_kv(batch: dict, num_splits: int = 1, decode_config: dict | None = None) -> None:
+    """FP8_MMA with its K and V^T tiles through TMA descriptors (TMA_KV) against the same kernel's
+    pointer loads: the launch took TMA_KV, and the outputs are the same bits (the same bytes reach
+    the same MMAs; only who computes their addresses differs). A box at the wrong block, slot or
+    head would read other keys."""
+    from executor_service.attention import triton_kernels as tk
+
+    ctx, kv_scales, q = batch["context"], batch["kv_scales"], batch["q"]
+    tk.store_kv(batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], ctx.slot_mapping, *kv_scales)
+    outs = []
+    for tma in (False, True):
+        config = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": True, **(decode_config or {}), "TMA_KV": tma}
+        out = torch.full_like(q, NAN)
+        spy = _LaunchSpy(tk.paged_attention_kernel)
+        tk.paged_attention_kernel = spy
+        try:
+            tk.paged_decode(
+                q, batch["k_cache"], batch["v_cache"], out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q,
+                batch["scale"], num_splits, config=config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
+            )  # fmt: skip
+        finally:
+            tk.paged_attention_kernel = spy.kernel
+        assert [(launch.get("FP8_MMA"), launch.get("TMA_KV")) for launch in spy.launches] == [(True, tma)], (
+            spy.launches
+        )
+        outs.append(out)
+    num_real = len(ctx.query_lens_host) - batch["num_padding"]
+    assert not outs[1][:num_real].isnan().any(), "unwritten or NaN output rows"
+    assert torch.equal(outs[1], outs[0]), (outs[1] - outs[0]).abs().max()
