@@ -8,6 +8,13 @@ well under 3.8 at the engine's block size means the gather, not the math, is wha
 
     python bench/kv_read_roofline.py                       # block sizes 16-128, a few tiles each
     python bench/kv_read_roofline.py --block-sizes 32 --batch 256 --context 1024
+
+Where a tile lies within one block (block sizes of 64 and more), the same reads through TMA too
+(read_kv_tma_kernel: a box for K and one for V^T a tile, as the decode config's TMA_KV copies them):
+the ceiling for that path. Triton does not software-pipeline these copies (their words feed an
+XOR, not a dot: each is waited for in its iteration), so the programs an SM (eight at 64-key boxes:
+64 registers, 8 KB of shared memory) are what overlap them; the decode kernel's copies, which feed
+its MMAs, are pipelined.
 """
 
 from __future__ import annotations
@@ -76,6 +83,33 @@ def read_kv_kernel(
     tl.store(out_ptr + seq * tl.num_programs(0) + kv_head, folded)
 
 
+@triton.jit
+def read_kv_tma_kernel(
+    k_desc, v_desc, out_ptr, block_tables_ptr, context_lens_ptr, stride_bt, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """read_kv_kernel's words through TMA (a tile within one block): k_desc over the K cache's words
+    as [num_blocks * BLOCK_SIZE, num_kv_heads * HEAD_DIM / 4] in [BLOCK_N, HEAD_DIM / 4] boxes,
+    v_desc over V^T's as [num_blocks * num_kv_heads * HEAD_DIM, BLOCK_SIZE / 4] in [HEAD_DIM,
+    BLOCK_N / 4] boxes (attention/triton_kernels.fp8_kv_tile_tma's boxes, in words)."""
+    kv_head = tl.program_id(0)
+    num_kv_heads = tl.num_programs(0)
+    seq = tl.program_id(2)
+    kv_end = tl.load(context_lens_ptr + seq)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    WORDS: tl.constexpr = HEAD_DIM // 4
+    acc_k = tl.zeros([BLOCK_N, WORDS], tl.int32)
+    acc_v = tl.zeros([HEAD_DIM, BLOCK_N // 4], tl.int32)
+    for tile in range(0, tl.cdiv(kv_end, BLOCK_N)):
+        start = tile * BLOCK_N
+        block = tl.load(bt_row + start // BLOCK_SIZE)
+        slot = start % BLOCK_SIZE
+        acc_k ^= k_desc.load([block * BLOCK_SIZE + slot, kv_head * WORDS])
+        acc_v ^= v_desc.load([(block * num_kv_heads + kv_head) * HEAD_DIM, slot // 4])
+    folded = tl.xor_sum(tl.xor_sum(acc_k, 0), 0) ^ tl.xor_sum(tl.xor_sum(acc_v, 0), 0)
+    tl.store(out_ptr + seq * num_kv_heads + kv_head, folded)
+
+
 def inputs(batch: int, context: int, block_size: int) -> dict:
     """An e4m3 cache of batch x context keys, each sequence's blocks drawn at random from it (as
     bench/attention.py's paged_decode_inputs: a long-running server's free list)."""
@@ -100,6 +134,21 @@ def read_kv(x: dict, out: torch.Tensor, block_n: int, num_warps: int, num_stages
         k_cache, v_cache, out, x["block_tables"], x["context_lens"], k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), x["block_tables"].stride(0),
         BLOCK_SIZE=x["k_cache"].shape[1], BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+def read_kv_tma(x: dict, out: torch.Tensor, block_n: int, num_warps: int, num_stages: int) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_blocks, block_size = x["k_cache"].shape[:2]
+    k_words = x["k_cache"].view(torch.int32).view(num_blocks * block_size, NUM_KV_HEADS * HEAD_DIM // 4)
+    v_words = x["v_cache"].view(torch.int32).view(num_blocks * NUM_KV_HEADS * HEAD_DIM, block_size // 4)
+    k_desc = TensorDescriptor.from_tensor(k_words, [block_n, HEAD_DIM // 4])
+    v_desc = TensorDescriptor.from_tensor(v_words, [HEAD_DIM, block_n // 4])
+    batch = x["block_tables"].shape[0]
+    read_kv_tma_kernel[(NUM_KV_HEADS, 1, batch)](
+        k_desc, v_desc, out, x["block_tables"], x["context_lens"], x["block_tables"].stride(0),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -171,6 +220,14 @@ def main() -> None:
             read_kv(x, out, 64, 4, 2)
             check(x, out)
             print(f"block size {block_size}: the kernel's XOR of every byte is torch's")
+            for block_n in (64, 128):
+                if block_size % block_n == 0:
+                    out.fill_(0)
+                    read_kv_tma(x, out, block_n, 4, 2)
+                    check(x, out)
+                    print(
+                        f"block size {block_size}, TMA boxes of {block_n} keys: the kernel's XOR of every byte is torch's"
+                    )
         return
     for block_size in args.block_sizes:
         x = inputs(args.batch, args.context, block_size)
@@ -193,6 +250,29 @@ def main() -> None:
             + ", ".join(f"{tbs:.2f} TB/s ({bn}/{w}/{s})" for tbs, bn, w, s in rows[:4]),
             flush=True,
         )
+        tma_rows = []
+        for block_n, warps, stages in itertools.product((64, 128), (4,), (1, 2, 3, 5)):
+            if block_size % block_n:
+                continue
+            try:
+                out.fill_(0)
+                read_kv_tma(x, out, block_n, warps, stages)
+                check(x, out)
+                ms = time_graph_ms(lambda: read_kv_tma(x, out, block_n, warps, stages))  # noqa: B023
+            except Exception as e:  # out of shared memory, say
+                print(
+                    f"bs{block_size} TMA {block_n}/{warps}/{stages}: {type(e).__name__}: {e}"[:200],
+                    flush=True,
+                )
+                continue
+            tma_rows.append((nbytes / ms / 1e9, block_n, warps, stages))
+        if tma_rows:
+            tma_rows.sort(reverse=True)
+            print(
+                f"fp8 K/V reads alone through TMA, b{args.batch}x{args.context} block size {block_size}: "
+                + ", ".join(f"{tbs:.2f} TB/s ({bn}/{w}/{s})" for tbs, bn, w, s in tma_rows[:4]),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

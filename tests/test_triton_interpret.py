@@ -299,7 +299,8 @@ def test_kv_read_roofline_reads_every_byte_of_each_context():
     """bench/kv_read_roofline.py's kernel (the fp8 decode kernel's K/V gather alone, the ceiling its
     TB/s is read against) XORs exactly the bytes of each sequence's keys, K and V^T, at block sizes
     below, equal to and above its tile's words: a gather that skipped or repeated a block would not
-    give torch's XOR."""
+    give torch's XOR; and so does its TMA form (boxes of 64 and 128 keys in blocks of 128), the
+    ceiling of the decode config's TMA_KV."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     args = ["--check-only", "--block-sizes", "16", "32", "128", "--batch", "3", "--context", "256"]
     result = subprocess.run(
@@ -311,4 +312,5 @@ def test_kv_read_roofline_reads_every_byte_of_each_context():
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("the kernel's XOR of every byte is torch's") == 3
+    assert result.stdout.count("the kernel's XOR of every byte is torch's") == 5, result.stdout
+    assert result.stdout.count("TMA boxes of") == 2, result.stdout
