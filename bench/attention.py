@@ -304,7 +304,8 @@ def fp8_mma_grid(quick: bool = False, block_size: int = FP8_DEFAULT_BLOCK_SIZE):
     128, one or two warpgroups, 2-4 stages, the full tiles in a loop of their own (FULL_TILES) or not
     (quick: one warpgroup at 2 and 3 stages, both ways); then, where a tile fits in a block of
     block_size, the tiles through TMA (TMA_KV) at 1, 2, 3 and 5 stages (Triton gives the chain of a
-    block-table load and the copies it addresses one buffer below 5)."""
+    block-table load and the copies it addresses one buffer below 5), and the widening loop's
+    through TMA."""
     grid = (
         ((64, 128), (4,), (2, 3), (False, True)) if quick else ((64, 128), (4, 8), (2, 3, 4), (False, True))
     )
@@ -320,6 +321,9 @@ def fp8_mma_grid(quick: bool = False, block_size: int = FP8_DEFAULT_BLOCK_SIZE):
                 **tk.DECODE_CONFIG_FP8, "FP8_MMA": True, "TMA_KV": True, "BLOCK_N": block_n,
                 "num_warps": 4, "num_stages": stages,
             }  # fmt: skip
+    for block_n in (64, 128):  # ... and the widening loop's (today's tile otherwise)
+        if block_size % block_n == 0:
+            yield {**tk.DECODE_CONFIG_FP8, "FP8_MMA": False, "TMA_KV": True, "BLOCK_N": block_n}
 
 
 def fp8_mma_agreement(config: dict, block_size: int) -> float:

@@ -46,8 +46,8 @@ tp_debug() {
 
 # W1 fp8 under named flag sets, each PRESETS entry in turn, ROUNDS times (default 1):
 #   today: as today; mma: FP8_MMA (64-key tiles, 2 stages); vt: the tiled V store from 512 tokens a
-#   launch; bs64: 64-token blocks; tma (with mma): its tiles through TMA (TMA_KV, blocks of 64 or
-#   more); joined with "+" (mma+tma+vt+bs64). Each run counts the kernel variants
+#   launch; bs64: 64-token blocks; tma: the decode tiles through TMA (TMA_KV, blocks of 64 or more;
+#   alone, the widening loop's in 64-key tiles); joined with "+" (mma+tma+vt+bs64). Each run counts the kernel variants
 #   compiled in its timed window (a config's first run on a machine can pay for them).
 w1_presets() {
     local i preset flags
@@ -58,6 +58,8 @@ w1_presets() {
                 flags+=(--decode-config '{"FP8_MMA": true, "TMA_KV": true, "BLOCK_N": 64, "num_stages": 2}')
             elif [[ +$preset+ == *+mma+* ]]; then
                 flags+=(--decode-config '{"FP8_MMA": true, "BLOCK_N": 64, "num_stages": 2}')
+            elif [[ +$preset+ == *+tma+* ]]; then  # the widening loop's 64-key tiles through TMA
+                flags+=(--decode-config '{"TMA_KV": true, "BLOCK_N": 64}')
             fi
             [[ +$preset+ == *+vt+* ]] && flags+=(--v-tile-min-tokens 512)
             [[ +$preset+ == *+bs64+* ]] && flags+=(--block-size 64)

@@ -81,8 +81,8 @@ def compile_decode(
     tma_kv: bool = False,
 ):
     """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
-    block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows); tma_kv: with
-    fp8_mma, K and V^T through TMA descriptors (TMA_KV)."""
+    block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows); tma_kv: K and
+    V^T through TMA descriptors (TMA_KV; e4m3 decode)."""
     fn = tk.paged_attention_kernel
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
     constants = {
@@ -200,7 +200,9 @@ def main() -> None:
         help="with --fp8-mma: the unmasked tiles' loop, then the last tile's (FULL_TILES); prints both",
     )
     parser.add_argument(
-        "--tma-kv", action="store_true", help="with --fp8-mma: K and V^T tiles through TMA (TMA_KV)"
+        "--tma-kv",
+        action="store_true",
+        help="K and V^T tiles through TMA (TMA_KV; blocks of BLOCK_N or more)",
     )
     parser.add_argument(
         "--prefill",
@@ -208,8 +210,8 @@ def main() -> None:
         help="paged_prefill's launch (PREFILL_CONFIG's tiles) instead of decode",
     )
     args = parser.parse_args()
-    if args.tma_kv and not args.fp8_mma:
-        parser.error("--tma-kv needs --fp8-mma (TMA_KV is FP8_MMA's loop)")
+    if args.tma_kv and (args.kv != "fp8" or args.prefill):
+        parser.error("--tma-kv: the decode kernel over an e4m3 cache")
     if args.group_pad and (args.group_pad & (args.group_pad - 1) or args.group_pad < args.group):
         parser.error(f"--group-pad must be a power of 2 of at least --group ({args.group})")
 

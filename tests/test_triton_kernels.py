@@ -268,6 +268,19 @@ def test_decode_fp8_mma_tma(num_splits, group, block_size, tile):
 
 
 @pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("block_size,block_n", [(64, 64), (128, 128), (256, 64)])
+def test_decode_fp8_tma_widening(num_splits, block_size, block_n):
+    """The widening fp8 decode loop with its K and V^T tiles through TMA (TMA_KV without FP8_MMA):
+    the pointer loads' bits, and exact attention over the e4m3 cache (check_attention_fp8)."""
+    ctx_lens = random_lengths(33, 700, seed=3)
+    batch = make_batch([1] * 33, ctx_lens, 4, 2, 128, block_size, torch.bfloat16, "cuda", num_padding=3)
+    batch = to_fp8(batch, 0.03, 2.5)
+    tile = {"FP8_MMA": False, "BLOCK_N": block_n}
+    check_tma_kv(batch, num_splits, tile)
+    check_attention_fp8(batch, num_splits, decode_config={**tile, "TMA_KV": True})
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_fp8_mma_reads_v_in_runs_of_16(num_splits):
     """FP8_MMA reads V^T as the widening kernel does: NaN past each context's last run of 16 slots
     never reaches the output."""

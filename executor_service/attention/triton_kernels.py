@@ -239,14 +239,14 @@ def fp8_kv_tile(
 @triton.jit
 def fp8_kv_tile_tma(k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    """fp8_kv_tile through TMA (the FP8_MMA loop's TMA_KV): K [BLOCK_N, HEAD_DIM] and V^T [HEAD_DIM,
+    """fp8_kv_tile through TMA (the decode config's TMA_KV): K [BLOCK_N, HEAD_DIM] and V^T [HEAD_DIM,
     BLOCK_N] of key tile `tile`, which lies within one cache block (BLOCK_N divides BLOCK_SIZE), as
     one box each: k_desc over the K cache as [num_blocks * BLOCK_SIZE, num_kv_heads * HEAD_DIM],
     v_desc over the V^T cache as [num_blocks * num_kv_heads * HEAD_DIM, BLOCK_SIZE]. The copy engine
-    computes the addresses and writes shared memory, where wgmma reads its operands: no register
-    holds a key's address or byte. A tile reads the whole of its block's slots: keys past the context
-    are masked out of the scores (fp8_mma_tile's MASKED) and their V^T slots hold zeros, as with
-    fp8_kv_tile's runs."""
+    computes the addresses and writes shared memory (where FP8_MMA's wgmma reads its operands; the
+    widening loop reads them into registers): no thread computes a key's address. A tile reads the
+    whole of its block's slots: keys past the context are masked out of the scores and their V^T
+    slots hold zeros, as with fp8_kv_tile's runs."""
     start = tile * BLOCK_N
     block = tl.load(bt_row + start // BLOCK_SIZE)
     slot = start % BLOCK_SIZE
@@ -673,7 +673,7 @@ def paged_attention_kernel(
     FP8_MMA: tl.constexpr = False,  # decode, e4m3 cache: e4m3 MMAs (fp8_mma_tile), no widening
     INTERPRETER: tl.constexpr = False,  # with FP8_MMA: under Triton's interpreter (cast_e4m3, exp2_ftz)
     FULL_TILES: tl.constexpr = False,  # with FP8_MMA: a loop over the unmasked tiles, then one over the rest
-    TMA_KV: tl.constexpr = False,  # with FP8_MMA: K and V^T tiles through TMA (fp8_kv_tile_tma)
+    TMA_KV: tl.constexpr = False,  # decode, e4m3 cache: K and V^T tiles through TMA (fp8_kv_tile_tma)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -772,15 +772,16 @@ def paged_attention_kernel(
     n = tl.arange(0, BLOCK_N)
     # An e4m3 V^T is read in runs of 16 slots (16-byte vectors) where blocks hold whole runs.
     V_RUN: tl.constexpr = 16 if BLOCK_SIZE % 16 == 0 else BLOCK_SIZE
+    if TMA_KV:
+        tl.static_assert(KV_FP8 and BLOCK_Q == 1, "TMA_KV: decode over an e4m3 cache")
+        tl.static_assert(BLOCK_SIZE % BLOCK_N == 0 and BLOCK_D == HEAD_DIM, "TMA_KV: a tile a box")
+    num_kv_heads = tl.num_programs(0) // NUM_SPLITS
     if FP8_MMA:
         # With FULL_TILES the tiles whose keys all lie within the context first, unmasked (fewer
         # instructions a tile, but a second loop for the context's last tile); then the rest, masked.
         full_hi = tile_lo
         if FULL_TILES:
             full_hi = tl.maximum(tl.minimum(tile_hi, kv_end // BLOCK_N), tile_lo)
-        if TMA_KV:
-            tl.static_assert(BLOCK_SIZE % BLOCK_N == 0 and BLOCK_D == HEAD_DIM, "TMA_KV: a tile a box")
-        num_kv_heads = tl.num_programs(0) // NUM_SPLITS
         for tile in range(tile_lo, full_hi):
             key = tile * BLOCK_N + n
             if TMA_KV:
@@ -811,7 +812,12 @@ def paged_attention_kernel(
         for tile in range(tile_lo, tile_hi):
             key = tile * BLOCK_N + n
             key_valid = key < kv_end
-            if KV_FP8:
+            if TMA_KV:
+                k, vt = fp8_kv_tile_tma(
+                    k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE, BLOCK_N, HEAD_DIM
+                )
+                v = tl.trans(vt)
+            elif KV_FP8:
                 k, vt = fp8_kv_tile(
                     k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs,
                     stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, True,
@@ -922,13 +928,15 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # tokens on a random bf16 model (142 of 192 positions against the widening kernel's) are understood
 # and an H200 confirms the gain. FULL_TILES: the tiles within the context in a loop without masks,
 # then the last in one of its own (no faster on the H100).
-# TMA_KV (with FP8_MMA): each key tile's K and V^T copied by TMA into shared memory, where wgmma
-# reads them (fp8_kv_tile_tma), where a tile lies within one block (tma_kv_applies: blocks of 64 slots
-# or more for 64-key tiles). Compiled for sm90 (bench/kernel_sass.py --fp8-mma --tma-kv, block size
-# 128, store and rotary in): 221 loop instructions a 64-key tile against 271, and at 128-key tiles
-# 294 against 422 at 72 registers against 136. Untimed; off until the GPU says (bench/gpu_run.sh
-# fp8-tma-tests fp8-tma-quick). It reads whole boxes: the last tile's keys past the context too
-# (their V^T slots hold the stores' zeros), where pointer loads stop at the context's last run of 16.
+# TMA_KV: each key tile's K and V^T copied by TMA into shared memory (fp8_kv_tile_tma), where a tile
+# lies within one block (tma_kv_applies: blocks of 64 slots or more for 64-key tiles); FP8_MMA's
+# wgmma reads them there. Compiled for sm90 (bench/kernel_sass.py --tma-kv, block size 128, store
+# and rotary in): with FP8_MMA 221 loop instructions a 64-key tile against 271, and at 128-key tiles
+# 294 against 422 at 72 registers against 136; the widening loop 437 against 525 at 64-key tiles
+# (107 registers against 126), 721 against 745 at 128. Untimed; off until the GPU says
+# (bench/gpu_run.sh fp8-tma-tests fp8-tma-quick). It reads whole boxes: the last tile's keys past the
+# context too (their V^T slots hold the stores' zeros), where pointer loads stop at the context's
+# last run of 16.
 DECODE_CONFIG_FP8 = {
     "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False, "TMA_KV": False,
 }  # fmt: skip
@@ -1187,14 +1195,13 @@ def paged_decode(
         interpreter = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
         meta.update(FP8_MMA=True, INTERPRETER=interpreter)
         meta["FULL_TILES"] = bool(cfg.get("FULL_TILES", False))
-        meta["TMA_KV"] = bool(cfg.get("TMA_KV")) and tma_kv_applies(
-            k_cache, v_cache, q.shape[2], cfg["BLOCK_N"]
-        )
         group_pad //= 2  # a row's two parts are the MMA's 16 or more columns (fp8_mma_tile)
     # Over an e4m3 cache, compiled without FMA fusion: with ROPE, norm_rope rounds each product and
     # sum as the fused rotary kernel does, and the kernel's own math (two FFMAs a 128-key tile)
     # rounds the same with ROPE or without, so DECODE_FUSES_ROPE changes no output bit.
     meta["enable_fp_fusion"] = k_cache.dtype != torch.float8_e4m3fn
+    if cfg.get("TMA_KV") and tma_kv_applies(k_cache, v_cache, q.shape[2], cfg["BLOCK_N"]):
+        meta["TMA_KV"] = True
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=group_pad, NUM_SPLITS=num_splits, ROWS=rows,
@@ -1221,11 +1228,14 @@ def fp8_mma_applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int) -> boo
 
 
 def tma_kv_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int, block_n: int) -> bool:
-    """Whether FP8_MMA's tiles can come through TMA (the decode config's TMA_KV): each key tile
+    """Whether the decode kernel's tiles can come through TMA (the decode config's TMA_KV): an e4m3
+    cache, each key tile
     within one cache block (block_n dividing the block size), one box of head_dim columns (64 or
     128, a power of 2) and rows of 16 bytes or more (TMA's smallest), caches laid out whole (the
     2-D views of fp8_kv_tile_tma) at 16-byte aligned addresses and strides; on a GPU, sm90 or later."""
     block_size = k_cache.shape[1]
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return False
     if block_size % block_n or block_n < 16 or head_dim not in (64, 128) or k_cache.shape[3] != head_dim:
         return False
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

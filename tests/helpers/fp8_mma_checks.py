@@ -177,10 +177,10 @@ def check_decode_fp8_mma(batch: dict, num_splits: int = 1, decode_config: dict |
 
 
 def check_tma_kv(batch: dict, num_splits: int = 1, decode_config: dict | None = None) -> None:
-    """FP8_MMA with its K and V^T tiles through TMA descriptors (TMA_KV) against the same kernel's
-    pointer loads: the launch took TMA_KV, and the outputs are the same bits (the same bytes reach
-    the same MMAs; only who computes their addresses differs). A box at the wrong block, slot or
-    head would read other keys."""
+    """The fp8 decode kernel (FP8_MMA unless decode_config turns it off) with its K and V^T tiles
+    through TMA descriptors (TMA_KV) against the same kernel's pointer loads: the launch took TMA_KV,
+    and the outputs are the same bits (the same bytes reach the same MMAs; only who computes their
+    addresses differs). A box at the wrong block, slot or head would read other keys."""
     from executor_service.attention import triton_kernels as tk
 
     ctx, kv_scales, q = batch["context"], batch["kv_scales"], batch["q"]
@@ -198,9 +198,8 @@ def check_tma_kv(batch: dict, num_splits: int = 1, decode_config: dict | None = 
             )  # fmt: skip
         finally:
             tk.paged_attention_kernel = spy.kernel
-        assert [(launch.get("FP8_MMA"), launch.get("TMA_KV")) for launch in spy.launches] == [(True, tma)], (
-            spy.launches
-        )
+        taken = [(launch.get("FP8_MMA", False), launch.get("TMA_KV", False)) for launch in spy.launches]
+        assert taken == [(config["FP8_MMA"], tma)], spy.launches
         outs.append(out)
     num_real = len(ctx.query_lens_host) - batch["num_padding"]
     assert not outs[1][:num_real].isnan().any(), "unwritten or NaN output rows"
