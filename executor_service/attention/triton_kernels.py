@@ -924,10 +924,13 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # about bf16's precision): compiled for sm90, 415 loop instructions per 128 keys at block size 32
 # against 746 (bench/kernel_sass.py --fp8-mma), yet on an H100 (2026-12-05, bench/RESULTS.md) only
 # 0-3% more TB/s, best in 64-key tiles at 2 stages (FP8_MMA_TILE): W1 fp8 +2.4% (29,389 against
-# 28,693 output tok/s), +0.08 points of perplexity on a decode-only run. Off until the engine's greedy
-# tokens on a random bf16 model (142 of 192 positions against the widening kernel's) are understood
-# and an H200 confirms the gain. FULL_TILES: the tiles within the context in a loop without masks,
-# then the last in one of its own (no faster on the H100).
+# 28,693 output tok/s), +0.08 points of perplexity on a decode-only run. The engine's greedy tokens
+# on a random bf16 model kept 142 of 192 positions against the widening kernel's, where two exact
+# CPU runs of that model parted only by prefill chunking keep 174 (bench/fp8_mma_divergence.py
+# --cpu-baseline: its path is near its ties). Off until the margins at the GPU's partings
+# (bench/gpu_run.sh fp8-mma-divergence) show near-ties and an H200 confirms the gain. FULL_TILES:
+# the tiles within the context in a loop without masks, then the last in one of its own (no faster
+# on the H100).
 # TMA_KV: each key tile's K and V^T copied by TMA into shared memory (fp8_kv_tile_tma), where a tile
 # lies within one block (tma_kv_applies: blocks of 64 slots or more for 64-key tiles); FP8_MMA's
 # wgmma reads them there. Compiled for sm90 (bench/kernel_sass.py --tma-kv, block size 128, store
