@@ -325,7 +325,7 @@ def test_tma_kv_reads_the_tiles_through_tma_on_sm90():
     real decode step): its loop copies K and V^T with TMA (UTMALDG) and waits on an mbarrier, with no
     per-thread copy (LDGSTS) or address math for a key; so it issues fewer instructions a tile than
     the pointer loads, and at 128-key tiles holds far fewer registers (bench/kernel_sass.py
-    --tma-kv prints both)."""
+    --tma-kv prints both). The stores of the step's K and V are fenced before the first copy."""
     pytest.importorskip("triton")
     from bench.kernel_sass import compile_decode, loop_stats
 
@@ -345,6 +345,11 @@ def test_tma_kv_reads_the_tiles_through_tma_on_sm90():
         assert len(tma_ops) < 0.9 * len(ptr_ops), (block_n, len(tma_ops), len(ptr_ops))
         if block_n == 128:
             assert int(tma_regs) < 0.75 * int(ptr_regs), (tma_regs, ptr_regs)
+    # The step's K and V stores are fenced for the async proxy, then the CTA barrier, before the
+    # first TMA copy can read them.
+    ptx = kernel.asm["ptx"]
+    fence = ptx.index("fence.proxy.async.global")
+    assert fence < ptx.index("bar.sync", fence) < ptx.index("cp.async.bulk.tensor"), "fence, barrier, copy"
 
 
 def test_fp8_mma_decode_multiplies_e4m3_on_sm90():

@@ -115,10 +115,13 @@ b = make_batch([1] * 4, [20, 1, 40, 16], 4, 2, 64, 16, f16, "cpu", seed=7, num_p
 check_tma_kv(to_fp8(b, 1.0, 1.0), 2, {"BLOCK_N": 16, "FULL_TILES": True})
 b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 64, 16, f16, "cpu", num_padding=2)
 check_decode_stores_kv(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16, "FP8_MMA": True, "TMA_KV": True})
-# ... and the widening loop's tiles through TMA (K and V widened to fp16 after the copy)
+# ... and the widening loop's tiles through TMA (K and V widened to fp16 after the copy), alone and
+# storing the step's K and V first
 for splits in (1, 3):
     b = make_batch([1] * 5, [20, 1, 64, 100, 48], 4, 2, 64, 64, f16, "cpu", seed=8, num_padding=1)
     check_tma_kv(to_fp8(b, 0.05, 2.5), splits, {"FP8_MMA": False, "BLOCK_N": 32})
+b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 64, 16, f16, "cpu", num_padding=2)
+check_decode_stores_kv(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16, "FP8_MMA": False, "TMA_KV": True})
 """,
     "fp8_decode_stores_kv": """
 from helpers.attention_fp8_checks import check_decode_stores_kv

@@ -312,6 +312,7 @@ def test_decode_fp8_reads_v_in_runs_of_16(block_size, num_splits):
         {"FP8_MMA": True},
         {"FP8_MMA": True, "BLOCK_N": 64, "FULL_TILES": True},
         {"FP8_MMA": True, "BLOCK_N": 64, "TMA_KV": True},  # (TMA at block size 256; 16 and 32 fall back)
+        {"FP8_MMA": False, "BLOCK_N": 64, "TMA_KV": True},  # (the widening loop's, likewise)
     ],
 )
 def test_decode_stores_kv_fp8(block_size, num_splits, variant):

@@ -671,7 +671,7 @@ def paged_attention_kernel(
     ROPE: tl.constexpr = False,  # with STORE_KV: q and the new K come unnormalised and unrotated (DECODE_FUSES_ROPE)
     HAS_NORM: tl.constexpr = False,  # with ROPE: q and k RMS-normalised first (Qwen3's q/k norms)
     FP8_MMA: tl.constexpr = False,  # decode, e4m3 cache: e4m3 MMAs (fp8_mma_tile), no widening
-    INTERPRETER: tl.constexpr = False,  # with FP8_MMA: under Triton's interpreter (cast_e4m3, exp2_ftz)
+    INTERPRETER: tl.constexpr = False,  # with FP8_MMA or TMA_KV: under Triton's interpreter (no inline PTX)
     FULL_TILES: tl.constexpr = False,  # with FP8_MMA: a loop over the unmasked tiles, then one over the rest
     TMA_KV: tl.constexpr = False,  # decode, e4m3 cache: K and V^T tiles through TMA (fp8_kv_tile_tma)
 ):
@@ -1193,9 +1193,10 @@ def paged_decode(
     meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
     group_pad = max(16, triton.next_power_of_2(group))
     mma_cfg = {**cfg, **FP8_MMA_TILE, **(config or {})}
+    # Triton's interpreter runs no inline PTX (FP8_MMA's casts and exp2, TMA_KV's fence)
+    interpreter = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
     if cfg.get("FP8_MMA") and fp8_mma_applies(q, k_cache, mma_cfg["BLOCK_N"]):
         cfg = mma_cfg
-        interpreter = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
         meta.update(FP8_MMA=True, INTERPRETER=interpreter)
         meta["FULL_TILES"] = bool(cfg.get("FULL_TILES", False))
         group_pad //= 2  # a row's two parts are the MMA's 16 or more columns (fp8_mma_tile)
@@ -1204,7 +1205,7 @@ def paged_decode(
     # rounds the same with ROPE or without, so DECODE_FUSES_ROPE changes no output bit.
     meta["enable_fp_fusion"] = k_cache.dtype != torch.float8_e4m3fn
     if cfg.get("TMA_KV") and tma_kv_applies(k_cache, v_cache, q.shape[2], cfg["BLOCK_N"]):
-        meta["TMA_KV"] = True
+        meta.update(TMA_KV=True, INTERPRETER=interpreter)
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=group_pad, NUM_SPLITS=num_splits, ROWS=rows,

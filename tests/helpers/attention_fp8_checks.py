@@ -35,8 +35,10 @@ def to_fp8(batch: dict, k_scale: float, v_scale: float) -> dict:
 def nan_past_runs(batch: dict, run: int = 16) -> dict:
     """The batch (from to_fp8) with NaN in the V slots of each last block past the context's last
     run of `run` slots: the kernels read an e4m3 V cache in such runs (16-byte vectors), never
-    further, so these slots cannot reach the output (the store's zeros are needed only within the
-    run). Prefill rows read their chunk's later keys too: use decode-only batches."""
+    further, so these slots cannot reach the output. Not so with the decode config's TMA_KV, whose
+    boxes read whole tiles: it needs the stores' zeros in every slot of a block past the context
+    (every store path zeroes a block's V^T past a token written at its first slot). Prefill rows read
+    their chunk's later keys too: use decode-only batches."""
     from executor_service.fp8 import v_cache_slots
 
     ctx = batch["context"]
@@ -157,20 +159,31 @@ def _decode_storing(batch: dict, q, k, v, num_splits: int, decode_config: dict |
     normalising and rotating q and k too (DECODE_FUSES_ROPE), over copies of the batch's caches.
     Returns (k_cache, v_cache, out)."""
     from executor_service.attention import triton_kernels as tk
+    from helpers.fp8_mma_checks import _LaunchSpy
 
     ctx, kv_scales = batch["context"], batch["kv_scales"]
     k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
     out = torch.full_like(q, NAN)
-    with decode_flags(True, rope is not None):
-        if rope is None:
-            assert tk.decode_stores_kv(k_cache)
-        else:
-            assert tk.decode_fuses_rope(k_cache, q.shape[2])
-        tk.paged_decode(
-            q, k_cache, v_cache, out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, batch["scale"],
-            num_splits, config=decode_config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
-            new_kv=(k, v, ctx.slot_mapping), rope=rope,
-        )  # fmt: skip
+    kernel = tk.paged_attention_kernel
+    tk.paged_attention_kernel = spy = _LaunchSpy(kernel)
+    try:
+        with decode_flags(True, rope is not None):
+            if rope is None:
+                assert tk.decode_stores_kv(k_cache)
+            else:
+                assert tk.decode_fuses_rope(k_cache, q.shape[2])
+            tk.paged_decode(
+                q, k_cache, v_cache, out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, batch["scale"],
+                num_splits, config=decode_config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
+                new_kv=(k, v, ctx.slot_mapping), rope=rope,
+            )  # fmt: skip
+    finally:
+        tk.paged_attention_kernel = kernel
+    # A config asking for TMA_KV takes it wherever its tiles fit the blocks (the fenced path).
+    (launch,) = spy.launches
+    asked = {**tk.decode_config(k_cache.dtype), **(decode_config or {})}.get("TMA_KV", False)
+    want_tma = bool(asked) and tk.tma_kv_applies(k_cache, v_cache, q.shape[2], launch["BLOCK_N"])
+    assert launch.get("TMA_KV", False) == want_tma, launch
     return k_cache, v_cache, out
 
 
