@@ -299,13 +299,10 @@ def sweep_fp8_registers(caps=(0, 96, 104, 128), rounds: int = 2) -> None:
         print(f"fp8 registers maxnreg {cap}: " + ", ".join(row) + " TB/s", flush=True)
 
 
-def fp8_mma_grid(quick: bool = False, block_size: int = FP8_DEFAULT_BLOCK_SIZE):
+def fp8_mma_grid(quick: bool = False):
     """The fp8 decode kernel in e4m3 MMAs (FP8_MMA): key tiles of 64 (one warpgroup's wgmma rows) and
     128, one or two warpgroups, 2-4 stages, the full tiles in a loop of their own (FULL_TILES) or not
-    (quick: one warpgroup at 2 and 3 stages, both ways); then, where a tile fits in a block of
-    block_size, the tiles through TMA (TMA_KV) at 1, 2, 3 and 5 stages (Triton gives the chain of a
-    block-table load and the copies it addresses one buffer below 5), and the widening loop's
-    through TMA."""
+    (quick: one warpgroup at 2 and 3 stages, both ways)."""
     grid = (
         ((64, 128), (4,), (2, 3), (False, True)) if quick else ((64, 128), (4, 8), (2, 3, 4), (False, True))
     )
@@ -315,13 +312,19 @@ def fp8_mma_grid(quick: bool = False, block_size: int = FP8_DEFAULT_BLOCK_SIZE):
                 **tk.DECODE_CONFIG_FP8, "FP8_MMA": True, "FULL_TILES": full, "BLOCK_N": block_n,
                 "num_warps": warps, "num_stages": stages,
             }  # fmt: skip
-    for block_n, stages in itertools.product((64, 128), (1, 2, 3, 5)):
+
+
+def fp8_tma_grid(block_size: int):
+    """The decode tiles through TMA (TMA_KV) where a tile fits in a block of block_size, against the
+    same loops' pointer loads: FP8_MMA in its own tile (FP8_MMA_TILE), then through TMA at 64 keys
+    (1-3 stages; below 5 Triton gives the chain of a block-table load and the copies it addresses
+    one buffer) and 128 (1-2: 32 KB of K and V a buffer), then the widening loop's tiles through TMA."""
+    mma = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": True}
+    yield {**mma, **tk.FP8_MMA_TILE}
+    for block_n, stages in ((64, 1), (64, 2), (64, 3), (128, 1), (128, 2)):
         if block_size % block_n == 0:
-            yield {
-                **tk.DECODE_CONFIG_FP8, "FP8_MMA": True, "TMA_KV": True, "BLOCK_N": block_n,
-                "num_warps": 4, "num_stages": stages,
-            }  # fmt: skip
-    for block_n in (64, 128):  # ... and the widening loop's (today's tile otherwise)
+            yield {**mma, "TMA_KV": True, "BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
+    for block_n in (64, 128):  # (the widening loop's stages as today's)
         if block_size % block_n == 0:
             yield {**tk.DECODE_CONFIG_FP8, "FP8_MMA": False, "TMA_KV": True, "BLOCK_N": block_n}
 
@@ -341,15 +344,17 @@ def fp8_mma_agreement(config: dict, block_size: int) -> float:
     return ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
 
 
-def sweep_fp8_mma(block_sizes=(FP8_DEFAULT_BLOCK_SIZE,), quick: bool = False) -> None:
-    """fp8_mma_grid against today's fp8 config: each one's output checked against today's
-    (fp8_mma_agreement, refused past 3%), then TB/s at b256x1024, W1's mixed contexts (+32 and
-    +256 generated, longest first; engine's splits) and b8x8192 (split), for each block size."""
+def sweep_fp8_mma(block_sizes=(FP8_DEFAULT_BLOCK_SIZE,), quick: bool = False, tma: bool = False) -> None:
+    """fp8_mma_grid (or with tma, fp8_tma_grid) against today's fp8 config: each one's output checked
+    against today's (fp8_mma_agreement, refused past 3%), then TB/s at b256x1024, W1's mixed
+    contexts (+32 and +256 generated, longest first; engine's splits) and b8x8192 (split), for each
+    block size."""
     cases = [("b256x1024", 256, 1024, None)] + [
         (f"W1 +{g}", 256, None, mixed_lengths(256, g, "longest first")) for g in (32, 256)
     ] + [("b8x8192", 8, 8192, None)]  # fmt: skip
     for block_size in block_sizes:
-        for cfg in [dict(tk.DECODE_CONFIG_FP8), *fp8_mma_grid(quick, block_size)]:
+        grid = fp8_tma_grid(block_size) if tma else fp8_mma_grid(quick)
+        for cfg in [dict(tk.DECODE_CONFIG_FP8), *grid]:
             try:
                 rel = fp8_mma_agreement(cfg, block_size)
                 if not rel < 3e-2:
@@ -567,6 +572,11 @@ def main() -> None:
         "--sweep-fp8-mma-quick", action="store_true", help="--sweep-fp8-mma over eight configurations only"
     )
     parser.add_argument(
+        "--sweep-fp8-tma",
+        action="store_true",
+        help="the decode tiles through TMA (TMA_KV) against their pointer loads (at --fp8-block-size >= 64)",
+    )
+    parser.add_argument(
         "--heads",
         type=int,
         nargs=2,
@@ -623,8 +633,8 @@ def main() -> None:
     if args.sweep_stages:
         sweep_stages()
         return
-    if args.sweep_fp8_mma or args.sweep_fp8_mma_quick:
-        sweep_fp8_mma((FP8_BS,), quick=args.sweep_fp8_mma_quick)
+    if args.sweep_fp8_mma or args.sweep_fp8_mma_quick or args.sweep_fp8_tma:
+        sweep_fp8_mma((FP8_BS,), quick=args.sweep_fp8_mma_quick, tma=args.sweep_fp8_tma)
         return
     if args.sweep_warps:
         sweep_warps()
