@@ -318,12 +318,17 @@ def fp8_tma_grid(block_size: int):
     """The decode tiles through TMA (TMA_KV) where a tile fits in a block of block_size, against the
     same loops' pointer loads: FP8_MMA in its own tile (FP8_MMA_TILE), then through TMA at 64 keys
     (1-3 stages; below 5 Triton gives the chain of a block-table load and the copies it addresses
-    one buffer) and 128 (1-2: 32 KB of K and V a buffer), then the widening loop's tiles through TMA."""
+    one buffer; and at 2 with the context's last tile by pointer loads, FULL_TILES, which read no
+    key past the context) and 128 (1-2: 32 KB of K and V a buffer), then the widening loop's tiles
+    through TMA."""
     mma = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": True}
     yield {**mma, **tk.FP8_MMA_TILE}
-    for block_n, stages in ((64, 1), (64, 2), (64, 3), (128, 1), (128, 2)):
-        if block_size % block_n == 0:
-            yield {**mma, "TMA_KV": True, "BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
+    for block_n, stages, full in ((64, 1, 0), (64, 2, 0), (64, 3, 0), (64, 2, 1), (128, 1, 0), (128, 2, 0)):
+        if block_size % block_n == 0:  # (full: the last tile by pointer loads, FULL_TILES)
+            yield {
+                **mma, "TMA_KV": True, "FULL_TILES": bool(full), "BLOCK_N": block_n, "num_warps": 4,
+                "num_stages": stages,
+            }  # fmt: skip
     for block_n in (64, 128):  # (the widening loop's stages as today's)
         if block_size % block_n == 0:
             yield {**tk.DECODE_CONFIG_FP8, "FP8_MMA": False, "TMA_KV": True, "BLOCK_N": block_n}

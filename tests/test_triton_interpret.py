@@ -110,9 +110,11 @@ for dtype, (block_size, block_n), splits in (
 ):
     b = make_batch([1] * 5, [20, 1, 64, 100, 48], 4, 2, 64, block_size, dtype, "cpu", seed=6, num_padding=1)
     check_tma_kv(to_fp8(b, 0.05, 2.5), splits, {"BLOCK_N": block_n})
-# ... with FULL_TILES, and storing the step's K and V first (the proxy fence's path)
-b = make_batch([1] * 4, [20, 1, 40, 16], 4, 2, 64, 16, f16, "cpu", seed=7, num_padding=1)
-check_tma_kv(to_fp8(b, 1.0, 1.0), 2, {"BLOCK_N": 16, "FULL_TILES": True})
+# ... with FULL_TILES (the last tile by pointer loads), and storing the step's K and V first (the
+# proxy fence's path)
+for splits in (1, 2):
+    b = make_batch([1] * 5, [20, 1, 40, 16, 100], 4, 2, 64, 64, f16, "cpu", seed=7, num_padding=1)
+    check_tma_kv(to_fp8(b, 1.0, 1.0), splits, {"BLOCK_N": 16, "FULL_TILES": True})
 b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 64, 16, f16, "cpu", num_padding=2)
 check_decode_stores_kv(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16, "FP8_MMA": True, "TMA_KV": True})
 # ... and the widening loop's tiles through TMA (K and V widened to fp16 after the copy), alone and

@@ -253,6 +253,7 @@ def test_decode_fp8_mma(scales, group, num_splits, block_size, tile, dtype):
         (128, {"BLOCK_N": 64}),
         (128, {"BLOCK_N": 128}),
         (256, {"BLOCK_N": 64, "num_stages": 3}),
+        (128, {"BLOCK_N": 64, "FULL_TILES": True}),
     ],
 )
 def test_decode_fp8_mma_tma(num_splits, group, block_size, tile):

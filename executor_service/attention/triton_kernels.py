@@ -673,6 +673,7 @@ def paged_attention_kernel(
     FP8_MMA: tl.constexpr = False,  # decode, e4m3 cache: e4m3 MMAs (fp8_mma_tile), no widening
     INTERPRETER: tl.constexpr = False,  # with FP8_MMA or TMA_KV: under Triton's interpreter (no inline PTX)
     FULL_TILES: tl.constexpr = False,  # with FP8_MMA: a loop over the unmasked tiles, then one over the rest
+    # (with TMA_KV, the rest by pointer loads)
     TMA_KV: tl.constexpr = False,  # decode, e4m3 cache: K and V^T tiles through TMA (fp8_kv_tile_tma)
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
@@ -796,7 +797,9 @@ def paged_attention_kernel(
             m_i, l_i, acc = fp8_mma_tile(k, vt, q_t, row_scale, key, m_i, l_i, acc, False, INTERPRETER)
         for tile in range(full_hi, tile_hi):
             key = tile * BLOCK_N + n
-            if TMA_KV:
+            # With FULL_TILES this loop holds the context's last tile alone: pointer loads, which
+            # stop at the context (K) and its last run of 16 slots (V^T) where a box reads them all.
+            if TMA_KV and not FULL_TILES:
                 k, vt = fp8_kv_tile_tma(
                     k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE, BLOCK_N, HEAD_DIM
                 )
