@@ -47,19 +47,23 @@ tp_debug() {
 # W1 fp8 under named flag sets, each PRESETS entry in turn, ROUNDS times (default 1):
 #   today: as today; mma: FP8_MMA (64-key tiles, 2 stages); vt: the tiled V store from 512 tokens a
 #   launch; bs64: 64-token blocks; tma: the decode tiles through TMA (TMA_KV, blocks of 64 or more;
-#   alone, the widening loop's in 64-key tiles); joined with "+" (mma+tma+vt+bs64). Each run counts the kernel variants
+#   alone, the widening loop's in 64-key tiles); full: FULL_TILES (with tma, the last tile by pointer
+#   loads); joined with "+" (mma+tma+full+vt+bs64). Each run counts the kernel variants
 #   compiled in its timed window (a config's first run on a machine can pay for them).
 w1_presets() {
     local i preset flags
     for i in $(seq "${ROUNDS:-1}"); do
         for preset in ${PRESETS:-mma+vt today}; do
             flags=()
-            if [[ +$preset+ == *+mma+* && +$preset+ == *+tma+* ]]; then
-                flags+=(--decode-config '{"FP8_MMA": true, "TMA_KV": true, "BLOCK_N": 64, "num_stages": 2}')
-            elif [[ +$preset+ == *+mma+* ]]; then
-                flags+=(--decode-config '{"FP8_MMA": true, "BLOCK_N": 64, "num_stages": 2}')
-            elif [[ +$preset+ == *+tma+* ]]; then  # the widening loop's 64-key tiles through TMA
-                flags+=(--decode-config '{"TMA_KV": true, "BLOCK_N": 64}')
+            local keys=()
+            [[ +$preset+ == *+mma+* ]] && keys+=('"FP8_MMA": true' '"BLOCK_N": 64' '"num_stages": 2')
+            [[ +$preset+ == *+tma+* ]] && keys+=('"TMA_KV": true')
+            [[ +$preset+ == *+tma+* && +$preset+ != *+mma+* ]] && keys+=('"BLOCK_N": 64')  # the widening loop's
+            [[ +$preset+ == *+full+* ]] && keys+=('"FULL_TILES": true')
+            if ((${#keys[@]})); then
+                local IFS=,
+                flags+=(--decode-config "{${keys[*]}}")
+                unset IFS
             fi
             [[ +$preset+ == *+vt+* ]] && flags+=(--v-tile-min-tokens 512)
             [[ +$preset+ == *+bs64+* ]] && flags+=(--block-size 64)
