@@ -316,22 +316,29 @@ def fp8_mma_grid(quick: bool = False):
 
 def fp8_tma_grid(block_size: int):
     """The decode tiles through TMA (TMA_KV) where a tile fits in a block of block_size, against the
-    same loops' pointer loads: FP8_MMA in its own tile (FP8_MMA_TILE), then through TMA at 64 keys
-    (1-3 stages; below 5 Triton gives the chain of a block-table load and the copies it addresses
-    one buffer; and at 2 with the context's last tile by pointer loads, FULL_TILES, which read no
-    key past the context) and 128 (1-2: 32 KB of K and V a buffer), then the widening loop's tiles
-    through TMA."""
-    mma = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": True}
+    same loops' pointer loads: FP8_MMA in its own tile (FP8_MMA_TILE), then through TMA in 64-key
+    tiles at 1 and 2 stages (below 5 Triton gives the chain of a block-table load and the copies it
+    addresses one buffer), with FULL_TILES (the context's last tile by pointer loads, which read no
+    key past the context), and capped at 64 / 80 registers (nine / six programs an SM where shared
+    memory allows: the copies free the address registers), and at 128 keys and 1 stage (35 KB);
+    then the widening loop's 64-key tiles through TMA, as today's (3 stages) and capped at 96 (five
+    programs an SM) and at 80 with 2 stages (six; no spill compiled for sm90)."""
+    mma = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": True, "num_warps": 4}
     yield {**mma, **tk.FP8_MMA_TILE}
-    for block_n, stages, full in ((64, 1, 0), (64, 2, 0), (64, 3, 0), (64, 2, 1), (128, 1, 0), (128, 2, 0)):
-        if block_size % block_n == 0:  # (full: the last tile by pointer loads, FULL_TILES)
-            yield {
-                **mma, "TMA_KV": True, "FULL_TILES": bool(full), "BLOCK_N": block_n, "num_warps": 4,
-                "num_stages": stages,
-            }  # fmt: skip
-    for block_n in (64, 128):  # (the widening loop's stages as today's)
+    mma_tma = (
+        (64, 1, 0, False), (64, 2, 0, False), (64, 2, 0, True), (64, 1, 64, False), (64, 2, 80, False),
+        (128, 1, 0, False),
+    )  # fmt: skip
+    for block_n, stages, cap, full in mma_tma:
         if block_size % block_n == 0:
-            yield {**tk.DECODE_CONFIG_FP8, "FP8_MMA": False, "TMA_KV": True, "BLOCK_N": block_n}
+            yield {
+                **mma, "TMA_KV": True, "FULL_TILES": full, "BLOCK_N": block_n, "num_stages": stages,
+                "maxnreg": cap,
+            }  # fmt: skip
+    if block_size % 64 == 0:
+        widening = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": False, "TMA_KV": True, "BLOCK_N": 64}
+        for stages, cap in ((3, 0), (3, 96), (2, 80)):
+            yield {**widening, "num_stages": stages, "maxnreg": cap}
 
 
 def fp8_mma_agreement(config: dict, block_size: int) -> float:

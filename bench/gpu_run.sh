@@ -48,7 +48,8 @@ tp_debug() {
 #   today: as today; mma: FP8_MMA (64-key tiles, 2 stages); vt: the tiled V store from 512 tokens a
 #   launch; bs64: 64-token blocks; tma: the decode tiles through TMA (TMA_KV, blocks of 64 or more;
 #   alone, the widening loop's in 64-key tiles); full: FULL_TILES (with tma, the last tile by pointer
-#   loads); joined with "+" (mma+tma+full+vt+bs64). Each run counts the kernel variants
+#   loads); cap: at most 80 registers (six programs an SM; the widening loop at 2 stages); joined
+#   with "+" (mma+tma+full+vt+bs64). Each run counts the kernel variants
 #   compiled in its timed window (a config's first run on a machine can pay for them).
 w1_presets() {
     local i preset flags
@@ -60,6 +61,8 @@ w1_presets() {
             [[ +$preset+ == *+tma+* ]] && keys+=('"TMA_KV": true')
             [[ +$preset+ == *+tma+* && +$preset+ != *+mma+* ]] && keys+=('"BLOCK_N": 64')  # the widening loop's
             [[ +$preset+ == *+full+* ]] && keys+=('"FULL_TILES": true')
+            [[ +$preset+ == *+cap+* ]] && keys+=('"maxnreg": 80')
+            [[ +$preset+ == *+cap+* && +$preset+ != *+mma+* ]] && keys+=('"num_stages": 2')  # (the widening loop's)
             if ((${#keys[@]})); then
                 local IFS=,
                 flags+=(--decode-config "{${keys[*]}}")
@@ -208,9 +211,10 @@ run() {
     w1-fp8-mma-bs) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma-bs bash -c 'for i in $(seq ${ROUNDS:-1}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W1 fp8 --block-size ${BS:-64} --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --block-size ${BS:-64} --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     w1-fp8-presets) TAIL=${TAIL:-16} STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-presets bash -c w1_presets ;;
     # The decode tiles through TMA (TMA_KV): their GPU tests (the pointer loads' bits, the torch model,
-    # the decode step's stores), then TMA against the pointer loads at blocks of 64 and 128 (15 configs).
+    # the decode step's stores), then TMA against the pointer loads at blocks of TMA_BS (64 and 128:
+    # 10 and 11 configs, ~20 s each; HEADS="32 8" for W4's).
     fp8-tma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fp8-tma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "tma or stores_kv_fp8" ;;
-    fp8-tma-quick) TAIL=24 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage fp8-tma-quick bash -c 'for bs in 64 128; do "$0" bench/attention.py --sweep-fp8-tma --fp8-block-size $bs ${HEADS:+--heads $HEADS}; done' "$PY" ;;
+    fp8-tma-quick) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage fp8-tma-quick bash -c 'for bs in ${TMA_BS:-64 128}; do "$0" bench/attention.py --sweep-fp8-tma --fp8-block-size $bs ${HEADS:+--heads $HEADS}; done' "$PY" ;;
     # The fp8 decode kernel's K/V gather alone (its math an XOR): the ceiling its TB/s can reach at each block size.
     kv-read-roofline) TAIL=8 stage kv-read-roofline "$PY" bench/kv_read_roofline.py ;;
     # The same at Qwen3-8B's heads (32 / 8: a GQA group of 4, W4's attention).
