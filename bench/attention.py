@@ -322,7 +322,8 @@ def fp8_tma_grid(block_size: int):
     key past the context), and capped at 64 / 80 registers (nine / six programs an SM where shared
     memory allows: the copies free the address registers), and at 128 keys and 1 stage (35 KB);
     then the widening loop's 64-key tiles through TMA, as today's (3 stages) and capped at 96 (five
-    programs an SM) and at 80 with 2 stages (six; no spill compiled for sm90)."""
+    programs an SM) and at 80 with 2 stages (six; no spill compiled for sm90); at blocks of 32,
+    its 32-key tiles."""
     mma = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": True, "num_warps": 4}
     yield {**mma, **tk.FP8_MMA_TILE}
     mma_tma = (
@@ -339,6 +340,8 @@ def fp8_tma_grid(block_size: int):
         widening = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": False, "TMA_KV": True, "BLOCK_N": 64}
         for stages, cap in ((3, 0), (3, 96), (2, 80)):
             yield {**widening, "num_stages": stages, "maxnreg": cap}
+    elif block_size == 32:  # a 32-key tile a block (73 registers: seven programs an SM, small tiles)
+        yield {**tk.DECODE_CONFIG_FP8, "FP8_MMA": False, "TMA_KV": True, "BLOCK_N": 32}
 
 
 def fp8_mma_agreement(config: dict, block_size: int) -> float:
