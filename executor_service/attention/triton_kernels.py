@@ -942,7 +942,9 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # (107 registers against 126), 721 against 745 at 128. Untimed; off until the GPU says
 # (bench/gpu_run.sh fp8-tma-tests fp8-tma-quick). It reads whole boxes: the last tile's keys past the
 # context too (their V^T slots hold the stores' zeros), where pointer loads stop at the context's
-# last run of 16.
+# last run of 16; with FP8_MMA's FULL_TILES that last tile takes the pointer loads. Fewer registers
+# also let a cap fit more programs an SM without spilling (the widening loop at 80 registers and 2
+# stages: six against today's four; bench/RESULTS.md, 2026-12-06).
 DECODE_CONFIG_FP8 = {
     "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False, "TMA_KV": False,
 }  # fmt: skip
