@@ -210,10 +210,10 @@ run() {
     # W1 fp8 at block size BS (default 64) with FP8_MMA and as today, alternating ROUNDS times (default 1).
     w1-fp8-mma-bs) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-mma-bs bash -c 'for i in $(seq ${ROUNDS:-1}); do for c in "{\"FP8_MMA\": true, \"BLOCK_N\": 64, \"num_stages\": 2}" "{}"; do echo "W1 fp8 --block-size ${BS:-64} --decode-config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --block-size ${BS:-64} --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     w1-fp8-presets) TAIL=${TAIL:-16} STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-presets bash -c w1_presets ;;
-    # The decode tiles through TMA (TMA_KV): their GPU tests (the pointer loads' bits, the torch model,
+    # The decode tiles through TMA (TMA_KV): their GPU tests (the pointer loads' bits, the torch model, the engine,
     # the decode step's stores), then TMA against the pointer loads at blocks of TMA_BS (64 and 128:
     # 10 and 11 configs, ~20 s each; HEADS="32 8" for W4's).
-    fp8-tma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fp8-tma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py -k "tma or stores_kv_fp8" ;;
+    fp8-tma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fp8-tma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_kv.py -k "tma or stores_kv_fp8" ;;
     fp8-tma-quick) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage fp8-tma-quick bash -c 'for bs in ${TMA_BS:-64 128}; do "$0" bench/attention.py --sweep-fp8-tma --fp8-block-size $bs ${HEADS:+--heads $HEADS}; done' "$PY" ;;
     # The fp8 decode kernel's K/V gather alone (its math an XOR): the ceiling its TB/s can reach at each block size.
     kv-read-roofline) TAIL=8 stage kv-read-roofline "$PY" bench/kv_read_roofline.py ;;

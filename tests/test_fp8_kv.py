@@ -280,6 +280,41 @@ def test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel(monkeypatch, enf
     assert same >= 0.95 * sum(map(len, runs[0]))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_tma_kv_gives_the_same_tokens_and_logprobs(tmp_path, monkeypatch, enforce_eager):
+    """The decode tiles through TMA (TMA_KV) through the engine, for the widening loop and for
+    FP8_MMA: 64-slot blocks, CUDA graphs or eager steps, preemption, the decode kernel storing the
+    step's K and V (fenced before its copies). The same bytes reach the same MMAs as by pointer
+    loads, so the same tokens and logprobs, to the bit."""
+    from checkpoints import build_qwen3
+
+    from executor_service.attention import triton_kernels
+
+    model = str(build_qwen3(tmp_path, head_dim=64, seed=1))
+    prompts = make_prompts([30, 31, 32, 33, 34, 35, 36, 37], seed=15)
+    params = SamplingParams(max_tokens=40, logprobs=2)  # (a second block each: preemption at 6 blocks)
+    applies = triton_kernels.tma_kv_applies
+    used = []
+    monkeypatch.setattr(triton_kernels, "tma_kv_applies", lambda *a: used.append(applies(*a)) or used[-1])
+    default = dict(triton_kernels.DECODE_CONFIG_FP8)
+    for loop in ({"FP8_MMA": False, "BLOCK_N": 64}, {"FP8_MMA": True}):
+        runs = []
+        for tma in (False, True):
+            monkeypatch.setattr(triton_kernels, "DECODE_CONFIG_FP8", {**default, **loop, "TMA_KV": tma})
+            used.clear()
+            llm = LLM(
+                model, device="cuda", num_kv_blocks=6, block_size=64, max_model_len=128, kv_cache_dtype="fp8",
+                dtype="bfloat16", enforce_eager=enforce_eager,
+            )  # fmt: skip
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.engine.scheduler.stats.num_preemptions > 0
+            assert (bool(used) and all(used)) == tma, (loop, tma, used)
+            runs.append([(o.token_ids, [(lp.token_id, lp.logprob) for lp in o.logprobs]) for o in outputs])
+            llm.executor.close()
+        assert runs[1] == runs[0], loop
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE])
 def test_a_kv_cache_too_large_for_the_device_is_an_error_naming_its_size(dtype):
     """A cache past what the device can hold (here 2**44 blocks, past any address space) fails at
