@@ -233,46 +233,31 @@ def main() -> None:
         x = inputs(args.batch, args.context, block_size)
         out = torch.empty(args.batch * NUM_KV_HEADS, dtype=torch.int32, device=DEVICE)
         nbytes = 2 * args.batch * args.context * NUM_KV_HEADS * HEAD_DIM
-        rows = []
-        for block_n, warps, stages in itertools.product((64, 128, 256), (4, 8), (1,)):
-            try:
-                read_kv(x, out, block_n, warps, stages)
-                if not rows:
+        shape = f"b{args.batch}x{args.context} block size {block_size}"
+        pointer_grid = itertools.product((64, 128, 256), (4, 8), (1,))
+        tma_grid = [c for c in itertools.product((64, 128), (4,), (1, 2, 3, 5)) if block_size % c[0] == 0]
+        for what, reader, grid in (("", read_kv, pointer_grid), (" through TMA", read_kv_tma, tma_grid)):
+            rows = []
+            for block_n, warps, stages in grid:
+                try:
+                    out.fill_(0)
+                    reader(x, out, block_n, warps, stages)
                     check(x, out)
-                ms = time_graph_ms(lambda: read_kv(x, out, block_n, warps, stages))  # noqa: B023
-            except Exception as e:  # out of shared memory, say
-                print(f"bs{block_size} {block_n}/{warps}/{stages}: {type(e).__name__}: {e}"[:200], flush=True)
-                continue
-            rows.append((nbytes / ms / 1e9, block_n, warps, stages))
-        rows.sort(reverse=True)
-        print(
-            f"fp8 K/V reads alone, b{args.batch}x{args.context} block size {block_size}: "
-            + ", ".join(f"{tbs:.2f} TB/s ({bn}/{w}/{s})" for tbs, bn, w, s in rows[:4]),
-            flush=True,
-        )
-        tma_rows = []
-        for block_n, warps, stages in itertools.product((64, 128), (4,), (1, 2, 3, 5)):
-            if block_size % block_n:
-                continue
-            try:
-                out.fill_(0)
-                read_kv_tma(x, out, block_n, warps, stages)
-                check(x, out)
-                ms = time_graph_ms(lambda: read_kv_tma(x, out, block_n, warps, stages))  # noqa: B023
-            except Exception as e:  # out of shared memory, say
+                    ms = time_graph_ms(lambda: reader(x, out, block_n, warps, stages))  # noqa: B023
+                except Exception as e:  # out of shared memory, say
+                    print(
+                        f"bs{block_size}{what} {block_n}/{warps}/{stages}: {type(e).__name__}: {e}"[:200],
+                        flush=True,
+                    )
+                    continue
+                rows.append((nbytes / ms / 1e9, block_n, warps, stages))
+            if rows:
+                rows.sort(reverse=True)
                 print(
-                    f"bs{block_size} TMA {block_n}/{warps}/{stages}: {type(e).__name__}: {e}"[:200],
+                    f"fp8 K/V reads alone{what}, {shape}: "
+                    + ", ".join(f"{tbs:.2f} TB/s ({bn}/{w}/{s})" for tbs, bn, w, s in rows[:4]),
                     flush=True,
                 )
-                continue
-            tma_rows.append((nbytes / ms / 1e9, block_n, warps, stages))
-        if tma_rows:
-            tma_rows.sort(reverse=True)
-            print(
-                f"fp8 K/V reads alone through TMA, b{args.batch}x{args.context} block size {block_size}: "
-                + ", ".join(f"{tbs:.2f} TB/s ({bn}/{w}/{s})" for tbs, bn, w, s in tma_rows[:4]),
-                flush=True,
-            )
 
 
 if __name__ == "__main__":

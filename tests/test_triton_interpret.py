@@ -257,20 +257,17 @@ check_fp8_moe_layer("cpu")
 # FP8_MMA takes its own tile (FP8_MMA_TILE) where it applies and the widening loop keeps
 # DECODE_CONFIG_FP8's; a config passed in names its own. The kernel's launches, as the spy sees them.
 from executor_service.attention import triton_kernels as tk
-from helpers.fp8_mma_checks import _LaunchSpy
+from helpers.fp8_mma_checks import decode_kernel_launches
 
 def launch(head_dim, config=None):
     b = to_fp8(make_batch([1, 1], [20, 40], 4, 2, head_dim, 16, f16, "cpu", seed=3), 0.05, 2.5)
     ctx = b["context"]
-    spy = tk.paged_attention_kernel = _LaunchSpy(tk.paged_attention_kernel)
-    try:
+    with decode_kernel_launches() as launches:
         tk.paged_decode(
             b["q"], b["k_cache"], b["v_cache"], torch.empty_like(b["q"]), ctx.block_tables, ctx.context_lens,
             ctx.cu_seqlens_q, b["scale"], config=config, kv_scales=b["kv_scales"],
         )
-    finally:
-        tk.paged_attention_kernel = spy.kernel
-    (kw,) = spy.launches
+    (kw,) = launches
     return kw.get("FP8_MMA", False), kw["BLOCK_N"], kw["num_stages"]
 
 tk.DECODE_CONFIG_FP8.update(FP8_MMA=True, BLOCK_N=32, num_stages=3)
@@ -290,18 +287,19 @@ for splits in (1, 3):
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_under_interpreter(case):
+def _interpret(*args: str) -> subprocess.CompletedProcess:
+    """python args under TRITON_INTERPRET=1 in the repository root; it must exit 0."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", PRELUDE + CASES[case]],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_under_interpreter(case):
+    _interpret("-c", PRELUDE + CASES[case])
 
 
 def test_kv_read_roofline_reads_every_byte_of_each_context():
@@ -310,16 +308,7 @@ def test_kv_read_roofline_reads_every_byte_of_each_context():
     below, equal to and above its tile's words: a gather that skipped or repeated a block would not
     give torch's XOR; and so does its TMA form (boxes of 64 and 128 keys in blocks of 128), the
     ceiling of the decode config's TMA_KV."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     args = ["--check-only", "--block-sizes", "16", "32", "128", "--batch", "3", "--context", "256"]
-    result = subprocess.run(
-        [sys.executable, "bench/kv_read_roofline.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = _interpret("bench/kv_read_roofline.py", *args)
     assert result.stdout.count("the kernel's XOR of every byte is torch's") == 5, result.stdout
     assert result.stdout.count("TMA boxes of") == 2, result.stdout

@@ -195,18 +195,23 @@ def fp8_mma_tile(
 
 @triton.jit
 def fp8_kv_tile(
-    k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs, stride_ch,
-    stride_vb, stride_vh, stride_vd, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    V_RUN: tl.constexpr, MASKED: tl.constexpr,
+    k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, kv_end, kv_head, num_kv_heads, d, d_valid,
+    stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, V_RUN: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """K [BLOCK_N, BLOCK_D] and V^T [BLOCK_D, BLOCK_N] of keys `key` (BLOCK_N keys may span several
-    cache blocks: each key's block is gathered) from e4m3 caches, for both decode loops of
-    paged_attention_kernel. V^T comes from blocks kept [num_kv_heads, head_dim, block_size], each
+    """K [BLOCK_N, BLOCK_D] and V^T [BLOCK_D, BLOCK_N] of key tile `tile` (keys `key`; BLOCK_N keys may
+    span several cache blocks: each key's block is gathered) from e4m3 caches, for both decode loops
+    of paged_attention_kernel. V^T comes from blocks kept [num_kv_heads, head_dim, block_size], each
     block's keys contiguous, in runs of V_RUN slots (a mask constant over a run keeps the 16-byte
     vectors; the last block's keys past the end need its id too), so at most V_RUN - 1 slots past
     the context are read whatever the block size; those slots hold zeros, so the keys there
     (probability 0) add nothing. Without MASKED every key is below kv_end, so no key is masked (the
-    FP8_MMA loop's full tiles)."""
+    FP8_MMA loop's full tiles). With TMA the tile comes through the descriptors instead
+    (fp8_kv_tile_tma: whole boxes, MASKED ignored)."""
+    if TMA:
+        return fp8_kv_tile_tma(
+            k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE, key.shape[0], HEAD_DIM
+        )
     if MASKED:
         block = tl.load(bt_row + key // BLOCK_SIZE, mask=(key // BLOCK_SIZE) * BLOCK_SIZE < kv_end, other=0)
     else:
@@ -785,29 +790,21 @@ def paged_attention_kernel(
             full_hi = tl.maximum(tl.minimum(tile_hi, kv_end // BLOCK_N), tile_lo)
         for tile in range(tile_lo, full_hi):
             key = tile * BLOCK_N + n
-            if TMA_KV:
-                k, vt = fp8_kv_tile_tma(
-                    k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE, BLOCK_N, HEAD_DIM
-                )
-            else:
-                k, vt = fp8_kv_tile(
-                    k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs,
-                    stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, False,
-                )  # fmt: skip
+            k, vt = fp8_kv_tile(
+                k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, kv_end, kv_head, num_kv_heads, d,
+                d_valid, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D,
+                HEAD_DIM, V_RUN, False, TMA_KV,
+            )  # fmt: skip
             m_i, l_i, acc = fp8_mma_tile(k, vt, q_t, row_scale, key, m_i, l_i, acc, False, INTERPRETER)
         for tile in range(full_hi, tile_hi):
             key = tile * BLOCK_N + n
             # With FULL_TILES this loop holds the context's last tile alone: pointer loads, which
             # stop at the context (K) and its last run of 16 slots (V^T) where a box reads them all.
-            if TMA_KV and not FULL_TILES:
-                k, vt = fp8_kv_tile_tma(
-                    k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE, BLOCK_N, HEAD_DIM
-                )
-            else:
-                k, vt = fp8_kv_tile(
-                    k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs,
-                    stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, True,
-                )  # fmt: skip
+            k, vt = fp8_kv_tile(
+                k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, kv_end, kv_head, num_kv_heads, d,
+                d_valid, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D,
+                HEAD_DIM, V_RUN, True, TMA_KV and not FULL_TILES,
+            )  # fmt: skip
             m_i, l_i, acc = fp8_mma_tile(
                 k, vt, q_t, row_scale, key < kv_end, m_i, l_i, acc, True, INTERPRETER
             )
@@ -815,15 +812,11 @@ def paged_attention_kernel(
         for tile in range(tile_lo, tile_hi):
             key = tile * BLOCK_N + n
             key_valid = key < kv_end
-            if TMA_KV:
-                k, vt = fp8_kv_tile_tma(
-                    k_desc, v_desc, bt_row, tile, kv_head, num_kv_heads, BLOCK_SIZE, BLOCK_N, HEAD_DIM
-                )
-                v = tl.trans(vt)
-            elif KV_FP8:
+            if KV_FP8:
                 k, vt = fp8_kv_tile(
-                    k_cache_ptr, v_cache_ptr, bt_row, key, kv_end, kv_head, d, d_valid, stride_cb, stride_cs,
-                    stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D, HEAD_DIM, V_RUN, True,
+                    k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, kv_end, kv_head, num_kv_heads,
+                    d, d_valid, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE,
+                    BLOCK_D, HEAD_DIM, V_RUN, True, TMA_KV,
                 )  # fmt: skip
                 v = tl.trans(vt)  # slots past the context hold zeros (store_kv_kernel)
             else:

@@ -159,28 +159,23 @@ def _decode_storing(batch: dict, q, k, v, num_splits: int, decode_config: dict |
     normalising and rotating q and k too (DECODE_FUSES_ROPE), over copies of the batch's caches.
     Returns (k_cache, v_cache, out)."""
     from executor_service.attention import triton_kernels as tk
-    from helpers.fp8_mma_checks import _LaunchSpy
+    from helpers.fp8_mma_checks import decode_kernel_launches
 
     ctx, kv_scales = batch["context"], batch["kv_scales"]
     k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
     out = torch.full_like(q, NAN)
-    kernel = tk.paged_attention_kernel
-    tk.paged_attention_kernel = spy = _LaunchSpy(kernel)
-    try:
-        with decode_flags(True, rope is not None):
-            if rope is None:
-                assert tk.decode_stores_kv(k_cache)
-            else:
-                assert tk.decode_fuses_rope(k_cache, q.shape[2])
-            tk.paged_decode(
-                q, k_cache, v_cache, out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, batch["scale"],
-                num_splits, config=decode_config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
-                new_kv=(k, v, ctx.slot_mapping), rope=rope,
-            )  # fmt: skip
-    finally:
-        tk.paged_attention_kernel = kernel
+    with decode_flags(True, rope is not None), decode_kernel_launches() as launches:
+        if rope is None:
+            assert tk.decode_stores_kv(k_cache)
+        else:
+            assert tk.decode_fuses_rope(k_cache, q.shape[2])
+        tk.paged_decode(
+            q, k_cache, v_cache, out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, batch["scale"],
+            num_splits, config=decode_config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
+            new_kv=(k, v, ctx.slot_mapping), rope=rope,
+        )  # fmt: skip
     # A config asking for TMA_KV takes it wherever its tiles fit the blocks (the fenced path).
-    (launch,) = spy.launches
+    (launch,) = launches
     asked = {**tk.decode_config(k_cache.dtype), **(decode_config or {})}.get("TMA_KV", False)
     want_tma = bool(asked) and tk.tma_kv_applies(k_cache, v_cache, q.shape[2], launch["BLOCK_N"])
     assert launch.get("TMA_KV", False) == want_tma, launch

@@ -10,6 +10,7 @@ the outputs agree within the output dtype's rounding."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -125,6 +126,36 @@ class _LaunchSpy:
         return launch
 
 
+@contextlib.contextmanager
+def decode_kernel_launches():
+    """The keyword arguments of each launch of paged_attention_kernel while the block runs (its
+    constexprs: which loop, which loads, which tile)."""
+    from executor_service.attention import triton_kernels as tk
+
+    spy = _LaunchSpy(tk.paged_attention_kernel)
+    tk.paged_attention_kernel = spy
+    try:
+        yield spy.launches
+    finally:
+        tk.paged_attention_kernel = spy.kernel
+
+
+def _decode(batch: dict, num_splits: int, config: dict) -> tuple[torch.Tensor, list[dict]]:
+    """paged_decode of the batch (its caches stored already) under config, longest first: (the output,
+    NaN where unwritten; the kernel's launches)."""
+    from executor_service.attention import triton_kernels as tk
+
+    ctx, q = batch["context"], batch["q"]
+    out = torch.full_like(q, NAN)
+    with decode_kernel_launches() as launches:
+        tk.paged_decode(
+            q, batch["k_cache"], batch["v_cache"], out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q,
+            batch["scale"], num_splits, config=config, kv_scales=batch["kv_scales"],
+            seq_order=longest_first(ctx.context_lens),
+        )  # fmt: skip
+    return out, launches
+
+
 def check_decode_fp8_mma(batch: dict, num_splits: int = 1, decode_config: dict | None = None) -> None:
     """A decode step (the store, then decode) over e4m3 caches with FP8_MMA: the kernel launched with
     it, its output within the output dtype's rounding of fp8_mma_reference, and within 2% (relative
@@ -136,19 +167,8 @@ def check_decode_fp8_mma(batch: dict, num_splits: int = 1, decode_config: dict |
     config = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": True, **(decode_config or {})}
     ctx, kv_scales, q = batch["context"], batch["kv_scales"], batch["q"]
     tk.store_kv(batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], ctx.slot_mapping, *kv_scales)
-    out = torch.full_like(q, NAN)
-    spy = _LaunchSpy(tk.paged_attention_kernel)
-    tk.paged_attention_kernel = spy
-    try:
-        tk.paged_decode(
-            q, batch["k_cache"], batch["v_cache"], out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q,
-            batch["scale"], num_splits, config=config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
-        )  # fmt: skip
-    finally:
-        tk.paged_attention_kernel = spy.kernel
-    assert [launch.get("FP8_MMA") for launch in spy.launches] == [True], (
-        "the decode kernel did not take FP8_MMA"
-    )
+    out, launches = _decode(batch, num_splits, config)
+    assert [launch.get("FP8_MMA") for launch in launches] == [True], "the decode kernel did not take FP8_MMA"
     num_real = len(ctx.query_lens_host) - batch["num_padding"]
     got = out[:num_real].float()
     assert not got.isnan().any(), "unwritten or NaN output rows"
@@ -183,23 +203,14 @@ def check_tma_kv(batch: dict, num_splits: int = 1, decode_config: dict | None = 
     addresses differs). A box at the wrong block, slot or head would read other keys."""
     from executor_service.attention import triton_kernels as tk
 
-    ctx, kv_scales, q = batch["context"], batch["kv_scales"], batch["q"]
+    ctx, kv_scales = batch["context"], batch["kv_scales"]
     tk.store_kv(batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], ctx.slot_mapping, *kv_scales)
     outs = []
     for tma in (False, True):
         config = {**tk.DECODE_CONFIG_FP8, "FP8_MMA": True, **(decode_config or {}), "TMA_KV": tma}
-        out = torch.full_like(q, NAN)
-        spy = _LaunchSpy(tk.paged_attention_kernel)
-        tk.paged_attention_kernel = spy
-        try:
-            tk.paged_decode(
-                q, batch["k_cache"], batch["v_cache"], out, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q,
-                batch["scale"], num_splits, config=config, kv_scales=kv_scales, seq_order=longest_first(ctx.context_lens),
-            )  # fmt: skip
-        finally:
-            tk.paged_attention_kernel = spy.kernel
-        taken = [(launch.get("FP8_MMA", False), launch.get("TMA_KV", False)) for launch in spy.launches]
-        assert taken == [(config["FP8_MMA"], tma)], spy.launches
+        out, launches = _decode(batch, num_splits, config)
+        taken = [(launch.get("FP8_MMA", False), launch.get("TMA_KV", False)) for launch in launches]
+        assert taken == [(config["FP8_MMA"], tma)], launches
         outs.append(out)
     num_real = len(ctx.query_lens_host) - batch["num_padding"]
     assert not outs[1][:num_real].isnan().any(), "unwritten or NaN output rows"
