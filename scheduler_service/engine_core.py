@@ -201,17 +201,22 @@ class CoreBridge:
         kind = message[0]
         if kind == "add":
             key, request_id, prompt, params, arrival, timeout, user = message[1:]
-            try:
-                streams = self.engine.add_requests(
-                    request_id, prompt, ipc.params_from_wire(params), arrival, timeout, user, peer
-                )
-            except (TandemRequestError, ValueError) as e:
-                error = e if isinstance(e, TandemRequestError) else InvalidRequestError(str(e))
-                self._send(peer, ipc.pack("refused", key, error.code.name, error.message))
-                return
-            for stream in streams:
-                self._remote[stream.engine_id] = (peer, stream)
-            self._send(peer, ipc.pack("added", key, [stream.engine_id for stream in streams]))
+            # Under the lock from queueing to the answer: the engine thread may step the streams
+            # the moment they are queued, and the API server drops an "out" for an engine id that
+            # its "added" has not named yet, so the answer must leave first (step_outputs sends
+            # under the same lock).
+            with self._lock:
+                try:
+                    streams = self.engine.add_requests(
+                        request_id, prompt, ipc.params_from_wire(params), arrival, timeout, user, peer
+                    )
+                except (TandemRequestError, ValueError) as e:
+                    error = e if isinstance(e, TandemRequestError) else InvalidRequestError(str(e))
+                    self._send_locked(peer, ipc.pack("refused", key, error.code.name, error.message))
+                    return
+                for stream in streams:
+                    self._remote[stream.engine_id] = (peer, stream)
+                self._send_locked(peer, ipc.pack("added", key, [stream.engine_id for stream in streams]))
         elif kind == "abort":
             owned = self._remote.pop(message[1], None)
             if owned is not None:

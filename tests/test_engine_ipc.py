@@ -461,3 +461,51 @@ def test_a_request_that_cannot_be_sent_to_the_core_leaves_no_admission_pending(m
             remote._context.term()
 
     assert asyncio.run(main()) == 0
+
+
+def test_the_cores_answer_to_an_add_leaves_before_the_requests_first_out(tmp_path):
+    """The engine thread may step a request the moment the core queues it, before the core has
+    answered the API server's "add"; the API server drops an "out" for an engine id no "added" has
+    named yet, so such a step's first tokens were lost (a split run streamed a prompt without its
+    first two tokens). Here the engine thread steps inside the core's add: its "out" still
+    follows the "added"."""
+    import threading
+    from types import SimpleNamespace
+
+    from scheduler_service.engine_core import CoreBridge
+    from scheduler_service.sequence import SequenceStatus
+
+    peer = b"api-0"
+    stepped: list[threading.Thread] = []
+
+    def step(stream: RequestStream) -> None:  # the engine thread's step, the request's first token
+        seq = SimpleNamespace(
+            client=stream, error=None, seq_id=stream.engine_id, num_new_tokens=1, token_ids=[1, 2, 3, 9],
+            num_cached_tokens=0, status=SequenceStatus.RUNNING, finish_reason=None,
+        )  # fmt: skip
+        bridge.step_outputs([seq])
+
+    def add_requests(request_id, prompt, params, arrival, timeout, user, peer_):
+        stream = RequestStream(request_id, 7, len(prompt), params, arrival, 0, peer_)
+        thread = threading.Thread(target=step, args=(stream,))
+        thread.start()
+        thread.join(0.2)  # the engine thread had time to step (and, unordered, to send)
+        stepped.append(thread)
+        return [stream]
+
+    engine = SimpleNamespace(
+        streams=SimpleNamespace(listener=None), add_requests=add_requests, call_soon=lambda f, *a: None
+    )
+    bridge = CoreBridge(engine, SchedulerMetrics(), f"ipc://{tmp_path}/core")
+    sent: list[tuple[bytes, list]] = []
+    bridge._send_locked = lambda to, frame: sent.append((to, ipc.unpack(frame)))
+    try:
+        add = ipc.pack("add", 1, "req", [1, 2, 3], ipc.params_to_wire(SamplingParams()), 0.0, None, None)
+        bridge._handle(peer, ipc.unpack(add))
+        stepped[0].join(5)
+        assert not stepped[0].is_alive()
+    finally:
+        bridge.close()
+    assert [(to, message[0]) for to, message in sent] == [(peer, "added"), (peer, "out")]
+    assert sent[0][1][1:] == [1, [7]]
+    assert sent[1][1][1] == [7] and sent[1][1][3] == [9]  # the engine id, its first token
