@@ -1190,20 +1190,19 @@ def paged_decode(
     meta = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and f16_query else {}
     meta.update(BLOCK_Q=1, FP8_DOT_F16=cfg.get("FP8_DOT_F16", False) and f16_query)
     group_pad = max(16, triton.next_power_of_2(group))
-    mma_cfg = {**cfg, **FP8_MMA_TILE, **(config or {})}
-    # Triton's interpreter runs no inline PTX (FP8_MMA's casts and exp2, TMA_KV's fence)
-    interpreter = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-    if cfg.get("FP8_MMA") and fp8_mma_applies(q, k_cache, mma_cfg["BLOCK_N"]):
-        cfg = mma_cfg
-        meta.update(FP8_MMA=True, INTERPRETER=interpreter)
-        meta["FULL_TILES"] = bool(cfg.get("FULL_TILES", False))
-        group_pad //= 2  # a row's two parts are the MMA's 16 or more columns (fp8_mma_tile)
+    if cfg.get("FP8_MMA"):
+        mma_cfg = {**cfg, **FP8_MMA_TILE, **(config or {})}
+        if fp8_mma_applies(q, k_cache, mma_cfg["BLOCK_N"]):
+            cfg = mma_cfg
+            meta.update(FP8_MMA=True, INTERPRETER=_interpreting())
+            meta["FULL_TILES"] = bool(cfg.get("FULL_TILES", False))
+            group_pad //= 2  # a row's two parts are the MMA's 16 or more columns (fp8_mma_tile)
     # Over an e4m3 cache, compiled without FMA fusion: with ROPE, norm_rope rounds each product and
     # sum as the fused rotary kernel does, and the kernel's own math (two FFMAs a 128-key tile)
     # rounds the same with ROPE or without, so DECODE_FUSES_ROPE changes no output bit.
     meta["enable_fp_fusion"] = k_cache.dtype != torch.float8_e4m3fn
     if cfg.get("TMA_KV") and tma_kv_applies(k_cache, v_cache, q.shape[2], cfg["BLOCK_N"]):
-        meta.update(TMA_KV=True, INTERPRETER=interpreter)
+        meta.update(TMA_KV=True, INTERPRETER=_interpreting())
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=group_pad, NUM_SPLITS=num_splits, ROWS=rows,
@@ -1229,12 +1228,18 @@ def fp8_mma_applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int) -> boo
     return torch.cuda.get_device_capability(q.device)[0] == 9 and block_n in (64, 128)
 
 
+def _interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels, which run no inline PTX (FP8_MMA's casts and
+    exp2, TMA_KV's fence: the INTERPRETER constexpr)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
 def tma_kv_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int, block_n: int) -> bool:
     """Whether the decode kernel's tiles can come through TMA (the decode config's TMA_KV): an e4m3
-    cache, each key tile
-    within one cache block (block_n dividing the block size), one box of head_dim columns (64 or
-    128, a power of 2) and rows of 16 bytes or more (TMA's smallest), caches laid out whole (the
-    2-D views of fp8_kv_tile_tma) at 16-byte aligned addresses and strides; on a GPU, sm90 or later."""
+    cache, each key tile within one cache block (block_n dividing the block size), one box of
+    head_dim columns (64 or 128, a power of 2) and rows of 16 bytes or more (TMA's smallest), caches
+    laid out whole (the 2-D views of fp8_kv_tile_tma) at 16-byte aligned addresses and strides; on a
+    GPU, sm90 or later."""
     block_size = k_cache.shape[1]
     if k_cache.dtype != torch.float8_e4m3fn:
         return False
