@@ -213,7 +213,8 @@ run() {
     # The decode tiles through TMA (TMA_KV): their GPU tests (the pointer loads' bits, the torch model, the engine,
     # the decode step's stores), then TMA against the pointer loads at blocks of TMA_BS (64 and 128:
     # 10 and 11 configs, ~20 s each; HEADS="32 8" for W4's).
-    fp8-tma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-540} stage fp8-tma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_fp8_kv.py -k "tma or stores_kv_fp8" ;;
+    # (named by node id: on the device machine, -k "tma or stores_kv_fp8" ran all 418 GPU tests of the two files)
+    fp8-tma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-540} stage fp8-tma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py::test_decode_fp8_mma_tma tests/test_triton_kernels.py::test_decode_fp8_tma_widening tests/test_triton_kernels.py::test_decode_stores_kv_fp8 tests/test_fp8_kv.py::test_tma_kv_gives_the_same_tokens_and_logprobs ;;
     fp8-tma-quick) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage fp8-tma-quick bash -c 'for bs in ${TMA_BS:-64 128}; do "$0" bench/attention.py --sweep-fp8-tma --fp8-block-size $bs ${HEADS:+--heads $HEADS}; done' "$PY" ;;
     # The fp8 decode kernel's K/V gather alone (its math an XOR): the ceiling its TB/s can reach at each block size.
     kv-read-roofline) TAIL=8 stage kv-read-roofline "$PY" bench/kv_read_roofline.py ;;
@@ -255,7 +256,7 @@ run() {
     w1-fp8-maxnreg) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w1-fp8-maxnreg bash -c 'for i in $(seq ${ROUNDS:-2}); do for c in "{}" "{\"maxnreg\": ${MAXNREG:-96}}"; do echo "W1 fp8 decode config $c"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-config "$c" | grep "output tok/s\|device:"; done; done' "$PY" ;;
     # The GPU tests of the tiled e4m3 V store, then W1 fp8 with it from 512 tokens a launch (W1's
     # prefill chunks) and without, alternating, ROUNDS times (default 2).
-    w1-fp8-vtiles) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-vtiles bash -c '"$0" -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_ops.py -k "store_kv_fp8 or qk_norm_rope_stores_kv" | tail -2; for i in $(seq ${ROUNDS:-2}); do for m in 512 -1; do echo "W1 fp8 --v-tile-min-tokens $m"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --v-tile-min-tokens $m | grep "output tok/s\|device:"; done; done' "$PY" ;;
+    w1-fp8-vtiles) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-450} stage w1-fp8-vtiles bash -c '"$0" -m pytest -q -m gpu tests/test_triton_kernels.py::test_store_kv_fp8_is_byte_exact tests/test_triton_ops.py::test_qk_norm_rope_stores_kv | tail -2; for i in $(seq ${ROUNDS:-2}); do for m in 512 -1; do echo "W1 fp8 --v-tile-min-tokens $m"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --v-tile-min-tokens $m | grep "output tok/s\|device:"; done; done' "$PY" ;;
     w1-fp8-split) TAIL=12 stage w1-fp8-split "$PY" bench/throughput.py --workload w1 --device cuda --mode split --kv-cache-dtype fp8 ;;
     w4) TAIL=12 STAGE_TIMEOUT=580 stage w4 "$PY" bench/throughput.py --workload w4 --device cuda --mode in-process ;;
     w4-bf16) TAIL=12 STAGE_TIMEOUT=580 stage w4-bf16 "$PY" bench/throughput.py --workload w1 --shape qwen3-8b --device cuda --mode in-process ;;

@@ -34,9 +34,11 @@ DTYPES = {
 FP8_KV_NAMES = ("fp8", "fp8_e4m3")
 DEFAULT_BLOCK_SIZE = 16
 # An e4m3 cache's decode kernel reads its V cache a block at a time, along the keys (fp8.py): at 16
-# keys a block its loads are 16-byte runs and it reads 2.9 TB/s, at 32 3.5-3.6 (H200,
-# bench/attention.py --sweep-layout; W1 with fp8 KV +16%: bench/RESULTS.md).
-FP8_DEFAULT_BLOCK_SIZE = 32
+# keys a block its loads are 16-byte runs and it reads 2.9 TB/s, at 32 3.5-3.6, at 64 3.7 (H200,
+# bench/attention.py --sweep-layout; W1 with fp8 KV +16% from 16 to 32). At 64 FP8_MMA's 64-key
+# tiles lie within one block: with it and the tiled V store, W1 fp8 +3.9% over 32 without them (H100,
+# 2026-12-06; bench/RESULTS.md).
+FP8_DEFAULT_BLOCK_SIZE = 64
 # Checked first, so that an argument of another type (LLM(...) passes its engine arguments here)
 # is a TypeError naming it, not whatever its first use would raise.
 _INT_FIELDS = ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",

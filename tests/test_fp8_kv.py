@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from client.defaults import DEFAULT_MODEL
 from client.llm import LLM
 from executor_service.attention.torch_ref import TorchRefBackend
-from executor_service.config import ExecutorConfig
+from executor_service.config import FP8_DEFAULT_BLOCK_SIZE, ExecutorConfig
 from executor_service.executor import LocalExecutor
 from executor_service.fp8 import FP8_DTYPE, FP8_MAX, dequantize_kv, fp8_v_cache, quantize_kv, v_cache_slots
 from executor_service.layers.attention import Attention
@@ -104,13 +104,13 @@ def test_fp8_cache_holds_twice_the_blocks_and_reports_it():
         )
         assert executor.runner.kv_cache.tensor.dtype == dtype
         infos[name] = executor.describe()
-    # Unless told otherwise an e4m3 cache has 32 tokens a block (16 for 16-bit caches): twice the
+    # Unless told otherwise an e4m3 cache has 64 tokens a block (16 for 16-bit caches): twice the
     # tokens in the same memory either way.
     fp8_default = LocalExecutor(
         ExecutorConfig(model=str(DEFAULT_MODEL), kv_cache_gb=0.01, kv_cache_dtype="fp8")
     )
     info = fp8_default.describe()
-    assert (info.block_size, infos["auto"].block_size) == (32, 16)
+    assert (info.block_size, infos["auto"].block_size) == (64, 16)
     assert info.num_kv_blocks * info.block_size == 2 * infos["auto"].num_kv_blocks * 16
     bf16, fp8 = infos["auto"], infos["fp8"]
     assert (bf16.kv_cache_dtype, fp8.kv_cache_dtype) == ("bfloat16", "fp8_e4m3")
@@ -138,7 +138,7 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)]
 
 
-# 16 tokens a block, and the fp8 default (32)
+# 16 tokens a block, and the fp8 default (64)
 @pytest.mark.parametrize("block_size", [16, None])
 def test_prefix_hits_with_fp8_kv_give_the_tokens_of_a_run_without(qwen3_untied, block_size):
     shared = make_prompts([64], seed=7)[0]
@@ -152,14 +152,18 @@ def test_prefix_hits_with_fp8_kv_give_the_tokens_of_a_run_without(qwen3_untied, 
     assert warm + [o.token_ids for o in outputs] == _greedy(plain, first + rest)
 
 
-@pytest.mark.parametrize(("block_size", "num_kv_blocks"), [(16, 12), (None, 6)])
-def test_preemption_with_fp8_kv_gives_the_tokens_of_a_run_without(qwen3_tied, block_size, num_kv_blocks):
-    prompts = make_prompts([30, 31, 32, 33, 34, 35, 36, 37], seed=14)
+# 16 tokens a block, and the fp8 default (64): each prompt's generation crosses into a second block,
+# so eight of them outgrow the cache
+@pytest.mark.parametrize(("block_size", "num_kv_blocks", "first_len"), [(16, 12, 30), (None, 6, 50)])
+def test_preemption_with_fp8_kv_gives_the_tokens_of_a_run_without(
+    qwen3_tied, block_size, num_kv_blocks, first_len
+):
+    prompts = make_prompts(list(range(first_len, first_len + 8)), seed=14)
     llm = LLM(
         str(qwen3_tied), num_kv_blocks=num_kv_blocks, block_size=block_size, max_model_len=128,
         kv_cache_dtype="fp8",
     )  # fmt: skip
-    assert llm.engine.info.block_size == (block_size or 32)
+    assert llm.engine.info.block_size == (block_size or FP8_DEFAULT_BLOCK_SIZE)
     tokens = _greedy(llm, prompts)
     assert llm.engine.scheduler.stats.num_preemptions > 0
     roomy = LLM(str(qwen3_tied), num_kv_blocks=64, block_size=16, max_model_len=128, kv_cache_dtype="fp8")
@@ -188,7 +192,14 @@ def test_fp8_kv_on_gpu_with_preemption_and_graphs_matches_the_cpu_path(qwen3_tie
     """Triton kernels, CUDA graphs, two plans in flight and preemption on an e4m3 cache, against the
     torch backend's fp8 cache on the CPU (fp32 model: greedy tokens agree but for near-ties)."""
     prompts = make_prompts([30, 31, 32, 33, 34, 35, 36, 37], seed=14)
-    gpu = LLM(str(qwen3_tied), device="cuda", num_kv_blocks=12, max_model_len=128, kv_cache_dtype="fp8")
+    gpu = LLM(
+        str(qwen3_tied),
+        device="cuda",
+        num_kv_blocks=12,
+        block_size=32,
+        max_model_len=128,
+        kv_cache_dtype="fp8",
+    )
     assert gpu.executor.config.attention_backend == "triton"
     got = _greedy(gpu, prompts)
     assert gpu.engine.scheduler.stats.num_preemptions > 0
@@ -223,7 +234,7 @@ def test_decode_kernel_storing_kv_gives_the_same_tokens_and_logprobs(qwen3_tied,
         monkeypatch.setattr(triton_kernels, "DECODE_FUSES_ROPE", fuses_rope)
         calls.clear()
         llm = LLM(
-            str(qwen3_tied), device="cuda", num_kv_blocks=12, max_model_len=128, kv_cache_dtype="fp8",
+            str(qwen3_tied), device="cuda", num_kv_blocks=12, block_size=32, max_model_len=128, kv_cache_dtype="fp8",
             dtype="bfloat16", fused_ops="on", enforce_eager=enforce_eager,
         )  # fmt: skip
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -269,7 +280,7 @@ def test_fp8_mma_decode_gives_the_tokens_of_the_widening_kernel(monkeypatch, enf
     for mma in (False, True):
         monkeypatch.setitem(triton_kernels.DECODE_CONFIG_FP8, "FP8_MMA", mma)
         llm = LLM(
-            str(DEFAULT_MODEL), device="cuda", num_kv_blocks=12, max_model_len=256, kv_cache_dtype="fp8",
+            str(DEFAULT_MODEL), device="cuda", num_kv_blocks=12, block_size=32, max_model_len=256, kv_cache_dtype="fp8",
             enforce_eager=enforce_eager,
         )  # fmt: skip
         runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])

@@ -191,7 +191,9 @@ def test_moe_bf16_fused_is_as_accurate_as_the_reference_path(family_checkpoint):
     clear = [i for i, t in enumerate(truth) if t[0][1] - t[1][1] > 0.25]
     assert len(clear) >= 6, f"only {len(clear)} of 24 prompts with clear margins"
     table = list(zip(truth, loop, fused))
-    assert [fused[i][0][0] for i in clear] == [truth[i][0][0] for i in clear], table
+    # each clear prompt where fused's token is not fp32's: its index, then fp32's, the loop's and fused's top-2
+    partings = [(i, *table[i]) for i in clear if fused[i][0][0] != truth[i][0][0]]
+    assert not partings, partings
     assert error(fused) <= 1.5 * error(loop) + 0.005, (error(fused), error(loop), table)
 
 

@@ -458,10 +458,10 @@ def store_token_v(
 
 # A launch of at least this many tokens into an e4m3 cache stores V through store_v_tiles_kernel
 # (a prefill chunk's), fewer the per-token store; None: always the per-token store. Both write the
-# same bytes. None until the GPU times it (bench/throughput.py --v-tile-min-tokens 512, `bash
-# bench/gpu_run.sh w1-fp8-vtiles`): on an H100 the fused rotary kernel took 310 us a launch at
-# 16,384 tokens, ~0.2 ms of it the per-token store's one byte in each of head_dim rows of V^T.
-V_TILE_MIN_TOKENS: int | None = None
+# same bytes. The per-token store writes one byte in each of head_dim rows of V^T a token (~0.2 ms of
+# the fused rotary kernel's 310 us at 16,384 tokens on an H100); from 512 tokens the tiles: W1 fp8
+# +0.6-1.0% on an H100 (`bash bench/gpu_run.sh w1-fp8-vtiles`, 2026-12-06; bench/RESULTS.md).
+V_TILE_MIN_TOKENS: int | None = 512
 V_TILE = 32  # launch rows a program of store_v_tiles_kernel stores
 
 
@@ -923,8 +923,10 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # 28,693 output tok/s), +0.08 points of perplexity on a decode-only run. The engine's greedy tokens
 # on a random bf16 model kept 142 of 192 positions against the widening kernel's, where two exact
 # CPU runs of that model parted only by prefill chunking keep 174 (bench/fp8_mma_divergence.py
-# --cpu-baseline: its path is near its ties). Off until the margins at the GPU's partings
-# (bench/gpu_run.sh fp8-mma-divergence) show near-ties and an H200 confirms the gain. FULL_TILES:
+# --cpu-baseline: its path is near its ties); on an H100 the first partings' margins were 0, 0.031
+# and 0.062 (bench/gpu_run.sh fp8-mma-divergence: near-ties, a few bf16 steps of a logprob). On by
+# default since 2026-12-06: with 64-slot blocks and the tiled V store, W1 fp8 +3.9% on an H100
+# (28,815-28,925 against 27,702-27,856 output tok/s). FULL_TILES:
 # the tiles within the context in a loop without masks, then the last in one of its own (no faster
 # on the H100).
 # TMA_KV: each key tile's K and V^T copied by TMA into shared memory (fp8_kv_tile_tma), where a tile
@@ -932,14 +934,15 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # wgmma reads them there. Compiled for sm90 (bench/kernel_sass.py --tma-kv, block size 128, store
 # and rotary in): with FP8_MMA 221 loop instructions a 64-key tile against 271, and at 128-key tiles
 # 294 against 422 at 72 registers against 136; the widening loop 437 against 525 at 64-key tiles
-# (107 registers against 126), 721 against 745 at 128. Untimed; off until the GPU says
-# (bench/gpu_run.sh fp8-tma-tests fp8-tma-quick). It reads whole boxes: the last tile's keys past the
+# (107 registers against 126), 721 against 745 at 128. Yet no faster on an H100 (2026-12-06: 2.69
+# TB/s at b256x1024 and block size 64 against 2.70 by pointer loads; W1 fp8 27,915 against 27,931),
+# so off (bench/gpu_run.sh fp8-tma-tests fp8-tma-quick). It reads whole boxes: the last tile's keys past the
 # context too (their V^T slots hold the stores' zeros), where pointer loads stop at the context's
 # last run of 16; with FP8_MMA's FULL_TILES that last tile takes the pointer loads. Fewer registers
 # also let a cap fit more programs an SM without spilling (the widening loop at 80 registers and 2
 # stages: six against today's four; bench/RESULTS.md, 2026-12-06).
 DECODE_CONFIG_FP8 = {
-    "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": False, "TMA_KV": False,
+    "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "FP8_DOT_F16": True, "FP8_MMA": True, "TMA_KV": False,
 }  # fmt: skip
 # FP8_MMA's own tile where it applies (fp8_mma_applies): elsewhere (another GPU than sm90, a head_dim
 # past 128, ...) the widening loop keeps DECODE_CONFIG_FP8's. A config passed to paged_decode names
