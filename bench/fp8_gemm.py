@@ -43,6 +43,7 @@ from executor_service.layers.fp8_gemm_triton import (
     quantize_per_token_group,
     scaled_mm_applies,
     scaled_mm_blockwise,
+    scaled_mm_split_k,
     w8a8_block_matmul,
 )
 
@@ -132,6 +133,8 @@ V2_CANDIDATES = (
     (64, 64, 4, 8, 1, 2),
 )
 SWEEP_V2_TOKENS = (64, 128, 256, 512)
+# torch._scaled_mm with K in two halves, the second on a side stream (fp8_gemm_triton.SCALED_MM_SPLIT_K)
+SPLIT_ROW = "scaled_mm, K halves, 2 streams"
 
 
 def v2_config(bm: int, bn: int, warps: int, stages: int, tma: int, split_k: int) -> dict:
@@ -242,8 +245,18 @@ def sweep_v2(
                         a_q4, w_q.t(), scale_a=a_s4, scale_b=w_s.t(), out_dtype=torch.bfloat16
                     )
 
-                mm()
+                whole = mm()
                 rows["torch._scaled_mm"][m] = time_fast(mm)
+                if k % (8 * GROUP) == 0:  # scaled_mm_splits_k's rule but for the SMs it fills
+
+                    def split(a_q4=a_q4, a_s4=a_s4, w_q=w_q, w_s=w_s):
+                        return scaled_mm_split_k(a_q4, a_s4, w_q, w_s, torch.bfloat16)
+
+                    err = rel(split(), whole)
+                    if err <= 1e-2:
+                        rows[SPLIT_ROW][m] = time_fast(split)
+                    else:
+                        print(f"  {name} m={m} {SPLIT_ROW}: WRONG, rel err {err:.2g} against the whole")
             except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
                 print(f"  {name} m={m} torch._scaled_mm: {str(e).splitlines()[0][:100]}")
             # What the Triton GEMM runs at m today: gemm_config's rule, or GEMM_TABLE's entry.
@@ -282,7 +295,8 @@ def sweep_v2(
             fp8, quant = min(v2[lab], smm or 1e9, v1), rows["quantize (per token group)"][m]
             best_lines.append(
                 f"best {name} m={m}: {lab} {v2[lab] * 1e3:.1f} us; v1 {v1 * 1e3:.1f}, "
-                f"scaled_mm {smm * 1e3 if smm else float('nan'):.1f}, bf16 {bf16 * 1e3:.1f} "
+                f"scaled_mm {smm * 1e3 if smm else float('nan'):.1f} "
+                f"(K halves on 2 streams {rows[SPLIT_ROW].get(m, float('nan')) * 1e3:.1f}), bf16 {bf16 * 1e3:.1f} "
                 f"(fp8's best against bf16 {bf16 / fp8:.2f}x, {bf16 / (fp8 + quant):.2f}x with the quantization)"
             )
             if v2[lab] < v1 and (smm is None or v2[lab] < smm) and m_bucket(m) is not None:

@@ -270,6 +270,12 @@ run() {
     # W4 as today, then with the swap kernel's first rule (fp8_gemm_triton.swap_config) for the GEMMs of
     # up to SWAP_BELOW tokens (default 128), alternating ROUNDS times: no sweep needed first.
     w4-swap-rule) TAIL=16 STAGE_TIMEOUT=${STAGE_TIMEOUT:-580} stage w4-swap-rule bash -c 'for i in $(seq ${ROUNDS:-1}); do for f in "" "--fp8-gemm-swap-below ${SWAP_BELOW:-128}"; do echo "W4 ${f:-as today}"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process $f | grep "output tok/s\|device:\|swap"; done; done' "$PY" ;;
+    # torch._scaled_mm's GEMMs of too few tiles as two K halves on two streams (SCALED_MM_SPLIT_K): its GPU test, the
+    # GEMMs alone at 128 and 256 tokens (the "best" lines name the split's us), then W4 as today and with it,
+    # alternating ROUNDS times (default 1).
+    split-k-tests) TAIL=6 stage split-k-tests "$PY" -m pytest -q -m gpu "tests/test_fp8_gemm.py::test_scaled_mm_split_k_matches_the_whole_gemm_and_replays_in_a_cuda_graph" ;;
+    fp8-gemm-split-k) TAIL=14 STAGE_TIMEOUT=${STAGE_TIMEOUT:-240} stage fp8-gemm-split-k bash -c '"$0" bench/fp8_gemm.py --sweep-v2 --tokens 128,256 --kernels v2 | grep "^best\|WRONG\|scaled_mm"' "$PY" ;;
+    w4-split-k) TAIL=16 STAGE_TIMEOUT=${STAGE_TIMEOUT:-580} stage w4-split-k bash -c 'for i in $(seq ${ROUNDS:-1}); do for f in "" "--fp8-scaled-mm-split-k"; do echo "W4 ${f:-as today}"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process $f | grep "output tok/s\|device:\|two K halves"; done; done' "$PY" ;;
     # W4's decode step by kernel group at batches of 16, 64 and 128 (after a w4 stage built the
     # checkpoint), with TABLE=<GEMM_TABLE entries> if given: where the smaller steps' time goes.
     w4-profile-batches) TAIL=60 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w4-profile-batches bash -c 'for b in 16 64 128; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --batch $b --steps 16 --top 8 --fused-ops on --kv-cache-dtype fp8 ${TABLE:+--fp8-gemm-table $TABLE}; done' "$PY" ;;

@@ -268,6 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         or args.v_tile_min_tokens is not None
         or args.fp8_gemm_table
         or args.fp8_gemm_swap_below
+        or args.fp8_scaled_mm_split_k
     ) and args.mode != "in-process":
         p.error(
             "--decode-config, --decode-stores-kv, --decode-fuses-rope and the --fp8-gemm flags change this process's "
@@ -300,8 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_fp8_gemm_flags(p: argparse.ArgumentParser) -> None:
-    """--fp8-gemm-table and --fp8-gemm-swap-below (apply_fp8_gemm_flags sets them): this process's
-    fp8 GEMMs (in-process runs; fp8 weights)."""
+    """--fp8-gemm-table, --fp8-gemm-swap-below and --fp8-scaled-mm-split-k (apply_fp8_gemm_flags sets
+    them): this process's fp8 GEMMs (in-process runs; fp8 weights)."""
     p.add_argument(
         "--fp8-gemm-table",
         metavar="FILE",
@@ -316,12 +317,18 @@ def add_fp8_gemm_flags(p: argparse.ArgumentParser) -> None:
         help="in-process, fp8 weights: the swap kernel's rule (fp8_gemm_triton.swap_config) for the "
         "fp8 GEMMs of up to N tokens (fp8_gemm_triton.SWAP_MAX_TOKENS; 0: off, today's default)",
     )
+    p.add_argument(
+        "--fp8-scaled-mm-split-k",
+        action="store_true",
+        help="in-process, fp8 weights: torch._scaled_mm's GEMMs of too few tiles to fill the SMs as two "
+        "K halves on two streams (fp8_gemm_triton.SCALED_MM_SPLIT_K; off by default)",
+    )
 
 
 def apply_fp8_gemm_flags(args: argparse.Namespace) -> None:
     """--fp8-gemm-table's entries into fp8_gemm_triton.GEMM_TABLE, --fp8-gemm-swap-below into its
-    SWAP_MAX_TOKENS (this process's fp8 GEMMs)."""
-    if not (args.fp8_gemm_table or args.fp8_gemm_swap_below):
+    SWAP_MAX_TOKENS, --fp8-scaled-mm-split-k into SCALED_MM_SPLIT_K (this process's fp8 GEMMs)."""
+    if not (args.fp8_gemm_table or args.fp8_gemm_swap_below or args.fp8_scaled_mm_split_k):
         return
     from executor_service.layers import fp8_gemm_triton
 
@@ -336,6 +343,9 @@ def apply_fp8_gemm_flags(args: argparse.Namespace) -> None:
     fp8_gemm_triton.SWAP_MAX_TOKENS = args.fp8_gemm_swap_below
     if args.fp8_gemm_swap_below:
         print(f"the fp8 GEMMs of up to {args.fp8_gemm_swap_below} tokens: the swap kernel's rule")
+    fp8_gemm_triton.SCALED_MM_SPLIT_K = args.fp8_scaled_mm_split_k
+    if args.fp8_scaled_mm_split_k:
+        print("torch._scaled_mm's GEMMs of too few tiles: two K halves on two streams")
 
 
 def build_w1_checkpoint(out_dir: Path, shape: str = "qwen3-0.6b", quantization: str = "none") -> Path:

@@ -387,3 +387,70 @@ def test_w8a8_v2_gemm_under_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _blockwise_reference(a_q, w_t, a_s, s_t) -> torch.Tensor:
+    """torch._scaled_mm's blockwise math on the CPU for k_halves' operands: the activation with a
+    scale per row and 128 columns, the weight^T with one per 128 x 128 block."""
+    w = w_t.t()
+    weight = (
+        w.float() * s_t.t().repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    )
+    return (a_q.float() * a_s.repeat_interleave(128, 1)) @ weight.t()
+
+
+def test_k_halves_cover_every_column_with_its_own_scales():
+    """The two halves' operands (views of the activation, the weight and both scales) add up to the
+    whole GEMM: a half reading the other half's scales, or a column twice, gives another sum."""
+    from executor_service.layers.fp8_gemm_triton import k_halves
+
+    gen = torch.Generator().manual_seed(3)
+    w_q, w_s = quantize_weight_blocks(torch.randn(256, 1024, generator=gen))
+    a_q = (torch.randn(8, 1024, generator=gen) * 50).to(FP8_DTYPE)
+    # column-major activation scales, as torch._scaled_mm takes them
+    a_s = (torch.rand(1024 // 128, 8, generator=gen) + 0.5).t()
+    halves = k_halves(a_q, a_s, w_q, w_s)
+    assert [h[0].shape[1] for h in halves] == [512, 512]
+    assert all(h[2].stride(0) == 1 for h in halves)  # the scales' halves stay column-major
+    whole = _blockwise_reference(a_q, w_q.t(), a_s, w_s.t())
+    split = sum(_blockwise_reference(*h) for h in halves)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-3)
+    assert not torch.allclose(_blockwise_reference(*halves[0]), whole, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_scaled_mm_split_k_matches_the_whole_gemm_and_replays_in_a_cuda_graph(monkeypatch):
+    """W4's down projection at 256 tokens through torch._scaled_mm in two K halves on two streams:
+    within an fp32 rounding of the whole GEMM, eager and captured in a CUDA graph (fork and join)
+    on new activations; fp8_linear takes it where SCALED_MM_SPLIT_K allows."""
+    from executor_service.layers import fp8_gemm_triton as g
+
+    if not g.scaled_mm_applies(256, 4096, 12288, torch.bfloat16, torch.device("cuda")):
+        pytest.skip("torch._scaled_mm has no blockwise-scaled GEMM on this GPU")
+    gen = torch.Generator("cuda").manual_seed(0)
+    w_q, w_s = quantize_weight_blocks(torch.randn(4096, 12288, device="cuda", generator=gen) * 0.05)
+
+    def whole(q, s):
+        return torch._scaled_mm(q, w_q.t(), scale_a=s, scale_b=w_s.t(), out_dtype=torch.bfloat16)
+
+    x = torch.randn(256, 12288, device="cuda", generator=gen, dtype=torch.bfloat16)
+    a_q, a_s = g.quantize_per_token_group(x, rows_multiple=4)
+    torch.testing.assert_close(g.scaled_mm_split_k(a_q, a_s, w_q, w_s, torch.bfloat16), whole(a_q, a_s))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = g.scaled_mm_split_k(a_q, a_s, w_q, w_s, torch.bfloat16)
+    for _ in range(3):
+        q, s = g.quantize_per_token_group(
+            torch.randn(256, 12288, device="cuda", generator=gen, dtype=torch.bfloat16), rows_multiple=4
+        )
+        a_q.copy_(q)
+        a_s.copy_(s)
+        graph.replay()
+        torch.testing.assert_close(out, whole(q, s))
+    monkeypatch.setattr(g, "SCALED_MM_SPLIT_K", True)
+    assert g.scaled_mm_splits_k(256, 4096, 12288, x.device)
+    assert not g.scaled_mm_splits_k(512, 4096, 12288, x.device)  # 128 tiles: already fills the SMs
+    calls = []
+    monkeypatch.setattr(g, "scaled_mm_split_k", lambda *a: calls.append(a) or whole(*a[:2]))
+    g.fp8_linear(x, w_q, w_s)
+    assert len(calls) == 1

@@ -40,12 +40,14 @@ def test_busy_time_counts_overlapping_kernels_once_and_gaps_by_length(capsys):
 
 
 def test_fp8_gemm_flags_set_the_gemms_of_this_process(tmp_path, monkeypatch, capsys):
-    """A sweep's table (bench/fp8_gemm.py --table-out) and the swap rule reach gemm_config; the
-    split, whose GEMMs run in the executor's process, refuses them."""
+    """A sweep's table (bench/fp8_gemm.py --table-out) and the swap rule reach gemm_config, the
+    K-halves switch fp8_gemm_triton; the split, whose GEMMs run in the executor's process, refuses
+    them."""
     from executor_service.layers import fp8_gemm_triton as g
 
     monkeypatch.setattr(g, "GEMM_TABLE", dict(g.GEMM_TABLE))
     monkeypatch.setattr(g, "SWAP_MAX_TOKENS", g.SWAP_MAX_TOKENS)
+    monkeypatch.setattr(g, "SCALED_MM_SPLIT_K", g.SCALED_MM_SPLIT_K)
     swap = {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 6, "SPLIT_K": 4}
     table = tmp_path / "table.json"
     table.write_text(json.dumps([[16, 6144, 4096, swap]]))
@@ -57,6 +59,10 @@ def test_fp8_gemm_flags_set_the_gemms_of_this_process(tmp_path, monkeypatch, cap
     table.write_text(json.dumps([[24, 6144, 4096, swap]]))
     with pytest.raises(SystemExit, match="24 is not a token bucket"):
         apply_fp8_gemm_flags(parse_args(["--mode", "in-process", "--fp8-gemm-table", str(table)]))
-    with pytest.raises(SystemExit):
-        parse_args(["--mode", "split", "--fp8-gemm-swap-below", "64"])
-    assert "they need --mode in-process" in capsys.readouterr().err
+    assert not g.SCALED_MM_SPLIT_K
+    apply_fp8_gemm_flags(parse_args(["--mode", "in-process", "--fp8-scaled-mm-split-k"]))
+    assert g.SCALED_MM_SPLIT_K and "two K halves on two streams" in capsys.readouterr().out
+    for flag in (["--fp8-gemm-swap-below", "64"], ["--fp8-scaled-mm-split-k"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--mode", "split", *flag])
+        assert "they need --mode in-process" in capsys.readouterr().err

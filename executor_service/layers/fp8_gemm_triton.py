@@ -47,6 +47,9 @@ each split stores its fp32 sums and the tile's last split to finish (an int32 ti
 them in split order and writes the output: one kernel, and the same bits every run, where the
 other kernels' split-K is a zeroed fp32 buffer, atomic adds in any order and a copy kernel.
 Untimed: SWAP_MAX_TOKENS keeps it off.
+
+With SCALED_MM_SPLIT_K (off until timed), a torch._scaled_mm GEMM whose output tiles would leave
+most SMs idle runs as two GEMMs over the halves of K at once, on two streams (`scaled_mm_split_k`).
 """
 
 from __future__ import annotations
@@ -607,8 +610,96 @@ def _scaled_mm_quantized(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """torch._scaled_mm of an activation quantized in its layout (rows padded to 4), unpadded."""
+    if scaled_mm_splits_k(a_q.shape[0], weight.shape[0], weight.shape[1], a_q.device):
+        return scaled_mm_split_k(a_q, a_s, weight, weight_scale_inv, out_dtype)[:rows]
     out = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=weight_scale_inv.t(), out_dtype=out_dtype)
     return out[:rows]
+
+
+# torch._scaled_mm's GEMM leaves SMs idle where its output has fewer tiles than the GPU has SMs: at
+# 256 tokens Qwen3-8B's down projection (n 4096, k 12288) is 64 tiles of 128 x 128 for 132 SMs and
+# streams its weights at 1.2 TB/s (40.5 us on the H200, 2026-12-05). With SCALED_MM_SPLIT_K, where
+# two such GEMMs fit the SMs side by side, fp8_linear runs the two halves of K at once, one on a
+# side stream (a fork and a join, which CUDA graphs capture as two branches), each summing in fp32,
+# and adds them: the same fp32 accumulation split in two, rounded once. Off until the GPU times it
+# (bench/fp8_gemm.py --sweep-v2's "torch._scaled_mm, K in halves on two streams" row;
+# bench/throughput.py --fp8-scaled-mm-split-k).
+SCALED_MM_SPLIT_K = False
+# Per device index: its side stream, and whether the split agrees with the whole GEMM there.
+_side_streams: dict[int, torch.cuda.Stream] = {}
+_split_k_agrees: dict[int, bool] = {}
+
+
+def scaled_mm_splits_k(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether torch._scaled_mm of m (padded) rows through an [n, k] weight runs as two K halves at
+    once (SCALED_MM_SPLIT_K): two GEMMs' 128 x 128 tiles fit the SMs, each half holds a whole number
+    of 4 scale groups (its scales' offset 16-byte aligned), and the split agreed with the whole GEMM
+    when probed on this device (once, never during a capture)."""
+    if not SCALED_MM_SPLIT_K or device.type != "cuda" or k % (8 * GROUP):
+        return False
+    if 2 * triton.cdiv(m, 128) * triton.cdiv(n, 128) > _NUM_SMS:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _split_k_agrees:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _split_k_agrees[index] = _probe_split_k(device)
+    return _split_k_agrees[index]
+
+
+def k_halves(
+    a_q: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """torch._scaled_mm's operands (activation, weight^T, their scales) for each half of K: views
+    of the activation (rows, K), its column-major scales (rows, K/128), the weight (N, K) and its
+    scales (N/128, K/128), transposed as _scaled_mm_quantized passes them."""
+    half = a_q.shape[1] // 2
+    groups = half // GROUP
+    return [
+        (a_q[:, ks], weight[:, ks].t(), a_s[:, gs], weight_scale_inv[:, gs].t())
+        for ks, gs in ((slice(None, half), slice(None, groups)), (slice(half, None), slice(groups, None)))
+    ]
+
+
+def scaled_mm_split_k(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(a_q * a_s) @ (weight * weight_scale_inv)^T as two torch._scaled_mm calls over the halves of
+    K, the second on a side stream while the first runs, each into an fp32 buffer allocated on the
+    current stream (which waits for the side stream before it reads or frees them)."""
+    (a0, w0, s0, t0), (a1, w1, s1, t1) = k_halves(a_q, a_s, weight, weight_scale_inv)
+    m, n = a_q.shape[0], weight.shape[0]
+    sums = torch.empty(2, m, n, dtype=torch.float32, device=a_q.device)
+    main = torch.cuda.current_stream(a_q.device)
+    index = a_q.device.index if a_q.device.index is not None else torch.cuda.current_device()
+    side = _side_streams.setdefault(index, torch.cuda.Stream(a_q.device))
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch._scaled_mm(a1, w1, scale_a=s1, scale_b=t1, out_dtype=torch.float32, out=sums[1])
+    torch._scaled_mm(a0, w0, scale_a=s0, scale_b=t0, out_dtype=torch.float32, out=sums[0])
+    main.wait_stream(side)
+    return sums.sum(0, dtype=torch.float32).to(out_dtype)
+
+
+def _probe_split_k(device: torch.device) -> bool:
+    """One split GEMM against the whole (the torch takes fp32 outputs and the offset operands)."""
+    gen = torch.Generator(device).manual_seed(1)
+    m, n, k = 256, 1024, 8 * GROUP
+    a_q, a_s = quantize_per_token_group(
+        torch.randn(m, k, device=device, generator=gen).bfloat16(), rows_multiple=4
+    )
+    weight = torch.randn(n, k, device=device, generator=gen).to(torch.float8_e4m3fn)
+    scales = torch.rand(n // GROUP, k // GROUP, device=device, generator=gen) + 0.5
+    try:
+        got = scaled_mm_split_k(a_q, a_s, weight, scales, torch.bfloat16)
+        want = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=scales.t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item()))
 
 
 def fp8_input_rows_multiple(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
