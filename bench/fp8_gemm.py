@@ -247,18 +247,22 @@ def sweep_v2(
 
                 whole = mm()
                 rows["torch._scaled_mm"][m] = time_fast(mm)
-                if k % (8 * GROUP) == 0:  # scaled_mm_splits_k's rule but for the SMs it fills
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+                print(f"  {name} m={m} torch._scaled_mm: {str(e).splitlines()[0][:100]}")
+                whole = None
+            if whole is not None and k % (8 * GROUP) == 0:  # scaled_mm_splits_k's rule but for the SMs
 
-                    def split(a_q4=a_q4, a_s4=a_s4, w_q=w_q, w_s=w_s):
-                        return scaled_mm_split_k(a_q4, a_s4, w_q, w_s, torch.bfloat16)
+                def split(a_q4=a_q4, a_s4=a_s4, w_q=w_q, w_s=w_s):
+                    return scaled_mm_split_k(a_q4, a_s4, w_q, w_s, torch.bfloat16)
 
+                try:
                     err = rel(split(), whole)
                     if err <= 1e-2:
                         rows[SPLIT_ROW][m] = time_fast(split)
                     else:
                         print(f"  {name} m={m} {SPLIT_ROW}: WRONG, rel err {err:.2g} against the whole")
-            except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
-                print(f"  {name} m={m} torch._scaled_mm: {str(e).splitlines()[0][:100]}")
+                except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+                    print(f"  {name} m={m} {SPLIT_ROW}: {str(e).splitlines()[0][:100]}")
             # What the Triton GEMM runs at m today: gemm_config's rule, or GEMM_TABLE's entry.
             rows["v1 default (gemm_config)"][m] = time_fast(
                 lambda: w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16)  # noqa: B023

@@ -411,7 +411,10 @@ def test_k_halves_cover_every_column_with_its_own_scales():
     a_s = (torch.rand(1024 // 128, 8, generator=gen) + 0.5).t()
     halves = k_halves(a_q, a_s, w_q, w_s)
     assert [h[0].shape[1] for h in halves] == [512, 512]
-    assert all(h[2].stride(0) == 1 for h in halves)  # the scales' halves stay column-major
+    # the layouts torch's blockwise GEMM takes: the activation's scales column-major with a column
+    # stride of its rows, the weight's scales (passed transposed) contiguous
+    assert all(h[2].stride() == (1, 8) and h[3].t().is_contiguous() for h in halves)
+    assert k_halves(a_q, a_s, w_q, w_s)[1][3].data_ptr() == halves[1][3].data_ptr()  # made once
     whole = _blockwise_reference(a_q, w_q.t(), a_s, w_s.t())
     split = sum(_blockwise_reference(*h) for h in halves)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-3)
@@ -425,6 +428,7 @@ def test_scaled_mm_split_k_matches_the_whole_gemm_and_replays_in_a_cuda_graph(mo
     on new activations; fp8_linear takes it where SCALED_MM_SPLIT_K allows."""
     from executor_service.layers import fp8_gemm_triton as g
 
+    monkeypatch.setattr(g, "_split_k_agrees", {})
     if not g.scaled_mm_applies(256, 4096, 12288, torch.bfloat16, torch.device("cuda")):
         pytest.skip("torch._scaled_mm has no blockwise-scaled GEMM on this GPU")
     gen = torch.Generator("cuda").manual_seed(0)

@@ -54,6 +54,7 @@ most SMs idle runs as two GEMMs over the halves of K at once, on two streams (`s
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -647,18 +648,49 @@ def scaled_mm_splits_k(m: int, n: int, k: int, device: torch.device) -> bool:
     return _split_k_agrees[index]
 
 
+def weight_scale_halves(weight_scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's block scales (N/128, K/128) for each half of K, each contiguous (torch's
+    blockwise GEMM takes no row stride for them), kept on the tensor after the first eager call
+    until the tensor is written in place (its version counter; an inference tensor, which has none,
+    keeps its first); a call inside a CUDA-graph capture copies them in the graph instead (a copy
+    made there holds nothing until a replay)."""
+    now = -1 if weight_scale_inv.is_inference() else weight_scale_inv._version
+    version, halves = getattr(weight_scale_inv, "_k_halves", (None, None))
+    if version != now:
+        groups = weight_scale_inv.shape[1] // 2
+        halves = (weight_scale_inv[:, :groups].contiguous(), weight_scale_inv[:, groups:].contiguous())
+        if not (weight_scale_inv.is_cuda and torch.cuda.is_current_stream_capturing()):
+            weight_scale_inv._k_halves = (now, halves)
+    return halves
+
+
 def k_halves(
     a_q: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """torch._scaled_mm's operands (activation, weight^T, their scales) for each half of K: views
-    of the activation (rows, K), its column-major scales (rows, K/128), the weight (N, K) and its
-    scales (N/128, K/128), transposed as _scaled_mm_quantized passes them."""
+    of the activation (rows, K), its column-major scales (rows, K/128) and the weight (N, K), and
+    the weight's scales of that half (weight_scale_halves), transposed as _scaled_mm_quantized
+    passes them."""
     half = a_q.shape[1] // 2
     groups = half // GROUP
     return [
-        (a_q[:, ks], weight[:, ks].t(), a_s[:, gs], weight_scale_inv[:, gs].t())
-        for ks, gs in ((slice(None, half), slice(None, groups)), (slice(half, None), slice(groups, None)))
+        (a_q[:, ks], weight[:, ks].t(), a_s[:, gs], scales.t())
+        for ks, gs, scales in zip(
+            (slice(None, half), slice(half, None)),
+            (slice(None, groups), slice(groups, None)),
+            weight_scale_halves(weight_scale_inv),
+            strict=True,
+        )
     ]
+
+
+@triton.jit
+def _add_halves_kernel(sums_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    # grid: (cdiv(numel, BLOCK),); sums: [2, numel] fp32 -> out: numel in out's dtype
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.load(sums_ptr + offs, mask=mask) + tl.load(sums_ptr + numel + offs, mask=mask)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def scaled_mm_split_k(
@@ -670,23 +702,30 @@ def scaled_mm_split_k(
 ) -> torch.Tensor:
     """(a_q * a_s) @ (weight * weight_scale_inv)^T as two torch._scaled_mm calls over the halves of
     K, the second on a side stream while the first runs, each into an fp32 buffer allocated on the
-    current stream (which waits for the side stream before it reads or frees them)."""
+    current stream (which waits for the side stream before it reads or frees them, even if a GEMM
+    raises), then added and rounded to out_dtype in one kernel."""
     (a0, w0, s0, t0), (a1, w1, s1, t1) = k_halves(a_q, a_s, weight, weight_scale_inv)
     m, n = a_q.shape[0], weight.shape[0]
     sums = torch.empty(2, m, n, dtype=torch.float32, device=a_q.device)
     main = torch.cuda.current_stream(a_q.device)
     index = a_q.device.index if a_q.device.index is not None else torch.cuda.current_device()
-    side = _side_streams.setdefault(index, torch.cuda.Stream(a_q.device))
+    side = _side_streams.get(index)
+    if side is None:
+        side = _side_streams[index] = torch.cuda.Stream(a_q.device)
     side.wait_stream(main)
-    with torch.cuda.stream(side):
-        torch._scaled_mm(a1, w1, scale_a=s1, scale_b=t1, out_dtype=torch.float32, out=sums[1])
-    torch._scaled_mm(a0, w0, scale_a=s0, scale_b=t0, out_dtype=torch.float32, out=sums[0])
-    main.wait_stream(side)
-    return sums.sum(0, dtype=torch.float32).to(out_dtype)
+    try:
+        with torch.cuda.stream(side):
+            torch._scaled_mm(a1, w1, scale_a=s1, scale_b=t1, out_dtype=torch.float32, out=sums[1])
+        torch._scaled_mm(a0, w0, scale_a=s0, scale_b=t0, out_dtype=torch.float32, out=sums[0])
+    finally:
+        main.wait_stream(side)
+    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
+    _add_halves_kernel[(triton.cdiv(m * n, 2048),)](sums, out, m * n, BLOCK=2048)
+    return out
 
 
 def _probe_split_k(device: torch.device) -> bool:
-    """One split GEMM against the whole (the torch takes fp32 outputs and the offset operands)."""
+    """One split GEMM against the whole (the torch takes fp32 outputs and the halves' operands)."""
     gen = torch.Generator(device).manual_seed(1)
     m, n, k = 256, 1024, 8 * GROUP
     a_q, a_s = quantize_per_token_group(
@@ -697,7 +736,8 @@ def _probe_split_k(device: torch.device) -> bool:
     try:
         got = scaled_mm_split_k(a_q, a_s, weight, scales, torch.bfloat16)
         want = torch._scaled_mm(a_q, weight.t(), scale_a=a_s, scale_b=scales.t(), out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+        warnings.warn(f"torch._scaled_mm in two K halves is off on {device}: {e}", stacklevel=2)
         return False
     return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item()))
 
