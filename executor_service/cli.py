@@ -112,8 +112,8 @@ FLAGS = (
         env="BLOCK_SIZE",
         type=int,
         default=None,
-        help="tokens per KV block (default 16; 32 with --kv-cache-dtype fp8, where the decode kernel reads "
-        "longer runs of a block)",
+        help="tokens per KV block (default 16; 64 with --kv-cache-dtype fp8, where the decode kernel reads "
+        "longer runs of a block and its e4m3 MMAs take a block a tile)",
     ),
     flag(
         "--kv-cache-gb",
