@@ -214,7 +214,7 @@ run() {
     # the decode step's stores), then TMA against the pointer loads at blocks of TMA_BS (64 and 128:
     # 10 and 11 configs, ~20 s each; HEADS="32 8" for W4's).
     # (named by node id: on the device machine, -k "tma or stores_kv_fp8" ran all 418 GPU tests of the two files)
-    fp8-tma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-540} stage fp8-tma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py::test_decode_fp8_mma_tma tests/test_triton_kernels.py::test_decode_fp8_tma_widening tests/test_triton_kernels.py::test_decode_stores_kv_fp8 tests/test_fp8_kv.py::test_tma_kv_gives_the_same_tokens_and_logprobs ;;
+    fp8-tma-tests) TAIL=12 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fp8-tma-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py::test_decode_fp8_mma_tma tests/test_triton_kernels.py::test_decode_fp8_tma_widening tests/test_triton_kernels.py::test_decode_stores_kv_fp8 tests/test_fp8_kv.py::test_tma_kv_gives_the_same_tokens_and_logprobs ;;
     fp8-tma-quick) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-560} stage fp8-tma-quick bash -c 'for bs in ${TMA_BS:-64 128}; do "$0" bench/attention.py --sweep-fp8-tma --fp8-block-size $bs ${HEADS:+--heads $HEADS}; done' "$PY" ;;
     # The fp8 decode kernel's K/V gather alone (its math an XOR): the ceiling its TB/s can reach at each block size.
     kv-read-roofline) TAIL=8 stage kv-read-roofline "$PY" bench/kv_read_roofline.py ;;
