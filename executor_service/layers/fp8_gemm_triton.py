@@ -564,12 +564,22 @@ def scaled_mm_applies(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
         return False
     if dtype != torch.bfloat16 or device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _blockwise_supported:
+    return _probed(_blockwise_supported, device, _probe_scaled_mm)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _probed(answers: dict[int, bool], device: torch.device, probe) -> bool:
+    """probe(device)'s answer, asked once per device index and kept in answers; False without asking
+    during a CUDA-graph capture (a probe's GEMMs and syncs cannot run there)."""
+    index = _device_index(device)
+    if index not in answers:
         if torch.cuda.is_current_stream_capturing():
             return False
-        _blockwise_supported[index] = _probe_scaled_mm(device)
-    return _blockwise_supported[index]
+        answers[index] = probe(device)
+    return answers[index]
 
 
 def _probe_scaled_mm(device: torch.device) -> bool:
@@ -640,12 +650,7 @@ def scaled_mm_splits_k(m: int, n: int, k: int, device: torch.device) -> bool:
         return False
     if 2 * triton.cdiv(m, 128) * triton.cdiv(n, 128) > _NUM_SMS:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _split_k_agrees:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        _split_k_agrees[index] = _probe_split_k(device)
-    return _split_k_agrees[index]
+    return _probed(_split_k_agrees, device, _probe_split_k)
 
 
 def weight_scale_halves(weight_scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -708,7 +713,7 @@ def scaled_mm_split_k(
     m, n = a_q.shape[0], weight.shape[0]
     sums = torch.empty(2, m, n, dtype=torch.float32, device=a_q.device)
     main = torch.cuda.current_stream(a_q.device)
-    index = a_q.device.index if a_q.device.index is not None else torch.cuda.current_device()
+    index = _device_index(a_q.device)
     side = _side_streams.get(index)
     if side is None:
         side = _side_streams[index] = torch.cuda.Stream(a_q.device)
