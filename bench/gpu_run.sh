@@ -279,6 +279,10 @@ run() {
     # W4's decode step by kernel group at batches of 16, 64 and 128 (after a w4 stage built the
     # checkpoint), with TABLE=<GEMM_TABLE entries> if given: where the smaller steps' time goes.
     w4-profile-batches) TAIL=60 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w4-profile-batches bash -c 'for b in 16 64 128; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --batch $b --steps 16 --top 8 --fused-ops on --kv-cache-dtype fp8 ${TABLE:+--fp8-gemm-table $TABLE}; done' "$PY" ;;
+    # W4's decode step at batch 256 over contexts of 256-1024 tokens (attention's time against its
+    # bytes: a fixed cost a program shows as the intercept), then at 512 with the K/V store and
+    # rotary in the fused rotary kernel instead of the decode kernel (after a w4 stage built the checkpoint).
+    w4-profile-contexts) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w4-profile-contexts bash -c 'for c in 256 512 1024 "512 --decode-stores-kv off"; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --context $c --steps 8 --top 3 --fused-ops on --kv-cache-dtype fp8 2>&1 | grep -v Warn; done' "$PY" ;;
     w4-profile) TAIL=40 stage w4-profile "$PY" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
     *) echo "unknown stage $1" | tee -a "$OUT/summary.txt" ;;
     esac

@@ -148,8 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-ops", choices=["on", "off", "both"], default="both")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
+    p.add_argument(
+        "--decode-stores-kv",
+        choices=["on", "off"],
+        default=None,
+        help="fp8 KV: whether the decode kernel stores a decode step's K/V (and, with it, normalises and "
+        "rotates q and K: DECODE_FUSES_ROPE) or the fused rotary kernel does (attention/triton_kernels.py)",
+    )
     add_fp8_gemm_flags(p)
     args = p.parse_args(argv)
+    if args.decode_stores_kv is not None:
+        from executor_service.attention import triton_kernels
+
+        triton_kernels.DECODE_STORES_KV = triton_kernels.DECODE_FUSES_ROPE = args.decode_stores_kv == "on"
     if not torch.cuda.is_available():
         raise SystemExit("bench/profile_step.py needs a CUDA device")
     if args.tensor_parallel_size > 1 and (args.fp8_gemm_table or args.fp8_gemm_swap_below):
