@@ -285,7 +285,7 @@ run() {
     w4-profile-contexts) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w4-profile-contexts bash -c 'for c in 256 512 1024 "512 --decode-stores-kv off"; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --context $c --steps 8 --top 3 --fused-ops on --kv-cache-dtype fp8 2>&1 | grep -v Warn; done' "$PY" ;;
     # The W4 checkpoint (random Qwen3-8B in the FP8 format, /tmp/tandem-w1-qwen3-8b-fp8) alone, for
     # the profile stages on a fresh machine.
-    w4-checkpoint) stage w4-checkpoint env PYTHONPATH="$PYTHONPATH:$PWD/bench" "$PY" -c 'from pathlib import Path; from bench.throughput import build_w1_checkpoint; print(build_w1_checkpoint(Path("/tmp/tandem-w1-qwen3-8b-fp8"), "qwen3-8b", "fp8"))' ;;
+    w4-checkpoint) stage w4-checkpoint env PYTHONPATH="${PYTHONPATH:-$PWD}:$PWD/bench" "$PY" -c 'from pathlib import Path; from bench.throughput import build_w1_checkpoint; print(build_w1_checkpoint(Path("/tmp/tandem-w1-qwen3-8b-fp8"), "qwen3-8b", "fp8"))' ;;
     w4-profile) TAIL=40 stage w4-profile "$PY" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 16 --fused-ops on --kv-cache-dtype fp8 ;;
     *) echo "unknown stage $1" | tee -a "$OUT/summary.txt" ;;
     esac
