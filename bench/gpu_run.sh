@@ -285,8 +285,10 @@ run() {
     w4-profile-contexts) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w4-profile-contexts bash -c 'for c in 256 512 1024 "512 --decode-stores-kv off"; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --context $c --steps 8 --top 3 --fused-ops on --kv-cache-dtype fp8 2>&1 | grep -v Warn; done' "$PY" ;;
     # The decode kernel's own K/V store and rotary (DECODE_STORES_KV, DECODE_FUSES_ROPE) against the
     # fused rotary kernel's, at Qwen3-8B's 32 / 8 heads: W4's step at batch 256 and context 512,
-    # alternating twice, then W4 end to end either way (after w4-checkpoint).
-    w4-stores-ab) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage w4-stores-ab bash -c 'for f in on off on off; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 8 --top 2 --fused-ops on --kv-cache-dtype fp8 --decode-stores-kv $f 2>&1 | grep "decode step at\|by group\|us x"; done; for f in off on; do echo "W4 --decode-stores-kv $f"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process --decode-stores-kv $f | grep "output tok/s\|device:"; done' "$PY" ;;
+    # alternating twice (after w4-checkpoint); then W4 end to end, each way once untimed (each
+    # variant's first compiles), then alternating ROUNDS times (default 2).
+    w4-stores-ab) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage w4-stores-ab bash -c 'for f in on off on off; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 8 --top 2 --fused-ops on --kv-cache-dtype fp8 --decode-stores-kv $f 2>&1 | grep "decode step at\|by group\|us x"; done' "$PY" ;;
+    w4-stores-e2e) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-stores-e2e bash -c 'for f in on off $(for i in $(seq ${ROUNDS:-2}); do echo off on; done); do echo "W4 --decode-stores-kv $f"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process --decode-stores-kv $f | grep "output tok/s\|device:"; done' "$PY" ;;
     # The W4 checkpoint (random Qwen3-8B in the FP8 format, /tmp/tandem-w1-qwen3-8b-fp8) alone, for
     # the profile stages on a fresh machine.
     w4-checkpoint) stage w4-checkpoint env PYTHONPATH="${PYTHONPATH:-$PWD}:$PWD/bench" "$PY" -c 'from pathlib import Path; from bench.throughput import build_w1_checkpoint; print(build_w1_checkpoint(Path("/tmp/tandem-w1-qwen3-8b-fp8"), "qwen3-8b", "fp8"))' ;;

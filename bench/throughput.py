@@ -246,8 +246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="in-process, fp8 KV: launches of at least this many tokens store V through "
-        "store_v_tiles_kernel (attention/triton_kernels.V_TILE_MIN_TOKENS; off by default until timed: "
-        "bash bench/gpu_run.sh w1-fp8-vtiles); -1: never",
+        "store_v_tiles_kernel (attention/triton_kernels.V_TILE_MIN_TOKENS, 512 by default); -1: never",
     )
     p.add_argument(
         "--decode-fuses-rope",
