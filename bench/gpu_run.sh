@@ -289,6 +289,12 @@ run() {
     # variant's first compiles), then alternating ROUNDS times (default 2).
     w4-stores-ab) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage w4-stores-ab bash -c 'for f in on off on off; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 8 --top 2 --fused-ops on --kv-cache-dtype fp8 --decode-stores-kv $f 2>&1 | grep "decode step at\|by group\|us x"; done' "$PY" ;;
     w4-stores-e2e) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-stores-e2e bash -c 'for f in on off $(for i in $(seq ${ROUNDS:-2}); do echo off on; done); do echo "W4 --decode-stores-kv $f"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process --decode-stores-kv $f | grep "output tok/s\|device:"; done' "$PY" ;;
+    # RMSNorm and SiLU-and-mul over launch shapes (bench/fused_ops.py), Qwen3-8B's widths then
+    # Qwen3-0.6B's; its "table" lines are --fused-op-launch entries for w4-fused-ops.
+    fused-ops) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fused-ops bash -c '"$0" bench/fused_ops.py && "$0" bench/fused_ops.py --shape qwen3-0.6b --tokens 16,64,256,2048' "$PY" ;;
+    # W4 with LAUNCH='<--fused-op-launch JSON>' against today's, alternating ROUNDS times (default 2)
+    # after one untimed run of each (their first compiles).
+    w4-fused-ops) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-fused-ops bash -c 'for i in $(seq $((${ROUNDS:-2} + 1))); do for f in today launch; do echo "W4 $f (round $i; round 1 untimed)"; if [ $f = launch ]; then a=(--fused-op-launch "$LAUNCH"); else a=(); fi; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process "${a[@]}" | grep "output tok/s\|device:\|launch shapes"; done; done' "$PY" ;;
     # The W4 checkpoint (random Qwen3-8B in the FP8 format, /tmp/tandem-w1-qwen3-8b-fp8) alone, for
     # the profile stages on a fresh machine.
     w4-checkpoint) stage w4-checkpoint env PYTHONPATH="${PYTHONPATH:-$PWD}:$PWD/bench" "$PY" -c 'from pathlib import Path; from bench.throughput import build_w1_checkpoint; print(build_w1_checkpoint(Path("/tmp/tandem-w1-qwen3-8b-fp8"), "qwen3-8b", "fp8"))' ;;

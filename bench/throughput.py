@@ -256,6 +256,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "K (attention/triton_kernels.DECODE_FUSES_ROPE, on by default), so a decode step runs no "
         "rotary kernel",
     )
+    p.add_argument(
+        "--fused-op-launch",
+        default=None,
+        metavar="JSON",
+        help="in-process: launch shapes of the fused RMSNorm and SiLU-and-mul by row width "
+        '(layers/triton_ops.py), e.g. \'{"rms_norm_warps": {"4096": 8}, "silu_and_mul_tiles": {"12288": [2048, 8]}}\' '
+        "(bench/fused_ops.py prints such entries)",
+    )
     add_fp8_gemm_flags(p)
     args = p.parse_args(argv)
     if args.decode_fuses_rope == "on" and args.decode_stores_kv == "off":
@@ -268,11 +276,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         or args.fp8_gemm_table
         or args.fp8_gemm_swap_below
         or args.fp8_scaled_mm_split_k
+        or args.fused_op_launch
     ) and args.mode != "in-process":
         p.error(
-            "--decode-config, --decode-stores-kv, --decode-fuses-rope and the --fp8-gemm flags change this process's "
-            "kernels: they need --mode in-process"
+            "--decode-config, --decode-stores-kv, --decode-fuses-rope, --fused-op-launch and the --fp8-gemm "
+            "flags change this process's kernels: they need --mode in-process"
         )
+    if args.fused_op_launch:
+        try:
+            launch = json.loads(args.fused_op_launch)
+            unknown = set(launch) - {"rms_norm_warps", "silu_and_mul_tiles"}
+            if unknown:
+                raise ValueError(f"unknown keys {sorted(unknown)}")
+            args.rms_norm_warps = {int(k): int(v) for k, v in launch.get("rms_norm_warps", {}).items()}
+            args.silu_and_mul_tiles = {
+                int(k): (int(v[0]), int(v[1])) for k, v in launch.get("silu_and_mul_tiles", {}).items()
+            }
+            bad = [cols for cols, _ in args.silu_and_mul_tiles.values() if cols < 128 or cols & (cols - 1)]
+            if bad:
+                raise ValueError(f"SiLU-and-mul programs of {bad[0]} columns: a power of 2 >= 128 is needed")
+        except (ValueError, TypeError, IndexError, AttributeError) as e:
+            p.error(f"--fused-op-launch: {e}")
     if args.profile_gpu and not args.device.startswith("cuda"):
         p.error("--profile-gpu profiles CUDA kernels: it needs --device cuda")
     if args.workload == "w4":  # BENCH.md W4: Qwen3-8B's shape, FP8 weights and an fp8 KV cache
@@ -905,6 +929,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FP8_MMA's tile: {tile}")
         config.update(overrides)
         print(f"decode config ({'fp8' if fp8 else 'bf16'} cache): {config}")
+    if args.fused_op_launch:
+        from executor_service.layers import triton_ops
+
+        triton_ops.RMS_NORM_WARPS.update(args.rms_norm_warps)
+        triton_ops.SILU_AND_MUL_TILES.update(args.silu_and_mul_tiles)
+        print(
+            f"fused ops' launch shapes: RMSNorm warps {triton_ops.RMS_NORM_WARPS}, SiLU-and-mul tiles {triton_ops.SILU_AND_MUL_TILES}"
+        )
     if args.v_tile_min_tokens is not None:
         from executor_service.attention import triton_kernels
 

@@ -312,3 +312,29 @@ def test_kv_read_roofline_reads_every_byte_of_each_context():
     result = _interpret("bench/kv_read_roofline.py", *args)
     assert result.stdout.count("the kernel's XOR of every byte is torch's") == 5, result.stdout
     assert result.stdout.count("TMA boxes of") == 2, result.stdout
+
+
+def test_fused_ops_bench_launch_shapes_keep_the_outputs():
+    """bench/fused_ops.py's launch shapes (triton_ops.RMS_NORM_WARPS, SILU_AND_MUL_TILES): SiLU-and-mul
+    in programs of 128-4,096 columns gives the default launch's bytes and scales, quantized or not
+    (a tile that skipped or misplaced a group of 128 would not), and RMSNorm at 1-16 warps its
+    output and residual sum."""
+    result = _interpret("bench/fused_ops.py", "--check-only", "--widths", "256,384", "--tokens", "3,5")
+    assert result.stdout.count("checked at [3, 5] tokens") == 4, result.stdout
+    assert "every launch shape checked against the default launch" in result.stdout
+
+
+def test_a_silu_and_mul_tile_must_be_whole_groups():
+    """A SILU_AND_MUL_TILES entry of a program width no power of 2 or under a group of 128 is refused
+    naming the entry, not launched into misplaced groups."""
+    from executor_service.layers import triton_ops
+
+    for bad in ((96, 4), (384, 4)):
+        triton_ops.SILU_AND_MUL_TILES[3072] = bad
+        try:
+            with pytest.raises(ValueError, match=r"SILU_AND_MUL_TILES\[3072\]"):
+                triton_ops.silu_and_mul_tile(3072)
+        finally:
+            triton_ops.SILU_AND_MUL_TILES.pop(3072)
+    assert triton_ops.silu_and_mul_tile(3072) == (1024, 4)
+    assert triton_ops.silu_and_mul_tile(200) == (256, 4)

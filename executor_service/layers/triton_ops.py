@@ -38,6 +38,26 @@ from executor_service.layers.fp8_gemm_triton import GROUP, Fp8Input, quantized_b
 
 FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # columns per activation scale of the fp8 GEMMs
 
+# Launch shapes of RMSNorm and SiLU-and-mul by row width (hidden size; SiLU-and-mul's output
+# columns): rms_norm runs a program a row in RMS_NORM_WARPS[hidden] warps (Triton's 4 where there
+# is no entry), silu_and_mul programs of SILU_AND_MUL_TILES[size] = (columns, warps) ((at most
+# 1,024, 4) where there is none). Empty until timed: bench/fused_ops.py sweeps both on the GPU and
+# prints the entries that beat these defaults. The warps of RMSNorm change the order of its sum of
+# squares (the last bit of a row's scale); SiLU-and-mul's tiles change no bit.
+RMS_NORM_WARPS: dict[int, int] = {}
+SILU_AND_MUL_TILES: dict[int, tuple[int, int]] = {}
+
+
+def silu_and_mul_tile(size: int) -> tuple[int, int]:
+    """(columns a program, warps) of silu_and_mul's launch for `size` output columns: a power of 2
+    of at least 128 columns (a quantizing program's are whole groups of 128)."""
+    block, num_warps = SILU_AND_MUL_TILES.get(size, (min(1024, triton.next_power_of_2(size)), 4))
+    if size in SILU_AND_MUL_TILES and (block < GROUP or block & (block - 1)):
+        raise ValueError(
+            f"SILU_AND_MUL_TILES[{size}]: {block} columns a program is not a power of 2 >= {GROUP}"
+        )
+    return block, num_warps
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -154,6 +174,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(hidden),
             QUANT=bool(quantize_rows_multiple),
+            num_warps=RMS_NORM_WARPS.get(hidden, 4),
         )
     return out if residual is None else (out, residual_out)
 
@@ -186,7 +207,7 @@ def silu_and_mul(x: torch.Tensor, quantize_rows_multiple: int = 0):
     if x.stride(1) != 1:
         raise ValueError("silu_and_mul needs row-contiguous inputs")
     size = double // 2
-    block = min(1024, triton.next_power_of_2(size))
+    block, num_warps = silu_and_mul_tile(size)
     quant_args: tuple = (x, x, 0, 0, 0)
     if quantize_rows_multiple:
         if not fusable_quantization(x, size, x.dtype):
@@ -198,7 +219,7 @@ def silu_and_mul(x: torch.Tensor, quantize_rows_multiple: int = 0):
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(size, block))](
             x, out_buffer, x.stride(0), out_buffer.stride(0), size, *quant_args,
-            BLOCK=block, QUANT=bool(quantize_rows_multiple),
+            BLOCK=block, QUANT=bool(quantize_rows_multiple), num_warps=num_warps,
         )  # fmt: skip
     return out
 
