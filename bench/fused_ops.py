@@ -21,6 +21,7 @@ the largest decode batch timed (the table is keyed by width only).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -124,9 +125,12 @@ def check(op: str, got, want, what: str) -> None:
         assert torch.equal(got[1], want[1]), f"{what}: the residual sum"
 
 
-def sweep(widths: tuple[int, int], tokens: list[int], device: str, check_only: bool) -> None:
+def sweep(widths: tuple[int, int], tokens: list[int], device: str, check_only: bool) -> dict:
+    """Checks, then (unless check_only) times every launch shape; returns the winners as
+    bench/throughput.py's --fused-op-launch JSON object (empty where the defaults hold)."""
     hidden, intermediate = widths
     table: dict[str, list[str]] = {"RMS_NORM_WARPS": [], "SILU_AND_MUL_TILES": []}
+    launch: dict[str, dict] = {}
     decode_m = max((m for m in tokens if m <= 256), default=tokens[-1])
     for op, width, variants in (
         ("rms_norm", hidden, [(w,) for w in RMS_WARPS]),
@@ -172,9 +176,11 @@ def sweep(widths: tuple[int, int], tokens: list[int], device: str, check_only: b
                 # keyed by width alone: the quantized (W4) path decides; the bf16 row is printed to compare
                 if op == "rms_norm":
                     table["RMS_NORM_WARPS"].append(f"{width}: {best.split()[0]}")
+                    launch.setdefault("rms_norm_warps", {})[str(width)] = int(best.split()[0])
                 else:
                     cols, warps = best.replace(",", "").split()[0::2][:2]
                     table["SILU_AND_MUL_TILES"].append(f"{width}: ({cols}, {warps})")
+                    launch.setdefault("silu_and_mul_tiles", {})[str(width)] = [int(cols), int(warps)]
     if not check_only:
         for knob, entries in table.items():
             print(
@@ -183,6 +189,7 @@ def sweep(widths: tuple[int, int], tokens: list[int], device: str, check_only: b
     print(
         f"widths {hidden} / {intermediate}: every launch shape checked against the default launch", flush=True
     )
+    return launch
 
 
 def main() -> None:
@@ -191,13 +198,17 @@ def main() -> None:
     p.add_argument("--tokens", default="16,64,128,256,2048,16384", help="step sizes (comma-separated)")
     p.add_argument("--check-only", action="store_true", help="check every launch shape; time nothing")
     p.add_argument("--widths", default=None, help="hidden,intermediate instead of --shape's (the CPU test's)")
+    p.add_argument("--launch-out", default=None, help="write the winners as --fused-op-launch JSON here")
     args = p.parse_args()
     widths = tuple(int(w) for w in args.widths.split(",")) if args.widths else WIDTHS[args.shape]
     tokens = sorted(int(t) for t in args.tokens.split(","))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.check_only:
         raise SystemExit("timing needs a CUDA device (on the CPU: --check-only under TRITON_INTERPRET=1)")
-    sweep(widths, tokens, device, args.check_only)
+    launch = sweep(widths, tokens, device, args.check_only)
+    if args.launch_out:
+        Path(args.launch_out).write_text(json.dumps(launch) + "\n")
+        print(f"--fused-op-launch {json.dumps(launch)} written to {args.launch_out}")
 
 
 if __name__ == "__main__":

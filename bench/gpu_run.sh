@@ -292,6 +292,13 @@ run() {
     # RMSNorm and SiLU-and-mul over launch shapes (bench/fused_ops.py), Qwen3-8B's widths then
     # Qwen3-0.6B's; its "table" lines are --fused-op-launch entries for w4-fused-ops.
     fused-ops) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fused-ops bash -c '"$0" bench/fused_ops.py && "$0" bench/fused_ops.py --shape qwen3-0.6b --tokens 16,64,256,2048' "$PY" ;;
+    # The sweep at W4's widths, then W4 with its winners (if any) against today's: one call.
+    fused-ops-ab) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fused-ops-sweep "$PY" bench/fused_ops.py --tokens 16,64,128,256,16384 --launch-out "$OUT/fused_op_launch.json"
+        if [ "$(cat "$OUT/fused_op_launch.json" 2>/dev/null)" != "{}" ] && [ -s "$OUT/fused_op_launch.json" ]; then
+            LAUNCH=$(cat "$OUT/fused_op_launch.json") ROUNDS=${ROUNDS:-1} run w4-fused-ops
+        else
+            echo "   no launch shape beats the defaults: W4 not run" | tee -a "$OUT/summary.txt"
+        fi ;;
     # W4 with LAUNCH='<--fused-op-launch JSON>' against today's, alternating ROUNDS times (default 2)
     # after one untimed run of each (their first compiles).
     w4-fused-ops) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-fused-ops bash -c 'for i in $(seq $((${ROUNDS:-2} + 1))); do for f in today launch; do echo "W4 $f (round $i; round 1 untimed)"; if [ $f = launch ]; then a=(--fused-op-launch "$LAUNCH"); else a=(); fi; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process "${a[@]}" | grep "output tok/s\|device:\|launch shapes"; done; done' "$PY" ;;
