@@ -289,6 +289,13 @@ run() {
     # variant's first compiles), then alternating ROUNDS times (default 2).
     w4-stores-ab) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage w4-stores-ab bash -c 'for f in on off on off; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 8 --top 2 --fused-ops on --kv-cache-dtype fp8 --decode-stores-kv $f 2>&1 | grep "decode step at\|by group\|us x"; done' "$PY" ;;
     w4-stores-e2e) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-stores-e2e bash -c 'for f in on off $(for i in $(seq ${ROUNDS:-2}); do echo off on; done); do echo "W4 --decode-stores-kv $f"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process --decode-stores-kv $f | grep "output tok/s\|device:"; done' "$PY" ;;
+    # The decode kernel's own key from registers (DECODE_NEW_KEY_REGS): its GPU tests (the stores'
+    # and rotary's beside them), then W4's step at batch 256 / context 512 alternating on / off
+    # twice (after w4-checkpoint), then W1 fp8 and W4 end to end, one untimed run of each first.
+    new-key-tests) TAIL=6 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage new-key-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py::test_decode_new_key_regs_fp8 tests/test_triton_kernels.py::test_decode_stores_kv_fp8 tests/test_triton_kernels.py::test_decode_fuses_rope_fp8 ;;
+    new-key-profile) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage new-key-profile bash -c 'for f in on off on off; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 8 --top 2 --fused-ops on --kv-cache-dtype fp8 --decode-new-key-regs $f 2>&1 | grep "decode step at\|by group\|us x"; done' "$PY" ;;
+    new-key-w1) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage new-key-w1 bash -c 'for f in on off $(for i in $(seq ${ROUNDS:-2}); do echo on off; done); do echo "W1 fp8 --decode-new-key-regs $f"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-new-key-regs $f | grep "output tok/s\|device:"; done' "$PY" ;;
+    new-key-w4) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage new-key-w4 bash -c 'for f in on off $(for i in $(seq ${ROUNDS:-2}); do echo on off; done); do echo "W4 --decode-new-key-regs $f"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process --decode-new-key-regs $f | grep "output tok/s\|device:"; done' "$PY" ;;
     # RMSNorm and SiLU-and-mul over launch shapes (bench/fused_ops.py), Qwen3-8B's widths then
     # Qwen3-0.6B's; its "table" lines are --fused-op-launch entries for w4-fused-ops.
     fused-ops) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fused-ops bash -c '"$0" bench/fused_ops.py && "$0" bench/fused_ops.py --shape qwen3-0.6b --tokens 16,64,256,2048' "$PY" ;;

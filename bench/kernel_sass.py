@@ -79,10 +79,12 @@ def compile_decode(
     fp8_mma: bool = False,
     full_tiles: bool = False,
     tma_kv: bool = False,
+    new_key_regs: bool = False,
 ):
     """The decode kernel (BLOCK_Q 1, no splits, every row of query length 1) for sm90; with
     block_q > 1 the prefill launch of paged_attention_kernel (paged_prefill's rows); tma_kv: K and
-    V^T through TMA descriptors (TMA_KV; e4m3 decode)."""
+    V^T through TMA descriptors (TMA_KV; e4m3 decode); new_key_regs: with store_kv, the step's key
+    from registers (NEW_KEY_REGS)."""
     fn = tk.paged_attention_kernel
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
     constants = {
@@ -105,6 +107,7 @@ def compile_decode(
         "INTERPRETER": False,
         "FULL_TILES": full_tiles,
         "TMA_KV": tma_kv,
+        "NEW_KEY_REGS": new_key_regs,
     }
     int_ptrs = ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seq_order_ptr")
     types = {name: "*i32" if name in int_ptrs else "*bf16" for name in fn.arg_names if name.endswith("_ptr")}
@@ -205,6 +208,11 @@ def main() -> None:
         help="K and V^T tiles through TMA (TMA_KV; blocks of BLOCK_N or more)",
     )
     parser.add_argument(
+        "--new-key-regs",
+        action="store_true",
+        help="with --store-kv: the step's key from registers, no barrier (DECODE_NEW_KEY_REGS)",
+    )
+    parser.add_argument(
         "--prefill",
         action="store_true",
         help="paged_prefill's launch (PREFILL_CONFIG's tiles) instead of decode",
@@ -226,7 +234,7 @@ def main() -> None:
     kernel = compile_decode(
         args.kv, block_n, args.warps, args.stages, maxnreg if args.kv == "fp8" else args.maxnreg or 0,
         args.group, args.head_dim, block_q, args.block_size, args.group_pad, args.store_kv, args.rope,
-        args.fp8_mma, args.full_tiles, args.tma_kv,
+        args.fp8_mma, args.full_tiles, args.tma_kv, args.new_key_regs,
     )  # fmt: skip
     ops, registers = loop_stats(kernel)
     name = "paged_attention_kernel"

@@ -155,8 +155,18 @@ def main(argv: list[str] | None = None) -> int:
         help="fp8 KV: whether the decode kernel stores a decode step's K/V (and, with it, normalises and "
         "rotates q and K: DECODE_FUSES_ROPE) or the fused rotary kernel does (attention/triton_kernels.py)",
     )
+    p.add_argument(
+        "--decode-new-key-regs",
+        choices=["on", "off"],
+        default=None,
+        help="with the decode kernel storing K/V: the step's key from registers, no barrier (DECODE_NEW_KEY_REGS)",
+    )
     add_fp8_gemm_flags(p)
     args = p.parse_args(argv)
+    if args.decode_new_key_regs is not None:
+        from executor_service.attention import triton_kernels
+
+        triton_kernels.DECODE_NEW_KEY_REGS = args.decode_new_key_regs == "on"
     if args.decode_stores_kv is not None:
         from executor_service.attention import triton_kernels
 

@@ -257,6 +257,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "rotary kernel",
     )
     p.add_argument(
+        "--decode-new-key-regs",
+        choices=["on", "off"],
+        default=None,
+        help="in-process, with the decode kernel storing K/V: whether it attends to the step's key from "
+        "registers, no barrier before its loop (attention/triton_kernels.DECODE_NEW_KEY_REGS, off by default)",
+    )
+    p.add_argument(
         "--fused-op-launch",
         default=None,
         metavar="JSON",
@@ -277,10 +284,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         or args.fp8_gemm_swap_below
         or args.fp8_scaled_mm_split_k
         or args.fused_op_launch
+        or args.decode_new_key_regs is not None
     ) and args.mode != "in-process":
         p.error(
-            "--decode-config, --decode-stores-kv, --decode-fuses-rope, --fused-op-launch and the --fp8-gemm "
-            "flags change this process's kernels: they need --mode in-process"
+            "--decode-config, --decode-stores-kv, --decode-fuses-rope, --decode-new-key-regs, --fused-op-launch "
+            "and the --fp8-gemm flags change this process's kernels: they need --mode in-process"
         )
     if args.fused_op_launch:
         try:
@@ -929,6 +937,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FP8_MMA's tile: {tile}")
         config.update(overrides)
         print(f"decode config ({'fp8' if fp8 else 'bf16'} cache): {config}")
+    if args.decode_new_key_regs is not None:
+        from executor_service.attention import triton_kernels
+
+        triton_kernels.DECODE_NEW_KEY_REGS = args.decode_new_key_regs == "on"
+        print(f"the decode kernel's own key from registers: {args.decode_new_key_regs}")
     if args.fused_op_launch:
         from executor_service.layers import triton_ops
 

@@ -125,6 +125,25 @@ for splits in (1, 3):
 b = make_batch([1] * 5, [17, 33, 20, 1, 40], 4, 2, 64, 16, f16, "cpu", num_padding=2)
 check_decode_stores_kv(to_fp8(b, 0.05, 2.5), 3, {"BLOCK_N": 16, "FP8_MMA": False, "TMA_KV": True})
 """,
+    "fp8_decode_new_key": """
+from helpers.attention_fp8_checks import check_decode_fuses_rope, check_decode_new_key_regs
+# The decode kernel attending to the step's key from registers (DECODE_NEW_KEY_REGS): contexts of
+# 1-3 tokens (the new key most of the weight), tokens at a block's first slot (17, 33, 65) and
+# mid-block, key tiles of one and of several blocks, split over the keys or not; the widening loop,
+# FP8_MMA and FP8_MMA's FULL_TILES; fp16 and bf16 queries.
+ctx = [2, 17, 33, 20, 1, 40, 3, 65]
+for dtype, block_size, tile, splits in (
+    (f16, 16, {"BLOCK_N": 16}, 1), (torch.bfloat16, 8, {"BLOCK_N": 32}, 3),
+    (f16, 8, {"BLOCK_N": 16, "FP8_MMA": True}, 3), (torch.bfloat16, 16, {"BLOCK_N": 16, "FP8_MMA": True}, 1),
+    (f16, 32, {"BLOCK_N": 16, "FP8_MMA": True, "FULL_TILES": True}, 2),
+):
+    b = make_batch([1] * len(ctx), ctx, 4, 2, 64, block_size, dtype, "cpu", seed=4, num_padding=2)
+    check_decode_new_key_regs(to_fp8(b, 0.05, 2.5), splits, tile)
+# ... normalising and rotating q and the new K itself (DECODE_FUSES_ROPE), with and without q/k norms.
+for dtype, with_norm, tile in ((f16, True, {"BLOCK_N": 16}), (torch.bfloat16, False, {"BLOCK_N": 16, "FP8_MMA": True})):
+    b = make_batch([1] * 5, [17, 2, 20, 1, 40], 4, 2, 64, 16, dtype, "cpu", seed=5, num_padding=2)
+    check_decode_fuses_rope(to_fp8(b, 0.05, 2.5), 3, tile, with_norm=with_norm, exact=not with_norm, new_key_regs=True)
+""",
     "fp8_decode_stores_kv": """
 from helpers.attention_fp8_checks import check_decode_stores_kv
 # Decode tokens at a block's first slot (17, 33, 1: whole rows and zeros) and mid-block (20, 40),

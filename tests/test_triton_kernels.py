@@ -22,6 +22,7 @@ from helpers.attention_checks import (
 from helpers.attention_fp8_checks import (
     check_attention_fp8,
     check_decode_fuses_rope,
+    check_decode_new_key_regs,
     check_decode_stores_kv,
     check_store_fp8,
     nan_past_runs,
@@ -325,6 +326,25 @@ def test_decode_stores_kv_fp8(block_size, num_splits, variant):
         [1] * 40, ctx_lens, 16, 8, 128, block_size, torch.bfloat16, "cuda", seed=8, num_padding=3
     )
     check_decode_stores_kv(to_fp8(batch, 0.03, 2.5), num_splits, variant)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize(
+    "variant", [{}, {"FP8_MMA": True}, {"FP8_MMA": True, "BLOCK_N": 64, "FULL_TILES": True}]
+)
+def test_decode_new_key_regs_fp8(block_size, num_splits, group, variant):
+    """The decode kernel attending to the step's key from registers with no barrier before its loop
+    (DECODE_NEW_KEY_REGS): the store kernel's bytes, and the output within the fp32 reference and
+    within a rounding step or two of the read-back's, with the stale bytes a serving cache holds (a
+    race that let the loop read the token's slots, or a key counted twice or not at all, fails)."""
+    ctx_lens = [2, 3] + random_lengths(38, 900, seed=13)
+    ctx_lens = [c - (c - 1) % block_size if i % 2 else c for i, c in enumerate(ctx_lens)]
+    batch = make_batch(
+        [1] * 40, ctx_lens, 8 * group // 2, 4, 128, block_size, torch.bfloat16, "cuda", seed=14, num_padding=3
+    )
+    check_decode_new_key_regs(to_fp8(batch, 0.03, 2.5), num_splits, variant)
 
 
 @pytest.mark.parametrize("with_norm", [True, False])

@@ -527,6 +527,50 @@ def store_v_tiles(v, v_cache, slot_mapping, v_scale, num_tokens: int) -> None:
 
 
 @triton.jit
+def decode_new_k(
+    new_k_ptr, t, kv_head, stride_nkt, stride_nkh, k_scale, rope_row, k_norm_ptr, eps, CODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """A decode token's K for one KV head as store_decode_kv stores it (e4m3 codes of type CODE),
+    widened to fp32 ([BLOCK_D], zeros past HEAD_DIM): the key the cache will hold, for the decode
+    kernel to attend to its own step's key from registers (NEW_KEY_REGS)."""
+    t64 = t.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    k_row = new_k_ptr + t64 * stride_nkt + kv_head * stride_nkh
+    if ROPE:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        hd = tl.arange(0, HALF)[None, :]
+        cos, sin = tl.load(rope_row + hd), tl.load(rope_row + HEAD_DIM + hd)
+        if HAS_NORM:
+            w1, w2 = tl.load(k_norm_ptr + hd), tl.load(k_norm_ptr + HALF + hd)
+        else:
+            w1, w2 = cos, sin  # unused
+        k1, k2 = norm_rope(
+            tl.load(k_row + hd), tl.load(k_row + HALF + hd), w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM
+        )
+        k1 = quantize_e4m3(k1, k_scale).to(CODE).to(tl.float32)
+        k2 = quantize_e4m3(k2, k_scale).to(CODE).to(tl.float32)
+        k = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), [BLOCK_D])
+    else:
+        k = tl.load(k_row + d, mask=d < HEAD_DIM, other=0.0)
+        k = quantize_e4m3(k, k_scale).to(CODE).to(tl.float32)
+    return k
+
+
+@triton.jit
+def decode_new_v(
+    new_v_ptr, t, kv_head, stride_nvt, stride_nvh, v_scale, CODE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """decode_new_k's V: its e4m3 codes as stored, widened to fp32 ([BLOCK_D])."""
+    d = tl.arange(0, BLOCK_D)
+    v = tl.load(
+        new_v_ptr + t.to(tl.int64) * stride_nvt + kv_head * stride_nvh + d, mask=d < HEAD_DIM, other=0.0
+    )
+    return quantize_e4m3(v, v_scale).to(CODE).to(tl.float32)
+
+
+@triton.jit
 def store_decode_kv(
     new_k_ptr,
     new_v_ptr,
@@ -680,6 +724,7 @@ def paged_attention_kernel(
     FULL_TILES: tl.constexpr = False,  # with FP8_MMA: a loop over the unmasked tiles, then one over the rest
     # (with TMA_KV, the rest by pointer loads)
     TMA_KV: tl.constexpr = False,  # decode, e4m3 cache: K and V^T tiles through TMA (fp8_kv_tile_tma)
+    NEW_KEY_REGS: tl.constexpr = False,  # with STORE_KV: the step's key from registers, no barrier
 ):
     # grid: (num_kv_heads * NUM_SPLITS, num_query_tiles, num_seqs), never dependent on device values.
     # KV heads vary fastest, so programs running together read neighbouring bytes of the same blocks.
@@ -736,6 +781,17 @@ def paged_attention_kernel(
     else:
         q_off = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if NEW_KEY_REGS:
+        # The step's own key and value (DECODE_NEW_KEY_REGS) as the cache will hold them, and the
+        # key's score (log2 units) against the query rows as they are, before any split or widening.
+        tl.static_assert(
+            STORE_KV and KV_FP8 and BLOCK_Q == 1 and not TMA_KV, "NEW_KEY_REGS: STORE_KV's decode"
+        )
+        k_new = decode_new_k(
+            new_k_ptr, q_start, kv_head, stride_nkt, stride_nkh, k_scale, rope_row, k_norm_ptr, eps,
+            k_cache_ptr.dtype.element_ty, HEAD_DIM, BLOCK_D, ROPE, HAS_NORM,
+        )  # fmt: skip
+        s_new = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * qk_scale
     if FP8_MMA:
         tl.static_assert(KV_FP8 and BLOCK_Q == 1, "FP8_MMA: decode over an e4m3 cache")
         q_hi, q_lo, q_scale = split_e4m3(q.to(tl.float32), INTERPRETER)
@@ -751,10 +807,17 @@ def paged_attention_kernel(
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
-    if STORE_KV:  # noqa: SIM102 (constexpr branch)
+    # The keys the loop attends to: with NEW_KEY_REGS, the split holding the step's key (a real
+    # token's: slot >= 0) leaves it out, and starts from it instead (below).
+    loop_end = kv_end
+    merge_new = False
+    if STORE_KV:  # (constexpr branch)
         # The split whose tiles hold the last key (the new token's) stores its K and V, then a
-        # barrier makes the bytes visible to the program's own loads of that block.
-        if (num_tiles > 0) & (num_tiles - 1 >= tile_lo) & (num_tiles - 1 < tile_hi):
+        # barrier makes the bytes visible to the program's own loads of that block. With
+        # NEW_KEY_REGS no load of this program needs them: no barrier (DECODE_NEW_KEY_REGS says
+        # which bytes its loop may still read from the token's block, and why they are finite).
+        holds_last = (num_tiles > 0) & (num_tiles - 1 >= tile_lo) & (num_tiles - 1 < tile_hi)
+        if holds_last:
             store_decode_kv(
                 new_k_ptr, new_v_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, q_start, kv_head,
                 stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_cb, stride_cs, stride_ch,
@@ -762,9 +825,13 @@ def paged_attention_kernel(
                 rope_row, k_norm_ptr, eps,
                 BLOCK_SIZE, HEAD_DIM, BLOCK_D, ROPE, HAS_NORM,
             )  # fmt: skip
-            if TMA_KV:
-                fence_proxy_async(INTERPRETER)
-            tl.debug_barrier()
+            if not NEW_KEY_REGS:
+                if TMA_KV:
+                    fence_proxy_async(INTERPRETER)
+                tl.debug_barrier()
+        if NEW_KEY_REGS:
+            merge_new = holds_last & (tl.load(slot_mapping_ptr + q_start) >= 0)
+            loop_end = tl.where(merge_new, kv_end - 1, kv_end)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -773,6 +840,23 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_N, M], tl.float32)  # each thread's sums (fp8_mma_tile)
     else:
         acc = tl.zeros([M, BLOCK_D], tl.float32)
+    if NEW_KEY_REGS:
+        # The step's own key first (in the split that holds it): the state the loop would have after
+        # that key alone, in each loop's units. In FP8_MMA's, m in units of row_scale and the key's p
+        # 256 (2^8: the exponent's + 8), all of it in the hi part, in one thread's sums (key 0).
+        v_new = decode_new_v(
+            new_v_ptr, q_start, kv_head, stride_nvt, stride_nvh, v_scale, k_cache_ptr.dtype.element_ty,
+            HEAD_DIM, BLOCK_D,
+        )  # fmt: skip
+        if FP8_MMA:
+            m_i = tl.where(merge_new, s_new / row_scale, float("-inf"))
+            l_i = tl.where(merge_new & (tl.arange(0, BLOCK_N) == 0)[:, None], 256.0, l_i)
+            first = tl.where(merge_new, 256.0 * v_new, 0.0)[:, None] + tl.zeros([BLOCK_D, M], tl.float32)
+            acc = stack_cols(first, tl.zeros([BLOCK_D, M], tl.float32))
+        else:
+            m_i = tl.where(merge_new, s_new, float("-inf"))
+            l_i = tl.where(merge_new, 1.0, 0.0) + l_i
+            acc = tl.where(merge_new, v_new[None, :] + acc, 0.0)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + d[None, :]
     n = tl.arange(0, BLOCK_N)
@@ -787,11 +871,11 @@ def paged_attention_kernel(
         # instructions a tile, but a second loop for the context's last tile); then the rest, masked.
         full_hi = tile_lo
         if FULL_TILES:
-            full_hi = tl.maximum(tl.minimum(tile_hi, kv_end // BLOCK_N), tile_lo)
+            full_hi = tl.maximum(tl.minimum(tile_hi, loop_end // BLOCK_N), tile_lo)
         for tile in range(tile_lo, full_hi):
             key = tile * BLOCK_N + n
             k, vt = fp8_kv_tile(
-                k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, kv_end, kv_head, num_kv_heads, d,
+                k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, loop_end, kv_head, num_kv_heads, d,
                 d_valid, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D,
                 HEAD_DIM, V_RUN, False, TMA_KV,
             )  # fmt: skip
@@ -801,20 +885,20 @@ def paged_attention_kernel(
             # With FULL_TILES this loop holds the context's last tile alone: pointer loads, which
             # stop at the context (K) and its last run of 16 slots (V^T) where a box reads them all.
             k, vt = fp8_kv_tile(
-                k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, kv_end, kv_head, num_kv_heads, d,
+                k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, loop_end, kv_head, num_kv_heads, d,
                 d_valid, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_D,
                 HEAD_DIM, V_RUN, True, TMA_KV and not FULL_TILES,
             )  # fmt: skip
             m_i, l_i, acc = fp8_mma_tile(
-                k, vt, q_t, row_scale, key < kv_end, m_i, l_i, acc, True, INTERPRETER
+                k, vt, q_t, row_scale, key < loop_end, m_i, l_i, acc, True, INTERPRETER
             )
     else:
         for tile in range(tile_lo, tile_hi):
             key = tile * BLOCK_N + n
-            key_valid = key < kv_end
+            key_valid = key < loop_end
             if KV_FP8:
                 k, vt = fp8_kv_tile(
-                    k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, kv_end, kv_head, num_kv_heads,
+                    k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, tile, key, loop_end, kv_head, num_kv_heads,
                     d, d_valid, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE,
                     BLOCK_D, HEAD_DIM, V_RUN, True, TMA_KV,
                 )  # fmt: skip
@@ -965,6 +1049,18 @@ DECODE_STORES_KV = True
 # and the decode kernel's bit for bit without q/k norms (test_decode_fuses_rope_fp8), and within
 # one rounding step of the norm's sum with them.
 DECODE_FUSES_ROPE = True
+# With DECODE_STORES_KV: the decode kernel attends to the step's own key from registers (the codes
+# it stores, widened: decode_new_k, decode_new_v) as the state its loop starts from, a loop that
+# leaves that key out, so no load waits on the store and no barrier stands between the store and the loop
+# (NEW_KEY_REGS; a decode config's "NEW_KEY_REGS" overrides this). At Qwen3-8B's 32 / 8 heads on an
+# H100 the store, rotary and barrier in front of the loop cost ~24 us a layer against the loop
+# alone (bench/RESULTS.md, 2026-12-06). The loop may still read the token's V slot (and the zeros
+# after it) within its last run of 16: a block holds zeros past its last token from that block's
+# first store on, so those bytes are zero or the new code, finite either way, and weigh 0; a token
+# at its block's first slot leaves the loop's keys a whole number of runs, so the block the store
+# zeroes is not read at all. Not with TMA_KV (whole boxes). Off until timed on the GPU: the output
+# differs from the read-back's by rounding (the key's score from q as it is, not as the MMA's parts).
+DECODE_NEW_KEY_REGS = False
 
 
 @dataclass(frozen=True)
@@ -1206,6 +1302,8 @@ def paged_decode(
     meta["enable_fp_fusion"] = k_cache.dtype != torch.float8_e4m3fn
     if cfg.get("TMA_KV") and tma_kv_applies(k_cache, v_cache, q.shape[2], cfg["BLOCK_N"]):
         meta.update(TMA_KV=True, INTERPRETER=_interpreting())
+    if new_kv is not None and cfg.get("NEW_KEY_REGS", DECODE_NEW_KEY_REGS) and not meta.get("TMA_KV"):
+        meta["NEW_KEY_REGS"] = True  # (TMA's boxes read the token's block whole: they keep the barrier)
     _launch(
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, scale, 1, kv_scales,
         GROUP_PAD=group_pad, NUM_SPLITS=num_splits, ROWS=rows,
