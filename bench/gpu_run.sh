@@ -299,7 +299,7 @@ run() {
     # W4's ratio as the issue states it: bf16 Qwen3-8B and W4 on one machine, one untimed run of
     # each first (a shape's first run on a machine compiles its kernels inside the timed window:
     # 2026-12-06), then alternating ROUNDS times (default 1); FLAGS: extra flags for the W4 runs.
-    w4-ratio) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-ratio bash -c 'for i in $(seq 0 ${ROUNDS:-1}); do for w in bf16 fp8; do echo "round $i (0: untimed) $w"; if [ $w = bf16 ]; then a=(--workload w1 --shape qwen3-8b); else a=(--workload w4 ${FLAGS:-}); fi; "$0" bench/throughput.py "${a[@]}" --device cuda --mode in-process | grep "output tok/s\|device:"; done; done' "$PY" ;;
+    w4-ratio) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-ratio bash -c 'for i in $(seq 0 ${ROUNDS:-1}); do for w in bf16 fp8; do echo "round $i (0: untimed) $w"; if [ $w = bf16 ]; then a=(--workload w1 --shape qwen3-8b); else a=(--workload w4 ${FLAGS:-}); fi; "$0" bench/throughput.py "${a[@]}" --device cuda --mode in-process --trace-compiles | grep "output tok/s\|device:\|first launched\|^ *[0-9.]* s  "; done; done' "$PY" ;;
     # RMSNorm and SiLU-and-mul over launch shapes (bench/fused_ops.py), Qwen3-8B's widths then
     # Qwen3-0.6B's; its "table" lines are --fused-op-launch entries for w4-fused-ops.
     fused-ops) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fused-ops bash -c '"$0" bench/fused_ops.py && "$0" bench/fused_ops.py --shape qwen3-0.6b --tokens 16,64,256,2048' "$PY" ;;
