@@ -145,8 +145,6 @@ def sweep(widths: tuple[int, int], tokens: list[int], device: str, check_only: b
                 want = default_run()
                 for variant in variants:
                     arg = variant[0] if op == "rms_norm" else variant
-                    if op == "silu_and_mul" and quant and variant[0] < 128:
-                        continue
                     run, _ = make(m, width, quant, device, arg)
                     label = (
                         f"{variant[0]} warps"
@@ -168,7 +166,7 @@ def sweep(widths: tuple[int, int], tokens: list[int], device: str, check_only: b
             default = rows["default"][decode_m]
             timed = {k: v for k, v in rows.items() if k not in ("default", "(bytes moved, MB)")}
             best = min(timed, key=lambda k: timed[k][decode_m])
-            tbs = rows["(bytes moved, MB)"][decode_m] / timed[best][decode_m] / 1e6
+            tbs = rows["(bytes moved, MB)"][decode_m] / timed[best][decode_m]
             print(
                 f"  best at m={decode_m}: {best} {timed[best][decode_m]:.2f} us ({tbs:.2f} TB/s) against the default's {default:.2f}"
             )

@@ -289,30 +289,33 @@ run() {
     # variant's first compiles), then alternating ROUNDS times (default 2).
     w4-stores-ab) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage w4-stores-ab bash -c 'for f in on off on off; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 8 --top 2 --fused-ops on --kv-cache-dtype fp8 --decode-stores-kv $f 2>&1 | grep "decode step at\|by group\|us x"; done' "$PY" ;;
     w4-stores-e2e) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-stores-e2e bash -c 'for f in on off $(for i in $(seq ${ROUNDS:-2}); do echo off on; done); do echo "W4 --decode-stores-kv $f"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process --decode-stores-kv $f | grep "output tok/s\|device:"; done' "$PY" ;;
-    # The decode kernel's own key from registers (DECODE_NEW_KEY_REGS): its GPU tests (the stores'
-    # and rotary's beside them), then W4's step at batch 256 / context 512 alternating on / off
-    # twice (after w4-checkpoint), then W1 fp8 and W4 end to end, one untimed run of each first.
-    new-key-tests) TAIL=6 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage new-key-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py::test_decode_new_key_regs_fp8 tests/test_triton_kernels.py::test_decode_stores_kv_fp8 tests/test_triton_kernels.py::test_decode_fuses_rope_fp8 ;;
+    # The decode kernel's own key from registers (DECODE_NEW_KEY_REGS): its GPU tests (36), then
+    # W4's step at batch 256 / context 512 alternating on / off twice (after w4-checkpoint), then W1
+    # fp8 and W4 end to end, one untimed run of each first.
+    new-key-tests) TAIL=6 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400} stage new-key-tests "$PY" -m pytest -q -m gpu tests/test_triton_kernels.py::test_decode_new_key_regs_fp8 ;;
     new-key-profile) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage new-key-profile bash -c 'for f in on off on off; do "$0" bench/profile_step.py --model /tmp/tandem-w1-qwen3-8b-fp8 --steps 8 --top 2 --fused-ops on --kv-cache-dtype fp8 --decode-new-key-regs $f 2>&1 | grep "decode step at\|by group\|us x"; done' "$PY" ;;
     new-key-w1) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage new-key-w1 bash -c 'for f in on off $(for i in $(seq ${ROUNDS:-2}); do echo on off; done); do echo "W1 fp8 --decode-new-key-regs $f"; "$0" bench/throughput.py --workload w1 --device cuda --mode in-process --kv-cache-dtype fp8 --decode-new-key-regs $f | grep "output tok/s\|device:"; done' "$PY" ;;
     new-key-w4) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage new-key-w4 bash -c 'for f in on off $(for i in $(seq ${ROUNDS:-2}); do echo on off; done); do echo "W4 --decode-new-key-regs $f"; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process --decode-new-key-regs $f | grep "output tok/s\|device:"; done' "$PY" ;;
     # W4's ratio as the issue states it: bf16 Qwen3-8B and W4 on one machine, one untimed run of
     # each first (a shape's first run on a machine compiles its kernels inside the timed window:
-    # 2026-12-06), then alternating ROUNDS times (default 1); FLAGS: extra flags for the W4 runs.
+    # 2026-12-06), then alternating ROUNDS times (default 1); FLAGS: extra flags for the W4 runs,
+    # split at spaces (write JSON values without any: --decode-config {"NEW_KEY_REGS":true}).
     w4-ratio) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-ratio bash -c 'for i in $(seq 0 ${ROUNDS:-1}); do for w in bf16 fp8; do echo "round $i (0: untimed) $w"; if [ $w = bf16 ]; then a=(--workload w1 --shape qwen3-8b); else a=(--workload w4 ${FLAGS:-}); fi; "$0" bench/throughput.py "${a[@]}" --device cuda --mode in-process --trace-compiles | grep "output tok/s\|device:\|first launched\|^ *[0-9.]* s  "; done; done' "$PY" ;;
     # RMSNorm and SiLU-and-mul over launch shapes (bench/fused_ops.py), Qwen3-8B's widths then
     # Qwen3-0.6B's; its "table" lines are --fused-op-launch entries for w4-fused-ops.
     fused-ops) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fused-ops bash -c '"$0" bench/fused_ops.py && "$0" bench/fused_ops.py --shape qwen3-0.6b --tokens 16,64,256,2048' "$PY" ;;
     # The sweep at W4's widths, then W4 with its winners (if any) against today's: one call.
-    fused-ops-ab) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fused-ops-sweep "$PY" bench/fused_ops.py --tokens 16,64,128,256,16384 --launch-out "$OUT/fused_op_launch.json"
-        if [ "$(cat "$OUT/fused_op_launch.json" 2>/dev/null)" != "{}" ] && [ -s "$OUT/fused_op_launch.json" ]; then
-            LAUNCH=$(cat "$OUT/fused_op_launch.json") ROUNDS=${ROUNDS:-1} run w4-fused-ops
-        else
+    fused-ops-ab) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-200} stage fused-ops-sweep "$PY" bench/fused_ops.py --tokens 16,64,256,16384 --launch-out "$OUT/fused_op_launch.json"
+        if [ ! -s "$OUT/fused_op_launch.json" ]; then
+            echo "   the sweep wrote no launch shapes (it failed or ran out of time: fused-ops-sweep.log): W4 not run" | tee -a "$OUT/summary.txt"
+        elif [ "$(cat "$OUT/fused_op_launch.json")" = "{}" ]; then
             echo "   no launch shape beats the defaults: W4 not run" | tee -a "$OUT/summary.txt"
+        else
+            LAUNCH=$(cat "$OUT/fused_op_launch.json") ROUNDS=${ROUNDS:-1} run w4-fused-ops
         fi ;;
     # W4 with LAUNCH='<--fused-op-launch JSON>' against today's, alternating ROUNDS times (default 2)
     # after one untimed run of each (their first compiles).
-    w4-fused-ops) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-fused-ops bash -c 'for i in $(seq $((${ROUNDS:-2} + 1))); do for f in today launch; do echo "W4 $f (round $i; round 1 untimed)"; if [ $f = launch ]; then a=(--fused-op-launch "$LAUNCH"); else a=(); fi; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process "${a[@]}" | grep "output tok/s\|device:\|launch shapes"; done; done' "$PY" ;;
+    w4-fused-ops) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-fused-ops bash -c 'for i in $(seq $((${ROUNDS:-2} + 1))); do for f in today launch; do echo "W4 $f (round $i; round 1 untimed)"; if [ $f = launch ]; then a=(--fused-op-launch "${LAUNCH:?LAUNCH=<--fused-op-launch JSON> is needed}"); else a=(); fi; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process "${a[@]}" | grep "output tok/s\|device:\|launch shapes"; done; done' "$PY" ;;
     # The W4 checkpoint (random Qwen3-8B in the FP8 format, /tmp/tandem-w1-qwen3-8b-fp8) alone, for
     # the profile stages on a fresh machine.
     w4-checkpoint) stage w4-checkpoint env PYTHONPATH="${PYTHONPATH:-$PWD}:$PWD/bench" "$PY" -c 'from pathlib import Path; from bench.throughput import build_w1_checkpoint; print(build_w1_checkpoint(Path("/tmp/tandem-w1-qwen3-8b-fp8"), "qwen3-8b", "fp8"))' ;;

@@ -303,6 +303,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             bad = [cols for cols, _ in args.silu_and_mul_tiles.values() if cols < 128 or cols & (cols - 1)]
             if bad:
                 raise ValueError(f"SiLU-and-mul programs of {bad[0]} columns: a power of 2 >= 128 is needed")
+            warps = [*args.rms_norm_warps.values(), *(w for _, w in args.silu_and_mul_tiles.values())]
+            bad = [w for w in warps if not 1 <= w <= 32 or w & (w - 1)]
+            if bad:
+                raise ValueError(f"{bad[0]} warps: a power of 2 from 1 to 32 is needed")
         except (ValueError, TypeError, IndexError, AttributeError) as e:
             p.error(f"--fused-op-launch: {e}")
     if args.profile_gpu and not args.device.startswith("cuda"):

@@ -332,7 +332,7 @@ def test_decode_stores_kv_fp8(block_size, num_splits, variant):
 @pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize("group", [2, 4])
 @pytest.mark.parametrize(
-    "variant", [{}, {"FP8_MMA": True}, {"FP8_MMA": True, "BLOCK_N": 64, "FULL_TILES": True}]
+    "variant", [{"FP8_MMA": False}, {"FP8_MMA": True}, {"FP8_MMA": True, "BLOCK_N": 64, "FULL_TILES": True}]
 )
 def test_decode_new_key_regs_fp8(block_size, num_splits, group, variant):
     """The decode kernel attending to the step's key from registers with no barrier before its loop

@@ -218,7 +218,8 @@ def check_decode_new_key_regs(batch: dict, num_splits: int = 1, decode_config: d
     it is, not through the loop's MMA). The stale bytes are a serving cache's: a block the token
     starts holds its earlier owner's (NaN here, K and V), and past a mid-block token a block holds
     zeros (every store zeroes a block's V^T past a token at its first slot) and, in the token's K
-    slot, NaN, which the loop must not read. Contexts of 2 tokens on give the new key up to half
+    slot, NaN (the loop's K loads stop before it; under the interpreter the store lands first, so
+    only the GPU test can show a load that raced it). Contexts of 2 tokens on give the new key up to half
     the weight: left out, or counted twice, it moves the output past either tolerance."""
     from executor_service.attention import torch_ref
     from executor_service.fp8 import v_cache_slots
