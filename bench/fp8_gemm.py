@@ -339,6 +339,8 @@ def compile_sm90(cfg: dict):
         del constants["GROUP_M"]
     if kernel in ("v2", "swap"):
         constants["TMA"] = bool(cfg.get("TMA"))
+    if kernel != "swap":
+        constants["SUM_IN_KERNEL"] = bool(cfg.get("SUM_IN_KERNEL"))
     boxes = {"a_ptr": cfg["BLOCK_M"], "b_ptr": cfg["BLOCK_N"]}
     signature = {}
     for name in fn.arg_names:
@@ -349,7 +351,8 @@ def compile_sm90(cfg: dict):
                 f"tensordesc<fp8e4nv[{boxes[name]}, {GROUP}]>" if constants.get("TMA") else "*fp8e4nv"
             )
         elif name == "c_ptr":
-            signature[name] = "*bf16" if constants["SPLIT_K"] == 1 or kernel == "swap" else "*fp32"
+            whole = constants["SPLIT_K"] == 1 or kernel == "swap" or constants.get("SUM_IN_KERNEL")
+            signature[name] = "*bf16" if whole else "*fp32"
         elif name == "count_ptr":
             signature[name] = "*i32"
         else:

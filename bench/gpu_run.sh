@@ -301,6 +301,10 @@ run() {
     # 2026-12-06), then alternating ROUNDS times (default 1); FLAGS: extra flags for the W4 runs,
     # split at spaces (write JSON values without any: --decode-config {"NEW_KEY_REGS":true}).
     w4-ratio) TAIL=20 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-ratio bash -c 'for i in $(seq 0 ${ROUNDS:-1}); do for w in bf16 fp8; do echo "round $i (0: untimed) $w"; if [ $w = bf16 ]; then a=(--workload w1 --shape qwen3-8b); else a=(--workload w4 ${FLAGS:-}); fi; "$0" bench/throughput.py "${a[@]}" --device cuda --mode in-process --trace-compiles | grep "output tok/s\|device:\|first launched\|^ *[0-9.]* s  "; done; done' "$PY" ;;
+    # The Triton fp8 GEMMs' split-K summed in the kernel (SPLIT_K_SUM_IN_KERNEL): its GPU tests, then W4
+    # alternating (after one untimed run of each), ROUNDS times (default 2).
+    sum-in-kernel-tests) TAIL=6 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage sum-in-kernel-tests "$PY" -m pytest -q -m gpu tests/test_fp8_gemm.py -k "summed_in_the_kernel" ;;
+    w4-sum-in-kernel) TAIL=30 STAGE_TIMEOUT=${STAGE_TIMEOUT:-590} stage w4-sum-in-kernel bash -c 'for f in on off $(for i in $(seq ${ROUNDS:-2}); do echo on off; done); do echo "W4 split-K in the kernel: $f"; if [ $f = on ]; then a=(--fp8-gemm-sum-in-kernel); else a=(); fi; "$0" bench/throughput.py --workload w4 --device cuda --mode in-process "${a[@]}" | grep "output tok/s\|device:"; done' "$PY" ;;
     # RMSNorm and SiLU-and-mul over launch shapes (bench/fused_ops.py), Qwen3-8B's widths then
     # Qwen3-0.6B's; its "table" lines are --fused-op-launch entries for w4-fused-ops.
     fused-ops) TAIL=40 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300} stage fused-ops bash -c '"$0" bench/fused_ops.py && "$0" bench/fused_ops.py --shape qwen3-0.6b --tokens 16,64,256,2048' "$PY" ;;

@@ -283,6 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         or args.fp8_gemm_table
         or args.fp8_gemm_swap_below
         or args.fp8_scaled_mm_split_k
+        or args.fp8_gemm_sum_in_kernel
         or args.fused_op_launch
         or args.decode_new_key_regs is not None
     ) and args.mode != "in-process":
@@ -336,7 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_fp8_gemm_flags(p: argparse.ArgumentParser) -> None:
-    """--fp8-gemm-table, --fp8-gemm-swap-below and --fp8-scaled-mm-split-k (apply_fp8_gemm_flags sets
+    """--fp8-gemm-table, --fp8-gemm-swap-below, --fp8-scaled-mm-split-k and --fp8-gemm-sum-in-kernel (apply_fp8_gemm_flags sets
     them): this process's fp8 GEMMs (in-process runs; fp8 weights)."""
     p.add_argument(
         "--fp8-gemm-table",
@@ -358,12 +359,25 @@ def add_fp8_gemm_flags(p: argparse.ArgumentParser) -> None:
         help="in-process, fp8 weights: torch._scaled_mm's GEMMs of too few tiles to fill the SMs as two "
         "K halves on two streams (fp8_gemm_triton.SCALED_MM_SPLIT_K; off by default)",
     )
+    p.add_argument(
+        "--fp8-gemm-sum-in-kernel",
+        action="store_true",
+        help="in-process, fp8 weights: the Triton GEMMs' split-K sums added by each tile's last split in "
+        "the kernel, in split order, instead of atomically into a zeroed buffer copied after "
+        "(fp8_gemm_triton.SPLIT_K_SUM_IN_KERNEL; off by default)",
+    )
 
 
 def apply_fp8_gemm_flags(args: argparse.Namespace) -> None:
     """--fp8-gemm-table's entries into fp8_gemm_triton.GEMM_TABLE, --fp8-gemm-swap-below into its
-    SWAP_MAX_TOKENS, --fp8-scaled-mm-split-k into SCALED_MM_SPLIT_K (this process's fp8 GEMMs)."""
-    if not (args.fp8_gemm_table or args.fp8_gemm_swap_below or args.fp8_scaled_mm_split_k):
+    SWAP_MAX_TOKENS, --fp8-scaled-mm-split-k into SCALED_MM_SPLIT_K, --fp8-gemm-sum-in-kernel into
+    SPLIT_K_SUM_IN_KERNEL (this process's fp8 GEMMs)."""
+    if not (
+        args.fp8_gemm_table
+        or args.fp8_gemm_swap_below
+        or args.fp8_scaled_mm_split_k
+        or args.fp8_gemm_sum_in_kernel
+    ):
         return
     from executor_service.layers import fp8_gemm_triton
 
@@ -381,6 +395,9 @@ def apply_fp8_gemm_flags(args: argparse.Namespace) -> None:
     fp8_gemm_triton.SCALED_MM_SPLIT_K = args.fp8_scaled_mm_split_k
     if args.fp8_scaled_mm_split_k:
         print("torch._scaled_mm's GEMMs of too few tiles: two K halves on two streams")
+    fp8_gemm_triton.SPLIT_K_SUM_IN_KERNEL = args.fp8_gemm_sum_in_kernel
+    if args.fp8_gemm_sum_in_kernel:
+        print("the Triton GEMMs' split-K: summed in the kernel by each tile's last split")
 
 
 def build_w1_checkpoint(out_dir: Path, shape: str = "qwen3-0.6b", quantization: str = "none") -> Path:

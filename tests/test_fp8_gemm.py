@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.fp8_gemm_checks import check_fp8_linear_layers, check_gemm, check_quantize, check_swap_gemm
+from helpers.fp8_gemm_checks import (
+    check_fp8_linear_layers,
+    check_gemm,
+    check_quantize,
+    check_split_k_in_kernel,
+    check_swap_gemm,
+)
 
 from executor_service.fp8 import FP8_DTYPE, quantize_weight_blocks
 
@@ -306,6 +312,74 @@ def test_w8a8_swap_split_k_replays_in_a_cuda_graph():
     for _ in range(5):
         x = torch.randn(12, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
         q, s = quantize_per_token_group(x)
+        a_q.copy_(q)
+        a_s.copy_(s)
+        graph.replay()
+        assert torch.equal(out, w8a8_block_matmul(q, s, w_q, w_s, torch.bfloat16, config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,n,k,config",
+    [
+        (16, 6144, 4096, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "SPLIT_K": 4}),
+        (64, 4096, 12288, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "SPLIT_K": 8}),
+        (
+            128,
+            4096,
+            12288,
+            {
+                "KERNEL": "v2",
+                "BLOCK_M": 128,
+                "BLOCK_N": 128,
+                "num_warps": 8,
+                "num_stages": 4,
+                "TMA": True,
+                "SPLIT_K": 3,
+            },
+        ),
+        (
+            5,
+            200,
+            384,
+            {"KERNEL": "v2", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "SPLIT_K": 5},
+        ),
+    ],
+)
+def test_split_k_summed_in_the_kernel_on_gpu(m, n, k, config):
+    """SPLIT_K_SUM_IN_KERNEL's GEMMs (v1, v2 through TMA and by pointer loads, empty shares): the
+    dequantized math, the same bits run again, counters back at zero, the atomic adds' result within
+    rounding (helpers/fp8_gemm_checks.check_split_k_in_kernel)."""
+    check_split_k_in_kernel(m, n, k, torch.bfloat16, "cuda", config)
+
+
+@pytest.mark.gpu
+def test_split_k_summed_in_the_kernel_replays_in_a_cuda_graph():
+    """A v1 split-K GEMM summed in the kernel, captured once and replayed on new activations: each
+    replay's output is the eager GEMM's to the bit (the counters reset inside the graph)."""
+    from executor_service.layers.fp8_gemm_triton import quantize_per_token_group, w8a8_block_matmul
+
+    gen = torch.Generator("cuda").manual_seed(1)
+    w_q, w_s = quantize_weight_blocks(torch.randn(4096, 4096, device="cuda", generator=gen) * 0.05)
+    config = {
+        "BLOCK_M": 16,
+        "BLOCK_N": 64,
+        "num_warps": 4,
+        "num_stages": 3,
+        "SPLIT_K": 8,
+        "SUM_IN_KERNEL": True,
+    }
+    a_q, a_s = quantize_per_token_group(
+        torch.randn(9, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+    )
+    w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, config)  # compiles; makes the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, config)
+    for _ in range(5):
+        q, s = quantize_per_token_group(
+            torch.randn(9, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+        )
         a_q.copy_(q)
         a_s.copy_(s)
         graph.replay()

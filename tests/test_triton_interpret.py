@@ -187,6 +187,11 @@ check_gemm(5, 72, 256, torch.float32, "cpu", small)  # partial N tile, two K ste
 check_gemm(17, 160, 384, torch.float32, "cpu", small)  # partial M tile, N scale blocks of 128
 check_gemm(17, 160, 384, torch.float32, "cpu", {**small, "SPLIT_K": 2})  # K in two shares of 1 and 2 steps
 check_gemm(5, 72, 256, torch.float32, "cpu", {**small, "SPLIT_K": 4})  # more shares than steps: empty ones
+# ... summed in the kernel by each tile's last split (SUM_IN_KERNEL), v1 and v2 (pointer loads)
+from helpers.fp8_gemm_checks import check_split_k_in_kernel
+check_split_k_in_kernel(17, 160, 384, torch.float32, "cpu", {**small, "SPLIT_K": 2})
+check_split_k_in_kernel(5, 72, 256, torch.bfloat16, "cpu", {**small, "SPLIT_K": 4})
+check_split_k_in_kernel(17, 160, 384, torch.bfloat16, "cpu", {**small, "KERNEL": "v2", "TMA": False, "SPLIT_K": 3})
 from helpers.fp8_gemm_checks import check_fp8_linear_layers
 check_fp8_linear_layers("cpu")
 from helpers.fp8_gemm_checks import check_fp8_linear_quantized_input

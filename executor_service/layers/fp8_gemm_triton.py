@@ -163,11 +163,30 @@ def _split_k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, split):
 
 
 @triton.jit
-def _write_tile(c_ptr, rm, rn, stride_cm, acc, mask, SPLIT_K: tl.constexpr):
-    """The tile's result into c: stored in c's dtype, or with SPLIT_K > 1 added to fp32 c."""
+def _write_tile(
+    c_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_cm, acc, mask, SPLIT_K: tl.constexpr,
+    SUM_IN_KERNEL: tl.constexpr,
+):  # fmt: skip
+    """The tile's result into c: stored in c's dtype; with SPLIT_K > 1 added to fp32 c (zeroed)
+    atomically, or with SUM_IN_KERNEL stored as this split's sums, the tile's last split to finish
+    adding them up in split order into c's dtype (as the swap kernel does: the same bits every run,
+    and no zeroed fp32 c before the GEMM nor copy after it)."""
     c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
     if SPLIT_K == 1:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    elif SUM_IN_KERNEL:
+        tile = tl.program_id(0)
+        parts = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        part_stride = M.to(tl.int64) * N  # a split's [M, N]
+        tl.store(parts + tl.program_id(1) * part_stride, acc, mask=mask)
+        tl.debug_barrier()  # all of the program's sums stored before its split is counted (release)
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            total = tl.zeros(acc.shape, tl.float32)
+            for s in tl.static_range(SPLIT_K):  # from L2: the other SMs' stores
+                total += tl.load(parts + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # for the next GEMM
     else:
         tl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")
 
@@ -177,6 +196,8 @@ def w8a8_block_matmul_kernel(
     a_ptr,
     b_ptr,
     c_ptr,
+    part_ptr,  # SUM_IN_KERNEL: [SPLIT_K, M, N] fp32, each split's sums (_write_tile)
+    count_ptr,  # SUM_IN_KERNEL: int32 a tile, zero between GEMMs
     a_s_ptr,
     b_s_ptr,
     M,
@@ -193,6 +214,7 @@ def w8a8_block_matmul_kernel(
     SCALE_N: tl.constexpr,  # rows of W per weight scale (128)
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1: each program sums a 1/SPLIT_K share of K into fp32 c (zeroed), atomically
+    SUM_IN_KERNEL: tl.constexpr = False,  # with SPLIT_K > 1: into c's dtype, summed in split order instead
 ):
     # a [M, K] e4m3 row-major, b [N, K] e4m3 (the checkpoint's layout), c [M, N].
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -218,7 +240,8 @@ def w8a8_block_matmul_kernel(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    _write_tile(c_ptr, rm, rn, stride_cm, acc, m_mask[:, None] & n_mask[None, :], SPLIT_K)
+    mask = m_mask[:, None] & n_mask[None, :]
+    _write_tile(c_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_cm, acc, mask, SPLIT_K, SUM_IN_KERNEL)
 
 
 @triton.jit
@@ -242,6 +265,8 @@ def w8a8_block_matmul_v2_kernel(
     a_ptr,  # [M, K] e4m3, or its TMA descriptor of [BLOCK_M, BLOCK_K] boxes (TMA)
     b_ptr,  # [N, K] e4m3, or its descriptor of [BLOCK_N, BLOCK_K] boxes
     c_ptr,
+    part_ptr,  # SUM_IN_KERNEL: as w8a8_block_matmul_kernel's
+    count_ptr,
     a_s_ptr,
     b_s_ptr,
     M,
@@ -259,6 +284,7 @@ def w8a8_block_matmul_v2_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     TMA: tl.constexpr,
+    SUM_IN_KERNEL: tl.constexpr = False,
 ):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     kb_lo, kb_hi = _split_k_range(K, BLOCK_K, SPLIT_K, tl.program_id(1))
@@ -277,7 +303,8 @@ def w8a8_block_matmul_v2_kernel(
         scale = tl.load(a_s_ptrs + kb, mask=m_mask, other=0.0) * tl.load(b_s_ptr + kb)
         acc = tl.fma(tl.dot(a, b.T), scale[:, None], acc)
     rn = off_n + tl.arange(0, BLOCK_N)
-    _write_tile(c_ptr, rm, rn, stride_cm, acc, m_mask[:, None] & (rn < N)[None, :], SPLIT_K)
+    mask = m_mask[:, None] & (rn < N)[None, :]
+    _write_tile(c_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_cm, acc, mask, SPLIT_K, SUM_IN_KERNEL)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every decode batch size
@@ -395,6 +422,14 @@ def gemm_config(m: int, n: int, k: int | None = None) -> dict:
 
 _NUM_SMS = 132  # H200 / H100 SXM; only the split-K choice and the quantize grid depend on it
 
+# Whether the v1 and v2 kernels' split-K GEMMs sum their splits in the kernel (_write_tile's
+# SUM_IN_KERNEL: each tile's last split adds the others' fp32 sums in split order, as the swap kernel
+# does) instead of atomic adds into a zeroed fp32 buffer copied into the output after: the same bits
+# every run, and two kernels fewer a GEMM (the zeroing and the copy: ~1.1 and ~1.2 us each at a
+# 16-token decode step on an H100, three such GEMMs a layer; bench/RESULTS.md, 2026-12-06). Off
+# until timed on the GPU (bench/throughput.py --fp8-gemm-sum-in-kernel).
+SPLIT_K_SUM_IN_KERNEL = False
+
 # Up to this many tokens gemm_config takes swap_config's rule over the others (GEMM_TABLE's too):
 # 0, off, until the swap kernel has been timed on the GPU (bench/fp8_gemm.py --sweep-v2 --kernels
 # swap; bench/throughput.py --fp8-gemm-swap-below N sets it for a W4 run).
@@ -431,24 +466,39 @@ def w8a8_block_matmul(
         _launch_swap(a_q, a_s, weight, weight_scale_inv, out, cfg)
         return out
     split_k = cfg.get("SPLIT_K", 1)
-    # Split over K, the partial sums meet in fp32 (the order of the atomic adds varies: not bitwise
-    # reproducible run to run, so only where bench/fp8_gemm.py --sweep found it faster).
-    c = out if split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=a_q.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
-    if kernel == "gluon" and gluon_applies(a_q, weight):
+    gluon = kernel == "gluon" and gluon_applies(a_q, weight)
+    # Split over K: the partial sums meet in fp32, added atomically into a zeroed c and copied into
+    # out after (the order of the atomic adds varies: not bitwise reproducible run to run, so only
+    # where bench/fp8_gemm.py --sweep found it faster), or with SPLIT_K_SUM_IN_KERNEL (or the
+    # config's SUM_IN_KERNEL; not the Gluon kernel) summed by each tile's last split, in split order.
+    in_kernel = split_k > 1 and not gluon and cfg.get("SUM_IN_KERNEL", SPLIT_K_SUM_IN_KERNEL)
+    if in_kernel and grid[0] > SWAP_MAX_TILES:
+        raise ValueError(
+            f"the fp8 GEMM sums split-K in the kernel for at most {SWAP_MAX_TILES} tiles, not {grid[0]}"
+        )
+    if split_k == 1 or in_kernel:
+        c = out
+        parts = torch.empty(split_k, m, n, dtype=torch.float32, device=a_q.device) if in_kernel else out
+        counters = tile_counters(a_q.device) if in_kernel else out
+    else:
+        c = parts = counters = torch.zeros(m, n, dtype=torch.float32, device=a_q.device)
+    if gluon:
         from executor_service.layers.fp8_gemm_gluon import launch_gluon
 
         launch_gluon(a_q, a_s, weight, weight_scale_inv, c, cfg, grid)
     elif kernel in ("v2", "gluon"):  # the Gluon kernel's sums in its order, where it cannot run
-        _launch_v2(a_q, a_s, weight, weight_scale_inv, c, {"TMA": True, **cfg}, grid)
+        cfg = {"TMA": True, **cfg, "SUM_IN_KERNEL": bool(in_kernel)}
+        _launch_v2(a_q, a_s, weight, weight_scale_inv, c, cfg, grid, parts, counters)
     else:
         w8a8_block_matmul_kernel[grid](
-            a_q, weight, c, a_s, weight_scale_inv, m, n, k,
+            a_q, weight, c, parts, counters, a_s, weight_scale_inv, m, n, k,
             a_q.stride(0), weight.stride(0), c.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SCALE_N=GROUP, GROUP_M=8,
-            SPLIT_K=split_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            SPLIT_K=split_k, SUM_IN_KERNEL=bool(in_kernel), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )  # fmt: skip
-    if split_k > 1:
+    if c is not out:
         out.copy_(c)
     return out
 
@@ -489,18 +539,21 @@ def _operands(kernel: str, a_q, weight, block_m: int, block_n: int, tma: bool) -
     )
 
 
-def _launch_v2(a_q, a_s, weight, weight_scale_inv, c, cfg, grid) -> None:
+def _launch_v2(a_q, a_s, weight, weight_scale_inv, c, cfg, grid, parts=None, counters=None) -> None:
     """w8a8_block_matmul_v2_kernel with cfg's tiles; TMA descriptors for the operands where cfg asks
-    for them (TMA) and tma_applies, masked pointer loads otherwise."""
+    for them (TMA) and tma_applies, masked pointer loads otherwise; parts and counters: its
+    SUM_IN_KERNEL workspace (w8a8_block_matmul's)."""
     m, k = a_q.shape
     n = weight.shape[0]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     a_arg, b_arg, tma = _operands("v2", a_q, weight, block_m, block_n, cfg.get("TMA", False))
     w8a8_block_matmul_v2_kernel[grid](
-        a_arg, b_arg, c, a_s, weight_scale_inv, m, n, k,
+        a_arg, b_arg, c, c if parts is None else parts, c if counters is None else counters,
+        a_s, weight_scale_inv, m, n, k,
         a_q.stride(0), weight.stride(0), c.stride(0), a_s.stride(0), weight_scale_inv.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP, SCALE_N=GROUP, GROUP_M=cfg.get("GROUP_M", 8),
-        SPLIT_K=cfg.get("SPLIT_K", 1), TMA=tma, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPLIT_K=cfg.get("SPLIT_K", 1), TMA=tma, SUM_IN_KERNEL=bool(cfg.get("SUM_IN_KERNEL", False)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 

@@ -98,6 +98,33 @@ def check_swap_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: str, con
         torch.testing.assert_close(first.float(), v2.float(), atol=tol * v2.abs().max().item(), rtol=tol)
 
 
+def check_split_k_in_kernel(m: int, n: int, k: int, dtype: torch.dtype, device: str, config: dict) -> None:
+    """A v1 or v2 split-K GEMM summing its splits in the kernel (SUM_IN_KERNEL: each tile's last
+    split adds the others' fp32 sums in split order): within rounding of the dequantized math
+    (check_gemm), the same bits when run again, its tile counters back at zero, and the atomic adds'
+    result (in fp32 on the CPU to the bit, where the interpreter adds the splits in split order too;
+    into 16 bits the interpreter's cast is not torch's copy's, and on a GPU the adds' order varies:
+    within rounding)."""
+    from executor_service.layers import fp8_gemm_triton as g
+
+    config = {**config, "SUM_IN_KERNEL": True}
+    check_gemm(m, n, k, dtype, device, config)
+    gen = torch.Generator().manual_seed(5 * m + n + k)
+    a_q, a_s = reference_quantize((torch.randn(m, k, generator=gen) * 3).to(dtype).to(device))
+    w_q, w_s = quantize_weight_blocks((torch.randn(n, k, generator=gen) * 0.05).to(device))
+    first = g.w8a8_block_matmul(a_q, a_s, w_q, w_s, dtype, config)
+    assert torch.equal(first, g.w8a8_block_matmul(a_q, a_s, w_q, w_s, dtype, config)), "not reproducible"
+    assert not g.tile_counters(first.device).any(), "a tile's counter was left raised"
+    atomic = g.w8a8_block_matmul(a_q, a_s, w_q, w_s, dtype, {**config, "SUM_IN_KERNEL": False})
+    if device == "cpu" and dtype == torch.float32:
+        assert torch.equal(first, atomic), "the in-kernel sums differ from the atomic adds'"
+    else:
+        tol = 1e-2 if dtype != torch.float32 else 1e-5
+        torch.testing.assert_close(
+            first.float(), atomic.float(), atol=tol * atomic.abs().max().item(), rtol=tol
+        )
+
+
 def reference_fp8_linear(x, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """The W8A8 linear in torch: the activations quantized as the kernel does (or, an Fp8Input, as
     the fused op before already did), then fp32 math on the dequantized operands, cast to x's dtype
