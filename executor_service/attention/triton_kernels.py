@@ -527,16 +527,15 @@ def store_v_tiles(v, v_cache, slot_mapping, v_scale, num_tokens: int) -> None:
 
 
 @triton.jit
-def decode_new_k(
+def new_k_codes(
     new_k_ptr, t, kv_head, stride_nkt, stride_nkh, k_scale, rope_row, k_norm_ptr, eps, CODE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    """A decode token's K for one KV head as store_decode_kv stores it (e4m3 codes of type CODE),
-    widened to fp32 ([BLOCK_D], zeros past HEAD_DIM): the key the cache will hold, for the decode
-    kernel to attend to its own step's key from registers (NEW_KEY_REGS)."""
-    t64 = t.to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    k_row = new_k_ptr + t64 * stride_nkt + kv_head * stride_nkh
+    """A decode token's K for one KV head as e4m3 codes of type CODE, the bytes store_token_kv would
+    write: with ROPE normalised and rotated first (the fused rotary kernel's norm_rope, in halves)
+    and returned as its two halves ([1, HEAD_DIM // 2] each); without, the row ([BLOCK_D], zeros
+    past HEAD_DIM) twice. store_decode_kv stores them; decode_new_k widens them."""
+    k_row = new_k_ptr + t.to(tl.int64) * stride_nkt + kv_head * stride_nkh
     if ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
         hd = tl.arange(0, HALF)[None, :]
@@ -548,26 +547,43 @@ def decode_new_k(
         k1, k2 = norm_rope(
             tl.load(k_row + hd), tl.load(k_row + HALF + hd), w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM
         )
-        k1 = quantize_e4m3(k1, k_scale).to(CODE).to(tl.float32)
-        k2 = quantize_e4m3(k2, k_scale).to(CODE).to(tl.float32)
-        k = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), [BLOCK_D])
+        k1, k2 = quantize_e4m3(k1, k_scale).to(CODE), quantize_e4m3(k2, k_scale).to(CODE)
     else:
-        k = tl.load(k_row + d, mask=d < HEAD_DIM, other=0.0)
-        k = quantize_e4m3(k, k_scale).to(CODE).to(tl.float32)
-    return k
+        d = tl.arange(0, BLOCK_D)
+        k1 = quantize_e4m3(tl.load(k_row + d, mask=d < HEAD_DIM, other=0.0), k_scale).to(CODE)
+        k2 = k1
+    return k1, k2
 
 
 @triton.jit
-def decode_new_v(
+def new_v_codes(
     new_v_ptr, t, kv_head, stride_nvt, stride_nvh, v_scale, CODE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """decode_new_k's V: its e4m3 codes as stored, widened to fp32 ([BLOCK_D])."""
+    """A decode token's V for one KV head as e4m3 codes of type CODE ([BLOCK_D], zeros past HEAD_DIM)."""
     d = tl.arange(0, BLOCK_D)
     v = tl.load(
         new_v_ptr + t.to(tl.int64) * stride_nvt + kv_head * stride_nvh + d, mask=d < HEAD_DIM, other=0.0
     )
-    return quantize_e4m3(v, v_scale).to(CODE).to(tl.float32)
+    return quantize_e4m3(v, v_scale).to(CODE)
+
+
+@triton.jit
+def decode_new_k(
+    new_k_ptr, t, kv_head, stride_nkt, stride_nkh, k_scale, rope_row, k_norm_ptr, eps, CODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """new_k_codes' key widened to fp32 as one row ([BLOCK_D]): the key the cache will hold, for the
+    decode kernel to attend to its own step's key from registers (NEW_KEY_REGS)."""
+    k1, k2 = new_k_codes(
+        new_k_ptr, t, kv_head, stride_nkt, stride_nkh, k_scale, rope_row, k_norm_ptr, eps, CODE, HEAD_DIM,
+        BLOCK_D, ROPE, HAS_NORM,
+    )  # fmt: skip
+    if ROPE:
+        k = tl.reshape(tl.permute(tl.join(k1.to(tl.float32), k2.to(tl.float32)), (0, 2, 1)), [BLOCK_D])
+    else:
+        k = k1.to(tl.float32)
+    return k
 
 
 @triton.jit
@@ -606,32 +622,22 @@ def store_decode_kv(
     it writes whole rows of the block's transposed V, its V and zeros after."""
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot >= 0:  # (-1: CUDA-graph padding)
-        t64 = t.to(tl.int64)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         d = tl.arange(0, BLOCK_D)
-        k_row = new_k_ptr + t64 * stride_nkt + kv_head * stride_nkh
         k_dst = k_cache_ptr + block * stride_cb + offset * stride_cs + kv_head * stride_ch
-        if ROPE:  # the fused rotary kernel's K (norm_rope in halves), then stored as it would be
+        k1, k2 = new_k_codes(
+            new_k_ptr, t, kv_head, stride_nkt, stride_nkh, k_scale, rope_row, k_norm_ptr, eps,
+            k_cache_ptr.dtype.element_ty, HEAD_DIM, BLOCK_D, ROPE, HAS_NORM,
+        )  # fmt: skip
+        if ROPE:  # the fused rotary kernel's K, stored as it would be
             HALF: tl.constexpr = HEAD_DIM // 2
             hd = tl.arange(0, HALF)[None, :]
-            cos, sin = tl.load(rope_row + hd), tl.load(rope_row + HEAD_DIM + hd)
-            if HAS_NORM:
-                w1, w2 = tl.load(k_norm_ptr + hd), tl.load(k_norm_ptr + HALF + hd)
-            else:
-                w1, w2 = cos, sin  # unused
-            k1, k2 = norm_rope(
-                tl.load(k_row + hd), tl.load(k_row + HALF + hd), w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM
-            )
-            k1 = quantize_e4m3(k1, k_scale).to(k_cache_ptr.dtype.element_ty)
-            k2 = quantize_e4m3(k2, k_scale).to(k_cache_ptr.dtype.element_ty)
             tl.store(k_dst + hd, k1)
             tl.store(k_dst + HALF + hd, k2)
         else:
-            k = tl.load(k_row + d, mask=d < HEAD_DIM, other=0.0)
-            k = quantize_e4m3(k, k_scale).to(k_cache_ptr.dtype.element_ty)
-            tl.store(k_dst + d, k, mask=d < HEAD_DIM)
+            tl.store(k_dst + d, k1, mask=d < HEAD_DIM)
         base = block * stride_vb + kv_head * stride_vh
-        v_row = new_v_ptr + t64 * stride_nvt + kv_head * stride_nvh
+        v_row = new_v_ptr + t.to(tl.int64) * stride_nvt + kv_head * stride_nvh
         if offset == 0:
             # The block's V^T rows for this head, flat: row r, slot o at element r * BLOCK_SIZE + o
             # (a power of 2: paged_decode's condition for new_kv). Slot 0 takes the token's byte,
@@ -644,8 +650,10 @@ def store_decode_kv(
             dst = base + row * stride_vd + o
             tl.store(v_cache_ptr.to(tl.pointer_type(tl.uint8)) + dst, rows, mask=row < HEAD_DIM)
         else:
-            v = tl.load(v_row + d, mask=d < HEAD_DIM, other=0.0)
-            v = quantize_e4m3(v, v_scale).to(v_cache_ptr.dtype.element_ty)
+            v = new_v_codes(
+                new_v_ptr, t, kv_head, stride_nvt, stride_nvh, v_scale, v_cache_ptr.dtype.element_ty, HEAD_DIM,
+                BLOCK_D,
+            )  # fmt: skip
             tl.store(v_cache_ptr + base + d * stride_vd + offset, v, mask=d < HEAD_DIM)
 
 
@@ -844,10 +852,10 @@ def paged_attention_kernel(
         # The step's own key first (in the split that holds it): the state the loop would have after
         # that key alone, in each loop's units. In FP8_MMA's, m in units of row_scale and the key's p
         # 256 (2^8: the exponent's + 8), all of it in the hi part, in one thread's sums (key 0).
-        v_new = decode_new_v(
+        v_new = new_v_codes(
             new_v_ptr, q_start, kv_head, stride_nvt, stride_nvh, v_scale, k_cache_ptr.dtype.element_ty,
             HEAD_DIM, BLOCK_D,
-        )  # fmt: skip
+        ).to(tl.float32)  # fmt: skip
         if FP8_MMA:
             m_i = tl.where(merge_new, s_new / row_scale, float("-inf"))
             l_i = tl.where(merge_new & (tl.arange(0, BLOCK_N) == 0)[:, None], 256.0, l_i)
@@ -1050,7 +1058,7 @@ DECODE_STORES_KV = True
 # one rounding step of the norm's sum with them.
 DECODE_FUSES_ROPE = True
 # With DECODE_STORES_KV: the decode kernel attends to the step's own key from registers (the codes
-# it stores, widened: decode_new_k, decode_new_v) as the state its loop starts from, a loop that
+# it stores, widened: decode_new_k, new_v_codes) as the state its loop starts from, a loop that
 # leaves that key out, so no load waits on the store and no barrier stands between the store and the loop
 # (NEW_KEY_REGS; a decode config's "NEW_KEY_REGS" overrides this). At Qwen3-8B's 32 / 8 heads on an
 # H100 the store, rotary and barrier in front of the loop cost ~24 us a layer against the loop
