@@ -163,30 +163,39 @@ def _split_k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, split):
 
 
 @triton.jit
+def _sum_splits(c_ptrs, parts, part_stride, count_ptr, acc, mask, SPLIT_K: tl.constexpr):
+    """A split-K tile's sums (this program: tile program_id(0), split program_id(1)) into the
+    output: each split stores its fp32 sums at parts (a split's [M, N] part_stride apart); the
+    tile's last split to finish adds them up in split order (the same result every run, unlike
+    atomic adds) and stores them in c's dtype, so the GEMM is one kernel: no zeroed fp32 output
+    before it, no copy into the output dtype after it. count_ptr: an int32 a tile, zero between
+    GEMMs (the last split resets its tile's)."""
+    tile = tl.program_id(0)
+    tl.store(parts + tl.program_id(1) * part_stride, acc, mask=mask)
+    tl.debug_barrier()  # all of the program's sums stored before its split is counted (release)
+    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT_K - 1:
+        total = tl.zeros(acc.shape, tl.float32)
+        for s in tl.static_range(SPLIT_K):  # from L2: the other SMs' stores
+            total += tl.load(parts + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(c_ptrs, total.to(c_ptrs.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # for the next GEMM
+
+
+@triton.jit
 def _write_tile(
     c_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_cm, acc, mask, SPLIT_K: tl.constexpr,
     SUM_IN_KERNEL: tl.constexpr,
 ):  # fmt: skip
     """The tile's result into c: stored in c's dtype; with SPLIT_K > 1 added to fp32 c (zeroed)
-    atomically, or with SUM_IN_KERNEL stored as this split's sums, the tile's last split to finish
-    adding them up in split order into c's dtype (as the swap kernel does: the same bits every run,
-    and no zeroed fp32 c before the GEMM nor copy after it)."""
+    atomically, or with SUM_IN_KERNEL summed in the kernel into c's dtype (_sum_splits, as the swap
+    kernel does)."""
     c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
     if SPLIT_K == 1:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
     elif SUM_IN_KERNEL:
-        tile = tl.program_id(0)
         parts = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-        part_stride = M.to(tl.int64) * N  # a split's [M, N]
-        tl.store(parts + tl.program_id(1) * part_stride, acc, mask=mask)
-        tl.debug_barrier()  # all of the program's sums stored before its split is counted (release)
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            total = tl.zeros(acc.shape, tl.float32)
-            for s in tl.static_range(SPLIT_K):  # from L2: the other SMs' stores
-                total += tl.load(parts + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # for the next GEMM
+        _sum_splits(c_ptrs, parts, M.to(tl.int64) * N, count_ptr, acc, mask, SPLIT_K)
     else:
         tl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")
 
@@ -356,20 +365,8 @@ def w8a8_block_matmul_swap_kernel(
     if SPLIT_K == 1:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:
-        # Each split stores its sums; the tile's last split to finish adds them up in split order
-        # (the same result every run, unlike atomic adds) and writes the output, so the GEMM is one
-        # kernel: no zeroed fp32 output before it, no copy into the output dtype after it.
         parts = part_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None]
-        part_stride = M.to(tl.int64) * N  # a split's [M, N]
-        tl.store(parts + split * part_stride, acc, mask=mask)
-        tl.debug_barrier()  # all of the program's sums stored before its split is counted (release)
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for s in tl.static_range(SPLIT_K):  # from L2: the other SMs' stores
-                total += tl.load(parts + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # for the next GEMM
+        _sum_splits(c_ptrs, parts, M.to(tl.int64) * N, count_ptr, acc, mask, SPLIT_K)
 
 
 # Per (token bucket, n, k): a config that replaces gemm_config's rule there, from
