@@ -296,22 +296,25 @@ def test_w8a8_swap_split_k_replays_in_a_cuda_graph():
     """A split-K swap GEMM captured once and replayed on new activations: each replay's output is
     the eager GEMM's to the bit (each tile's counter is reset by its last split inside the graph,
     and every split's sums are seen by the one that adds them)."""
-    from executor_service.layers.fp8_gemm_triton import quantize_per_token_group, w8a8_block_matmul
-
-    gen = torch.Generator("cuda").manual_seed(0)
-    w_q, w_s = quantize_weight_blocks(torch.randn(6144, 4096, device="cuda", generator=gen) * 0.05)
     config = {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4,
               "TMA": True, "SPLIT_K": 8}  # fmt: skip
-    a_q, a_s = quantize_per_token_group(
-        torch.randn(12, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
-    )
+    check_split_k_graph_replays(12, 6144, 4096, config, seed=0)
+
+
+def check_split_k_graph_replays(m: int, n: int, k: int, config: dict, seed: int) -> None:
+    """A split-K GEMM of m tokens captured once and replayed five times on new activations: each
+    replay's output the eager GEMM's to the bit."""
+    from executor_service.layers.fp8_gemm_triton import quantize_per_token_group, w8a8_block_matmul
+
+    gen = torch.Generator("cuda").manual_seed(seed)
+    w_q, w_s = quantize_weight_blocks(torch.randn(n, k, device="cuda", generator=gen) * 0.05)
+    a_q, a_s = quantize_per_token_group(torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16))
     w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, config)  # compiles; makes the counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, config)
     for _ in range(5):
-        x = torch.randn(12, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
-        q, s = quantize_per_token_group(x)
+        q, s = quantize_per_token_group(torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16))
         a_q.copy_(q)
         a_s.copy_(s)
         graph.replay()
@@ -357,10 +360,6 @@ def test_split_k_summed_in_the_kernel_on_gpu(m, n, k, config):
 def test_split_k_summed_in_the_kernel_replays_in_a_cuda_graph():
     """A v1 split-K GEMM summed in the kernel, captured once and replayed on new activations: each
     replay's output is the eager GEMM's to the bit (the counters reset inside the graph)."""
-    from executor_service.layers.fp8_gemm_triton import quantize_per_token_group, w8a8_block_matmul
-
-    gen = torch.Generator("cuda").manual_seed(1)
-    w_q, w_s = quantize_weight_blocks(torch.randn(4096, 4096, device="cuda", generator=gen) * 0.05)
     config = {
         "BLOCK_M": 16,
         "BLOCK_N": 64,
@@ -369,21 +368,7 @@ def test_split_k_summed_in_the_kernel_replays_in_a_cuda_graph():
         "SPLIT_K": 8,
         "SUM_IN_KERNEL": True,
     }
-    a_q, a_s = quantize_per_token_group(
-        torch.randn(9, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
-    )
-    w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, config)  # compiles; makes the counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = w8a8_block_matmul(a_q, a_s, w_q, w_s, torch.bfloat16, config)
-    for _ in range(5):
-        q, s = quantize_per_token_group(
-            torch.randn(9, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
-        )
-        a_q.copy_(q)
-        a_s.copy_(s)
-        graph.replay()
-        assert torch.equal(out, w8a8_block_matmul(q, s, w_q, w_s, torch.bfloat16, config))
+    check_split_k_graph_replays(9, 4096, 4096, config, seed=1)
 
 
 @pytest.mark.gpu
